@@ -1,0 +1,46 @@
+"""The NKI shim: the one place kernels get ``nki``, ``nl`` (nki.language) and ``nisa`` (nki.isa) from.
+
+When the real standalone ``nki`` package is importable (a Trainium host with the Neuron SDK), this module
+re-exports it; otherwise it exposes our NumPy emulator (``diffusers_nki.sim``) under the same names, so
+the same kernel source runs on hardware and in the emulator.
+
+Set ``DIFFUSERS_NKI_FORCE_EMULATOR=1`` to use the emulator even where the real package is installed.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+__all__ = ["nki", "nl", "nisa", "HAVE_REAL_NKI", "simulate"]
+
+
+def _load_real():
+    if os.environ.get("DIFFUSERS_NKI_FORCE_EMULATOR", "0") == "1":
+        return None
+    try:
+        real = importlib.import_module("nki")
+        lang = importlib.import_module("nki.language")
+        isa = importlib.import_module("nki.isa")
+    except Exception:  # the placeholder distributions of that name are empty; treat any failure as absent
+        return None
+    if not hasattr(real, "jit") or not hasattr(isa, "nc_matmul"):
+        return None
+    return real, lang, isa
+
+
+_real = _load_real()
+HAVE_REAL_NKI = _real is not None
+
+if HAVE_REAL_NKI:
+    nki, nl, nisa = _real
+else:
+    from diffusers_nki.sim import nki_module as nki  # noqa: E402
+    from diffusers_nki.sim import language as nl  # noqa: E402
+    from diffusers_nki.sim import isa as nisa  # noqa: E402
+
+
+def simulate(kernel, target: str = "trn2"):
+    """Always the emulator's ``simulate`` (CPU), whatever the real package offers; see ``diffusers_nki.sim``."""
+    from diffusers_nki.sim import simulate as _sim
+
+    return _sim(kernel, target=target)

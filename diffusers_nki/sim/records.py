@@ -1,0 +1,76 @@
+"""Instruction records: the contract between the emulator (which writes them) and the cost model
+(which reads them). One ``Instr`` per hardware instruction the emulated kernel issued.
+
+Field meanings follow ``COST_MODEL.md`` section 2:
+- ``engine``: one of ENGINES ("pe" TensorE, "act" ScalarE, "dve" VectorE, "pool" GpSimd, "dma").
+- ``op``: the ISA op name ("nc_matmul", "nc_transpose", "activation", "tensor_tensor", "tensor_scalar",
+  "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "reciprocal", "dma_copy").
+- ``partitions``: partitions touched (P); ``free``: elements per partition the engine streams (N). For
+  nc_matmul ``free`` is the moving free size, ``k``/``m`` the contraction and stationary free sizes.
+  For nc_transpose on PE, ``partitions`` is P_in of the data and ``free`` F_in.
+- ``in_dtypes`` / ``out_dtype``: nl dtype names ("bfloat16", "float32", ...).
+- ``in_buffers`` / ``out_buffer``: "sbuf", "psum", "hbm", "shared_hbm".
+- ``flops``: useful matmul FLOPs (2*K*M*N; 0 for transposes and everything else).
+- DMA only: ``nbytes`` moved, ``contig_bytes`` contiguous bytes per partition row (the efficiency curve),
+  ``dma_partitions`` the partition count on the SBUF side (engines used), ``direction``
+  ("hbm->sbuf", "sbuf->hbm", "hbm->hbm", "sbuf->sbuf"), ``dge`` ("unknown", "swdge", "hwdge", "none"),
+  ``transpose`` for transposing DMAs.
+- ``inner_stride_bytes``: the most-minor free-dimension stride of the widest operand (stride penalty).
+- ``reduce_res``: activation read its accumulator out (ActReadAccumulator).
+- ``onezero``: an is_*_onezero hint applied to an fp32 operand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+from typing import Dict, List, Tuple
+
+ENGINES = ("pe", "act", "dve", "pool", "dma")
+
+
+@dataclass
+class Instr:
+    engine: str
+    op: str
+    partitions: int = 0
+    free: int = 0
+    in_dtypes: Tuple[str, ...] = ()
+    out_dtype: str = ""
+    in_buffers: Tuple[str, ...] = ()
+    out_buffer: str = ""
+    flops: int = 0
+    k: int = 0
+    m: int = 0
+    nbytes: int = 0
+    contig_bytes: int = 0
+    dma_partitions: int = 0
+    direction: str = ""
+    dge: str = "unknown"
+    transpose: bool = False
+    inner_stride_bytes: int = 0
+    reduce_res: bool = False
+    onezero: bool = False
+    perf_mode: str = "none"
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunRecord:
+    """Everything one emulated launch recorded: the instruction stream and the run's context."""
+
+    target: str = "trn2"
+    lnc: int = 1
+    instrs: List[Instr] = field(default_factory=list)
+    peak_sbuf_bytes_per_partition: int = 0
+    peak_psum_banks: int = 0
+
+    def add(self, instr: Instr) -> None:
+        self.instrs.append(instr)
+
+    def counts(self) -> Dict[str, int]:
+        out = {e: 0 for e in ENGINES}
+        for i in self.instrs:
+            out[i.engine] = out.get(i.engine, 0) + 1
+        return out

@@ -1,0 +1,167 @@
+"""PyTorch reference twin of ``kernels/attention.py`` (same signature, same semantics).
+
+It is the oracle in tests and the portable "torch" backend (CPU, GPU). Layout is Diffusers' dispatch
+layout, BSHD: q [B, Sq, H, D]; k, v [B, Skv, Hkv, D]; caches [B, C, Hkv, D] with H % Hkv == 0.
+
+Semantics (shared with the NKI kernel):
+- keys/values = the first ``cache_len`` slots of the static cache (any slot order: softmax is
+  order-invariant) followed by the chunk's own ``k``/``v``, of which the first ``kv_len[b]`` are valid;
+- ``causal_block > 0``: frame-causal (block-causal) mask between the queries and the chunk's own keys:
+  query i sees chunk key j iff ``j // causal_block <= i // causal_block``; cache keys are always visible;
+- a query that sees no key at all returns zeros (never NaN);
+- ``scale`` defaults to ``1/sqrt(D)``; the output has q's dtype.
+No dense mask is ever taken as input; shapes never depend on ``cache_len`` or ``kv_len`` (runtime tensors),
+so one compiled graph serves every chunk.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 128
+
+
+def not_supported_reasons(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None,
+                          causal_block=0) -> List[str]:
+    """Reasons the attention kernel cannot serve these inputs (empty list: supported).
+
+    Checked on shapes and dtypes only (never on tensor values), so it is safe under torch.compile.
+    """
+    r: List[str] = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            r.append(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
+    if r:
+        return r
+    B, Sq, H, D = q.shape
+    if D < 1 or D > MAX_HEAD_DIM:
+        r.append(f"head_dim D={D} is outside the supported range 1..{MAX_HEAD_DIM}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        r.append(f"dtype {q.dtype} is not supported (supported: float32, bfloat16, float16)")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            r.append(f"{name}.dtype {t.dtype} differs from q.dtype {q.dtype}")
+    if k.shape != v.shape:
+        r.append(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        r.append(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch or head_dim")
+    Hkv = k.shape[2]
+    if Hkv < 1 or H % Hkv != 0:
+        r.append(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
+    if Sq < 1 or k.shape[1] < 1:
+        r.append(f"sequence lengths must be >= 1 (Sq={Sq}, Skv={k.shape[1]})")
+    if (k_cache is None) != (v_cache is None):
+        r.append("k_cache and v_cache must be given together")
+    if k_cache is not None and v_cache is not None:
+        if k_cache.shape != v_cache.shape:
+            r.append(f"k_cache shape {tuple(k_cache.shape)} differs from v_cache shape {tuple(v_cache.shape)}")
+        if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[2] != Hkv or k_cache.shape[3] != D:
+            r.append(f"cache shape {tuple(k_cache.shape)} must be [B={B}, C, Hkv={Hkv}, D={D}]")
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            r.append(f"cache dtype {k_cache.dtype} differs from q.dtype {q.dtype}")
+        if cache_len is None:
+            r.append("cache_len (int32 tensor of shape [1]) is required with a cache")
+    if cache_len is not None and (cache_len.dtype not in (torch.int32, torch.int64) or cache_len.numel() != 1):
+        r.append(f"cache_len must be an integer tensor with one element, got {cache_len.dtype} {tuple(cache_len.shape)}")
+    if kv_len is not None and (kv_len.dtype not in (torch.int32, torch.int64) or tuple(kv_len.shape) != (B,)):
+        r.append(f"kv_len must be an integer tensor of shape [B={B}], got {kv_len.dtype} {tuple(kv_len.shape)}")
+    if not isinstance(causal_block, int) or causal_block < 0:
+        r.append(f"causal_block must be an int >= 0, got {causal_block!r}")
+    return r
+
+
+def check_inputs(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    reasons = not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    if reasons:
+        raise ValueError("attention: " + "; ".join(reasons))
+    if k_cache is not None and not _compiling():
+        n = int(cache_len.reshape(-1)[0])
+        if n < 0 or n > k_cache.shape[1]:
+            raise ValueError(f"attention: cache_len={n} is outside 0..capacity={k_cache.shape[1]}")
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover - very old torch
+        return False
+
+
+def key_mask(q, k, k_cache=None, cache_len=None, kv_len=None, causal_block=0) -> Optional[torch.Tensor]:
+    """The boolean visibility mask [B or 1, 1, Sq, C + Skv] implied by the descriptors (None: all visible)."""
+    B, Sq = q.shape[0], q.shape[1]
+    Skv = k.shape[1]
+    dev = q.device
+    parts = []
+    need = False
+    if k_cache is not None:
+        C = k_cache.shape[1]
+        cm = torch.arange(C, device=dev) < cache_len.reshape(-1)[0].to(dev)  # [C]
+        parts.append(cm.view(1, 1, 1, C).expand(B, 1, Sq, C))
+        need = True
+    chunk = torch.ones(B, 1, Sq, Skv, dtype=torch.bool, device=dev)
+    if kv_len is not None:
+        chunk = chunk & (torch.arange(Skv, device=dev).view(1, 1, 1, Skv) < kv_len.to(dev).view(B, 1, 1, 1))
+        need = True
+    if causal_block:
+        qi = torch.arange(Sq, device=dev) // causal_block
+        kj = torch.arange(Skv, device=dev) // causal_block
+        chunk = chunk & (kj.view(1, Skv) <= qi.view(Sq, 1)).view(1, 1, Sq, Skv)
+        need = True
+    if not need:
+        return None
+    parts.append(chunk)
+    return torch.cat(parts, dim=-1)
+
+
+def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    """softmax(q k^T * scale) v over [valid cache slots | valid chunk keys], BSHD layout; see module doc."""
+    check_inputs(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    D = q.shape[-1]
+    scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+    keys, vals = k, v
+    if k_cache is not None:
+        keys = torch.cat([k_cache, k], dim=1)
+        vals = torch.cat([v_cache, v], dim=1)
+    mask = key_mask(q, k, k_cache, cache_len, kv_len, causal_block)
+    H, Hkv = q.shape[2], keys.shape[2]
+    qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2)
+    if Hkv != H:
+        kt = kt.repeat_interleave(H // Hkv, dim=1)
+        vt = vt.repeat_interleave(H // Hkv, dim=1)
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    if mask is not None:  # rows with no visible key: zeros, never NaN
+        o = torch.where(mask.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=o.device))
+    return o.transpose(1, 2).contiguous()
+
+
+def attention_oracle(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None,
+                     causal_block=0, dtype=torch.float64):
+    """The same math in high precision (float64 by default) with explicit softmax: the test oracle."""
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    check_inputs(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    D = q.shape[-1]
+    scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+    keys, vals = cast(k), cast(v)
+    if k_cache is not None:
+        keys = torch.cat([cast(k_cache), keys], dim=1)
+        vals = torch.cat([cast(v_cache), vals], dim=1)
+    H, Hkv = q.shape[2], keys.shape[2]
+    qt, kt, vt = cast(q).transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2)
+    if Hkv != H:
+        kt = kt.repeat_interleave(H // Hkv, dim=1)
+        vt = vt.repeat_interleave(H // Hkv, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    mask = key_mask(q, k, k_cache, cache_len, kv_len, causal_block)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = (p @ vt) / torch.where(l > 0, l, torch.ones_like(l))
+    return o.transpose(1, 2).contiguous()

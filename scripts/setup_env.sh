@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing or stale) and installs the pinned stack plus this package (editable).
+# Used by both README commands; safe to run repeatedly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.diffusers_nki_stamp
+want=$(cat requirements-lock.txt pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating virtual environment .venv"
+  "$PY" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing pinned requirements (torch==2.13.0 CPU, diffusers==0.42.1, ...)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements-lock.txt
+  .venv/bin/python -m pip install -q --no-deps -e .
+  echo "$want" > "$stamp"
+fi
