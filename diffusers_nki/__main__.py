@@ -1,0 +1,5 @@
+import sys
+
+from diffusers_nki.cli import main
+
+sys.exit(main())
