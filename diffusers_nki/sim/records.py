@@ -18,6 +18,15 @@ Field meanings follow ``COST_MODEL.md`` section 2:
 - ``inner_stride_bytes``: the most-minor free-dimension stride of the widest operand (stride penalty).
 - ``reduce_res``: activation read its accumulator out (ActReadAccumulator).
 - ``onezero``: an is_*_onezero hint applied to an fp32 operand.
+- ``dep_prev`` (added for the cost model): this instruction reads what the immediately preceding
+  instruction of the same engine wrote (RAW); the cost model then charges DEP_OVH.
+- ``tile_size`` (added for the cost model): nc_matmul tiling mode ``(row_size, col_size)``; empty = full
+  128x128 array.
+- ``program`` (added by the emulator): the logical core (``nl.program_id``) that issued the instruction;
+  under LNC2 the two programs run on two physical cores in parallel.
+
+RunRecord (added by the emulator): ``kernel`` (name), ``numerics`` (False = trace mode: every instruction
+and limit check, no arithmetic), ``warnings`` (each distinct emulator warning of the launch).
 """
 from __future__ import annotations
 
@@ -27,7 +36,7 @@ from typing import Dict, List, Tuple
 ENGINES = ("pe", "act", "dve", "pool", "dma")
 
 
-@dataclass
+@dataclass(slots=True)
 class Instr:
     engine: str
     op: str
@@ -51,6 +60,9 @@ class Instr:
     onezero: bool = False
     perf_mode: str = "none"
     extra: Dict[str, object] = field(default_factory=dict)
+    program: int = 0
+    dep_prev: bool = False
+    tile_size: Tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,6 +77,9 @@ class RunRecord:
     instrs: List[Instr] = field(default_factory=list)
     peak_sbuf_bytes_per_partition: int = 0
     peak_psum_banks: int = 0
+    kernel: str = ""
+    numerics: bool = True
+    warnings: List[str] = field(default_factory=list)
 
     def add(self, instr: Instr) -> None:
         self.instrs.append(instr)

@@ -1,0 +1,742 @@
+"""Roofline cost model: turn an emulated launch's ``RunRecord`` into a MODELED kernel time.
+
+Everything here is modeled from published per-engine figures (``/work/shared/COST_MODEL.md``); nothing is
+measured. The official NKI simulator does not model time at all [SIM].
+
+Model (COST_MODEL.md section 2):
+- each instruction costs cycles on its engine (TensorE "pe", ScalarE "act", VectorE "dve", GpSimd "pool")
+  or nanoseconds on the DMA queues ("dma"), plus descriptor-generation time ("dge", gen3+ hardware DGE);
+- optimistic time  = max over engines of their summed busy time, the HBM roof (bytes / HBM share per
+  core) and, on gen2, the shared SBUF (VectorE+GpSimd) and PSUM (VectorE+ScalarE) port terms. On gen4 PE
+  transposes run on a separate "pe_bg" lane (background transpose [ARCH4]);
+- pessimistic time = everything serialized: PE + ACT + DVE + POOL + DMA busy + n_dma * DMA_LAT, with
+  tiling mode charged in full, DEP_OVH on every RAW-dependent instruction and (opt-in,
+  ``expose_load_stationary``) the LoadStationary of every PE chain start;
+- efficiency = useful matmul FLOPs / (T * PE bf16 peak) for both times.
+
+Per-instruction rules and their ASSUMPTIONs are in ``instr_cost``. Constants live in ``GENERATIONS``, one
+table, each figure tagged with its source ([ARCH2], [DMA], ...) or ASSUMPTION as COST_MODEL.md gives them.
+
+Record conventions the model relies on (see ``records.py``): for tensor_scalar / tensor_copy /
+tensor_tensor / activation the streamed data operand(s) come first in ``in_dtypes``/``in_buffers`` (scalar
+operand tiles after them); ``inner_stride_bytes == 0`` means unit stride; ``dep_prev`` flags a RAW
+dependence on the previous instruction of the same engine; ``tile_size`` is the matmul tiling mode.
+
+LNC: a ``kernel[2]`` record on trn2/trn3 is split by ``Instr.program`` onto two physical cores and the
+slower one sets the time; efficiency is against both cores' peak. ``model(..., lnc=k)`` is a what-if that
+splits a record evenly over k cores (every term divided by k). Shared-HBM contention between the two
+cores of an LNC2 pair is not modeled (COST_MODEL.md section 4 item 7).
+
+Not modeled (zero): launch overhead, cross-engine semaphore latency, PSUM bank conflicts, HBM page
+effects.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field, asdict, replace
+from typing import Dict, Iterable, List, Optional
+
+from diffusers_nki.sim.records import Instr, RunRecord
+
+__all__ = [
+    "GenSpec",
+    "GENERATIONS",
+    "TARGET_ALIASES",
+    "resolve_target",
+    "get_spec",
+    "dma_efficiency",
+    "InstrCost",
+    "instr_cost",
+    "CostReport",
+    "model",
+    "model_all",
+    "format_comparison",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-generation table
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenSpec:
+    """One NeuronCore generation. Clocks in GHz (= cycles per ns); rates in elements per partition per
+    engine cycle; bandwidths in B/ns (= GB/s)."""
+
+    name: str
+    nc: str
+    nc_version: int
+    cores_per_chip: int
+    max_lnc: int
+    # clocks
+    f_pe: float
+    f_act: float
+    f_dve: float
+    f_pool: float
+    # TensorE
+    mm_min: int
+    ls_speedup: int
+    mm_fp32_factor: int
+    mm_onezero_factor: int
+    transpose_fp32_factor: int
+    background_transpose: bool
+    # ScalarE / VectorE / GpSimd fixed costs
+    min_ii: int
+    dep_ovh: int
+    act_read_accumulator: int
+    stride_limit_bytes: int
+    stride_penalty: int
+    # VectorE rates
+    dve_rate: float
+    dve_fp32_rate: float
+    dve_fp32_rate_ambiguous: bool
+    dve_copy_perf_sbuf16: float
+    dve_copy_perf_psum16: float
+    dve_tt_rate16_sbuf: float
+    dve_tt_rate_other: float
+    dve_reciprocal_rate: float
+    dve_exp_rate: Optional[float]
+    # ScalarE rates
+    act_rate: float
+    act_ts_copy_rate16: Optional[float]
+    # GpSimd rates
+    pool_rate32: float
+    pool_rate16: float
+    pool_rate8: float
+    pool_rsqrt_rate: float
+    # shared ports
+    port_conflicts: bool
+    # DMA / DGE / HBM
+    dma_engines: int
+    dma_parts_per_engine: int
+    dma_bw_engine: float
+    dma_eff_half_bytes: int
+    dma_lat_ns: float
+    dge_issue_ns: Optional[float]
+    dge_instances: int
+    dma_transpose_hbm_factor: float
+    dma_transpose_sbuf_factor: float
+    hbm_per_core: float
+
+    @property
+    def pe_peak_flops(self) -> float:
+        """PE bf16 peak per NeuronCore, FLOP/s: 2 * 128 * 128 * f_PE (derived, COST_MODEL.md 1.2)."""
+        return 2.0 * 128 * 128 * self.f_pe * 1e9
+
+    @property
+    def dma_aggregate(self) -> float:
+        """Aggregate DMA bandwidth per NeuronCore, B/ns."""
+        return self.dma_engines * self.dma_bw_engine
+
+
+GENERATIONS: Dict[str, GenSpec] = {
+    "trn1": GenSpec(
+        name="trn1", nc="NC-v2", nc_version=2,  # [ARCH2]
+        cores_per_chip=2,            # [TRN1, ARCH2]
+        max_lnc=1,                   # LNC exists on trn2/trn3 only [LNC]
+        f_pe=2.8,                    # [ARCH2]
+        f_act=1.4,                   # [ARCH2]
+        f_dve=1.12,                  # [ARCH2]
+        f_pool=1.4,                  # [ARCH2]
+        mm_min=64,                   # MM_INIT_LATENCY [ARCH2; PERF Opt #7]
+        ls_speedup=4,                # fast LoadStationary "up to 4x faster" than MM [ARCH2; PERF Opt #7]
+        mm_fp32_factor=4,            # fp32 matmul ~4x [ARCH2]
+        mm_onezero_factor=2,         # is_*_onezero: fp32 0/1 operand up to 2x faster [ISA nc_matmul]
+        transpose_fp32_factor=4,     # fp32 transpose = fp32 matmul on v2 [ARCH2]
+        background_transpose=False,  # v4 only [ARCH4]
+        min_ii=64,                   # MIN_II ~64 engine cycles [SHARED "Engine Selection"]
+        dep_ovh=100,                 # static instruction overhead ~100 cycles [ARCH2; PERF Opt #5]
+        act_read_accumulator=64,     # ActReadAccumulator ~64 ACT cycles [ARCH2 "Pipelined Reduction"]
+        stride_limit_bytes=16,       # stride > 16 B halves SBUF/PSUM bandwidth [ARCH2]
+        stride_penalty=2,            # [ARCH2]
+        dve_rate=1.0,                # N cycles per one-input instruction [ARCH2]
+        dve_fp32_rate=1.0,           # 128-wide VectorE [ARCH2]
+        dve_fp32_rate_ambiguous=False,  # width 128 for all dtypes [ARCH2]
+        dve_copy_perf_sbuf16=1.0,    # no perf mode on v2 [ARCH2]
+        dve_copy_perf_psum16=1.0,    # no perf mode on v2 [ARCH2]
+        dve_tt_rate16_sbuf=0.5,      # 2N rule for two inputs [ARCH2]
+        dve_tt_rate_other=0.5,       # 2N rule [ARCH2]
+        dve_reciprocal_rate=1.0 / 8, # cost max(64, 8N) [SHARED]
+        dve_exp_rate=None,           # VectorE exponential is v4 only [ARCH4]
+        act_rate=1.0,                # [ARCH2 "Scalar Engine"]
+        act_ts_copy_rate16=None,     # tensor_copy not on ScalarE in v2 [ARCH2]
+        pool_rate32=1.0,             # 32 bits/partition/cycle read port [ARCH2]
+        pool_rate16=2.0,             # derived from SIMD width [ARCH2]; AWS: "no rule of thumb"
+        pool_rate8=4.0,              # derived from SIMD width [ARCH2]
+        pool_rsqrt_rate=0.25,        # GpSimd rsqrt 4x slower than ScalarE [SHARED]
+        port_conflicts=True,         # DVE/POOL share SBUF port, DVE/ACT share PSUM port [ARCH2]
+        dma_engines=16,              # [ARCH2, DMA]
+        dma_parts_per_engine=8,      # ~8 partitions per engine [DMA]
+        dma_bw_engine=17.0,          # model rate, B/ns [DMA, DMABW]
+        dma_eff_half_bytes=256,      # eff(b) = b/(b+256): ASSUMPTION (fit, COST_MODEL.md 2.3)
+        dma_lat_ns=1300.0,           # ASSUMPTION: [DMABW]'s 1300 ns applied to v2
+        dge_issue_ns=None,           # hardware DGE is gen3+ [ARCH3]
+        dge_instances=2,             # [ARCH3] (unused on v2)
+        dma_transpose_hbm_factor=0.9,   # ASSUMPTION: [ARCH3]'s v3 figure
+        dma_transpose_sbuf_factor=0.5,  # ASSUMPTION: [ARCH3]'s v3 figure
+        hbm_per_core=410.0,          # 820 GB/s / 2 cores, derived [ARCH2, TRN1]
+    ),
+    "trn2": GenSpec(
+        name="trn2", nc="NC-v3", nc_version=3,  # [ARCH3]
+        cores_per_chip=8,            # [TRN2]
+        max_lnc=2,                   # LNC 1 or 2; default 2 [LNC]
+        f_pe=2.4,                    # [ARCH3]
+        f_act=1.2,                   # [ARCH3]
+        f_dve=0.96,                  # [ARCH3]
+        f_pool=1.2,                  # [ARCH3]
+        mm_min=64,                   # ASSUMPTION: v2's [ARCH2] figure
+        ls_speedup=4,                # ASSUMPTION: v2's [ARCH2; PERF] figure
+        mm_fp32_factor=4,            # [ARCH2]; peak 79 -> 20 TFLOPS [ARCH3]
+        mm_onezero_factor=2,         # [ISA nc_matmul]
+        transpose_fp32_factor=2,     # transpose mode: 2x for fp32 transposes [ARCH3]
+        background_transpose=False,  # v4 only [ARCH4]
+        min_ii=64,                   # ASSUMPTION: [SHARED] figure, assumed equal in cycles
+        dep_ovh=100,                 # ASSUMPTION: [ARCH2] figure
+        act_read_accumulator=64,     # ASSUMPTION: [ARCH2] figure
+        stride_limit_bytes=16,       # ASSUMPTION: [ARCH2] (measured on v2)
+        stride_penalty=2,            # ASSUMPTION: [ARCH2] (measured on v2)
+        dve_rate=1.0,                # [ARCH2] N rule
+        dve_fp32_rate=1.0,           # ASSUMPTION: "256 for other dtypes" read as 1 (switch: dve_fp32_rate)
+        dve_fp32_rate_ambiguous=True,   # "256 for other dtypes" is ambiguous: ASSUMPTION (switchable)
+        dve_copy_perf_sbuf16=4.0,    # perf mode, bf16 SBUF unit stride [ARCH3]
+        dve_copy_perf_psum16=2.0,    # PSUM side or non-contiguous [ARCH3]
+        dve_tt_rate16_sbuf=1.0,      # tensor_tensor 2x mode [ARCH3]
+        dve_tt_rate_other=0.5,       # [ARCH2] 2N rule
+        dve_reciprocal_rate=1.0 / 8, # [SHARED]
+        dve_exp_rate=None,           # v4 only [ARCH4]
+        act_rate=1.0,                # [ARCH2]
+        act_ts_copy_rate16=1.0,      # [ARCH3] (COST_MODEL.md 1.3)
+        pool_rate32=1.0,             # ASSUMPTION: as v2
+        pool_rate16=2.0,             # ASSUMPTION: as v2
+        pool_rate8=4.0,              # ASSUMPTION: as v2
+        pool_rsqrt_rate=0.25,        # [SHARED]
+        port_conflicts=False,        # lifted on v3 [ARCH3 "Data Movement Updates"]
+        dma_engines=16,              # [ARCH3, DMA]
+        dma_parts_per_engine=8,      # [DMA]
+        dma_bw_engine=23.0,          # [DMA, DMABW]; 32 KiB in 1416 ns = 23.1 B/ns [DMA]
+        dma_eff_half_bytes=256,      # ASSUMPTION (fit)
+        dma_lat_ns=1300.0,           # [DMABW]
+        dge_issue_ns=600.0,          # [ARCH3 "DGE"]
+        dge_instances=2,             # [ARCH3 "DGE"]
+        dma_transpose_hbm_factor=0.9,   # HBM->SBUF dma_transpose up to 90% [ARCH3]
+        dma_transpose_sbuf_factor=0.5,  # SBUF->SBUF dma_transpose up to 50% [ARCH3]
+        hbm_per_core=362.0,          # 2.9 TB/s / 8 cores, derived [TRN2]
+    ),
+    "trn3": GenSpec(
+        name="trn3", nc="NC-v4", nc_version=4,  # [ARCH4]
+        cores_per_chip=8,            # [TRN3]
+        max_lnc=2,                   # LNC 1 or 2 [LNC]
+        f_pe=2.4,                    # [ARCH4]
+        f_act=1.2,                   # [ARCH4]
+        f_dve=1.2,                   # [ARCH4]
+        f_pool=1.2,                  # [ARCH4]
+        mm_min=64,                   # ASSUMPTION: v2's [ARCH2] figure
+        ls_speedup=4,                # ASSUMPTION: v2's [ARCH2; PERF] figure
+        mm_fp32_factor=4,            # [ARCH2]; peak 79 -> 20 TFLOPS [ARCH4]
+        mm_onezero_factor=2,         # [ISA nc_matmul]
+        transpose_fp32_factor=2,     # ASSUMPTION: v3's transpose mode [ARCH3]
+        background_transpose=True,   # background transpose [ARCH4]
+        min_ii=64,                   # ASSUMPTION: [SHARED] figure
+        dep_ovh=100,                 # ASSUMPTION: [ARCH2] figure
+        act_read_accumulator=64,     # ASSUMPTION: [ARCH2] figure
+        stride_limit_bytes=16,       # ASSUMPTION: [ARCH2]
+        stride_penalty=2,            # ASSUMPTION: [ARCH2]
+        dve_rate=1.0,                # [ARCH2] N rule
+        dve_fp32_rate=1.0,           # ASSUMPTION (switch: dve_fp32_rate)
+        dve_fp32_rate_ambiguous=True,   # "256 for other dtypes" is ambiguous: ASSUMPTION (switchable)
+        dve_copy_perf_sbuf16=4.0,    # ASSUMPTION: as v3 [ARCH3]
+        dve_copy_perf_psum16=2.0,    # ASSUMPTION: as v3 [ARCH3]
+        dve_tt_rate16_sbuf=1.0,      # ASSUMPTION: as v3 [ARCH3]
+        dve_tt_rate_other=0.5,       # [ARCH2] 2N rule
+        dve_reciprocal_rate=1.0 / 8, # [SHARED]
+        dve_exp_rate=4.0,            # VectorE exponential, 4x ScalarE exp [ARCH4]
+        act_rate=1.0,                # ASSUMPTION: 256-wide path only for tensor_scalar/tensor_copy
+        act_ts_copy_rate16=2.0,      # ScalarE performance mode [ARCH4]
+        pool_rate32=1.0,             # "128 in/out for all data types" [ARCH4]
+        pool_rate16=1.0,             # [ARCH4]
+        pool_rate8=1.0,              # [ARCH4]
+        pool_rsqrt_rate=0.25,        # [SHARED]
+        port_conflicts=False,        # ASSUMPTION: as v3 [ARCH3]
+        dma_engines=16,              # [DMA]
+        dma_parts_per_engine=8,      # [DMA]
+        dma_bw_engine=33.0,          # [DMA, DMABW]
+        dma_eff_half_bytes=256,      # ASSUMPTION (fit)
+        dma_lat_ns=1300.0,           # ASSUMPTION: [DMABW]'s figure applied to v4
+        dge_issue_ns=600.0,          # ASSUMPTION: v3's [ARCH3] figure
+        dge_instances=2,             # ASSUMPTION: v3's [ARCH3] figure
+        dma_transpose_hbm_factor=0.9,   # ASSUMPTION: v3's [ARCH3] figure
+        dma_transpose_sbuf_factor=0.5,  # ASSUMPTION: v3's [ARCH3] figure
+        hbm_per_core=612.0,          # 4.9 TB/s / 8 cores, derived [TRN3]
+    ),
+}
+
+TARGET_ALIASES: Dict[str, str] = {
+    "trn1": "trn1", "gen2": "trn1", "inf2": "trn1",   # [SIM], [API-top]
+    "trn2": "trn2", "gen3": "trn2",
+    "trn3": "trn3", "gen4": "trn3",
+}
+
+
+def resolve_target(target: str) -> str:
+    """Canonical target name ("trn1" | "trn2" | "trn3") for a target or alias (gen2/gen3/gen4, inf2)."""
+    key = str(target).strip().lower()
+    if key not in TARGET_ALIASES:
+        raise ValueError(
+            f"target={target!r} is not a known Trainium target; expected one of {sorted(TARGET_ALIASES)}")
+    return TARGET_ALIASES[key]
+
+
+def get_spec(target: str) -> GenSpec:
+    """The ``GenSpec`` for a target or alias."""
+    return GENERATIONS[resolve_target(target)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Instruction costs
+# --------------------------------------------------------------------------------------------------
+
+_BITS = {
+    "float32": 32, "tfloat32": 32, "int32": 32, "uint32": 32, "float": 32,
+    "bfloat16": 16, "float16": 16, "int16": 16, "uint16": 16,
+    "float8_e4m3": 8, "float8_e5m2": 8, "float8_e4m3fn": 8, "float8_e3m4": 8, "int8": 8, "uint8": 8,
+    "bool": 8, "bool_": 8,
+}
+_SIXTEEN_BIT_FLOAT = {"bfloat16", "float16"}
+_VEC_ONE_RATE_OPS = {"iota", "affine_select", "memset"}        # ASSUMPTION: rate 1 on their engine
+_TWO_INPUT_OPS = {"tensor_tensor", "scalar_tensor_tensor"}      # 2N rule [ARCH2]
+_KNOWN_VEC_OPS = {
+    "activation", "activation_reduce", "tensor_tensor", "scalar_tensor_tensor", "tensor_scalar",
+    "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "reciprocal", "nc_transpose",
+    "exponential",
+}
+_WARNED: set = set()
+
+
+def _dtype_name(d) -> str:
+    s = str(d).lower()
+    for prefix in ("nl.", "numpy.", "np.", "torch.", "ml_dtypes."):
+        if s.startswith(prefix):
+            s = s[len(prefix):]
+    return s
+
+
+def _bits(d) -> int:
+    return _BITS.get(_dtype_name(d), 32)
+
+
+def _note_once(notes: List[str], msg: str) -> None:
+    if msg not in notes:
+        notes.append(msg)
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(f"diffusers_nki cost model: {msg}", stacklevel=3)
+
+
+def dma_efficiency(contig_bytes: float, half: int = 256) -> float:
+    """Payload efficiency of a DMA with ``contig_bytes`` contiguous bytes per row: b / (b + 256).
+
+    ASSUMPTION (fit, COST_MODEL.md 2.3): 4 KiB -> 0.94, 2 KiB -> 0.89, 256 B -> 0.5, 64 B -> 0.2."""
+    if contig_bytes <= 0:
+        return 1.0
+    return contig_bytes / (contig_bytes + half)
+
+
+@dataclass
+class InstrCost:
+    """Cost of one instruction. ``lane`` is the optimistic-model resource it occupies ("pe", "pe_bg",
+    "act", "dve", "pool", "dma"); ``cycles_opt``/``cycles_pess`` are engine cycles (0 for DMA);
+    ``opt_ns``/``pess_ns`` the busy time in each pass; ``dge_ns`` the descriptor-generation busy time."""
+
+    lane: str
+    cycles_opt: float = 0.0
+    cycles_pess: float = 0.0
+    opt_ns: float = 0.0
+    pess_ns: float = 0.0
+    dge_ns: float = 0.0
+    flops: int = 0
+    pe_transpose: bool = False
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    descriptors: int = 0
+
+
+def _pe_cost(i: Instr, s: GenSpec, chain_start: bool) -> InstrCost:
+    transpose = i.op == "nc_transpose" or i.transpose
+    dts = [_dtype_name(d) for d in i.in_dtypes]
+    fp32 = any(d in ("float32", "float") for d in dts)
+    if transpose:
+        # data[P_in, F_in] is stationary, identity [P_in, P_in] moving: max(P_in, MM_MIN) [ARCH2; ISA]
+        n = i.partitions if i.op == "nc_transpose" else i.free
+        factor = s.transpose_fp32_factor if fp32 else 1
+        m = i.free if i.op == "nc_transpose" else i.m
+        flops = 0
+    else:
+        n = i.free
+        factor = 1
+        if fp32 and i.perf_mode != "double_row":
+            factor = s.mm_onezero_factor if i.onezero else s.mm_fp32_factor
+        m = i.m
+        flops = i.flops or (2 * i.k * i.m * i.free if i.op == "nc_matmul" else 0)
+    cycles = factor * max(n, s.mm_min)
+    cycles_opt = cycles
+    if i.tile_size:
+        # tiling mode: ASSUMPTION (COST_MODEL.md 2.1) the compiler packs independent tiles (optimistic only)
+        rows, cols = (tuple(i.tile_size) + (128, 128))[:2]
+        cycles_opt = cycles * (rows / 128.0) * (cols / 128.0)
+    cycles_pess = cycles
+    if chain_start:
+        # LoadStationary exposed at a chain start: ceil(M/4) cycles (pessimistic pass only)
+        cycles_pess += math.ceil(max(m, 1) / s.ls_speedup)
+    lane = "pe_bg" if (transpose and s.background_transpose) else "pe"
+    return InstrCost(lane=lane, cycles_opt=cycles_opt, cycles_pess=cycles_pess,
+                     opt_ns=cycles_opt / s.f_pe, pess_ns=cycles_pess / s.f_pe, flops=int(flops),
+                     pe_transpose=transpose)
+
+
+def _vec_rate(i: Instr, s: GenSpec, notes: List[str]) -> float:
+    """Elements per partition per cycle for an ACT/DVE/POOL instruction (COST_MODEL.md 1.3)."""
+    op, eng = i.op, i.engine
+    two_input = op in _TWO_INPUT_OPS
+    n_streamed = 2 if two_input else 1
+    in_dts = [_dtype_name(d) for d in i.in_dtypes[:n_streamed]]
+    in_bufs = [str(b) for b in i.in_buffers[:n_streamed]]
+    out_dt = _dtype_name(i.out_dtype) if i.out_dtype else (in_dts[0] if in_dts else "float32")
+    all16 = bool(in_dts) and all(d in _SIXTEEN_BIT_FLOAT for d in in_dts) and out_dt in _SIXTEEN_BIT_FLOAT
+    widest = max([_bits(d) for d in in_dts + [out_dt]] or [32]) // 8
+    contiguous = i.inner_stride_bytes <= widest  # 0 = unit stride
+    bufs = in_bufs + ([str(i.out_buffer)] if i.out_buffer else [])
+    any_psum = "psum" in bufs
+    in_psum = "psum" in in_bufs
+
+    if op in _VEC_ONE_RATE_OPS:
+        return 1.0
+    if eng == "act":
+        if op in ("tensor_scalar", "tensor_copy") and all16 and s.act_ts_copy_rate16 is not None:
+            return s.act_ts_copy_rate16
+        if op not in ("activation", "activation_reduce", "tensor_scalar", "tensor_copy"):
+            _note_once(notes, f"op {op!r} on ScalarE has no published rate; charged at rate {s.act_rate}")
+        return s.act_rate
+    if eng == "pool":
+        bits = max([_bits(d) for d in in_dts + [out_dt]] or [32])
+        rate = s.pool_rate32 if bits >= 32 else (s.pool_rate16 if bits >= 16 else s.pool_rate8)
+        if op == "tensor_scalar":
+            return s.pool_rsqrt_rate  # the only legal GpSimd tensor_scalar is rsqrt [SHARED]
+        if two_input:
+            rate /= 2.0  # ASSUMPTION: two streamed inputs share the read port, as VectorE's 2N rule
+        if op not in _KNOWN_VEC_OPS:
+            _note_once(notes, f"op {op!r} on GpSimd has no published rate; charged at the dtype rate")
+        return rate
+    # VectorE
+    base = s.dve_rate if all16 else s.dve_fp32_rate
+    if op == "reciprocal":
+        return s.dve_reciprocal_rate
+    if op == "exponential":
+        if s.dve_exp_rate is None:
+            _note_once(notes, f"VectorE exponential does not exist on {s.name}; charged at rate 1")
+            return s.dve_rate
+        return s.dve_exp_rate
+    if op in ("tensor_copy", "tensor_scalar") and all16:
+        if not any_psum and contiguous:
+            return s.dve_copy_perf_sbuf16
+        return s.dve_copy_perf_psum16
+    if two_input:
+        if all16 and not in_psum and op == "tensor_tensor":
+            return s.dve_tt_rate16_sbuf
+        return s.dve_tt_rate_other * (s.dve_fp32_rate if not all16 else 1.0)
+    if op not in _KNOWN_VEC_OPS:
+        _note_once(notes, f"op {op!r} on VectorE has no published rate; charged at rate {base}")
+    return base
+
+
+def _vec_cost(i: Instr, s: GenSpec, notes: List[str]) -> InstrCost:
+    f = {"act": s.f_act, "dve": s.f_dve, "pool": s.f_pool}[i.engine]
+    n = max(int(i.free), 1)
+    if i.op == "nc_transpose":  # VectorE 32x32 transpose: ASSUMPTION max(MIN_II, N)
+        rate = 1.0
+    else:
+        rate = _vec_rate(i, s, notes)
+    cycles = max(s.min_ii, math.ceil(n / rate))
+    if i.inner_stride_bytes > s.stride_limit_bytes:
+        cycles *= s.stride_penalty                                  # [ARCH2]
+    if i.engine == "act" and i.reduce_res:
+        cycles += s.act_read_accumulator                            # ActReadAccumulator [ARCH2]
+    cycles_opt = cycles_pess = cycles
+    if i.dep_prev:
+        cycles_pess += s.dep_ovh                                    # [ARCH2; PERF]
+        if n < 128:
+            cycles_opt += s.dep_ovh
+    return InstrCost(lane=i.engine, cycles_opt=cycles_opt, cycles_pess=cycles_pess,
+                     opt_ns=cycles_opt / f, pess_ns=cycles_pess / f)
+
+
+def _is_hbm(buf: str) -> bool:
+    return "hbm" in str(buf)
+
+
+def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
+    nbytes = int(i.nbytes)
+    contig = int(i.contig_bytes) if i.contig_bytes > 0 else nbytes
+    parts = int(i.dma_partitions)
+    if parts <= 0:  # no SBUF side (hbm->hbm): ASSUMPTION one "partition" per contiguous row
+        parts = max(1, math.ceil(nbytes / max(contig, 1)))
+    engines = min(s.dma_engines, math.ceil(parts / s.dma_parts_per_engine))          # [DMA]
+    bw = engines * s.dma_bw_engine * dma_efficiency(contig, s.dma_eff_half_bytes)
+    direction = str(i.direction)
+    src, _, dst = direction.partition("->")
+    transpose = i.transpose or i.op == "dma_transpose"
+    if transpose:
+        bw *= s.dma_transpose_hbm_factor if _is_hbm(src) else s.dma_transpose_sbuf_factor  # [ARCH3]
+    ns = nbytes / bw if nbytes else 0.0
+    dge = 0.0
+    if s.dge_issue_ns is not None and i.dge in ("hwdge", "unknown"):
+        # ASSUMPTION: "unknown" resolves to hardware DGE on gen3+ (the compiler's choice for static DMAs)
+        dge = s.dge_issue_ns / s.dge_instances                                     # [ARCH3]
+    return InstrCost(lane="dma", opt_ns=ns, pess_ns=ns, dge_ns=dge,
+                     hbm_read_bytes=nbytes if _is_hbm(src) else 0,
+                     hbm_write_bytes=nbytes if _is_hbm(dst) else 0,
+                     descriptors=max(1, math.ceil(nbytes / max(contig, 1))) if nbytes else 0)
+
+
+def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
+               dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None) -> InstrCost:
+    """Cost of one instruction on ``target`` (a name/alias or a ``GenSpec``).
+
+    ``chain_start``: the instruction is a PE instruction not preceded by another PE instruction, so its
+    LoadStationary (ceil(M/4) cycles) is exposed in the pessimistic pass. ``notes`` collects fallbacks."""
+    s = target if isinstance(target, GenSpec) else get_spec(target)
+    if dve_fp32_rate is not None and s.dve_fp32_rate_ambiguous:
+        s = replace(s, dve_fp32_rate=float(dve_fp32_rate))
+    notes = notes if notes is not None else []
+    if instr.engine == "pe":
+        return _pe_cost(instr, s, chain_start)
+    if instr.engine in ("act", "dve", "pool"):
+        return _vec_cost(instr, s, notes)
+    if instr.engine == "dma":
+        return _dma_cost(instr, s)
+    raise ValueError(f"instr.engine={instr.engine!r} (op {instr.op!r}) is not one of "
+                     f"('pe', 'act', 'dve', 'pool', 'dma')")
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel-level report
+# --------------------------------------------------------------------------------------------------
+
+_TERM_ORDER = ("pe", "pe_bg", "act", "dve", "pool", "dma", "dge", "hbm", "sbuf_port", "psum_port")
+_BUSY_ORDER = ("pe", "act", "dve", "pool", "dma", "dge", "hbm")
+
+
+@dataclass
+class CostReport:
+    """A MODELED (never measured) roofline estimate of one emulated launch on one target.
+
+    Times are seconds. ``terms_s``: the optimistic-model terms (busy time per engine/lane, the HBM roof
+    and on trn1 the shared-port terms); ``busy_s``: busy seconds per engine (pe = matmuls + transposes);
+    ``efficiency_*``: useful FLOPs / (T * PE bf16 peak); ``efficiency_own_peak_*``: against the fastest
+    matmul mode the kernel used (fp8 double_row 2x, MX 4x; equal to the bf16 figures otherwise).
+    For an LNC2 record, ``terms_s``/``busy_s``/``bottleneck`` are the slower core's; FLOPs, HBM bytes, DMA
+    and instruction counts are totals. ``n_dma_descriptors``: one per contiguous run (ASSUMPTION)."""
+
+    target: str
+    nc: str
+    lnc: int
+    t_optimistic_s: float
+    t_pessimistic_s: float
+    bottleneck: str
+    efficiency_optimistic: float
+    efficiency_pessimistic: float
+    efficiency_own_peak_optimistic: float
+    efficiency_own_peak_pessimistic: float
+    useful_flops: int
+    pe_peak_flops: float
+    terms_s: Dict[str, float]
+    busy_s: Dict[str, float]
+    pe_transpose_share: float
+    hbm_read_bytes: int
+    hbm_write_bytes: int
+    n_dma: int
+    n_dma_descriptors: int
+    dma_latency_s: float
+    instr_counts: Dict[str, int]
+    notes: List[str] = field(default_factory=list)
+    modeled: bool = True
+
+    @property
+    def t_optimistic_ns(self) -> float:
+        return self.t_optimistic_s * 1e9
+
+    @property
+    def t_pessimistic_ns(self) -> float:
+        return self.t_pessimistic_s * 1e9
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kwargs) -> str:
+        kwargs.setdefault("indent", 2)
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [f"modeled roofline cost (not measured): {self.target} ({self.nc}), lnc={self.lnc}",
+                 f"{'term':<10}{'busy_us':>12}{'of_T_opt':>10}{'instrs':>9}"]
+        t = self.t_optimistic_s or 1.0
+        for k in _TERM_ORDER:
+            if k not in self.terms_s:
+                continue
+            v = self.terms_s[k]
+            cnt = self.instr_counts.get(k, "")
+            mark = " *" if k == self.bottleneck else ""
+            lines.append(f"{k:<10}{v * 1e6:>12.3f}{100 * v / t:>9.1f}%{cnt!s:>9}{mark}")
+        lines += [
+            f"{'optimistic':<12}{self.t_optimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_optimistic:5.1f}%"
+            f"  bottleneck {self.bottleneck}",
+            f"{'pessimistic':<12}{self.t_pessimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_pessimistic:5.1f}%"
+            f"  (incl. {self.n_dma} x DMA_LAT = {self.dma_latency_s * 1e6:.3f} us)",
+            f"PE on transposes {100 * self.pe_transpose_share:.1f}%  HBM read {self.hbm_read_bytes / 2**20:.3f} MiB"
+            f"  written {self.hbm_write_bytes / 2**20:.3f} MiB  DMA descriptors {self.n_dma_descriptors}",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bool) -> dict:
+    """Sum the costs of one core's instruction stream (nanoseconds)."""
+    a = {"opt": {lane: 0.0 for lane in ("pe", "pe_bg", "act", "dve", "pool", "dma")},
+         "dge": 0.0, "flops": 0, "pe_t": 0.0, "sbuf_port": 0.0, "psum_port": 0.0, "hbm_r": 0, "hbm_w": 0,
+         "n_dma": 0, "n_desc": 0, "peak_factor": 1, "counts": {e: 0 for e in ("pe", "act", "dve", "pool", "dma")}}
+    a["pess"] = dict(a["opt"])
+    prev_engine = None
+    for i in instrs:
+        chain_start = expose_ls and i.engine == "pe" and prev_engine != "pe"
+        c = instr_cost(i, s, chain_start=chain_start, notes=notes)
+        prev_engine = i.engine
+        a["counts"][i.engine] += 1
+        a["opt"][c.lane] += c.opt_ns
+        a["pess"][c.lane] += c.pess_ns
+        a["dge"] += c.dge_ns
+        a["flops"] += c.flops
+        if c.pe_transpose:
+            a["pe_t"] += c.opt_ns
+        if i.engine == "pe" and not c.pe_transpose:
+            if i.op == "nc_matmul_mx":
+                a["peak_factor"] = max(a["peak_factor"], 4)
+            elif i.perf_mode == "double_row":
+                a["peak_factor"] = max(a["peak_factor"], 2)
+        if i.engine == "dma":
+            a["n_dma"] += 1
+            a["n_desc"] += c.descriptors
+            a["hbm_r"] += c.hbm_read_bytes
+            a["hbm_w"] += c.hbm_write_bytes
+        if s.port_conflicts and i.engine in ("dve", "pool", "act"):
+            bufs = [str(b) for b in tuple(i.in_buffers) + (i.out_buffer,) if b]
+            if i.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
+                a["sbuf_port"] += c.opt_ns
+            if i.engine in ("dve", "act") and "psum" in bufs:
+                a["psum_port"] += c.opt_ns
+    opt = a["opt"]
+    terms = {"pe": opt["pe"], "act": opt["act"], "dve": opt["dve"], "pool": opt["pool"],
+             "dma": opt["dma"], "dge": a["dge"], "hbm": (a["hbm_r"] + a["hbm_w"]) / s.hbm_per_core}
+    if s.background_transpose:
+        terms["pe_bg"] = opt["pe_bg"]
+    if s.port_conflicts:
+        terms["sbuf_port"] = a["sbuf_port"]
+        terms["psum_port"] = a["psum_port"]
+    a["terms"] = {key: terms[key] for key in _TERM_ORDER if key in terms}
+    a["bottleneck"] = max(a["terms"], key=lambda key: a["terms"][key])  # first maximum on ties
+    a["t_opt"] = a["terms"][a["bottleneck"]]
+    a["dma_lat"] = a["n_dma"] * s.dma_lat_ns
+    a["t_pess"] = sum(a["pess"].values()) + a["dma_lat"]
+    return a
+
+
+def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int] = None,
+          dve_fp32_rate: Optional[float] = None, expose_load_stationary: bool = False) -> CostReport:
+    """Model ``record`` on ``target`` (default: ``record.target``). See the module docstring.
+
+    Cores: by default a ``kernel[2]`` record (``record.lnc == 2``) is split by ``Instr.program`` onto two
+    physical cores and the slower core sets the times (its terms are reported); on a target without LNC
+    (trn1) all programs are pooled on one core. ``lnc=k`` instead is a what-if: the whole record split
+    evenly over k cores (every term divided by k). Efficiency is always against k cores' peak.
+    ``dve_fp32_rate``: VectorE rate for non-16-bit dtypes on trn2/trn3 (default 1; try 2, COST_MODEL 1.3).
+    ``expose_load_stationary``: also charge ceil(M/4) PE cycles in the pessimistic pass for every PE
+    instruction not preceded (in program order) by a PE instruction. Off by default because the worked
+    examples of COST_MODEL.md 3.2/3.3 do not charge it (5964 ns, 2440 ns)."""
+    name = resolve_target(target if target is not None else record.target)
+    s = GENERATIONS[name]
+    if dve_fp32_rate is not None:
+        if not (isinstance(dve_fp32_rate, (int, float)) and 0 < dve_fp32_rate <= 4):
+            raise ValueError(f"dve_fp32_rate={dve_fp32_rate!r} must be a number in (0, 4]")
+        if s.dve_fp32_rate_ambiguous:
+            s = replace(s, dve_fp32_rate=float(dve_fp32_rate))
+    notes: List[str] = []
+    if lnc is not None:
+        k = int(lnc)
+        if k < 1 or k > s.max_lnc:
+            raise ValueError(f"lnc={lnc!r} is out of range for {name}: 1..{s.max_lnc}")
+        groups, split = [list(record.instrs)], k
+    else:
+        k = min(int(record.lnc or 1), s.max_lnc)
+        if k == 1:
+            groups, split = [list(record.instrs)], 1
+            if (record.lnc or 1) > 1:
+                notes.append(f"record has lnc={record.lnc}; {name} has no LNC, programs pooled on one core")
+        else:
+            by_prog: Dict[int, List[Instr]] = {}
+            for i in record.instrs:
+                by_prog.setdefault(int(getattr(i, "program", 0) or 0), []).append(i)
+            groups, split = (list(by_prog.values()) or [[]]), 1
+    accs = [_accumulate(g, s, notes, expose_load_stationary) for g in groups]
+    slow = max(accs, key=lambda a: a["t_opt"])
+    slow_p = max(accs, key=lambda a: a["t_pess"])
+    ns = 1e-9 / split
+    terms = {key: v * ns for key, v in slow["terms"].items()}
+    t_opt, t_pess = slow["t_opt"] * ns, slow_p["t_pess"] * ns
+    flops = sum(a["flops"] for a in accs)
+    peak_factor = max(a["peak_factor"] for a in accs)
+    pe_total = sum(a["opt"]["pe"] + a["opt"]["pe_bg"] for a in accs)
+    pe_t = sum(a["pe_t"] for a in accs)
+    so = slow["opt"]
+    busy = {"pe": (so["pe"] + so["pe_bg"]) * ns, "act": so["act"] * ns, "dve": so["dve"] * ns,
+            "pool": so["pool"] * ns, "dma": so["dma"] * ns, "dge": slow["dge"] * ns, "hbm": terms["hbm"]}
+    counts = {e: sum(a["counts"][e] for a in accs) for e in accs[0]["counts"]}
+    peak = s.pe_peak_flops * k
+
+    def eff(t: float, factor: int = 1) -> float:
+        return flops / (t * peak * factor) if t > 0 else 0.0
+
+    if not record.instrs:
+        notes.append("empty record: no instructions")
+    return CostReport(
+        target=name, nc=s.nc, lnc=k, t_optimistic_s=t_opt, t_pessimistic_s=t_pess,
+        bottleneck=slow["bottleneck"],
+        efficiency_optimistic=eff(t_opt), efficiency_pessimistic=eff(t_pess),
+        efficiency_own_peak_optimistic=eff(t_opt, peak_factor),
+        efficiency_own_peak_pessimistic=eff(t_pess, peak_factor),
+        useful_flops=int(flops), pe_peak_flops=peak, terms_s=terms, busy_s=busy,
+        pe_transpose_share=(pe_t / pe_total) if pe_total > 0 else 0.0,
+        hbm_read_bytes=int(sum(a["hbm_r"] for a in accs)), hbm_write_bytes=int(sum(a["hbm_w"] for a in accs)),
+        n_dma=sum(a["n_dma"] for a in accs), n_dma_descriptors=int(sum(a["n_desc"] for a in accs)),
+        dma_latency_s=slow_p["dma_lat"] * ns, instr_counts=counts, notes=notes)
+
+
+def model_all(record: RunRecord, targets: Iterable[str] = ("trn1", "trn2", "trn3"),
+              **kwargs) -> Dict[str, CostReport]:
+    """Model one record on every target (default trn1, trn2, trn3); keyword arguments go to ``model``."""
+    return {resolve_target(t): model(record, t, **kwargs) for t in targets}
+
+
+def format_comparison(reports: Dict[str, CostReport]) -> str:
+    """A short fixed-width side-by-side table of several reports (modeled)."""
+    names = list(reports)
+    rows = [("T optimistic (us)", lambda r: f"{r.t_optimistic_s * 1e6:.3f}"),
+            ("T pessimistic (us)", lambda r: f"{r.t_pessimistic_s * 1e6:.3f}"),
+            ("bottleneck", lambda r: r.bottleneck),
+            ("efficiency opt", lambda r: f"{100 * r.efficiency_optimistic:.1f}%"),
+            ("efficiency pess", lambda r: f"{100 * r.efficiency_pessimistic:.1f}%"),
+            ("PE on transposes", lambda r: f"{100 * r.pe_transpose_share:.1f}%")]
+    out = ["modeled (not measured)".ljust(20) + "".join(f"{n:>14}" for n in names)]
+    for label, fn in rows:
+        out.append(label.ljust(20) + "".join(f"{fn(reports[n]):>14}" for n in names))
+    return "\n".join(out)
