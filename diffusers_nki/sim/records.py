@@ -24,6 +24,9 @@ Field meanings follow ``COST_MODEL.md`` section 2:
   128x128 array.
 - ``program`` (added by the emulator): the logical core (``nl.program_id``) that issued the instruction;
   under LNC2 the two programs run on two physical cores in parallel.
+- (emulator) further ``op`` values: "scalar_tensor_tensor" (VectorE, two tensor inputs), "dma_transpose"
+  (engine "dma", ``transpose=True``). A TensorE transpose issued as ``nc_matmul(is_transpose=True)`` is
+  recorded as op "nc_transpose" (flops 0) with ``extra["via"] = "nc_matmul"``.
 
 RunRecord (added by the emulator): ``kernel`` (name), ``numerics`` (False = trace mode: every instruction
 and limit check, no arithmetic), ``warnings`` (each distinct emulator warning of the launch).

@@ -1,0 +1,281 @@
+"""Emulated top-level ``nki`` module: ``jit``, ``simulate``, and the ``language`` / ``isa`` submodules.
+
+``simulate(kernel, target=None, strict=False, numerics=True)(*arrays)`` runs a kernel on the CPU:
+NumPy arrays or CPU torch tensors in, results back in the same kind; inputs the kernel wrote are
+updated in place in the caller's arrays. ``kernel[lnc]`` selects the LNC degree (1 or 2).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+import ml_dtypes
+import numpy as np
+
+from . import dtypes as _dt
+from . import isa  # noqa: F401  (nki.isa)
+from . import language  # noqa: F401  (nki.language)
+from . import runtime as _rt
+from .errors import NkiLaunchError
+from .tensor import NkiTensor, Storage, hbm, shared_hbm
+
+__all__ = ["jit", "simulate", "language", "isa", "Kernel", "last_record"]
+
+_LAST_RECORD = None
+
+
+def last_record():
+    """The RunRecord of the most recent emulated launch (None before any)."""
+    return _LAST_RECORD
+
+
+# ----------------------------------------------------------------------------------------------------
+# Lint (NKI_SUBSET.md §7): the constructs the NKI compiler rejects and that are visible in the source
+# ----------------------------------------------------------------------------------------------------
+_LEGACY_ATTRS = {"arange", "mgrid", "par_dim"}
+
+
+def _lint(fn):
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return  # source unavailable (REPL, exec): nothing to lint
+    name = getattr(fn, "__name__", "?")
+    problems = []
+    fdef = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if fdef is not None and fdef.args.kwonlyargs:
+        problems.append(f"line {fdef.lineno}: keyword-only arguments ('*') in the kernel signature")
+    for node in ast.walk(tree):
+        ln = getattr(node, "lineno", "?")
+        if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Is, ast.IsNot)) for o in node.ops):
+            problems.append(f"line {ln}: 'is' / 'is not' comparison (use == / !=)")
+        elif isinstance(node, ast.Attribute) and node.attr in _LEGACY_ATTRS:
+            problems.append(f"line {ln}: legacy nl.{node.attr} (removed in NKI 0.2)")
+        elif isinstance(node, ast.keyword) and node.arg == "mask":
+            problems.append(f"line {ln}: legacy mask= argument (removed in NKI 0.2)")
+        elif isinstance(node, ast.Name) and node.id == "neuronxcc":
+            problems.append(f"line {ln}: legacy neuronxcc namespace inside a kernel")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            mod = getattr(node, "module", None) or ",".join(a.name for a in node.names)
+            if "neuronxcc" in mod:
+                problems.append(f"line {ln}: legacy neuronxcc import inside a kernel")
+    if problems:
+        raise NkiLaunchError(f"kernel {name}: the NKI compiler rejects these constructs (relative line numbers):\n  "
+                             + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------------
+# jit / Kernel
+# ----------------------------------------------------------------------------------------------------
+class Kernel:
+    """A ``@nki.jit`` kernel. ``kernel(*args)`` runs it in the emulator (like ``NKI_SIMULATOR=1``);
+    ``kernel[lnc]`` binds the LNC degree."""
+
+    def __init__(self, fn, options=None):
+        self.fn = fn
+        self.options = dict(options or {})
+        self.lnc = 1
+        self._linted = False
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, lnc):
+        b = Kernel(self.fn, self.options)
+        b._linted = self._linted
+        b.lnc = _check_lnc(lnc)
+        return b
+
+    def __call__(self, *args, **kwargs):
+        if _rt.current_or_none() is not None:
+            raise NkiLaunchError(f"{self.fn.__name__}: calling a @nki.jit kernel from inside a kernel; helper "
+                                 "functions (sub-kernels) must not carry @nki.jit, they are inlined")
+        return simulate(self)(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<nki kernel {self.fn.__name__}[{self.lnc}] (emulated)>"
+
+
+def _check_lnc(lnc):
+    if isinstance(lnc, tuple) or isinstance(lnc, bool) or not isinstance(lnc, (int, np.integer)):
+        raise NkiLaunchError(f"kernel[{lnc!r}]: the launch bracket holds exactly one integer, the LNC degree "
+                             "(1 or 2); multi-dimensional SPMD grids are not part of the NKI 0.3+ API")
+    if int(lnc) not in (1, 2):
+        raise NkiLaunchError(f"kernel[{lnc}]: the LNC degree must be 1 or 2")
+    return int(lnc)
+
+
+def jit(fn=None, **kwargs):
+    """``@nki.jit`` / ``@nki.jit(...)``. ``mode=`` and ``platform_target=`` are rejected (removed in NKI 0.3)."""
+    for bad in ("mode", "platform_target"):
+        if bad in kwargs:
+            raise NkiLaunchError(f"nki.jit: {bad}={kwargs[bad]!r} is not accepted by NKI 0.3+ (select the target "
+                                 "with NEURON_PLATFORM_TARGET_OVERRIDE or simulate(..., target=...))")
+    if fn is None:
+        return lambda f: Kernel(f, kwargs)
+    if isinstance(fn, Kernel):
+        return fn
+    return Kernel(fn, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# simulate
+# ----------------------------------------------------------------------------------------------------
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _host_to_numpy(a, i):
+    """(numpy array, dtype, is_torch) for a kernel argument that is an array, else None."""
+    if isinstance(a, np.ndarray):
+        return a, _dt.from_numpy_dtype(a.dtype, f"argument {i}"), False
+    if not type(a).__module__.startswith("torch"):
+        return None
+    torch = _torch()
+    if torch is not None and isinstance(a, torch.Tensor):
+        if a.device.type != "cpu":
+            raise NkiLaunchError(f"simulate: argument {i} is a torch tensor on {a.device}; the emulator takes CPU "
+                                 "tensors")
+        dt = _dt.to_dtype(a.dtype, f"argument {i}", "simulate")
+        t = a.detach().contiguous()
+        if dt.name == "bfloat16":
+            arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        elif dt.name.startswith("float8"):
+            arr = t.view(torch.uint8).numpy().view(dt.np)
+        else:
+            arr = t.numpy()
+        return arr, dt, True
+    return None
+
+
+def _numpy_to_torch(arr, dt):
+    torch = _torch()
+    if dt.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+    if dt.name.startswith("float8"):
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8)).view(getattr(torch, dt.name))
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+class Simulated:
+    """The callable ``simulate`` returns. ``.last_record`` is the RunRecord of its latest call."""
+
+    def __init__(self, kernel, target=None, strict=False, numerics=True):
+        if isinstance(kernel, Kernel):
+            self.kernel = kernel
+        elif callable(kernel):
+            self.kernel = Kernel(kernel)
+        else:
+            raise NkiLaunchError(f"simulate: {kernel!r} is not a kernel or function")
+        self.gen = _rt.parse_target(target)
+        self.strict = bool(strict)
+        self.numerics = bool(numerics)
+        self.last_record = None
+
+    def __getitem__(self, lnc):
+        s = Simulated(self.kernel[lnc], _rt.GEN_TO_TARGET[self.gen], self.strict, self.numerics)
+        return s
+
+    def __call__(self, *args, **kwargs):
+        global _LAST_RECORD
+        k = self.kernel
+        fn = k.fn
+        if not k._linted:
+            _lint(fn)
+            k._linted = True
+        lnc = k.lnc
+        if lnc == 2 and self.gen == 2:
+            raise NkiLaunchError(f"{fn.__name__}[2]: LNC=2 does not exist on trn1 (gen2); launch with [1]")
+        launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__)
+        self.last_record = launch.record
+        _LAST_RECORD = launch.record
+        buf = shared_hbm if lnc > 1 else hbm
+        wrote_back = []  # (caller object, storage, numpy view, dtype, is_torch)
+        any_torch = False
+
+        def convert(a, i):
+            nonlocal any_torch
+            if isinstance(a, list):
+                raise NkiLaunchError(f"{fn.__name__}: argument {i} is a list; kernels take tuples, not lists")
+            h = _host_to_numpy(a, i)
+            if h is None:
+                if isinstance(a, NkiTensor):
+                    raise NkiLaunchError(f"{fn.__name__}: argument {i} is an NkiTensor; pass host arrays")
+                return a
+            arr, dt, is_t = h
+            any_torch |= is_t
+            shape = tuple(int(s) for s in arr.shape) or (1,)
+            if self.numerics:
+                raw = np.empty(int(np.prod(shape)) * dt.itemsize, np.uint8)
+                view = raw.view(dt.np).reshape(shape)
+                view[...] = arr.reshape(shape)
+            else:
+                raw = None
+                view = None
+            st = Storage(shape, dt, buf, f"arg{i}", self.numerics, raw=raw)
+            if self.numerics:
+                wrote_back.append((a, st, view, dt, is_t))
+            strides = []
+            acc = 1
+            for s in reversed(shape):
+                strides.append(acc)
+                acc *= s
+            return NkiTensor(st, dt, shape, tuple(reversed(strides)), 0, name=f"arg{i}")
+
+        targs = [convert(a, i) for i, a in enumerate(args)]
+        tkw = {kk: convert(v, kk) for kk, v in kwargs.items()}
+        result = None
+        for pid in range(lnc):
+            prog = _rt.Program(launch, pid)
+            _rt.set_current(prog)
+            try:
+                r = fn(*targs, **tkw)
+            finally:
+                _rt.set_current(None)
+            if pid == 0:
+                result = r
+        # outputs
+        outs = result if isinstance(result, (tuple, list)) else (result,) if result is not None else ()
+        for j, o in enumerate(outs):
+            if not isinstance(o, NkiTensor):
+                raise NkiLaunchError(f"{fn.__name__}: return value {j} is {type(o).__name__}; kernels return NKI "
+                                     "tensors allocated in nl.shared_hbm")
+            if o._st.buffer is not shared_hbm:
+                raise NkiLaunchError(f"{fn.__name__}: return value {j} ({o.name}{list(o.shape)}) is in "
+                                     f"{o._st.buffer.name}; kernel outputs must be allocated in nl.shared_hbm")
+        # write back inputs the kernel modified
+        for a, st, view, dt, is_t in wrote_back:
+            if st.dirty:
+                if is_t:
+                    a.detach().copy_(_numpy_to_torch(view, dt).reshape(a.shape))
+                else:
+                    a[...] = view.reshape(a.shape)
+
+        def out_value(o):
+            if self.numerics:
+                arr = np.array(o._npv())
+            else:
+                arr = np.full(o.shape, _dt.sentinel(o.dtype), dtype=o.dtype.np)
+            return _numpy_to_torch(arr, o.dtype) if any_torch else arr
+
+        if result is None:
+            return None
+        if isinstance(result, (tuple, list)):
+            return type(result)(out_value(o) for o in result)
+        return out_value(result)
+
+
+def simulate(kernel, target=None, strict=False, numerics=True):
+    """Emulate ``kernel`` on the CPU. Returns a callable taking NumPy arrays / CPU torch tensors.
+
+    target: "trn1" | "trn2" | "trn3" (aliases gen2/gen3/gen4, inf2); default: NEURON_PLATFORM_TARGET_OVERRIDE or
+    "trn2". strict: capacity overflow raises instead of warning. numerics=False: trace mode (record every
+    instruction and check every limit, but skip the arithmetic; outputs are returned sentinel-filled).
+    """
+    return Simulated(kernel, target=target, strict=strict, numerics=numerics)

@@ -1,0 +1,168 @@
+"""Launch state of the emulator: targets, per-program state, capacity tracking, instruction recording.
+
+One ``Launch`` per ``simulate(...)(*args)`` call; one ``Program`` per logical core (LNC2 runs program 0
+then program 1, sequentially, sharing ``shared_hbm``). ``current()`` is the running program; every nl /
+nisa call reads it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+
+from . import records
+from .errors import NkiCapacityWarning, NkiEmulatorWarning, NkiLaunchError, NkiLimitError, NkiValidationError
+
+# ----------------------------------------------------------------------------------------------------
+# Targets and per-generation limits
+# ----------------------------------------------------------------------------------------------------
+TARGET_ALIASES = {
+    "trn1": 2, "gen2": 2, "inf2": 2,
+    "trn2": 3, "gen3": 3,
+    "trn3": 4, "gen4": 4,
+}
+GEN_TO_TARGET = {2: "trn1", 3: "trn2", 4: "trn3"}
+KIB = 1024
+PSUM_BANK_BYTES = 2 * KIB
+PMAX = 128
+
+# Physical SBUF bytes per partition (NKI_SUBSET.md §6.1).
+SBUF_BYTES_PER_PARTITION = {2: 192 * KIB, 3: 224 * KIB, 4: 256 * KIB}
+
+
+def parse_target(target) -> int:
+    """Map "trn1"/"trn2"/"trn3" (aliases gen2/gen3/gen4, inf2) to the generation number 2/3/4."""
+    if target is None:
+        target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    key = str(target).lower()
+    if key not in TARGET_ALIASES:
+        raise NkiLaunchError(f"simulate: target={target!r} is not a known target "
+                             f"(use one of {sorted(TARGET_ALIASES)})")
+    return TARGET_ALIASES[key]
+
+
+def psum_num_banks(gen: int) -> int:
+    if gen >= 3 and os.environ.get("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "").lower() in ("1", "true"):
+        return 7
+    return 8
+
+
+def moving_fmax(gen: int, dst_itemsize: int = 4) -> int:
+    if gen >= 4:
+        return 8192 if dst_itemsize == 2 else 4096
+    return 512
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch / program state
+# ----------------------------------------------------------------------------------------------------
+class Launch:
+    def __init__(self, gen, strict, numerics, lnc, kernel_name):
+        self.gen = gen
+        self.target = GEN_TO_TARGET[gen]
+        self.strict = strict
+        self.numerics = numerics
+        self.lnc = lnc
+        self.record = records.RunRecord(target=self.target, lnc=lnc)
+        self.record.kernel = kernel_name
+        self.record.numerics = numerics
+        self.shared_allocs = []  # shared_hbm tensors allocated by the kernel, in allocation order
+        self.warned = set()
+
+    def warn_once(self, key, msg, category=NkiEmulatorWarning):
+        if key in self.warned:
+            return
+        self.warned.add(key)
+        self.record.warnings.append(msg)
+        warnings.warn(msg, category, stacklevel=4)
+
+
+class Program:
+    """State private to one logical core: capacity tracker, ScalarE accumulator registers."""
+
+    def __init__(self, launch: Launch, pid: int):
+        self.launch = launch
+        self.pid = pid
+        self.gen = launch.gen
+        self.numerics = launch.numerics
+        self.strict = launch.strict
+        self.record = launch.record
+        self.instrs = launch.record.instrs
+        self.sbuf_live = 0
+        self.psum_banks_live = 0
+        self.shared_idx = 0
+        self.act_regs = None  # np.float32[128] once reset (True in trace mode)
+        self.last_dst = {}  # engine -> (storage, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
+        self.sbuf_budget = SBUF_BYTES_PER_PARTITION[self.gen]
+        self.psum_banks = psum_num_banks(self.gen)
+
+    # -- capacity -----------------------------------------------------------------------------------
+    def alloc_onchip(self, storage, kind, bytes_pp, what):
+        rec = self.record
+        if kind == "psum":
+            banks = -(-bytes_pp // PSUM_BANK_BYTES)
+            if banks > self.psum_banks:
+                raise NkiLimitError(
+                    f"nl.ndarray: PSUM tensor {what} needs {bytes_pp} bytes per partition = {banks} banks; "
+                    f"the limit is {self.psum_banks} banks x {PSUM_BANK_BYTES} bytes per partition")
+            if self.psum_banks_live + banks > self.psum_banks:
+                raise NkiLimitError(
+                    f"nl.ndarray: allocating PSUM tensor {what} ({banks} bank(s)) would make "
+                    f"{self.psum_banks_live + banks} PSUM banks live; the limit is {self.psum_banks} banks "
+                    f"(each PSUM tensor rounds up to whole 2 KiB banks; drop references to PSUM tiles you no "
+                    f"longer need)")
+            self.psum_banks_live += banks
+            if self.psum_banks_live > rec.peak_psum_banks:
+                rec.peak_psum_banks = self.psum_banks_live
+            weakref.finalize(storage, self._release, "psum", banks)
+        else:
+            self.sbuf_live += bytes_pp
+            if self.sbuf_live > rec.peak_sbuf_bytes_per_partition:
+                rec.peak_sbuf_bytes_per_partition = self.sbuf_live
+            if self.sbuf_live > self.sbuf_budget:
+                msg = (f"nl.ndarray: allocating SBUF tensor {what} ({bytes_pp} bytes per partition) makes "
+                       f"{self.sbuf_live} live SBUF bytes per partition; the {self.launch.target} limit is "
+                       f"{self.sbuf_budget} bytes per partition")
+                if self.strict:
+                    self.sbuf_live -= bytes_pp
+                    raise NkiLimitError(msg)
+                self.launch.warn_once("sbuf_capacity", msg + " (warning; an error under strict=True)",
+                                      NkiCapacityWarning)
+            weakref.finalize(storage, self._release, "sbuf", bytes_pp)
+
+    def _release(self, kind, amount):
+        if kind == "psum":
+            self.psum_banks_live -= amount
+        else:
+            self.sbuf_live -= amount
+
+
+_CURRENT = None
+
+
+def current() -> Program:
+    p = _CURRENT
+    if p is None:
+        raise NkiValidationError(
+            "NKI calls must run inside a kernel launched by the emulator: "
+            "diffusers_nki.sim.simulate(kernel)(*arrays) or a @nki.jit kernel called with arrays")
+    return p
+
+
+def current_or_none():
+    return _CURRENT
+
+
+def set_current(p):
+    global _CURRENT
+    _CURRENT = p
+
+
+def current_gen() -> int:
+    p = _CURRENT
+    if p is not None:
+        return p.gen
+    return parse_target(None)
+
+
+Instr = records.Instr
