@@ -1,7 +1,93 @@
 """diffusers_nki: NKI attention and static KV caches for Diffusers' autoregressive video pipelines.
 
-Public API (kept small): ``patch``, ``unpatch``, ``explain``, ``StaticCacheConfig`` and ``__version__``.
+Public API (kept small):
+
+- ``patch(pipe_or_model, backend="auto", strict=False, cache=None)`` -> the same object, patched;
+- ``unpatch(pipe_or_model)`` -> the same object, restored bit-for-bit;
+- ``explain(pipe_or_model)`` -> a printable report (``.to_dict()``) of every attention module's path;
+- ``StaticCacheConfig`` (from ``diffusers_nki.cache``) and ``__version__``.
+
+Importing this package is cheap (no torch, no diffusers). It arranges for the "nki" attention backend to be
+registered with diffusers as soon as ``diffusers.models.attention_dispatch`` is imported (or right away if it
+already is), so ``model.set_attention_backend("nki")``, ``attention_backend("nki")`` and
+``DIFFUSERS_ATTN_BACKEND=nki`` work after ``import diffusers_nki``.
 """
+import importlib
+import importlib.abc
+import sys
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["patch", "unpatch", "explain", "StaticCacheConfig", "__version__"]
+
+_LAZY = {
+    "patch": ("diffusers_nki.patching", "patch"),
+    "unpatch": ("diffusers_nki.patching", "unpatch"),
+    "explain": ("diffusers_nki.patching", "explain"),
+    "StaticCacheConfig": ("diffusers_nki.cache", "StaticCacheConfig"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:
+                raise AttributeError(f"diffusers_nki.{name} is not available in this build ({module} is missing)")
+            raise
+        value = getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'diffusers_nki' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _DispatchImportHook(importlib.abc.MetaPathFinder):
+    """Runs diffusers_nki.bridge's hooks around the first import of diffusers' attention dispatch module."""
+
+    target = "diffusers.models.attention_dispatch"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.target:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            from diffusers_nki import bridge
+
+            bridge.before_dispatch_import()
+            original(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            bridge.after_dispatch_import()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _arrange_registration():
+    if _DispatchImportHook.target in sys.modules:
+        from diffusers_nki import bridge
+
+        bridge.install_if_dispatch_imported()
+    elif not any(isinstance(f, _DispatchImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DispatchImportHook())
+
+
+_arrange_registration()

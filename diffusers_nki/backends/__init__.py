@@ -1,0 +1,62 @@
+"""Attention backends behind the ``diffusers_nki::attention`` / ``::cache_write`` custom ops.
+
+Each backend module exposes ``attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)``
+(BSHD, returns a new tensor) and ``cache_write(k_cache, v_cache, k, v, slot)`` (in place), plus
+``unavailable_reason() -> str | None``.
+
+- ``"torch"``: the PyTorch reference twins (``kernels/*_ref.py``); any device.
+- ``"sim"``: the NKI kernels run in our NumPy emulator (``diffusers_nki.sim``); CPU tensors, slow, for validation.
+- ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily).
+- ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"`` (the choice is logged once).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+NAMES = ("torch", "sim", "nki")
+CHOICES = ("auto",) + NAMES
+
+logger = logging.getLogger("diffusers_nki")
+_auto_choice = None  # resolved once per process
+
+
+def check_name(backend) -> str:
+    """Return ``backend`` if it names a backend (or "auto"); else raise ValueError naming the choices."""
+    if not isinstance(backend, str) or backend not in CHOICES:
+        raise ValueError(f"backend={backend!r} is not a diffusers_nki backend; choose one of {list(CHOICES)}")
+    return backend
+
+
+def get(name: str):
+    """The backend module for a concrete backend name ("torch", "sim" or "nki")."""
+    if name not in NAMES:
+        raise ValueError(f"backend={name!r} is not a concrete diffusers_nki backend; choose one of {list(NAMES)}")
+    return importlib.import_module(f"diffusers_nki.backends.{name}")
+
+
+def resolve(backend: str) -> str:
+    """Map "auto" to a concrete backend ("nki" with a Neuron device, else "torch"); validate the others."""
+    global _auto_choice
+    check_name(backend)
+    if backend != "auto":
+        return backend
+    if _auto_choice is None:
+        from . import nki as _nki
+
+        reason = _nki.unavailable_reason()
+        _auto_choice = "nki" if reason is None else "torch"
+        if reason is None:
+            logger.info("diffusers_nki: backend 'auto' -> 'nki' (a Neuron device is available)")
+        else:
+            logger.info("diffusers_nki: backend 'auto' -> 'torch' (%s)", reason)
+    return _auto_choice
+
+
+def require(name: str):
+    """The backend module, raising RuntimeError with the reason when it cannot run here."""
+    mod = get(name)
+    reason = mod.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"diffusers_nki backend {name!r} is unavailable: {reason}")
+    return mod

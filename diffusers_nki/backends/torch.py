@@ -1,0 +1,17 @@
+"""The "torch" backend: the PyTorch reference twins of the NKI kernels (any device, any torch build)."""
+from __future__ import annotations
+
+from diffusers_nki.kernels.attention_ref import attention_ref
+from diffusers_nki.kernels.cache_write_ref import cache_write_ref
+
+
+def unavailable_reason():
+    return None
+
+
+def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    return attention_ref(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+
+
+def cache_write(k_cache, v_cache, k, v, slot) -> None:
+    cache_write_ref(k_cache, v_cache, k, v, slot)

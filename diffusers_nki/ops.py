@@ -1,0 +1,126 @@
+"""The two custom ops every patched model calls, their fake (meta) implementations, backend dispatch and
+call counters.
+
+``torch.ops.diffusers_nki.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block,
+backend) -> Tensor`` and ``torch.ops.diffusers_nki.cache_write(k_cache, v_cache, k, v, slot, backend)``
+(mutates the caches) follow the contract of docs/ARCHITECTURE.md (BSHD layout; ``cache_len``, ``kv_len``
+and ``slot`` are runtime int tensors so shapes never depend on them). ``torch.compile`` sees each op as one
+opaque node with a fake implementation, so a patched model traces with ``fullgraph=True`` and does not
+recompile when only those runtime values change.
+
+Counters (huggingface/kernels style) prove which path ran: ``counters()`` ->
+``{"attention": {"torch": n, "sim": n, "nki": n, "stock": n}, "cache_write": {...}}``. The backend counts are
+taken inside the op implementations, so they also count calls made from compiled graphs; "stock" counts the
+visible fallbacks to stock SDPA taken by the router (``diffusers_nki.bridge``).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from diffusers_nki import backends
+from diffusers_nki.kernels import attention_ref as _att_ref
+from diffusers_nki.kernels import cache_write_ref as _cw_ref
+
+__all__ = ["attention", "cache_write", "counters", "reset_counters", "attention_not_supported_reasons"]
+
+_PATHS = backends.NAMES + ("stock",)
+_lock = threading.Lock()
+_counts = {op: dict.fromkeys(_PATHS, 0) for op in ("attention", "cache_write")}
+
+
+def _count(op: str, path: str) -> None:
+    with _lock:
+        _counts[op][path] += 1
+
+
+def counters() -> dict:
+    """A copy of the call counters: ``{op: {"torch": n, "sim": n, "nki": n, "stock": n}}``."""
+    with _lock:
+        return {op: dict(c) for op, c in _counts.items()}
+
+
+def reset_counters() -> None:
+    with _lock:
+        for c in _counts.values():
+            for key in c:
+                c[key] = 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# custom ops
+# ----------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("diffusers_nki::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: Optional[torch.Tensor],
+    v_cache: Optional[torch.Tensor],
+    cache_len: Optional[torch.Tensor],
+    kv_len: Optional[torch.Tensor],
+    scale: Optional[float],
+    causal_block: int,
+    backend: str,
+) -> torch.Tensor:
+    impl = backends.require(backend)
+    _count("attention", backend)
+    out = impl.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise RuntimeError(f"diffusers_nki::attention backend {backend!r} returned {tuple(out.shape)} {out.dtype}, "
+                           f"expected {tuple(q.shape)} {q.dtype}")
+    return out.contiguous()
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("diffusers_nki::cache_write", mutates_args=("k_cache", "v_cache"))
+def _cache_write_op(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, backend: str
+) -> None:
+    impl = backends.require(backend)
+    _count("cache_write", backend)
+    impl.cache_write(k_cache, v_cache, k, v, slot)
+
+
+@_cache_write_op.register_fake
+def _cache_write_fake(k_cache, v_cache, k, v, slot, backend):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Python wrappers
+# ----------------------------------------------------------------------------------------------------------
+def attention_not_supported_reasons(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None,
+                                    causal_block=0) -> list:
+    """Why the attention kernel cannot serve these inputs (shapes/dtypes only; empty list: it can)."""
+    return _att_ref.not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+
+
+def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
+              backend: str = "torch") -> torch.Tensor:
+    """softmax(q k^T * scale) v over [first ``cache_len`` cache slots | first ``kv_len`` chunk keys], BSHD.
+
+    ``backend``: "torch", "sim", "nki" or "auto" (see ``diffusers_nki.backends``). Unsupported inputs raise a
+    ValueError listing every reason (shapes and dtypes only, so this is safe under ``torch.compile``).
+    """
+    backend = backends.resolve(backend)
+    reasons = _att_ref.not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    if reasons:
+        raise ValueError("diffusers_nki.ops.attention: " + "; ".join(reasons))
+    return _attention_op(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
+                         int(causal_block), backend)
+
+
+def cache_write(k_cache, v_cache, k, v, slot, backend: str = "torch") -> None:
+    """Write the chunk ``k``/``v`` [B, S, Hkv, D] into the caches [B, C, Hkv, D] at slots [slot, slot + S)."""
+    backend = backends.resolve(backend)
+    reasons = _cw_ref.not_supported_reasons(k_cache, v_cache, k, v, slot)
+    if reasons:
+        raise ValueError("diffusers_nki.ops.cache_write: " + "; ".join(reasons))
+    _cache_write_op(k_cache, v_cache, k, v, slot, backend)

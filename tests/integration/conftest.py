@@ -1,0 +1,94 @@
+"""Shared helpers for the integration tests: tiny models, parity, and a spy proving which attention ran."""
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusers_nki import ops
+
+
+def sample(out):
+    """The sample tensor of a transformer's return_dict=False output (Wan-Animate-2 returns a list)."""
+    out = out[0]
+    return out[0] if isinstance(out, list) else out
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def family_inputs(family, make_inputs, **kw):
+    if family == "wan_animate2":
+        kw.setdefault("kv_cache_mode", "cached")  # runs the reference ("extract") pass first, then "cached"
+    return make_inputs(**kw)
+
+
+class AttentionSpy:
+    """Counts every softmax-attention primitive call: SDPA made by our torch twin (``twin``), SDPA made by
+    anyone else (``stock``) and flex attention (``flex``). With the torch backend, a fully routed forward
+    shows stock == flex == 0 and twin == ops.counters()["attention"]["torch"]."""
+
+    def __init__(self):
+        self.twin = self.stock = self.flex = 0
+
+    def reset(self):
+        self.twin = self.stock = self.flex = 0
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    import torch.nn.attention.flex_attention as flex_mod
+
+    s = AttentionSpy()
+    sdpa, flex = F.scaled_dot_product_attention, flex_mod.flex_attention
+
+    def counting_sdpa(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.endswith(os.path.join("kernels", "attention_ref.py")):
+            s.twin += 1
+        else:
+            s.stock += 1
+        return sdpa(*args, **kwargs)
+
+    def counting_flex(*args, **kwargs):
+        s.flex += 1
+        return flex(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(flex_mod, "flex_attention", counting_flex)
+    return s
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    from diffusers_nki import bridge
+
+    ops.reset_counters()
+    bridge._warned.clear()  # fallbacks warn once per reason per process
+    bridge._global.clear()  # process-wide unattributed fallbacks
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention.*")
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)  # a test that selects "nki" globally
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return sample(model(**inputs, return_dict=False))
+
+
+@pytest.fixture
+def h():
+    """Helper functions (conftest modules are not importable under --import-mode=importlib)."""
+    import types
+
+    return types.SimpleNamespace(sample=sample, rel_err=rel_err, family_inputs=family_inputs, run=run)

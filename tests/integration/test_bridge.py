@@ -1,0 +1,227 @@
+"""The bridge into diffusers' dispatch: registration (set_attention_backend, context manager, env var), the
+private-name guard, and the router's mask -> descriptor conversion with visible fallbacks."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import diffusers_nki
+from diffusers_nki import bridge, ops, tiny
+from diffusers_nki.kernels.attention_ref import attention_oracle
+
+
+def test_diffusers_private_names_are_as_expected():
+    # fails loudly when diffusers renames or reshapes what the bridge relies on
+    assert bridge.check_diffusers() == []
+
+
+def test_registration():
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    bridge.install()
+    bridge.install()  # idempotent
+    nki = AttentionBackendName("nki")
+    assert AttentionBackendName.NKI is nki and nki.value == "nki" and isinstance(nki, str)
+    assert "NKI" in AttentionBackendName.__members__
+    for value in bridge.MEMBERS:
+        member = AttentionBackendName(value)
+        assert member in _AttentionBackendRegistry._backends
+        assert {"attn_mask", "is_causal", "scale", "enable_gqa", "_parallel_config"} <= \
+            _AttentionBackendRegistry._supported_arg_names[member]
+    assert bridge.member("torch", True).value == "_nki_torch_strict"
+    assert bridge.member("auto", False) is nki
+
+
+def test_three_ways_give_bit_identical_output(h):
+    from diffusers.models.attention_dispatch import attention_backend
+
+    model, make_inputs = tiny.tiny_transformer("wan")
+    stock = h.run(model, make_inputs())
+    model.set_attention_backend("nki")
+    a = h.run(model, make_inputs())
+    assert ops.counters()["attention"]["torch"] == 4  # "nki" = auto -> torch here
+    rep = diffusers_nki.explain(model)
+    assert rep.summary()["routed_share"] == 1.0 and "set_attention_backend" in rep.models[0].modules[0].reason
+    model.reset_attention_backend()
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
+    ops.reset_counters()
+    with attention_backend("nki"):
+        b = h.run(model, make_inputs())
+    assert ops.counters()["attention"]["torch"] == 4
+    ops.reset_counters()
+    diffusers_nki.patch(model)
+    c = h.run(model, make_inputs())
+    assert ops.counters()["attention"]["torch"] == 4
+    assert torch.equal(a, b) and torch.equal(b, c)
+    assert h.rel_err(c, stock) <= 1e-5
+
+
+def test_env_var_selects_nki(tmp_path):
+    code = (
+        "import importlib.util, diffusers_nki, torch\n"
+        "assert importlib.util.find_spec('diffusers.models.attention_dispatch')\n"  # a probe must not disarm it
+        "from diffusers_nki import ops, tiny\n"
+        "from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R\n"
+        "assert R._active_backend.value == 'nki', R._active_backend\n"
+        "m, mk = tiny.tiny_transformer('wan', num_layers=1)\n"
+        "with torch.no_grad(): m(**mk(frames=1, height=4, width=4))\n"
+        "print(ops.counters()['attention']['torch'])\n"
+    )
+    env = dict(os.environ, DIFFUSERS_ATTN_BACKEND="nki")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "2"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the router
+# ---------------------------------------------------------------------------------------------------------
+def _qkv(B=2, Sq=12, Sk=12, H=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Sq, H, D, generator=g), torch.randn(B, Sk, H, D, generator=g),
+            torch.randn(B, Sk, H, D, generator=g))
+
+
+def _sdpa(q, k, v, mask=None, is_causal=False):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal).transpose(1, 2)
+
+
+def _route(q, k, v, mask=None, strict=False, **kw):
+    return bridge.route(q, k, v, mask, backend="torch", strict=strict, stock=lambda: _sdpa(q, k, v, mask), **kw)
+
+
+def test_key_padding_masks_become_kv_len():
+    q, k, v = _qkv()
+    lens = torch.tensor([12, 7])
+    boolean = torch.arange(12)[None, :] < lens[:, None]  # [B, Sk] (diffusers' native 2-D form)
+    additive = torch.where(boolean, 0.0, -10000.0)[:, None, None, :]  # LTX / SanaVideo style
+    for mask in (boolean, boolean[:, None, None, :], additive, boolean[:, None, None, :].expand(2, 2, 12, 12)):
+        plan, reason = bridge.analyse_mask(mask, 2, 2, 12, 12)
+        assert reason is None and plan.kv_len.tolist() == [12, 7] and plan.causal_block == 0
+    out = _route(q, k, v, additive)
+    torch.testing.assert_close(out, attention_oracle(q, k, v, kv_len=lens).float(), rtol=1e-5, atol=1e-6)
+    assert ops.counters()["attention"] == {"torch": 1, "sim": 0, "nki": 0, "stock": 0}
+
+
+def test_all_visible_and_constant_bias_masks_are_no_mask():
+    assert bridge.analyse_mask(torch.ones(2, 12, dtype=torch.bool), 2, 2, 12, 12)[0] == bridge.Plan()
+    ones = torch.ones(2, 1, 1, 12)  # Cosmos passes its float 0/1 mask as an additive bias: +1 everywhere
+    assert bridge.analyse_mask(ones, 2, 2, 12, 12)[0] == bridge.Plan()
+
+
+def test_dense_block_causal_mask_becomes_causal_block():
+    q, k, v = _qkv(B=1, Sq=12, Sk=12)
+    blk = torch.arange(12) // 4  # SkyReels-V2 diffusion forcing: frame blocks of 4 tokens
+    mask = (blk[None, :] <= blk[:, None])[None, None]
+    plan, reason = bridge.analyse_mask(mask, 1, 2, 12, 12)
+    assert reason is None and plan.causal_block == 4 and plan.kv_len is None
+    out = _route(q, k, v, mask)
+    torch.testing.assert_close(out, attention_oracle(q, k, v, causal_block=4).float(), rtol=1e-5, atol=1e-6)
+    # is_causal -> causal_block=1
+    out = bridge.route(q, k, v, None, is_causal=True, backend="torch", strict=True,
+                       stock=lambda: _sdpa(q, k, v, is_causal=True))
+    torch.testing.assert_close(out, _sdpa(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
+
+
+def test_padded_query_rows_become_row_groups():
+    # HunyuanVideo's token refiner: valid queries see the valid prefix, padded queries see key 0 only
+    q, k, v = _qkv()
+    valid = torch.arange(12)[None, :] < torch.tensor([9, 5])[:, None]
+    mask = (valid[:, None, None, :] & valid[:, None, :, None]).clone()
+    mask[:, :, :, 0] = True
+    plan, reason = bridge.analyse_mask(mask, 2, 2, 12, 12)
+    assert reason is None and len(plan.groups) == 2
+    out = _route(q, k, v, mask)
+    torch.testing.assert_close(out, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    assert ops.counters()["attention"]["torch"] == 2 and ops.counters()["attention"]["stock"] == 0
+
+
+def test_analysis_is_cached_per_mask_object(monkeypatch):
+    mask = torch.arange(12)[None, :] < torch.tensor([12, 3])[:, None]
+    calls = []
+    real = bridge._analyse_mask
+    monkeypatch.setattr(bridge, "_analyse_mask", lambda *a: calls.append(1) or real(*a))
+    for _ in range(3):
+        bridge.analyse_mask(mask, 2, 2, 12, 12)
+    assert len(calls) == 1
+    mask[1, 5] = True  # in-place change bumps the tensor version: analysed again
+    bridge.analyse_mask(mask, 2, 2, 12, 12)
+    assert len(calls) == 2
+    bridge.analyse_mask(mask.clone(), 2, 2, 12, 12)  # another object
+    assert len(calls) == 3
+
+
+def test_fully_masked_queries_get_zeros_like_sdpa():
+    # HunyuanVideo-1.5's token refiner: padded queries see no key at all
+    q, k, v = _qkv()
+    valid = torch.arange(12)[None, :] < torch.tensor([9, 12])[:, None]
+    mask = valid[:, None, None, :] & valid[:, None, :, None]
+    out = _route(q, k, v, mask, strict=True)
+    ref = _sdpa(q, k, v, mask)
+    assert ref[0, 9:].abs().sum() == 0  # stock SDPA: zeros
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["bias", "non_prefix", "per_head", "dropout", "causal_and_mask"])
+def test_unrepresentable_calls_fall_back_visibly_or_raise_in_strict(case, recwarn):
+    q, k, v = _qkv()
+    mask, kw = None, {}
+    if case == "bias":
+        mask = torch.randn(2, 1, 12, 12)  # a real additive bias (e.g. ALiBi)
+    elif case == "non_prefix":
+        mask = torch.ones(2, 1, 12, 12, dtype=torch.bool)
+        mask[..., 3] = False  # a hole in the middle
+    elif case == "per_head":
+        mask = torch.ones(2, 2, 12, 12, dtype=torch.bool)
+        mask[:, 1, :, 6:] = False
+    elif case == "dropout":
+        kw = {"dropout_p": 0.1}
+    else:
+        mask, kw = torch.ones(2, 1, 12, 12, dtype=torch.bool), {"is_causal": True}
+    plan, reason = bridge.plan(q, k, v, mask, **kw)
+    assert plan is None and reason
+    with pytest.raises(bridge.StrictFallbackError, match="strict"):
+        _route(q, k, v, mask, strict=True, **kw)
+    ops.reset_counters()
+    sentinel = torch.zeros(1)
+    out = bridge.route(q, k, v, mask, backend="torch", strict=False, stock=lambda: sentinel, **kw)
+    assert out is sentinel  # the stock path ran: the mask was not dropped
+    assert ops.counters()["attention"] == {"torch": 0, "sim": 0, "nki": 0, "stock": 1}
+    assert any(reason in str(w.message) for w in recwarn.list)
+
+
+def test_fallback_is_warned_once_and_recorded_for_explain(recwarn, h):
+    # a real Cosmos forward with a padded float 0/1 attention mask: Cosmos adds it as a bias of +1 on the
+    # valid keys (not a mask), which the kernel cannot apply -> its cross-attention falls back, visibly
+    model, make_inputs = tiny.tiny_transformer("cosmos")
+    inputs = make_inputs()
+    inputs["attention_mask"][:, 6:] = 0.0
+    ref = h.run(model, inputs)
+    diffusers_nki.patch(model, backend="torch")
+    out = h.run(model, inputs)
+    h.run(model, inputs)
+    assert h.rel_err(out, ref) <= 1e-5
+    n = ops.counters()["attention"]
+    assert n["stock"] == 4 and n["torch"] == 4  # 2 runs x 2 layers each
+    msgs = [str(w.message) for w in recwarn.list if "falling back" in str(w.message)]
+    assert len(msgs) == 1 and "real bias" in msgs[0]
+    rep = diffusers_nki.explain(model)
+    cross = [m for m in rep.models[0].modules if m.path.endswith("attn2")]
+    assert all(m.path_taken == "stock" and sum(m.fallbacks.values()) == 2 for m in cross)
+    assert rep.summary()["routed_share"] == 0.5 and rep.summary()["calls_fallback"] == 4
+    assert "fallbacks=2x additive attn_mask is a real bias" in str(rep)
+    # strict mode raises on the same call
+    diffusers_nki.patch(model, backend="torch", strict=True)
+    with pytest.raises(bridge.StrictFallbackError, match="transformer_blocks.0.attn2.*real bias"):
+        h.run(model, inputs)
+
+
+def test_kernel_limits_fall_back():
+    q, k, v = _qkv(D=160)  # head_dim > 128
+    plan, reason = bridge.plan(q, k, v)
+    assert plan is None and "head_dim D=160" in reason
