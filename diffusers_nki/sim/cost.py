@@ -9,7 +9,7 @@ Model (COST_MODEL.md section 2):
 - optimistic time  = max over engines of their summed busy time, the HBM roof (bytes / HBM share per
   core) and, on gen2, the shared SBUF (VectorE+GpSimd) and PSUM (VectorE+ScalarE) port terms. On gen4 PE
   transposes run on a separate "pe_bg" lane (background transpose [ARCH4]);
-- pessimistic time = everything serialized: PE + ACT + DVE + POOL + DMA busy + n_dma * DMA_LAT, with
+- pessimistic time = everything serialized: PE + ACT + DVE + POOL + max(DMA busy, HBM roof) + n_dma * DMA_LAT, with
   tiling mode charged in full, DEP_OVH on every RAW-dependent instruction and (opt-in,
   ``expose_load_stationary``) the LoadStationary of every PE chain start;
 - efficiency = useful matmul FLOPs / (T * PE bf16 peak) for both times.
@@ -647,7 +647,11 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
     a["bottleneck"] = max(a["terms"], key=lambda key: a["terms"][key])  # first maximum on ties
     a["t_opt"] = a["terms"][a["bottleneck"]]
     a["dma_lat"] = a["n_dma"] * s.dma_lat_ns
-    a["t_pess"] = sum(a["pess"].values()) + a["dma_lat"]
+    # Serialized DMA can go no faster than the HBM roof either (an HBM-bound copy would otherwise model
+    # a pessimistic time below its optimistic one).
+    pess = dict(a["pess"])
+    pess["dma"] = max(pess.get("dma", 0.0), terms["hbm"])
+    a["t_pess"] = sum(pess.values()) + a["dma_lat"]
     return a
 
 

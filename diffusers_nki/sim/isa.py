@@ -1011,7 +1011,14 @@ def _dma_geometry(dst, src):
     if sb is not None:
         parts = sb.P
     else:
-        parts = max(1, min(_PMAX, (n * dst.dtype.itemsize) // max(contig, 1)))
+        # HBM<->HBM has no partitions: the rows are the contiguous runs. ASSUMPTION: a long contiguous run
+        # is cut into descriptors of at most 4 KiB-aligned pieces spread over the queue's engines, like a
+        # 128-row transfer (COST_MODEL.md 1.4: up to 16 engines; >= 4 KiB per descriptor saturates).
+        nb = n * dst.dtype.itemsize
+        parts = max(1, min(_PMAX, nb // max(contig, 1)))
+        if parts < _PMAX and nb >= 4096 * _PMAX:
+            parts = _PMAX
+            contig = min(contig, -(-nb // parts))
     kd = "sbuf" if dst._st.buffer is sbuf else "hbm"
     ks = "sbuf" if src._st.buffer is sbuf else "hbm"
     return n * isz, contig, parts, max(1, n // parts), f"{ks}->{kd}"
