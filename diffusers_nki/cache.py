@@ -1,0 +1,188 @@
+"""Static-shape KV caches for Diffusers' autoregressive video pipelines (diffusers hooks style).
+
+    from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, remove_static_cache, describe_cache
+    apply_static_cache(pipe, StaticCacheConfig(capacity=24, sink=3, rolling=True))
+    pipe(...)                       # one compiled shape per resolution, no per-step K/V concatenation
+    print(describe_cache(pipe))
+    remove_static_cache(pipe)       # restores the original processors and forward exactly
+
+(``diffusers_nki.patch(pipe, cache=config)`` calls ``apply_static_cache``; ``unpatch`` and ``explain`` call
+``remove_static_cache`` and ``describe_cache``.)
+
+What it does per family (the family is chosen by the transformer's EXACT class; details in each module of
+``diffusers_nki.caching``):
+
+* AnyFlow-FAR (``AnyFlowFARTransformer3DModel``): per-layer K/V buffers ``[B, C, Hkv, D]`` hold the
+  compressed history (sink + rolling window of frames) followed by the full-resolution chunks; every
+  denoising step and every cache step runs at one fixed shape; keys are stored after RoPE; a cache step
+  re-encodes only the ``full_chunk_limit`` chunks whose K/V really change (see ``caching/anyflow_far.py``).
+* SkyReels-V2 diffusion forcing (``SkyReelsV2Transformer3DModel``): the dense (FHW)^2 block-causal mask is
+  replaced by the kernel's ``causal_block``; in asynchronous mode (causal_block_size > 1) frame blocks whose
+  inputs did not change since the previous call are neither recomputed nor re-attended: their K/V (and
+  outputs) come from the cache (exact: the mask is block-causal).
+* FramePack (``HunyuanVideoFramepackTransformer3DModel``): no exact cache exists (bidirectional history);
+  the token layout is made static (history padded to a fixed capacity, text never trimmed) and the padding
+  is masked with ``cache_len`` / ``kv_len``.
+* SanaWM refiner (``SanaWMLTX2RefinerTransformer3DModel``): its sink + history cache
+  (``SanaWMRefinerKVLayerCache``) is served from the static buffers (sink re-RoPE'd once per block; the
+  history window is the pipeline's own, counted in tokens).
+
+Rolling window (``rolling=True``) is opt-in: once the cache is full, the oldest non-sink frames are evicted,
+so a rollout runs for ever with flat memory, but the output then differs from unbounded history (the
+model no longer sees the evicted frames). With ``rolling=False`` an overflow raises a clear error.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+import torch
+
+__all__ = ["StaticCacheConfig", "apply_static_cache", "remove_static_cache", "describe_cache", "reset_static_cache"]
+
+_UNITS = ("frames", "tokens")
+
+
+@dataclass
+class StaticCacheConfig:
+    """Configuration of the static KV cache. Dtype and device follow the model; every shape is derived
+    from this config, the model's config and the first call's resolution (never hard-coded).
+
+    Args:
+        capacity: history the cache holds, in ``unit``s (per layer). ``None``: the family's default (AnyFlow-FAR:
+            the frames of the model's default ``chunk_partition``; SkyReels-V2: the window of the first call;
+            FramePack: the first call's history; SanaWM refiner: the pipeline's window). In ``"tokens"``, the
+            number of K/V slots per layer. Each family module documents the units it accepts.
+        unit: ``"frames"`` (latent frames) or ``"tokens"``.
+        sink: leading history (in ``unit``s) that is never evicted. Must be < ``capacity``.
+        rolling: when full, evict the oldest non-sink frames (True) or raise (False, default). Opt-in: it
+            changes the output compared with unbounded history.
+        chunk_frames: the largest chunk (latent frames) the cache must accept; ``None``: from the model's
+            config (AnyFlow-FAR: ``max(config.chunk_partition)``). Smaller chunks are padded to it so one
+            compiled shape serves every chunk.
+        reuse: SkyReels-V2 asynchronous diffusion forcing: reuse the K/V and outputs of frame blocks whose
+            inputs did not change (exact). ``False`` keeps only the attention swap.
+        backend: kernel backend of ``diffusers_nki.ops`` ("auto", "torch", "sim" or "nki"); ``None``: the
+            backend ``diffusers_nki.patch`` chose for the model, else "auto".
+        strict: raise instead of warning when a model cannot be served (unsupported family or geometry).
+    """
+
+    capacity: Optional[int] = None
+    unit: str = "frames"
+    sink: int = 0
+    rolling: bool = False
+    chunk_frames: Optional[int] = None
+    reuse: bool = True
+    backend: Optional[str] = None
+    strict: bool = False
+
+    def __post_init__(self):
+        from diffusers_nki.backends import check_name
+
+        if self.backend is not None:
+            check_name(self.backend)
+        if self.unit not in _UNITS:
+            raise ValueError(f"StaticCacheConfig.unit={self.unit!r} must be one of {_UNITS}")
+        for name in ("capacity", "chunk_frames"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"StaticCacheConfig.{name}={value!r} must be None or an int >= 1")
+        if not isinstance(self.sink, int) or isinstance(self.sink, bool) or self.sink < 0:
+            raise ValueError(f"StaticCacheConfig.sink={self.sink!r} must be an int >= 0")
+        if self.capacity is not None and self.sink >= self.capacity:
+            raise ValueError(
+                f"StaticCacheConfig.sink={self.sink} {self.unit} must be smaller than capacity={self.capacity} "
+                f"{self.unit} (the sinks would leave no room for the rolling window)")
+        if self.chunk_frames is not None and self.capacity is not None and self.unit == "frames" \
+                and self.capacity < self.chunk_frames:
+            raise ValueError(
+                f"StaticCacheConfig.capacity={self.capacity} frames is smaller than one chunk "
+                f"(chunk_frames={self.chunk_frames})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _transformers(obj) -> List[torch.nn.Module]:
+    """The models of ``obj`` (a model, or a pipeline and the pipelines among its components)."""
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    components = getattr(obj, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(obj).__name__}")
+    out: List[torch.nn.Module] = []
+    for value in components.values():
+        if isinstance(value, torch.nn.Module):
+            out.append(value)
+        elif hasattr(value, "components"):
+            out.extend(_transformers(value))
+    return out
+
+
+def apply_static_cache(obj, config: Optional[StaticCacheConfig] = None) -> List[str]:
+    """Install the static KV cache on every supported transformer of ``obj`` (pipeline or model).
+
+    Returns the family names installed. An object with no supported transformer warns once (raises with
+    ``config.strict``); installing twice raises (remove first)."""
+    from diffusers_nki import caching
+    from diffusers_nki.caching.core import find_hook, warn_once
+
+    config = config or StaticCacheConfig()
+    if not isinstance(config, StaticCacheConfig):
+        raise TypeError(f"config must be a StaticCacheConfig, got {type(config).__name__}")
+    installed = []
+    seen = []
+    for model in _transformers(obj):
+        family = caching.family_of(model)
+        seen.append(type(model).__name__)
+        if family is None:
+            continue
+        if find_hook(model) is not None:
+            raise RuntimeError(f"a static cache is already installed on {type(model).__name__}; "
+                               f"call remove_static_cache first")
+        caching.install(family, model, config)
+        installed.append(family)
+    if not installed:
+        msg = (f"apply_static_cache: no supported transformer in {type(obj).__name__} (models: {seen}); "
+               f"supported classes: {sorted(caching.SUPPORTED)}. Nothing was changed.")
+        if config.strict:
+            raise ValueError(msg)
+        warn_once(f"nocache:{type(obj).__name__}", msg)
+    return installed
+
+
+def remove_static_cache(obj) -> bool:
+    """Remove the static cache from every transformer of ``obj``; True if one was removed."""
+    from diffusers_nki.caching.core import HOOK_NAME, find_hook
+
+    removed = False
+    for model in _transformers(obj):
+        hook = find_hook(model)
+        if hook is not None:
+            model._diffusers_hook.remove_hook(HOOK_NAME, recurse=False)
+            removed = True
+    return removed
+
+
+def reset_static_cache(obj) -> None:
+    """Forget the current rollout (e.g. before changing the resolution in a hand-written loop)."""
+    from diffusers_nki.caching.core import find_hook
+
+    for model in _transformers(obj):
+        hook = find_hook(model)
+        if hook is not None:
+            hook.reset_state(model)
+
+
+def describe_cache(obj) -> str:
+    """Human-readable description of the installed caches ('' when none is installed)."""
+    from diffusers_nki.caching.core import find_hook
+
+    lines = []
+    for model in _transformers(obj):
+        hook = find_hook(model)
+        if hook is not None:
+            lines.append(f"{type(model).__name__}: static KV cache [{hook.family}] backend={hook.backend} "
+                         f"config={hook.config.to_dict()}")
+            lines.extend("  " + line for line in hook.describe())
+    return "\n".join(lines)
