@@ -563,8 +563,12 @@ def _explain_model(name, model) -> ModelReport:
         elif kind == "global":
             taken, why = st.backend, "active dispatch backend set around each forward (processor passes none)"
         elif kind == "swap":
-            if module.processor is st.swapped.get(id(module)):
+            ours = st.swapped.get(id(module))
+            wrapper = _wrapping(module.processor, ours)
+            if module.processor is ours:
                 taken, why = st.backend, ""
+            elif wrapper:  # the static cache's processor, which routes through our ops and wraps ours
+                taken, why = st.backend, f"static cache: {type(module.processor).__name__} wraps {wrapper}"
             else:
                 why = f"processor replaced by {type(module.processor).__name__} after patch()"
         elif kind == "module":
@@ -580,6 +584,16 @@ def _explain_model(name, model) -> ModelReport:
                                     kind != "stock", calls, fbs))
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, fam.notes)
+
+
+def _wrapping(proc, ours, depth: int = 4) -> str:
+    """The swapped processor's class name when ``proc`` wraps it through ``.original`` links, else ''."""
+    inner = getattr(proc, "original", None)
+    while inner is not None and depth > 0:
+        if inner is ours:
+            return type(ours).__name__
+        inner, depth = getattr(inner, "original", None), depth - 1
+    return ""
 
 
 def explain(pipe_or_model) -> Explanation:

@@ -189,13 +189,9 @@ class StaticCacheHook(ModelHook):
 
 def _patched_backend(model) -> Optional[str]:
     """The backend ``diffusers_nki.patch`` recorded for ``model`` (None when it was not patched)."""
-    try:
-        from diffusers_nki import patching
+    from diffusers_nki.patching import patched_backend
 
-        state = patching._model_states.get(model)
-    except Exception:  # patching absent or changed: the cache then uses "auto"
-        return None
-    return getattr(state, "backend", None)
+    return patched_backend(model)
 
 
 def find_hook(module: torch.nn.Module) -> Optional[StaticCacheHook]:
