@@ -21,11 +21,11 @@ from . import language as nl
 from .nki_module import last_record, simulate
 
 
-def tiled_matmul(lhsT, rhs):
+def tiled_matmul(lhsT, rhs, out_dtype=nl.bfloat16):
     """out[M,N] = lhsT.T @ rhs with 128x128 stationary tiles, 512-wide moving tiles, fp32 PSUM accumulation."""
     K, M = lhsT.shape
     _, N = rhs.shape
-    out = nl.ndarray((M, N), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    out = nl.ndarray((M, N), dtype=out_dtype, buffer=nl.shared_hbm)
     for m in nl.affine_range(M // 128):
         for n in nl.affine_range(N // 512):
             ps = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
@@ -35,7 +35,7 @@ def tiled_matmul(lhsT, rhs):
                 b = nl.ndarray((128, 512), dtype=rhs.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=b, src=rhs[k * 128:(k + 1) * 128, n * 512:(n + 1) * 512])
                 nisa.nc_matmul(ps, a, b, accumulate=(k > 0))
-            o = nl.ndarray((128, 512), dtype=nl.bfloat16, buffer=nl.sbuf)
+            o = nl.ndarray((128, 512), dtype=out_dtype, buffer=nl.sbuf)
             nisa.tensor_copy(o, ps)
             nisa.dma_copy(dst=out[m * 128:(m + 1) * 128, n * 512:(n + 1) * 512], src=o)
     return out

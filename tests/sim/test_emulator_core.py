@@ -11,29 +11,15 @@ from diffusers_nki.sim import (NkiLaunchError, NkiOutOfBoundsError, NkiShapeErro
 from diffusers_nki.sim import isa as nisa
 from diffusers_nki.sim import language as nl
 from diffusers_nki.sim import nki_module as nki
+from diffusers_nki.sim.selfbench import tiled_matmul
 
 BF16 = ml_dtypes.bfloat16
 RNG = np.random.default_rng(7)
 
 
 def _tiled_matmul(lhsT, rhs):
-    """The idiomatic GEMM: K-accumulation in one PSUM bank, eviction, store."""
-    K, M = lhsT.shape
-    _, N = rhs.shape
-    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
-    for m in nl.affine_range(M // 128):
-        for n in nl.affine_range(N // 512):
-            ps = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
-            for k in nl.affine_range(K // 128):
-                a = nl.ndarray((128, 128), dtype=lhsT.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=a, src=lhsT[k * 128:(k + 1) * 128, m * 128:(m + 1) * 128])
-                b = nl.ndarray((128, 512), dtype=rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=b, src=rhs[k * 128:(k + 1) * 128, n * 512:(n + 1) * 512])
-                nisa.nc_matmul(ps, a, b, accumulate=(k > 0))
-            o = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(o, ps)
-            nisa.dma_copy(dst=out[m * 128:(m + 1) * 128, n * 512:(n + 1) * 512], src=o)
-    return out
+    """The idiomatic GEMM (K-accumulation in one PSUM bank, eviction, store), fp32 output."""
+    return tiled_matmul(lhsT, rhs, nl.float32)
 
 
 def test_shim_exposes_emulator_modules():
