@@ -1,0 +1,156 @@
+"""`diffusers-nki bench` (the cross-model matrix) on a subset, plus its measurement helpers and the GPU
+rollout script's CPU behaviour (argument checks and a clear refusal without CUDA)."""
+import json
+
+import pytest
+import torch
+
+from diffusers_nki import cli
+from diffusers_nki.bench import gpu_rollout, matrix
+from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter, json_safe, max_rel_err, psnr
+
+
+@pytest.fixture(scope="module")
+def wan_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = cli.build_parser().parse_args(["bench", "--quick", "--families", "wan", "--out", str(out)])
+    rc = args._run(args)
+    return rc, out
+
+
+def test_bench_quick_writes_json_md_and_chart(wan_bench):
+    rc, out = wan_bench
+    assert rc == 0
+    result = json.loads((out / "bench.json").read_text())
+    for key in ("schema", "quick", "backend", "environment", "legend", "rows", "self_forcing_reference"):
+        assert key in result
+    assert [r["family"] for r in result["rows"]] == ["wan"]
+    md = (out / "bench.md").read_text()
+    assert "| wan |" in md and "MODELED" in md
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_bench_row_numbers_were_computed(wan_bench):
+    _, out = wan_bench
+    row = json.loads((out / "bench.json").read_text())["rows"][0]
+    tr = row["transformer"]
+    assert tr["status"] == "ok"
+    assert tr["routing"]["share"] == 1.0 and tr["routing"]["routed"] > 0  # 100% routed, counted calls
+    assert tr["routing"]["by_backend"]["torch"] == tr["routing"]["routed"]
+    assert tr["parity"]["ok"] and tr["parity"]["max_rel_err"] <= matrix.PARITY_RTOL
+    c = tr["cpu_ms_per_forward"]
+    assert c["stock"] > 0 and c["patched"] > 0 and c["measured"] is True
+    pl = row["pipeline"]
+    assert pl["status"] == "ok" and pl["class"] == "WanPipeline" and not pl["ar"]
+    assert pl["routing"]["share"] == 1.0
+    assert pl["parity"]["psnr_db"] == "inf" or pl["parity"]["psnr_db"] >= matrix.PSNR_MIN_DB
+    assert pl["recompiles"]["status"] == "n/a" and pl["recompiles"]["reason"]
+    md = row["modeled"]
+    assert md["status"] == "ok" and md["modeled"] is True and md["unit"] == "forward"
+    assert list(md["targets"]) == ["trn2"]  # --quick models trn2 only
+    t2 = md["targets"]["trn2"]
+    assert t2["chip_s"] > 0 and t2["core_s"] >= t2["chip_s"] and 0 < t2["efficiency"] <= 1
+    assert md["published"]["tokens_per_latent_frame"] == 1560 and md["published"]["sources"]
+
+
+def test_unknown_family_is_a_clear_error(tmp_path, capsys):
+    args = cli.build_parser().parse_args(["bench", "--families", "nope", "--out", str(tmp_path)])
+    assert args._run(args) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "known families" in err
+
+
+def test_markdown_reports_an_unavailable_family_with_its_reason():
+    result = {"environment": {"torch": "x", "diffusers": "y", "threads": 1}, "backend": "torch", "chunks": 3,
+              "repeats": 1, "quick": True, "self_forcing_reference": None,
+              "rows": [{"family": "helios", "class": "HeliosTransformer3DModel", "status": "unavailable",
+                        "reason": "diffusers 0.1 does not provide it"}]}
+    md = matrix.render_markdown(result)
+    line = next(x for x in md.splitlines() if x.startswith("| helios |"))
+    assert "unavailable: diffusers 0.1 does not provide it" in line
+    assert line.count("|") == len(matrix.HEADERS) + 1
+
+
+def test_attention_recorder_counts_each_call_once_and_restores():
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(1, 2, 5, 4)
+    k = torch.randn(1, 2, 7, 4)
+
+    def nested(q, k, v):  # a BSHD op that calls SDPA inside counts once, as itself
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                v.transpose(1, 2)).transpose(1, 2)
+
+    with AttentionRecorder() as rec:
+        torch.nn.functional.scaled_dot_product_attention(q, k, k)
+        torch.nn.functional.scaled_dot_product_attention(q, k, k)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        rec._wrap(nested, "diffusers_nki")(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    assert rec.by_path() == {"sdpa": 3, "diffusers_nki": 1}
+    assert rec.distinct() == 3 and rec.key_lengths() == [5, 7]
+
+
+def test_stub_recorder_returns_zeros_of_the_output_shape():
+    q, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 7, 6)
+    with AttentionRecorder(stub=True) as rec:
+        out = torch.nn.functional.scaled_dot_product_attention(q, torch.randn(1, 2, 7, 4), v)
+    assert out.shape == (1, 2, 5, 6) and not out.any() and len(rec.calls) == 1
+
+
+def test_graph_counter_counts_recompiles():
+    torch._dynamo.reset()
+    gc = GraphCounter()
+    f = torch.compile(lambda x: x * 2, backend=gc, dynamic=False)
+    f(torch.ones(3))
+    f(torch.ones(3))
+    f(torch.ones(4))
+    assert gc.graphs == 2
+    torch._dynamo.reset()
+
+
+def test_metrics():
+    a = torch.tensor([1.0, 2.0, -4.0])
+    assert max_rel_err(a, a) == 0.0
+    assert max_rel_err(a + torch.tensor([0.0, 0.4, 0.0]), a) == pytest.approx(0.1)
+    assert psnr(torch.zeros(4), torch.zeros(4)) == float("inf")
+    assert psnr(torch.zeros(4), torch.full((4,), 0.1)) == pytest.approx(20.0)
+    assert json.loads(json.dumps(json_safe({"x": float("inf"), "y": (1, 2.5)}), allow_nan=False)) == \
+        {"x": "inf", "y": [1, 2.5]}
+
+
+def test_gpu_rollout_parses_and_refuses_without_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_rollout.main([]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to run" in err and "no CUDA device" in err
+    assert gpu_rollout.main(["--chunks", "0"]) == 2
+    assert "--chunks=0" in capsys.readouterr().err
+    assert gpu_rollout.main(["--modes", "stock,fast"]) == 2
+    assert "fast" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_rollout.main(["--dtype", "float64"])
+
+
+def test_gpu_rollout_smoke_runs_its_logic_on_cpu(tmp_path, capsys):
+    """--smoke runs the same stock/patched rollout code at a CPU size (not a benchmark); the patched
+    latents must match stock."""
+    path = tmp_path / "g.json"
+    assert gpu_rollout.main(["--smoke", "--chunks", "2", "--steps", "1", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["smoke"] is True and set(res["modes"]) == {"stock", "patched"}
+    assert res["modes"]["patched"]["static_cache"] is True
+    assert all(m["median_s"] > 0 and m["fps"] > 0 for m in res["modes"].values())
+    assert res["max_rel_diff_patched_vs_stock"] < 1e-4
+    out = capsys.readouterr().out
+    assert "not a benchmark" in out and "Self-Forcing" not in out
+
+
+def test_compiled_graphs_stay_flat_with_the_static_cache():
+    """Static-shape compilation (dynamic=False) of the FAR blocks: stock compiles new graphs as its key length
+    grows chunk after chunk; with the static cache the count does not depend on the number of chunks."""
+    g2 = matrix._graph_counts("anyflow_far", {"frames_per_chunk": 1}, 2, 1, "torch", True)
+    g3 = matrix._graph_counts("anyflow_far", {"frames_per_chunk": 1}, 3, 1, "torch", True)
+    assert g2["mode"].startswith("regional")
+    assert g3["stock"] > g2["stock"] > 0
+    assert g3["patched"] == g2["patched"] > 0
