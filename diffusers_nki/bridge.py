@@ -141,7 +141,72 @@ def check_diffusers() -> list:
     for p in ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "backend"):
         if p not in params:
             problems.append(f"dispatch_attention_fn has no parameter {p!r}")
+    return problems + check_model_internals()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# private model internals the static caches and the patch engine reuse (exact math, never re-implemented)
+# ----------------------------------------------------------------------------------------------------------
+# (module, class, private attribute) triples; a class the installed diffusers lacks is simply not served.
+MODEL_INTERNALS = (
+    ("diffusers.models.transformers.transformer_anyflow_far", "AnyFlowCausalRotaryPosEmbed", "_build_freqs"),
+    ("diffusers.models.transformers.transformer_anyflow_far", "AnyFlowFARTransformer3DModel",
+     "_unpack_latent_sequence"),
+    ("diffusers.models.transformers.transformer_hunyuan_video_framepack",
+     "HunyuanVideoFramepackTransformer3DModel", "_pack_history_states"),
+)
+
+
+def check_model_internals() -> list:
+    """Private model methods we call that the installed diffusers lacks (classes it lacks are skipped)."""
+    import importlib
+
+    problems = []
+    for mod_name, cls_name, attr in MODEL_INTERNALS:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        if not hasattr(cls, attr):
+            problems.append(f"{mod_name}.{cls_name}.{attr} is missing")
     return problems
+
+
+def rope_freqs(rope, device):
+    """AnyFlow-FAR's rotary table: ``AnyFlowCausalRotaryPosEmbed._build_freqs``."""
+    return rope._build_freqs(device)
+
+
+def unpack_latent_sequence(model, out, **kwargs):
+    """AnyFlow-FAR's token -> latent unpacking: ``AnyFlowFARTransformer3DModel._unpack_latent_sequence``."""
+    return model._unpack_latent_sequence(out, **kwargs)
+
+
+def pack_history_states(model, *args):
+    """FramePack's history packing: ``HunyuanVideoFramepackTransformer3DModel._pack_history_states``."""
+    return model._pack_history_states(*args)
+
+
+_NO_VALUE = object()
+
+
+def get_processor_backend(proc):
+    """A dispatch processor's own backend choice (``proc._attention_backend``), as set on the instance, or
+    ``_NO_VALUE`` when the instance has none (it then inherits the class default)."""
+    return vars(proc).get("_attention_backend", _NO_VALUE)
+
+
+def processor_backend(proc):
+    """The backend a dispatch processor passes to diffusers' dispatch (instance or class default), or None."""
+    return getattr(proc, "_attention_backend", None)
+
+
+def set_processor_backend(proc, value) -> None:
+    """Set (or, with ``_NO_VALUE``, remove) a dispatch processor's instance-level backend choice."""
+    if value is _NO_VALUE:
+        vars(proc).pop("_attention_backend", None)
+    else:
+        proc._attention_backend = value
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -217,15 +217,11 @@ def _patch_model(model, family: FamilyPatch, backend: str, strict: bool) -> Mode
             unknown.append(f"{path} ({type(proc).__name__})")
         elif kind == "dispatch" and id(proc) not in retargeted:
             retargeted.add(id(proc))
-            had = "_attention_backend" in vars(proc)
-            old = vars(proc).get("_attention_backend")
-            proc._attention_backend = member
+            old = bridge.get_processor_backend(proc)
+            bridge.set_processor_backend(proc, member)
 
-            def restore(proc=proc, had=had, old=old):
-                if had:
-                    proc._attention_backend = old
-                else:
-                    vars(proc).pop("_attention_backend", None)
+            def restore(proc=proc, old=old):
+                bridge.set_processor_backend(proc, old)
 
             state.undo.append(restore)
         elif kind == "swap":
@@ -514,7 +510,7 @@ def _proc_name(module, kind) -> str:
         return f"{name} [replaces {type(proc.stock).__name__}]"
     if kind == "global":
         return f"{name} [active backend]"
-    be = getattr(proc, "_attention_backend", None)
+    be = bridge.processor_backend(proc)
     value = getattr(be, "value", be)
     if kind in ("dispatch", "unknown") and value is not None:
         return f"{name} [dispatch {value}]"
@@ -546,7 +542,7 @@ def _explain_model(name, model) -> ModelReport:
         if kind == "stock":
             pass
         elif st is None:
-            be = getattr(getattr(module, "processor", None), "_attention_backend", None)
+            be = bridge.processor_backend(getattr(module, "processor", None))
             parsed = bridge.parse_member(be)
             if parsed is not None and kind in ("dispatch", "global"):
                 taken, why = backends.resolve(parsed[0]), f"set_attention_backend({getattr(be, 'value', be)!r})"
@@ -555,7 +551,7 @@ def _explain_model(name, model) -> ModelReport:
         elif kind == "unknown":
             pass
         elif kind == "dispatch":
-            be = getattr(module.processor, "_attention_backend", None)
+            be = bridge.processor_backend(module.processor)
             if bridge.is_ours(be):
                 taken, why = backends.resolve(bridge.parse_member(be)[0]), ""
             else:

@@ -67,6 +67,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from diffusers_nki import bridge
+
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write, round_up
 
 FLEX_BLOCK = 128  # stock pads denoising-step queries/keys to a multiple of this (flex BlockMask block size)
@@ -92,10 +94,10 @@ class _Rope:
     def _build(self, size: int):
         rope = self.rope
         if size <= rope.max_seq_len:
-            freqs = rope._build_freqs(self.device)
+            freqs = bridge.rope_freqs(rope, self.device)
         else:
             longer = type(rope)(rope.attention_head_dim, rope.patch_size, rope.compressed_patch_size, size, rope.theta)
-            freqs = longer._build_freqs(self.device)
+            freqs = bridge.rope_freqs(longer, self.device)
         D = rope.attention_head_dim
         t, h, w = freqs.split_with_sizes([D // 2 - 2 * (D // 6), D // 6, D // 6], dim=1)
         down = [rope.compressed_patch_size[i] // rope.patch_size[i] for i in range(3)]
@@ -341,7 +343,8 @@ class _Rollout:
         hidden = self._run_blocks(module, tokens, ehs, proj, freqs, _DenoiseStep(plan, hook.backend))
         out = _head(module, hidden, temb)
         B, Cin, H, W = self.geometry
-        out = module._unpack_latent_sequence(out, num_frames=n, height=H, width=W, patch_size=module.config.patch_size[1])
+        out = bridge.unpack_latent_sequence(module, out, num_frames=n, height=H, width=W,
+                                           patch_size=module.config.patch_size[1])
         self.stats["denoise_steps"] += 1
         return out[:, :n_real]
 

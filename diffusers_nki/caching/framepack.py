@@ -45,6 +45,8 @@ from typing import List, Optional
 
 import torch
 
+from diffusers_nki import bridge
+
 from .core import Plan, StaticCacheHook, attention, warn_once
 
 __all__ = ["FramePackStaticCache", "FramePackJointProcessor", "make_hook"]
@@ -194,7 +196,7 @@ class FramePackStaticCache(StaticCacheHook):
         clean, h2, h4 = module.clean_x_embedder(a["latents_clean"], a["latents_history_2x"], a["latents_history_4x"])
         ropes = [module.rope(frame_indices=a[f"indices_{n}"], height=H, width=W, device=dev)
                  for n in ("latents_clean", "latents_history_2x", "latents_history_4x")]
-        x, (cos, sin) = module._pack_history_states(x, clean, h2, h4, rope, *ropes, hp, wp)
+        x, (cos, sin) = bridge.pack_history_states(module, x, clean, h2, h4, rope, *ropes, hp, wp)
         n_hist = x.shape[1] - n_lat
         cap = self._history_capacity(n_hist)
         pad = cap - n_hist
