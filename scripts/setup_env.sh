@@ -12,8 +12,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing pinned requirements (torch==2.13.0 CPU, diffusers==0.42.1, ...)"
-  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "pip==26.3"
   .venv/bin/python -m pip install -q -r requirements-lock.txt
-  .venv/bin/python -m pip install -q --no-deps -e .
+  # setuptools prints build warnings even with -q: keep them in a log, shown only on failure
+  .venv/bin/python -m pip install -q --no-deps -e . > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
   echo "$want" > "$stamp"
 fi

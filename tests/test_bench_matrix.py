@@ -154,3 +154,96 @@ def test_compiled_graphs_stay_flat_with_the_static_cache():
     assert g2["mode"].startswith("regional")
     assert g3["stock"] > g2["stock"] > 0
     assert g3["patched"] == g2["patched"] > 0
+
+
+# --- published full-scale configurations (bench/_published.py) ---------------------------------------------
+def test_every_available_family_has_a_published_entry_with_cited_sources():
+    from diffusers_nki import tiny
+    from diffusers_nki.bench._published import published_for
+
+    assert published_for("no-such-family") is None
+    for fam in tiny.available_families():
+        pub = published_for(fam)
+        assert pub is not None, f"{fam}: no published full-scale configuration"
+        assert pub.family == fam and pub.unit in ("forward", "chunk") and pub.setting
+        assert pub.sources and all(isinstance(s, str) and s.strip() for s in pub.sources)
+        cited = [s for s in pub.sources if not s.startswith("ASSUMPTION")]
+        assert cited and all("/" in s for s in cited), f"{fam}: every non-assumption source names a file or page"
+        assert all(len(s) > len("ASSUMPTION: ") + 20 for s in pub.sources if s.startswith("ASSUMPTION")), \
+            f"{fam}: an ASSUMPTION states its reasoning"
+        assert pub.calls and pub.tokens_per_latent_frame > 0 and pub.latent_frames > 0
+        for c in pub.calls:
+            assert c.sq > 0 and c.skv > 0 and c.count > 0 and c.heads > 0 and 0 < c.head_dim <= 128, (fam, c)
+        assert pub.attention_flops() > 0
+
+
+def test_published_history_tokens_match_diffusers_patch_embeds():
+    """FramePack's and Helios's history token counts, recomputed with diffusers' own patch embeddings (padding
+    included) at the published latent size, match the published call shapes."""
+    from diffusers.models.transformers import transformer_helios as th
+    from diffusers.models.transformers.transformer_hunyuan_video_framepack import HunyuanVideoHistoryPatchEmbed
+
+    from diffusers_nki.bench._published import PUBLISHED
+
+    def tokens(t):
+        return 0 if t is None else t.shape[1]
+
+    with torch.no_grad():
+        fp = PUBLISHED["framepack"]
+        lat_h, lat_w = fp.height // 8, fp.width // 8
+        emb = HunyuanVideoHistoryPatchEmbed(1, 1)
+        clean, h2, h4 = emb(torch.zeros(1, 1, 2, lat_h, lat_w), torch.zeros(1, 1, 2, lat_h, lat_w),
+                            torch.zeros(1, 1, 16, lat_h, lat_w))
+        history = tokens(clean) + tokens(h2) + tokens(h4)
+        window = 9 * fp.tokens_per_latent_frame
+        joint = next(c for c in fp.calls if c.name.startswith("joint dual"))
+        assert joint.sq == joint.skv == window + history + 729 + 256
+        assert fp.extra["history_tokens"] == history
+
+        he = PUBLISHED["helios"]
+        lat_h, lat_w = he.height // 8, he.width // 8
+        n = 0
+        for frames, k in ((2, (1, 2, 2)), (2, (2, 4, 4)), (16, (4, 8, 8))):
+            x = th.pad_for_3d_conv(torch.zeros(1, 1, frames, lat_h, lat_w), k)
+            n += torch.nn.Conv3d(1, 1, k, stride=k)(x).flatten(2).shape[2]
+        self_call = next(c for c in he.calls if c.name.startswith("self"))
+        assert self_call.sq == 9 * he.tokens_per_latent_frame + n
+
+
+def test_modeled_published_rows_are_positive_and_finite():
+    import argparse
+    import math
+
+    from diffusers_nki.bench import _modeled
+
+    if not _modeled.available():
+        pytest.skip(_modeled.unavailable_reason())
+    for fam in ("ltx2", "sana_wm_refiner"):
+        md = matrix._modeled_row(fam, argparse.Namespace(quick=True))
+        assert md["status"] == "ok" and md["modeled"] is True and md["published"]["sources"], fam
+        t2 = md["targets"]["trn2"]
+        for key in ("chip_s", "core_s", "useful_flops"):
+            assert math.isfinite(t2[key]) and t2[key] > 0, (fam, key)
+        assert t2["core_s"] >= t2["chip_s"] and 0 < t2["efficiency"] <= 1
+        per_call = sum(c["trn2_call_core_s"] * c["count"] for c in md["calls"])
+        assert per_call == pytest.approx(t2["core_s"], rel=1e-9)
+    assert md["unit"] == "chunk" and md["published"]["kv_cache_tokens"] > 0  # the refiner's sink + history window
+
+
+def test_sana_video_models_only_its_softmax_cross_attention():
+    from diffusers_nki.bench._published import PUBLISHED
+
+    pub = PUBLISHED["sana_video"]
+    assert [c.name for c in pub.calls] == ["cross (text)"]
+    assert all(c.skv == 300 for c in pub.calls) and "linear attention" in pub.notes and "stays stock" in pub.notes
+
+
+def test_markdown_notes_carry_the_published_notes():
+    result = {"environment": {"torch": "x", "diffusers": "y", "threads": 1}, "backend": "torch", "chunks": 3,
+              "repeats": 1, "quick": True, "self_forcing_reference": None,
+              "rows": [{"family": "ltx", "class": "LTXVideoTransformer3DModel", "status": "ok",
+                        "modeled": {"status": "ok", "unit": "forward", "shapes_from": "analytic",
+                                    "targets": {"trn2": {"chip_s": 0.05, "efficiency": 0.35}},
+                                    "published": {"notes": "head_dim 64 halves it"}}}]}
+    md = matrix.render_markdown(result)
+    assert "- ltx modeled: analytic; head_dim 64 halves it" in md

@@ -476,6 +476,8 @@ def render_markdown(result: dict) -> str:
             if d.get("status") in ("error", "not patched", "unavailable") or (
                     part == "modeled" and d.get("status") == "ok"):
                 msg = d.get("reason") or d.get("shapes_from", "")
+                if part == "modeled" and (d.get("published") or {}).get("notes"):
+                    msg += "; " + d["published"]["notes"]
                 if msg:
                     lines.append(f"- {row['family']} {part}: {msg}")
     return "\n".join(lines) + "\n"
