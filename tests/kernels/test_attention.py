@@ -32,9 +32,8 @@ import diffusers_nki.kernels.attention as attn
 from diffusers_nki import ops
 from diffusers_nki.kernels.attention_ref import attention_oracle, attention_ref
 from diffusers_nki.sim import NkiValidationError, simulate
+from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
-K_TOL = 2.0
-FLOOR = {torch.bfloat16: 2.0 ** -10, torch.float16: 2.0 ** -12, torch.float32: 2.0 ** -22}
 CAPACITY = 300
 CACHE_LEN = {"absent": None, "empty": 0, "partial": 161, "full": CAPACITY}
 
@@ -50,46 +49,10 @@ FACTORS = {
 
 
 def _pairs(row):
-    names = list(FACTORS)
-    return {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+    return pairs_of(row, FACTORS)
 
 
-def pairwise_rows():
-    """Deterministic greedy pairwise design: the Sq x Skv product (36 rows), other factors chosen to cover the
-    most uncovered pairs (ties broken by rotation), then extra rows until every pair is covered."""
-    names = list(FACTORS)
-    todo = set()
-    for a, b in itertools.combinations(names, 2):
-        todo |= {(a, x, b, y) for x in FACTORS[a] for y in FACTORS[b]}
-    rows = []
-
-    def complete(row, salt):
-        for n in names:
-            if n in row:
-                continue
-            best, best_gain = None, -1
-            vals = FACTORS[n]
-            for i in range(len(vals)):
-                v = vals[(i + salt) % len(vals)]
-                gain = sum((m, row[m], n, v) in todo or (n, v, m, row[m]) in todo for m in row)
-                if gain > best_gain:
-                    best, best_gain = v, gain
-            row[n] = best
-        return row
-
-    for i, (sq, skv) in enumerate(itertools.product(FACTORS["sq"], FACTORS["skv"])):
-        row = complete({"sq": sq, "skv": skv}, i)
-        rows.append(row)
-        todo -= _pairs(row)
-    while todo:
-        a, x, b, y = sorted(todo, key=str)[0]
-        row = complete({a: x, b: y}, len(rows))
-        rows.append(row)
-        todo -= _pairs(row)
-    return rows
-
-
-ROWS = pairwise_rows()
+ROWS = pairwise_rows(FACTORS, base=("sq", "skv"))
 
 
 def _row_id(r):

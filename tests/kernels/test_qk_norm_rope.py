@@ -26,9 +26,8 @@ import torch
 import diffusers_nki.kernels.qk_norm_rope as qkr
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_oracle, qk_norm_rope_ref
 from diffusers_nki.sim import NkiValidationError, cost, simulate
+from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
-K_TOL = 2.0
-FLOOR = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -10, torch.float16: 2.0 ** -12}
 LAYOUTS = {"b1h1": (1, 1, "wan"), "b2h3": (2, 3, "wan"), "b2h2pb": (2, 2, "random_per_batch"),
            "b1h12": (1, 12, "random")}
 FACTORS = {
@@ -41,39 +40,10 @@ FACTORS = {
 
 
 def _pairs(row):
-    return {(a, row[a], b, row[b]) for a, b in itertools.combinations(FACTORS, 2)}
+    return pairs_of(row, FACTORS)
 
 
-def pairwise_rows():
-    """The S x D product, the other factors chosen greedily to cover the most uncovered pairs, then extra rows
-    until every pair of factor values is covered (deterministic)."""
-    todo = set()
-    for a, b in itertools.combinations(FACTORS, 2):
-        todo |= {(a, x, b, y) for x in FACTORS[a] for y in FACTORS[b]}
-    rows = []
-
-    def complete(row, salt):
-        for n in FACTORS:
-            if n not in row:
-                vals = FACTORS[n]
-                cands = [vals[(i + salt) % len(vals)] for i in range(len(vals))]
-                row[n] = max(cands, key=lambda v: sum((m, row[m], n, v) in todo or (n, v, m, row[m]) in todo
-                                                      for m in row))
-        return row
-
-    for i, (s, d) in enumerate(itertools.product(FACTORS["s"], FACTORS["d"])):
-        row = complete({"s": s, "d": d}, i)
-        rows.append(row)
-        todo -= _pairs(row)
-    while todo:
-        a, x, b, y = sorted(todo, key=str)[0]
-        row = complete({a: x, b: y}, len(rows))
-        rows.append(row)
-        todo -= _pairs(row)
-    return rows
-
-
-ROWS = pairwise_rows()
+ROWS = pairwise_rows(FACTORS, base=("s", "d"))
 
 
 def _row_id(r):
