@@ -492,7 +492,7 @@ def render_chart(result: dict, path: str) -> Optional[str]:
     except ImportError as e:
         return f"matplotlib unavailable: {e}"
     rows = [r for r in result["rows"] if r.get("status") == "ok"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.4))
     # (a) measured CPU ratio per family
     ax = axes[0]
     fams = [r["family"] for r in rows if r.get("transformer", {}).get("status") == "ok"]
@@ -523,17 +523,18 @@ def render_chart(result: dict, path: str) -> Optional[str]:
     if ref and "trn2" in ref["targets"]:
         labels.append("Self-Forcing (c)")
         vals.append(1e3 * ref["targets"]["trn2"]["chip_s"])
-    bars = ax.bar(labels, vals, color="#8172b2")
+    bars = ax.barh(labels, vals, color="#8172b2")
     effs = [r["modeled"]["targets"]["trn2"]["efficiency"] for r in mrows]
     if ref and "trn2" in ref["targets"]:
         effs.append(ref["targets"]["trn2"]["efficiency"])
     for b, e in zip(bars, effs):
-        ax.annotate(f"{100 * e:.0f}%", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
+        ax.annotate(f" {100 * e:.0f}%", (b.get_width(), b.get_y() + b.get_height() / 2), ha="left", va="center")
     if vals:
-        ax.set_yscale("log")
-    ax.tick_params(axis="x", labelrotation=25)
-    ax.set_ylabel("ms per forward (f) or AR chunk (c), one trn2 chip")
-    ax.set_title("MODELED trn2 attention at full scale (label: PE efficiency)")
+        ax.set_xscale("log")
+        ax.set_xlim(right=max(vals) * 8)  # room for the labels
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per forward (f) or AR chunk (c), one trn2 chip")
+    ax.set_title("MODELED trn2 attention, full scale (label: PE eff.)")
     fig.suptitle("diffusers_nki benchmark matrix (measured on CPU with tiny models; Trainium columns MODELED)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
