@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.fx
 
 from diffusers_nki import backends, ops
 
@@ -373,6 +374,17 @@ def pop_record(record) -> None:
             stack.pop()
 
 
+def record_mark() -> int:
+    """The record stack's depth (restored by ``reset_records`` once a patched model's forward ends)."""
+    return 0 if _compiling() else len(_stack())
+
+
+def reset_records(mark: int) -> None:
+    """Drop records left above ``mark`` by attention forwards that raised (their pop hook did not run)."""
+    if not _compiling():
+        del _stack()[mark:]
+
+
 def current_record():
     if _compiling():
         return None
@@ -388,15 +400,36 @@ def note_routed(n: int = 1) -> None:
         rec.calls += n
 
 
-def fallback(reason: str, strict: bool, where: str = "") -> None:
-    """Record (and warn once about) a fallback to stock attention, or raise in strict mode."""
+def fallback(reason: str, strict: bool, where: str = "", anchor: Optional[torch.Tensor] = None) -> None:
+    """Record (and warn once about) a fallback to stock attention, or raise in strict mode.
+
+    ``anchor``: any tensor of the call (e.g. the query). Inside ``torch.compile`` the record is then made by the
+    side-effecting custom op ``diffusers_nki::stock_fallback``, a node of the graph that runs at call time;
+    without an anchor it is a ``torch.compiler.disable``d call, which splits the graph (a graph break)."""
     if strict:
         rec = current_record()
         place = where or (getattr(rec, "path", "") if rec is not None else "")
         raise StrictFallbackError(
             f"diffusers_nki (strict): {place + ': ' if place else ''}the NKI attention kernel cannot serve this "
             f"call: {reason}")
+    if anchor is not None and _compiling():
+        _stock_fallback_op(anchor, reason, where)
+    else:
+        _record_fallback(reason, where)
+
+
+@torch.library.custom_op("diffusers_nki::stock_fallback", mutates_args=())
+def _stock_fallback_op(anchor: torch.Tensor, reason: str, where: str) -> None:
+    """Records one visible fallback at call time from inside a compiled graph (``anchor`` is not read)."""
     _record_fallback(reason, where)
+
+
+@_stock_fallback_op.register_fake
+def _stock_fallback_fake(anchor, reason, where):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.diffusers_nki.stock_fallback.default)  # never dead-code eliminated
 
 
 @torch.compiler.disable  # runs at call time, also from compiled code (where the module hooks do not run)
@@ -574,7 +607,7 @@ def route(query, key, value, attn_mask=None, *, is_causal=False, scale=None, dro
     p, reason = plan(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                      enable_gqa=enable_gqa, reason=reason)
     if reason is not None:
-        fallback(reason, strict)
+        fallback(reason, strict, anchor=query)
         return stock()
     out = run_plan(p, query, key, value, scale, backend)
     note_routed()

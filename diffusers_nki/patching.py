@@ -244,10 +244,20 @@ def _patch_model(model, family: FamilyPatch, backend: str, strict: bool) -> Mode
 
             state.undo.append(restore_forward)
         if kind != "stock":
+            # No always_call here: torch.compile guards on this hook's (per-module) id in
+            # _forward_hooks_always_called, so every repeated block would compile its own graph. A forward
+            # that raises leaves its record on the stack; the model-level always-called hook below (outside
+            # any repeated block) truncates the stack back when the model's forward ends.
             h1 = module.register_forward_pre_hook(lambda m, a, rec=rec: bridge.push_record(rec))
-            h2 = module.register_forward_hook(lambda m, a, o, rec=rec: bridge.pop_record(rec), always_call=True)
+            h2 = module.register_forward_hook(lambda m, a, o, rec=rec: bridge.pop_record(rec))
             state.undo.append(h1.remove)
             state.undo.append(h2.remove)
+    marks = []
+    h1 = model.register_forward_pre_hook(lambda m, a: marks.append(bridge.record_mark()))
+    h2 = model.register_forward_hook(lambda m, a, o: bridge.reset_records(marks.pop() if marks else 0),
+                                     always_call=True)
+    state.undo.append(h1.remove)
+    state.undo.append(h2.remove)
     if family.global_backend:
         saved = []
 

@@ -166,7 +166,7 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views
         problems = ops.attention_not_supported_reasons(q, k, v)
         if problems:
-            bridge.fallback("kernel limits: " + "; ".join(problems), self.strict)
+            bridge.fallback("kernel limits: " + "; ".join(problems), self.strict, anchor=q)
             return stock()
         if attention_mask is None:
             if pad:
@@ -176,7 +176,7 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
         else:
             segments, reason = self._segments(attention_mask, seq_len, k.shape[1], pad)
             if reason is not None:
-                bridge.fallback(reason, self.strict)
+                bridge.fallback(reason, self.strict, anchor=q)
                 return stock()
             if max(s[3] for s in segments) > k.shape[1]:
                 k = torch.cat([k, _zeros_like_rows(k, pad)], dim=1)
@@ -223,7 +223,7 @@ class NKIWanAnimate2AttnProcessor(_Routed):
         value = value.unflatten(2, (attn.heads, -1))
         problems = ops.attention_not_supported_reasons(query, key, value)
         if problems:
-            bridge.fallback("kernel limits: " + "; ".join(problems), self.strict)
+            bridge.fallback("kernel limits: " + "; ".join(problems), self.strict, anchor=query)
             return stock()
 
         if kv_cache_mode == "extract":
@@ -242,7 +242,7 @@ class NKIWanAnimate2AttnProcessor(_Routed):
             hw, ref_hw, f0, hwo = height * width, ref_height * ref_width, origin_latent_frames, origin_latent_hw
             reason = self._check_cached_mask(attention_mask, f0, hwo, frames, hw, ref_frames, ref_hw)
             if reason is not None:
-                bridge.fallback(reason, self.strict)
+                bridge.fallback(reason, self.strict, anchor=query)
                 return stock()
             bsz, _, heads, head_dim = query.shape
             valid, ref_valid = frames * hw, ref_frames * ref_hw
@@ -314,7 +314,7 @@ def sana_wm_softmax_forward(stock_module, backend: str, strict: bool):
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
         problems = ops.attention_not_supported_reasons(q, k, v)
         if problems:
-            bridge.fallback("kernel limits: " + "; ".join(problems), strict)
+            bridge.fallback("kernel limits: " + "; ".join(problems), strict, anchor=q)
             return stock_forward(self, query, key, value, rotary_emb, token_valid_mask)
         out = _run_segments(q, k, v, ((0, seq_len, 0, seq_len),), backend)
         return out.reshape(batch_size, seq_len, num_heads * head_dim).to(dtype_orig)
@@ -371,7 +371,7 @@ def sana_wm_softmax_cam_forward(stock_module, backend: str, strict: bool):
         qs, ks, vs = (t.transpose(1, 2) for t in (qs, ks, vs))
         plan, reason = bridge.plan(qs, ks, vs, bias)
         if reason is not None:
-            bridge.fallback(reason, strict)
+            bridge.fallback(reason, strict, anchor=qs)
             return stock()
         out = bridge.run_plan(plan, qs, ks, vs, None, backend)[..., :head_dim]
         bridge.note_routed()

@@ -41,6 +41,7 @@ fixed-length text) is left to ``diffusers_nki.patch``.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -137,8 +138,17 @@ class FramePackStaticCache(StaticCacheHook):
     def __init__(self, config, model=None):
         super().__init__(config, model)
         self.capacity: Optional[int] = config.capacity
-        self.stats = dict(calls=0, stock_calls=0, history_tokens=0, history_padding=0, text_tokens=0,
-                          text_padding=0, capacity=self.capacity or 0)
+        self._stats = dict(calls=0, stock_calls=0, history_tokens=0, history_padding=0, text_tokens=0,
+                           text_padding=0, capacity=self.capacity or 0)
+        self._text_pending = None  # device tensor: effective text tokens of the calls not yet folded into stats
+
+    @property
+    def stats(self) -> dict:
+        if self._text_pending is not None:  # read lazily: serving a call never waits for the device
+            n, self._text_pending = int(self._text_pending), None
+            self._stats["text_tokens"] += n
+            self._stats["text_padding"] -= n
+        return self._stats
 
     def initialize_hook(self, module):
         from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
@@ -153,12 +163,23 @@ class FramePackStaticCache(StaticCacheHook):
         return module
 
     def new_forward(self, module, *args, **kwargs):
+        # Host bookkeeping (argument binding, checks, capacity, statistics) runs outside any torch.compile'd
+        # region (torch.compiler.disable): guarded Python state that changes per call (the counters) would
+        # otherwise recompile the forward on every call. What it hands over is fixed per layout.
+        call = self._prepare(module, args, kwargs)
+        if call is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        out = self._serve(module, call)
+        return (out,) if not call.a["return_dict"] else _output(out)
+
+    @torch.compiler.disable
+    def _prepare(self, module, args, kwargs) -> Optional["_Call"]:
         a = self.bind(args, kwargs)
         if torch.is_grad_enabled():
-            self.stats["stock_calls"] += 1
+            self._stats["stock_calls"] += 1
             warn_once("framepack:stock:grad", "FramePack static cache: gradients are enabled; this call runs the stock "
                                               "forward")
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return None
         lora_scale = (a.get("attention_kwargs") or {}).get("scale", 1.0)
         if lora_scale != 1.0:
             raise NotImplementedError(f"attention_kwargs['scale']={lora_scale} (LoRA scale) is not supported with "
@@ -168,8 +189,24 @@ class FramePackStaticCache(StaticCacheHook):
             if a[name] is None:
                 raise ValueError(f"FramePack static cache: {name} is None; the transformer needs all three history "
                                  f"inputs and their indices (the stock forward fails without them too)")
-        out = self._serve(module, a)
-        return (out,) if not a["return_dict"] else _output(out)
+            # the pipeline passes views of one history buffer whose strides change per section: a compiled
+            # forward would recompile on every stride; a contiguous copy has the same values and one layout
+            a[name] = a[name].contiguous()
+        n_hist = _history_tokens(a["latents_clean"], a["latents_history_2x"], a["latents_history_4x"])
+        cap = self._history_capacity(n_hist)
+        B = a["hidden_states"].shape[0]
+        mask = a["encoder_attention_mask"]
+        n_cond = a["image_embeds"].shape[1] + mask.shape[1]  # image + text tokens per row (never trimmed)
+        s = self._stats
+        s["calls"] += 1
+        s["history_tokens"] += n_hist
+        s["history_padding"] += cap - n_hist
+        s["text_tokens"] += B * a["image_embeds"].shape[1]
+        s["text_padding"] += B * n_cond - B * a["image_embeds"].shape[1]
+        text = mask.sum(dtype=torch.int64)
+        self._text_pending = text if self._text_pending is None else self._text_pending + text
+        history = Plan({"history": n_hist}, B, a["hidden_states"].device).scalar("history")
+        return _Call(a, n_hist, cap, history)
 
     def _history_capacity(self, n: int) -> int:
         if self.capacity is None or (n > self.capacity and self.config.capacity is None):
@@ -178,13 +215,15 @@ class FramePackStaticCache(StaticCacheHook):
                                                  f"{self.capacity} set by an earlier call; growing it (a new shape). "
                                                  f"Set StaticCacheConfig(capacity={n}, unit='tokens') to fix it")
             self.capacity = n
-            self.stats["capacity"] = n
+            self._stats["capacity"] = n
         if n > self.capacity:
             raise ValueError(f"FramePack static cache: {n} history tokens exceed StaticCacheConfig.capacity="
                              f"{self.capacity} tokens")
         return self.capacity
 
-    def _serve(self, module, a: dict) -> torch.Tensor:
+    def _serve(self, module, call: "_Call") -> torch.Tensor:
+        """The forward over the static layout: tensors only (no host reads, no Python state written)."""
+        a, n_hist, cap = call.a, call.n_hist, call.cap
         hs = a["hidden_states"]
         B, _, F, H, W = hs.shape
         p, p_t = module.config.patch_size, module.config.patch_size_t
@@ -197,8 +236,9 @@ class FramePackStaticCache(StaticCacheHook):
         ropes = [module.rope(frame_indices=a[f"indices_{n}"], height=H, width=W, device=dev)
                  for n in ("latents_clean", "latents_history_2x", "latents_history_4x")]
         x, (cos, sin) = bridge.pack_history_states(module, x, clean, h2, h4, rope, *ropes, hp, wp)
-        n_hist = x.shape[1] - n_lat
-        cap = self._history_capacity(n_hist)
+        if x.shape[1] - n_lat != n_hist:  # shapes only: free under torch.compile
+            raise RuntimeError(f"FramePack static cache: {x.shape[1] - n_lat} packed history tokens, expected "
+                               f"{n_hist} from the history latents' shapes")
         pad = cap - n_hist
         if pad:
             x = torch.cat([x[:, :n_hist], x.new_zeros(B, pad, x.shape[2]), x[:, n_hist:]], dim=1)
@@ -212,20 +252,12 @@ class FramePackStaticCache(StaticCacheHook):
         ehs = torch.cat([image, ehs], dim=1)
         effective = image.shape[1] + mask.sum(dim=1, dtype=torch.int32)  # [B] (stock: the same count)
         kv_len = (n_lat + effective).to(torch.int32)
-        history = Plan({"history": n_hist}, B, dev).scalar("history")
-        step = _Step(cap, history, kv_len, self.backend)
+        step = _Step(cap, call.history, kv_len, self.backend)
         for block in list(module.transformer_blocks) + list(module.single_transformer_blocks):
             x, ehs = block(x, ehs, temb, step, (cos, sin))
 
         x = module.proj_out(module.norm_out(x[:, -n_lat:], temb))
         x = x.reshape(B, pf, hp, wp, -1, p_t, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)
-        s = self.stats
-        s["calls"] += 1
-        s["history_tokens"] += n_hist
-        s["history_padding"] += pad
-        n_eff = int(effective.sum())
-        s["text_tokens"] += n_eff
-        s["text_padding"] += B * ehs.shape[1] - n_eff
         return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
     def describe(self) -> List[str]:
@@ -240,6 +272,26 @@ class FramePackStaticCache(StaticCacheHook):
             f"history tokens: {s['history_tokens']} real + {s['history_padding']} padding (masked by cache_len)",
             f"image + text tokens: {s['text_tokens']} effective + {s['text_padding']} padding (masked by kv_len)",
         ]
+
+
+class _Call:
+    """One served call: the bound arguments and its fixed layout (history tokens, capacity, the history length
+    as a runtime int tensor)."""
+
+    __slots__ = ("a", "n_hist", "cap", "history")
+
+    def __init__(self, a: dict, n_hist: int, cap: int, history: torch.Tensor):
+        self.a, self.n_hist, self.cap, self.history = a, n_hist, cap, history
+
+
+def _history_tokens(clean, h2, h4) -> int:
+    """Tokens ``HunyuanVideoHistoryPatchEmbed`` makes of the clean / 2x / 4x history latents ``[B, C, T, H, W]``
+    (kernels (1, 2, 2), (2, 4, 4), (4, 8, 8); the 2x and 4x inputs are first padded to whole kernels)."""
+    def tokens(t, k, pad):
+        dims = t.shape[2:]
+        return math.prod(-(-d // kk) if pad else d // kk for d, kk in zip(dims, k))
+
+    return tokens(clean, (1, 2, 2), False) + tokens(h2, (2, 4, 4), True) + tokens(h4, (4, 8, 8), True)
 
 
 def _output(sample):

@@ -163,3 +163,28 @@ def test_bad_inputs_and_growth(model, caplog):
     finally:
         remove_static_cache(model)
     assert "40 history tokens exceed the capacity 22" in caplog.text
+
+
+def test_compiled_forward_is_one_graph_for_every_section(rel_err):
+    # whole-forward torch.compile over the cached forward: the hook's counters used to be guarded (a recompile
+    # per call), its text count a graph break, and the history views' strides (they change per section in
+    # the pipeline) a recompile each; the host bookkeeping now runs outside the graph on contiguous copies
+    model, make_inputs = tiny_transformer("framepack")
+    full = make_inputs()
+    h2 = full["latents_history_2x"]
+    calls = []
+    for extra in (0, 1, 3):  # views of wider history buffers: same values, other strides
+        buf = torch.cat([h2, torch.zeros_like(h2[:, :, :1]).expand(-1, -1, extra, -1, -1)], dim=2)
+        calls.append(dict(full, latents_history_2x=buf[:, :, : h2.shape[2]]))
+    refs = [model(**x).sample for x in calls]
+    apply_static_cache(model, _config())
+    torch._dynamo.reset()
+    counter = GraphCounter()
+    model.forward = torch.compile(model.forward, backend=counter, dynamic=False)
+    outs = [model(**x).sample for x in calls]
+    stats = dict(find_hook(model).stats)
+    torch._dynamo.reset()
+    assert counter.graphs == 1
+    assert max(rel_err(o, r) for o, r in zip(outs, refs)) <= 1e-4
+    n_text = full["image_embeds"].shape[1] + int(full["encoder_attention_mask"].sum())
+    assert stats["calls"] == 3 and stats["text_tokens"] == 3 * n_text
