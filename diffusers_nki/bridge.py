@@ -18,7 +18,8 @@ mask:
 - ``attn_mask=None`` -> no mask; ``is_causal=True`` -> ``causal_block=1``;
 - a boolean mask, or an additive one whose entries in each query row are either the row's maximum (visible:
   softmax is shift-invariant) or at least 1000 below it (excluded: the weight underflows to exactly 0 in every
-  float format), where every query sees a key PREFIX:
+  float format; a row whose maximum is <= -1000, e.g. all finfo.min, is not represented, a row all -inf sees no
+  key), where every query sees a key PREFIX:
   same prefix for every query of a batch element -> ``kv_len`` (key padding; all keys -> no mask);
   prefix ends following ``(i // c + 1) * c`` -> ``causal_block=c`` (a dense block-causal mask);
   at most ``MAX_ROW_GROUPS`` distinct prefix lengths per batch element -> that many kernel calls with ``kv_len``,
@@ -526,8 +527,15 @@ def _analyse_mask(mask, B, H, Sq, Sk):
         # softmax is shift-invariant per query row: the row's largest bias marks the visible keys, anything
         # at least 1000 below it is excluded (its weight underflows to exactly 0), anything else is a real bias
         top = m.amax(-1, keepdim=True)
-        vis = (m == top) & torch.isfinite(top)
-        if not bool((vis | (m <= top + EXCLUDED_AT_OR_BELOW) | ~torch.isfinite(top)).all()):
+        # a row at -inf everywhere sees no key (SDPA gives zeros, as the kernel does); a row whose maximum is
+        # NaN, +inf or finite but <= -1000 (e.g. all finfo.min) is not a mask SDPA applies as one: with such a
+        # shift SDPA's logits lose the scores (finfo.min: a uniform average), so it is not represented
+        live = torch.isfinite(top) & (top > EXCLUDED_AT_OR_BELOW)
+        if not bool((live | (top == float("-inf"))).all()):
+            return None, ("additive attn_mask has a query row whose largest value is NaN, +inf or <= "
+                          f"{EXCLUDED_AT_OR_BELOW:g} (a fully masked row that stock SDPA does not zero)")
+        vis = (m == top) & live
+        if not bool((vis | (m <= top + EXCLUDED_AT_OR_BELOW)).all()):
             return None, ("additive attn_mask is a real bias (values neither equal to the row maximum nor "
                           "1000 below it)")
     else:
@@ -563,13 +571,17 @@ def _analyse_mask(mask, B, H, Sq, Sk):
 
 
 def run_plan(plan: Plan, q, k, v, scale, backend: str):
+    """The kernel call(s) of ``plan`` (one per row group), each attributed to the current module's record."""
     if not plan.groups:
-        return ops.attention(q, k, v, kv_len=plan.kv_len, scale=scale, causal_block=plan.causal_block,
-                             backend=backend)
+        out = ops.attention(q, k, v, kv_len=plan.kv_len, scale=scale, causal_block=plan.causal_block,
+                            backend=backend)
+        note_routed()
+        return out
     out = None
     for kvl, rows in plan.groups:
         o = ops.attention(q, k, v, kv_len=kvl, scale=scale, backend=backend)
         out = o if out is None else torch.where(rows[:, :, None, None], o, out)
+    note_routed(len(plan.groups))
     return out
 
 
@@ -609,9 +621,7 @@ def route(query, key, value, attn_mask=None, *, is_causal=False, scale=None, dro
     if reason is not None:
         fallback(reason, strict, anchor=query)
         return stock()
-    out = run_plan(p, query, key, value, scale, backend)
-    note_routed()
-    return out
+    return run_plan(p, query, key, value, scale, backend)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -319,7 +319,10 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     args = (resolved, strict, cache)
     prev = _object_states.get(pipe_or_model)
     if prev is not None:
-        if prev.args[0] == args[0] and prev.args[1] == args[1] and prev.args[2] is cache:
+        same_models = all(  # a model re-patched since (through another object) no longer has these arguments
+            (st := _model_states.get(comp)) is not None and st.backend == resolved and st.strict == strict
+            for _, comp in prev.models)
+        if prev.args[0] == args[0] and prev.args[1] == args[1] and prev.args[2] is cache and same_models:
             return pipe_or_model
         unpatch(pipe_or_model)
     bridge.install()

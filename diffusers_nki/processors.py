@@ -139,7 +139,9 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
         if kv_cache is not None:
             if kv_cache_flag["is_cache_step"]:
                 n_c, n_f = kv_cache_flag["num_compressed_tokens"], kv_cache_flag["num_full_tokens"]
-                if key.shape[2] - n_c != n_f:  # the stock slice assignment raises on this; let it
+                if key.shape[2] - n_c != n_f:  # stock's slice assignment raises (or broadcasts a 1-token chunk)
+                    bridge.fallback(f"cache step with {key.shape[2]} tokens != num_compressed_tokens {n_c} + "
+                                    f"num_full_tokens {n_f}", self.strict, anchor=key)
                     return stock()
                 slot = torch.zeros(1, dtype=torch.int32, device=key.device)
                 kb, vb = key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
@@ -374,7 +376,6 @@ def sana_wm_softmax_cam_forward(stock_module, backend: str, strict: bool):
             bridge.fallback(reason, strict, anchor=qs)
             return stock()
         out = bridge.run_plan(plan, qs, ks, vs, None, backend)[..., :head_dim]
-        bridge.note_routed()
         hidden_states = out.permute(0, 2, 3, 1)  # (B, H, D, N), as the stock code after its transpose
         if hidden_states.dtype != dtype_orig:
             hidden_states = hidden_states.to(dtype_orig)

@@ -372,8 +372,27 @@ def _plan_segments(ranges, D, isz, budget, nb):
     return segs
 
 
+def _check_shapes(q, k, v, k_cache, v_cache):
+    """Trace-time shape checks (shapes are compile-time constants), so a direct launch that bypasses the
+    op layer's ``not_supported_reasons`` still fails clearly instead of leaving heads uncomputed."""
+    B, Sq, H, D = q.shape
+    if D < 1 or D > P:
+        raise ValueError(f"attention_kernel: head_dim D={D} is outside the supported range 1..{P}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"attention_kernel: k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D or k.shape[2] < 1 or H % k.shape[2] != 0:
+        raise ValueError(f"attention_kernel: k shape {tuple(k.shape)} must be [B={B}, Skv, Hkv, D={D}] with "
+                         f"H={H} a multiple of Hkv")
+    if k_cache != None:  # noqa: E711
+        want = (B, k_cache.shape[1], k.shape[2], D)
+        if tuple(k_cache.shape) != want or tuple(v_cache.shape) != want:
+            raise ValueError(f"attention_kernel: cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                             f"must both be [B={B}, C, Hkv={k.shape[2]}, D={D}]")
+
+
 @nki.jit
 def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block):
+    _check_shapes(q, k, v, k_cache, v_cache)
     B, Sq, H, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
     has_cache = k_cache != None  # noqa: E711  (NKI rejects `is`; a tensor never equals None)

@@ -61,8 +61,9 @@ def not_supported_reasons(q, k, v, k_cache=None, v_cache=None, cache_len=None, k
             r.append(f"k_cache shape {tuple(k_cache.shape)} differs from v_cache shape {tuple(v_cache.shape)}")
         if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[2] != Hkv or k_cache.shape[3] != D:
             r.append(f"cache shape {tuple(k_cache.shape)} must be [B={B}, C, Hkv={Hkv}, D={D}]")
-        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            r.append(f"cache dtype {k_cache.dtype} differs from q.dtype {q.dtype}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                r.append(f"{name}.dtype {t.dtype} differs from q.dtype {q.dtype}")
         if cache_len is None:
             r.append("cache_len (int32 tensor of shape [1]) is required with a cache")
     if cache_len is not None and (cache_len.dtype not in (torch.int32, torch.int64) or cache_len.numel() != 1):

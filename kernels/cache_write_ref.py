@@ -25,8 +25,9 @@ def not_supported_reasons(k_cache, v_cache, k, v, slot) -> List[str]:
         r.append(f"chunk shape {tuple(k.shape)} does not match cache shape {tuple(k_cache.shape)} in B, H or D")
     if k.shape[1] > C:
         r.append(f"chunk of {k.shape[1]} tokens exceeds the cache capacity {C}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        r.append(f"chunk dtype {k.dtype} differs from cache dtype {k_cache.dtype}")
+    for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dtype != c.dtype:
+            r.append(f"chunk {name} dtype {t.dtype} differs from cache dtype {c.dtype}")
     if slot.dtype not in (torch.int32, torch.int64) or slot.numel() != 1:
         r.append(f"slot must be an integer tensor with one element, got {slot.dtype} {tuple(slot.shape)}")
     return r

@@ -126,6 +126,8 @@ def test_gpu_rollout_parses_and_refuses_without_cuda(capsys, monkeypatch):
     assert "refusing to run" in err and "no CUDA device" in err
     assert gpu_rollout.main(["--chunks", "0"]) == 2
     assert "--chunks=0" in capsys.readouterr().err
+    assert gpu_rollout.main(["--chunks", "1"]) == 2  # full_chunk_limit = chunks must be >= 2
+    assert "--chunks=1 must be >= 2" in capsys.readouterr().err
     assert gpu_rollout.main(["--modes", "stock,fast"]) == 2
     assert "fast" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -139,6 +141,7 @@ def test_gpu_rollout_smoke_runs_its_logic_on_cpu(tmp_path, capsys):
     assert gpu_rollout.main(["--smoke", "--chunks", "2", "--steps", "1", "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     assert res["smoke"] is True and set(res["modes"]) == {"stock", "patched"}
+    assert res["dtype"] == "float32"  # --smoke runs float32 whatever --dtype says
     assert res["modes"]["patched"]["static_cache"] is True
     assert all(m["median_s"] > 0 and m["fps"] > 0 for m in res["modes"].values())
     assert res["max_rel_diff_patched_vs_stock"] < 1e-4

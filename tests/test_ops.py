@@ -122,6 +122,21 @@ def test_compile_fullgraph_no_recompile_on_new_lengths():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["torch", "sim"])
+def test_ops_pass_opcheck(backend):
+    # fake (meta) impls vs real outputs (shape, dtype, strides), declared mutations, autograd registration
+    q, k, v = _qkv()
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a non-contiguous BSHD view, as processors pass
+    kw = _args("all")
+    args = (q, k, v, kw["k_cache"], kw["v_cache"], kw["cache_len"].int(), kw["kv_len"].int(), 0.3, 2, backend)
+    for a in (args, (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, None, None, None, 0, backend)):
+        torch.library.opcheck(torch.ops.diffusers_nki.attention.default, a)
+    base = torch.zeros(2, 2, 2, 8, 8)  # non-contiguous cache views
+    torch.library.opcheck(torch.ops.diffusers_nki.cache_write.default,
+                          (base[0].transpose(1, 2), base[1].transpose(1, 2), k[:, :3], v[:, :3],
+                           torch.tensor([2], dtype=torch.int32), backend))
+
+
 def test_fake_impl_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -49,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
-    for name, low in (("chunks", 3), ("steps", 1), ("repeats", 1), ("window", 3)):
+    from diffusers_nki.tiny import tiny_config
+
+    # the rolling run (1-frame chunks, sink 1) keeps full_chunk_limit - 1 full frames + the sink + >= 1 rolling frame
+    window = tiny_config("anyflow_far")["full_chunk_limit"] + 1
+    for name, low in (("chunks", 3), ("steps", 1), ("repeats", 1), ("window", window)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name}={getattr(args, name)} must be >= {low}")
     if args.size % 32:

@@ -64,6 +64,9 @@ def _check(args) -> None:
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
+    if args.chunks < 2:  # full_chunk_limit = chunks; the FAR static cache needs full_chunk_limit >= 2
+        raise ValueError(f"--chunks={args.chunks} must be >= 2 (full_chunk_limit = chunks, and the static cache "
+                         f"needs full_chunk_limit >= 2)")
     if args.height % 16 or args.width % 16:
         raise ValueError(f"--height={args.height} and --width={args.width} must be multiples of 16")
     bad = [m for m in args.modes.split(",") if m not in ("stock", "patched")]
@@ -158,7 +161,7 @@ def run(args) -> int:
                                 getattr(torch, args.dtype), generator=torch.Generator(device).manual_seed(1))
     results = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (smoke)", "smoke": args.smoke, "chunks": args.chunks, "chunk_frames": args.chunk_frames,
                "steps": args.steps, "height": args.height, "width": args.width, "latent_frames": latent,
-               "video_frames": frames, "compile": not args.no_compile, "dtype": args.dtype,
+               "video_frames": frames, "compile": not args.no_compile, "dtype": "float32" if args.smoke else args.dtype,
                "context_tokens_last_chunk": latent * (args.height // 16) * (args.width // 16),
                "self_forcing_fps_h100_published": SELF_FORCING_FPS_H100, "modes": {}}
     latents = {}

@@ -253,7 +253,9 @@ class _Rollout:
                 f"StaticCacheConfig.sink={sink} frames leaves a rolling window of {comp_cap - sink} compressed frames, "
                 f"smaller than one chunk ({self.n} frames); need sink <= {comp_cap - self.n}")
         self.capacity_frames, self.comp_cap, self.sink = capacity, comp_cap, sink
-        self.ring = FrameRing(comp_cap, sink, conf.rolling, what="AnyFlow-FAR static cache")
+        self.ring = FrameRing(comp_cap, sink, conf.rolling,
+                              what=f"AnyFlow-FAR static cache (compressed history: StaticCacheConfig.capacity="
+                                   f"{capacity} frames minus {full_region_frames} full-resolution frames)")
         self.valid_end_max = comp_cap * self.ctpf + max(full_region_frames * self.ftpf, self.ctpf)
         pad_keys = hook.emulate_stock_key_padding
         capacity_tokens = self.valid_end_max + (FLEX_BLOCK if pad_keys else 0)

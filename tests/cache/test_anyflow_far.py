@@ -189,7 +189,8 @@ def test_bad_inputs(pipe):
             remove_static_cache(pipe)
     apply_static_cache(pipe, _config(capacity=4, chunk_frames=1))
     try:
-        with pytest.raises(ValueError, match="exceeds capacity=2 frames.*rolling=True"):
+        with pytest.raises(ValueError, match=r"capacity=4 frames minus 2 full-resolution frames\): holding 3 frames "
+                                             r"of history exceeds capacity=2 frames.*rolling=True"):
             _run(pipe, [1] * 6)
         with pytest.raises(ValueError, match="a chunk of 2 frames exceeds chunk_frames=1"):
             _run(pipe, [1, 1, 2])

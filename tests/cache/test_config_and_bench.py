@@ -77,3 +77,6 @@ def test_bench_cache_command_writes_json(tmp_path, capsys):
     assert sky["patched"]["work_saved"] > 0 and sky["patched"]["max_rel_err_vs_stock"] <= 1e-4
     with pytest.raises(ValueError, match="--size=40 must be a multiple of 32"):
         main(["bench", "cache", "--size", "40"])
+    # the rolling timing run needs full_chunk_limit - 1 full frames + the sink + one rolling frame (tiny: 4)
+    with pytest.raises(ValueError, match="--window=3 must be >= 4"):
+        main(["bench", "cache", "--window", "3"])

@@ -50,6 +50,19 @@ def test_patch_with_other_arguments_repatches(h):
         diffusers_nki.unpatch(model)
 
 
+def test_patch_again_after_the_model_was_repatched_through_its_pipeline():
+    # same arguments as the model's own patch() but the pipeline patched it differently since: not a no-op
+    from diffusers_nki.patching import patched_backend
+
+    pipe = tiny.tiny_pipeline("wan")
+    diffusers_nki.patch(pipe.transformer, backend="torch")
+    diffusers_nki.patch(pipe, backend="sim")
+    assert patched_backend(pipe.transformer) == "sim"
+    diffusers_nki.patch(pipe.transformer, backend="torch")
+    assert patched_backend(pipe.transformer) == "torch"
+    diffusers_nki.unpatch(pipe.transformer)
+
+
 def test_unknown_backend_name():
     model, _ = tiny.tiny_transformer("wan", num_layers=1)
     with pytest.raises(ValueError, match=r"backend='cuda'.*\['auto', 'torch', 'sim', 'nki'\]"):

@@ -167,6 +167,25 @@ def test_fully_masked_queries_get_zeros_like_sdpa():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, float("nan"), float("-inf")])
+def test_fully_masked_additive_rows_are_zeros_only_at_minus_inf(fill, recwarn):
+    # a query row masked everywhere with a FINITE fill (finfo.min, -1e9) is not zeroed by SDPA: the huge shift
+    # wipes out the scores and SDPA averages the row uniformly; it must not be read as "every key visible"
+    q, k, v = _qkv(B=1, Sq=6, Sk=6)
+    q = q * 3
+    mask = torch.zeros(1, 1, 6, 6)
+    mask[..., 4:] = float("-inf")  # key padding
+    mask[:, :, 2, :] = fill  # query 2 sees nothing
+    plan, reason = bridge.plan(q, k, v, mask)
+    if fill == float("-inf"):
+        assert reason is None and len(plan.groups) == 2
+    else:
+        assert plan is None and "fully masked row" in reason
+    out = _route(q, k, v, mask)
+    torch.testing.assert_close(out, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert ops.counters()["attention"]["stock"] == (0 if fill == float("-inf") else 1)
+
+
 @pytest.mark.parametrize("case", ["bias", "non_prefix", "per_head", "dropout", "causal_and_mask"])
 def test_unrepresentable_calls_fall_back_visibly_or_raise_in_strict(case, recwarn):
     q, k, v = _qkv()

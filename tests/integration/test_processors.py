@@ -33,7 +33,9 @@ def _parity(family, h, spy, inputs_fn, **patch_kw):
     assert h.rel_err(out, ref) <= 1e-5
     assert spy.stock == 0 and spy.flex == 0
     assert ops.counters()["attention"]["stock"] == 0
-    assert diffusers_nki.explain(model).summary()["routed_share"] == 1.0
+    s = diffusers_nki.explain(model).summary()
+    assert s["routed_share"] == 1.0
+    assert s["calls_routed"] == ops.counters()["attention"]["torch"]  # row-group calls are attributed too
     return model
 
 
@@ -124,3 +126,28 @@ def test_blockmask_segments_of_a_chunk_causal_mask():
     segs, reason = bridge.blockmask_segments(bm, 12, 128)
     assert reason is None and segs == ((0, 3, 0, 3), (3, 8, 0, 8), (8, 12, 0, 12))
     assert bridge.blockmask_segments(bm, 12, 128)[0] is segs  # cached per BlockMask object
+
+
+def test_anyflow_far_inconsistent_cache_step_falls_back_visibly(h):
+    # a 1-token chunk with num_full_tokens=3: stock's slice assignment broadcasts it (no error), so the
+    # processor must not hand over to stock silently
+    model, _ = tiny.tiny_transformer("anyflow_far", num_layers=1)
+    attn = model.blocks[0].attn1
+    stock_proc = attn.processor
+    x = torch.randn(1, 1, attn.to_q.in_features, generator=torch.Generator().manual_seed(0))
+    heads, d = attn.heads, attn.to_q.out_features // attn.heads
+
+    def call(proc):
+        cache = {"compressed_cache": torch.zeros(2, 1, heads, 4, d), "full_cache": torch.zeros(2, 1, heads, 4, d)}
+        flag = {"is_cache_step": True, "num_compressed_tokens": 0, "num_full_tokens": 3}
+        with torch.no_grad():
+            return proc(attn, x, kv_cache=cache, kv_cache_flag=flag), cache
+
+    ref, ref_cache = call(stock_proc)
+    diffusers_nki.patch(model, backend="torch")
+    out, cache = call(attn.processor)
+    assert torch.equal(out, ref) and all(torch.equal(cache[n], ref_cache[n]) for n in cache)
+    assert ops.counters()["attention"]["stock"] == 1
+    diffusers_nki.patch(model, backend="torch", strict=True)
+    with pytest.raises(bridge.StrictFallbackError, match="num_full_tokens 3"):
+        call(attn.processor)

@@ -258,7 +258,7 @@ def test_head_dim_above_128_is_rejected():
     q = torch.randn(1, 4, 1, 129)
     with pytest.raises(ValueError, match=r"head_dim D=129 is outside the supported range 1\.\.128"):
         ops.attention(q, q, q, backend="sim")
-    with pytest.raises(NkiValidationError):  # the kernel itself, launched directly, fails loudly too
+    with pytest.raises(ValueError, match=r"head_dim D=129"):  # the kernel itself, launched directly, too
         run_kernel((q, q, q, None, None, None, None, None, 0))
 
 
@@ -281,6 +281,10 @@ def test_unsupported_dtype_is_rejected():
     q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"dtype torch\.float64 is not supported"):
         ops.attention(q, q, q, backend="sim")
+    # a cache whose v half alone has the wrong dtype is named, with its dtype
+    q, k, v, kc, vc, cl, _, _, _ = make_case(8, 8, 8, torch.float32, "full")
+    with pytest.raises(ValueError, match=r"v_cache\.dtype torch\.bfloat16 differs from q\.dtype torch\.float32"):
+        ops.attention(q, k, v, kc, vc.bfloat16(), cl, backend="sim")
 
 
 def test_sim_backend_end_to_end():
@@ -291,3 +295,13 @@ def test_sim_backend_end_to_end():
     assert ops.counters()["attention"]["sim"] == before + 1
     check_tolerance(args, out)
     assert np.isfinite(out.float().numpy()).all()
+
+
+def test_direct_launch_checks_shapes():
+    """A direct emulator launch (bypassing the op layer) with heads that do not divide fails clearly."""
+    q = torch.randn(1, 5, 3, 8)
+    k = torch.randn(1, 5, 2, 8)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        simulate(attn.attention_kernel)(q, k, k.clone(), None, None, None, None, None, 0)
+    with pytest.raises(ValueError, match="differs from v shape"):
+        simulate(attn.attention_kernel)(q, k[:, :, :1], k[:, :4, :1], None, None, None, None, None, 0)

@@ -106,8 +106,11 @@ def test_overrun_is_rejected():
 
 def test_mismatched_inputs_are_rejected():
     kc, vc, k, v = _case(1, 20, 2, 8, torch.float32)
-    with pytest.raises(ValueError, match=r"chunk dtype torch\.bfloat16 differs from cache dtype torch\.float32"):
+    with pytest.raises(ValueError, match=r"chunk k dtype torch\.bfloat16 differs from cache dtype torch\.float32"):
         ops.cache_write(kc, vc, k.bfloat16(), v.bfloat16(), torch.tensor([0], dtype=torch.int32), backend="sim")
+    # a mismatch in v alone is reported with v's dtypes
+    with pytest.raises(ValueError, match=r"chunk v dtype torch\.bfloat16 differs from cache dtype torch\.float32"):
+        ops.cache_write(kc, vc, k, v.bfloat16(), torch.tensor([0], dtype=torch.int32), backend="sim")
     with pytest.raises(ValueError, match=r"does not match cache shape"):
         ops.cache_write(kc, vc, k[..., :4], v[..., :4], torch.tensor([0], dtype=torch.int32), backend="sim")
     with pytest.raises(ValueError, match=r"exceeds the cache capacity"):
