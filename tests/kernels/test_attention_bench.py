@@ -37,3 +37,21 @@ def test_frame_causal_dense_share_near_block_minimum():
     r = bench.bench_shape("frame_causal_21f", "trn2", heads=1)
     assert 28 / 49 <= r["dense_work_share"] <= 28 / 49 + 0.01
     assert r["modeled_efficiency"]["optimistic"] >= 0.70
+
+
+def test_modeled_time_scales_linearly_with_heads():
+    """The bench traces one head and multiplies: check that against a real 3-head trace (small shape)."""
+    import numpy as np
+
+    from diffusers_nki.kernels.attention import attention_kernel
+    from diffusers_nki.sim import cost, simulate
+
+    def modeled(H):
+        q = np.zeros((1, 640, H, 128), dtype=np.float32)
+        k = np.zeros((1, 1536, H, 128), dtype=np.float32)
+        sim = simulate(attention_kernel, target="trn2", numerics=False)
+        sim(q, k, k, None, None, None, None, None, 0)
+        return cost.model(sim.last_record, "trn2").t_optimistic_s
+
+    one, three = modeled(1), modeled(3)
+    assert abs(three / (3 * one) - 1) < 0.01, (one, three)
