@@ -4,7 +4,8 @@ When the real standalone ``nki`` package is importable (a Trainium host with the
 re-exports it; otherwise it exposes our NumPy emulator (``diffusers_nki.sim``) under the same names, so
 the same kernel source runs on hardware and in the emulator.
 
-Set ``DIFFUSERS_NKI_FORCE_EMULATOR=1`` to use the emulator even where the real package is installed.
+Set ``DIFFUSERS_NKI_FORCE_EMULATOR`` (1, true, yes or on, any case) to use the emulator even where the real
+package is installed.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ __all__ = ["nki", "nl", "nisa", "HAVE_REAL_NKI", "simulate"]
 
 
 def _load_real():
-    if os.environ.get("DIFFUSERS_NKI_FORCE_EMULATOR", "0") == "1":
+    if os.environ.get("DIFFUSERS_NKI_FORCE_EMULATOR", "").strip().lower() in ("1", "true", "yes", "on"):
         return None
     try:
         real = importlib.import_module("nki")

@@ -29,6 +29,7 @@ __all__ = ["attention", "cache_write", "counters", "reset_counters", "attention_
 _PATHS = backends.NAMES + ("stock",)
 _lock = threading.Lock()
 _counts = {op: dict.fromkeys(_PATHS, 0) for op in ("attention", "cache_write")}
+_counts["qk_norm_rope"] = dict.fromkeys(_PATHS, 0)  # the Wan prologue op (diffusers_nki.prologue_ops)
 
 
 def _count(op: str, path: str) -> None:
@@ -83,6 +84,8 @@ def _attention_fake(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_
 def _cache_write_op(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, backend: str
 ) -> None:
+    # in place for every backend: the torch twin writes the caches; the kernel backends ("sim", "nki") get the
+    # caches back from the kernel (a functional call) and rebind them into these tensors (views included)
     impl = backends.require(backend)
     _count("cache_write", backend)
     impl.cache_write(k_cache, v_cache, k, v, slot)
@@ -91,6 +94,21 @@ def _cache_write_op(
 @_cache_write_op.register_fake
 def _cache_write_fake(k_cache, v_cache, k, v, slot, backend):
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# hardware-dispatch hook (diffusers_nki.backends.nki)
+# ----------------------------------------------------------------------------------------------------------
+def _hardware_op(op: str, backend: str):
+    """For backend "nki" on a Neuron host with TorchNeuron: the kernel op registered with
+    ``torch_neuronx.nki_op`` (``diffusers_nki::<op>_nki``), which the wrappers call INSTEAD of the custom ops
+    above so that the kernel is a node of ``torch.compile(backend="neuron")``'s FX graph. None otherwise
+    (every other backend, or a torch-neuronx without ``nki_op``): the custom ops above are used."""
+    if backend != "nki":
+        return None
+    from diffusers_nki.backends import nki as _hw
+
+    return _hw.hardware_op(op)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,14 +131,24 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
     reasons = _att_ref.not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     if reasons:
         raise ValueError("diffusers_nki.ops.attention: " + "; ".join(reasons))
+    hw = _hardware_op("attention", backend)
+    if hw is not None:
+        return hw(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
+                  int(causal_block))
     return _attention_op(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
                          int(causal_block), backend)
 
 
 def cache_write(k_cache, v_cache, k, v, slot, backend: str = "torch") -> None:
-    """Write the chunk ``k``/``v`` [B, S, Hkv, D] into the caches [B, C, Hkv, D] at slots [slot, slot + S)."""
+    """Write the chunk ``k``/``v`` [B, S, Hkv, D] into the caches [B, C, Hkv, D] at slots [slot, slot + S), in
+    place (``slot``: one element, or [B] for one slot per batch row). Every backend keeps the in-place
+    contract: the kernel backends rebind the caches the kernel returns into ``k_cache``/``v_cache``."""
     backend = backends.resolve(backend)
     reasons = _cw_ref.not_supported_reasons(k_cache, v_cache, k, v, slot)
     if reasons:
         raise ValueError("diffusers_nki.ops.cache_write: " + "; ".join(reasons))
+    hw = _hardware_op("cache_write", backend)
+    if hw is not None:
+        hw(k_cache, v_cache, k, v, slot)
+        return
     _cache_write_op(k_cache, v_cache, k, v, slot, backend)

@@ -520,7 +520,8 @@ def _proc_name(module, kind) -> str:
         return "-"
     name = type(proc).__name__
     if kind == "swap" and hasattr(proc, "stock"):
-        return f"{name} [replaces {type(proc.stock).__name__}]"
+        note = proc.explain_note() if hasattr(proc, "explain_note") else ""  # what the processor itself ran
+        return f"{name} [replaces {type(proc.stock).__name__}{'; ' + note if note else ''}]"
     if kind == "global":
         return f"{name} [active backend]"
     be = bridge.processor_backend(proc)
@@ -557,7 +558,7 @@ def _explain_model(name, model) -> ModelReport:
         elif st is None:
             be = bridge.processor_backend(getattr(module, "processor", None))
             parsed = bridge.parse_member(be)
-            if parsed is not None and kind in ("dispatch", "global"):
+            if parsed is not None and kind in ("dispatch", "global", "swap"):  # swap: a dispatch processor we replace
                 taken, why = backends.resolve(parsed[0]), f"set_attention_backend({getattr(be, 'value', be)!r})"
             else:
                 why = reason or "not patched"

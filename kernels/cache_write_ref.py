@@ -1,9 +1,11 @@
 """PyTorch reference twin of ``kernels/cache_write.py`` (same signature, same semantics).
 
-``cache_write_ref(k_cache, v_cache, k, v, slot)`` writes the chunk's k and v into the static caches in
-place at slots ``[slot, slot + S)`` (BSHD: caches [B, C, Hkv, D], chunk [B, S, Hkv, D]; ``slot`` an int32
-tensor of shape [1], a runtime value so that one compiled graph serves every chunk). Nothing else of
-the caches is touched; returns nothing. The bytes moved are exactly the chunk's k and v.
+``cache_write_ref(k_cache, v_cache, k, v, slot) -> (k_cache, v_cache)`` writes the chunk's k and v into the
+static caches in place at slots ``[slot, slot + S)`` (BSHD: caches [B, C, Hkv, D], chunk [B, S, Hkv, D];
+``slot`` an int32/int64 tensor with one element (every batch row) or of shape [B] (one slot per row), a
+runtime value so that one compiled graph serves every chunk). Nothing else of the caches is touched.
+Like the kernel it returns the caches (here the very tensors it was given, updated in place; the kernel's
+results are functional outputs the caller rebinds). The bytes moved are exactly the chunk's k and v.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ def not_supported_reasons(k_cache, v_cache, k, v, slot) -> List[str]:
     for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
         if t.dtype != c.dtype:
             r.append(f"chunk {name} dtype {t.dtype} differs from cache dtype {c.dtype}")
-    if slot.dtype not in (torch.int32, torch.int64) or slot.numel() != 1:
-        r.append(f"slot must be an integer tensor with one element, got {slot.dtype} {tuple(slot.shape)}")
+    per_batch = slot.dim() == 1 and slot.shape[0] == B
+    if slot.dtype not in (torch.int32, torch.int64) or not (slot.numel() == 1 or per_batch):
+        r.append(f"slot must be an integer tensor with one element or of shape [B={B}], got {slot.dtype} "
+                 f"{tuple(slot.shape)}")
     return r
 
 
@@ -42,15 +46,24 @@ def check_inputs(k_cache, v_cache, k, v, slot):
     except Exception:  # pragma: no cover
         compiling = False
     if not compiling:
-        s = int(slot.reshape(-1)[0])
-        if s < 0 or s + k.shape[1] > k_cache.shape[1]:
-            raise ValueError(
-                f"cache_write: slot={s} with a chunk of {k.shape[1]} tokens overruns the capacity {k_cache.shape[1]}"
-                f" (need 0 <= slot <= {k_cache.shape[1] - k.shape[1]})")
+        for s in slot.reshape(-1).tolist():
+            if s < 0 or s + k.shape[1] > k_cache.shape[1]:
+                raise ValueError(
+                    f"cache_write: slot={s} with a chunk of {k.shape[1]} tokens overruns the capacity "
+                    f"{k_cache.shape[1]} (need 0 <= slot <= {k_cache.shape[1] - k.shape[1]})")
 
 
-def cache_write_ref(k_cache, v_cache, k, v, slot) -> None:
+def cache_write_ref(k_cache, v_cache, k, v, slot):
     check_inputs(k_cache, v_cache, k, v, slot)
-    idx = slot.reshape(-1)[:1].to(device=k.device, dtype=torch.long) + torch.arange(k.shape[1], device=k.device)
-    k_cache.index_copy_(1, idx, k)
-    v_cache.index_copy_(1, idx, v)
+    S = k.shape[1]
+    steps = torch.arange(S, device=k.device)
+    if slot.numel() == 1:
+        idx = slot.reshape(-1)[:1].to(device=k.device, dtype=torch.long) + steps
+        k_cache.index_copy_(1, idx, k)
+        v_cache.index_copy_(1, idx, v)
+    else:  # one slot per batch row
+        idx = slot.reshape(-1, 1).to(device=k.device, dtype=torch.long) + steps  # [B, S]
+        rows = torch.arange(k.shape[0], device=k.device).reshape(-1, 1).expand_as(idx)
+        k_cache[rows, idx] = k
+        v_cache[rows, idx] = v
+    return k_cache, v_cache

@@ -28,7 +28,7 @@ Algorithm, per tile of up to 128 tokens (tokens on partitions, H*D on the free a
     norm, after the weight, after the rotation). Keeping the rotation in bf16 would double the VectorE /
     GpSimd rates, but in an fp64 comparison its error reached 2.4x torch's own, so it was rejected.
     The elementwise work is 4 x (H*D) two-input fp32 element-ops per token, on VectorE (y, p1, p2) and
-    GpSimd (o_e, p3, p4, o_o), with ``Y_POOL_PCT`` of the weight multiply moved to GpSimd where that
+    GpSimd (o_e, p3, p4, o_o), with ``y_pool_pct(gen)`` of the weight multiply moved to GpSimd where that
     balances the two (trn2); ScalarE does two passes (square-reduce, scale). No TensorE, no PSUM.
 
 Loop structure: weight -> SBUF once (DMA with partition stride 0); for token tile: for batch: DMA the x rows
@@ -46,7 +46,7 @@ partition (18.66 MiB read, 13.71 MiB written). Wan2.1-1.3B, one of q/k, 4680 tok
     trn3     1     191 us      754 us      VectorE      55 us     191 / 191 / 97 us
     trn1     1     369 us      796 us      SBUF port    83 us     (VectorE and GpSimd share it on gen2)
 i.e. 2.3x (trn2) to 3.5x (trn3) the HBM roof: bound by the fp32 elementwise work (two-input ops at 0.5
-element/cycle), the price of the single rounding. ``Y_POOL_PCT`` sweep, trn2 lnc=1: 0% 239 us, 10% 229,
+element/cycle), the price of the single rounding. ``y_pool_pct`` sweep, trn2 lnc=1: 0% 239 us, 10% 229,
 17% 220, 25% 215, 34% 223, 50% 239 (trn3: 0% is best).
 
 Limits (``not_supported_reasons``): D = H*D / heads even and <= 128; H*D <= 8192 (x row and weight resident in
@@ -65,20 +65,27 @@ numerics-mode run. The widest row (H*D = 8192, fp32) fits trn1's SBUF in strict 
 from __future__ import annotations
 
 from diffusers_nki.nki import nki, nl, nisa
-from diffusers_nki.kernels.qk_norm_rope_ref import not_supported_reasons, resolve_eps
+from diffusers_nki.kernels.qk_norm_rope_ref import FP32_EPS, MAX_HEAD_DIM, MAX_HIDDEN, not_supported_reasons
 
-__all__ = ["qk_norm_rope_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE", "CHUNK", "Y_POOL_PCT"]
+__all__ = ["qk_norm_rope_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE", "CHUNK",
+           "y_pool_pct"]
 
 P = 128        # partitions = tokens per tile
 CHUNK = 2048   # columns (whole heads) per elementwise pass: bounds the fp32 working tiles to ~36 KiB/partition
 
-# Percent of the weight multiply (whole heads) moved from VectorE to GpSimd, per generation, so that the two
-# engines finish together; chosen with the cost model (module docstring). trn1: VectorE and GpSimd share the
-# SBUF port, so the split cannot help; trn3: both engines run at the same clock and fp32 rate.
-Y_POOL_PCT = {2: 0, 3: 25, 4: 0}
-
 # Wan2.1-1.3B self-attention, one of q or k for a 3-latent-frame chunk at 480x832 (1560 tokens per frame)
 FULL_SCALE = dict(B=1, S=3 * 1560, H=12, D=128)
+
+
+def y_pool_pct(gen):
+    """Percent of the weight multiply (whole heads) moved from VectorE to GpSimd on NeuronCore version ``gen``
+    (an ``nisa.nc_version`` member), so that the two engines finish together; chosen with the cost model
+    (module docstring). gen2 (trn1): VectorE and GpSimd share the SBUF port, so the split cannot help; gen4
+    (trn3): both engines run at the same clock and fp32 rate. A function of its argument, not a table read
+    by the kernel: the kernel stays a pure function of its inputs and the target."""
+    if gen == nisa.nc_version.gen3:
+        return 25
+    return 0
 
 
 def _rows(t, b, s0, n, ntok, width):
@@ -86,16 +93,47 @@ def _rows(t, b, s0, n, ntok, width):
     return t.ap(pattern=[[width, n], [1, width]], offset=(b * ntok + s0) * width)
 
 
+def _is_float(dt):
+    return dt == nl.float32 or dt == nl.bfloat16 or dt == nl.float16
+
+
+def _check(x, weight, eps, cos, sin, heads):
+    """Trace-time checks of a direct launch: shapes and dtypes (compared with ``==`` against NKI's own dtypes,
+    so real NKI dtypes pass) are compile-time constants. The op layer checks the same limits first with the
+    twin's ``not_supported_reasons`` (torch tensors, full messages)."""
+    assert len(x.shape) == 3, f"qk_norm_rope: x must be 3-D [B, S, H*D], got shape {x.shape}"
+    B, S, HD = x.shape
+    assert heads >= 1 and HD % heads == 0, f"qk_norm_rope: x's last dim {HD} is not a multiple of heads={heads}"
+    D = HD // heads
+    assert D <= MAX_HEAD_DIM, f"qk_norm_rope: head_dim D={D} (= {HD} / heads={heads}) exceeds the limit {MAX_HEAD_DIM}"
+    assert D % 2 == 0, f"qk_norm_rope: head_dim D={D} (= {HD} / heads={heads}) is odd"
+    assert HD <= MAX_HIDDEN, f"qk_norm_rope: hidden size heads*head_dim={HD} exceeds the limit {MAX_HIDDEN}"
+    assert _is_float(x.dtype), f"qk_norm_rope: x dtype {x.dtype} is not supported (float32, bfloat16, float16)"
+    assert len(weight.shape) == 1 and weight.shape[0] == HD, (
+        f"qk_norm_rope: weight shape {weight.shape} must be [H*D={HD}]")
+    assert weight.dtype == x.dtype, f"qk_norm_rope: weight dtype {weight.dtype} differs from x dtype {x.dtype}"
+    assert cos.shape == sin.shape and cos.dtype == sin.dtype, "qk_norm_rope: cos and sin differ in shape or dtype"
+    assert len(cos.shape) == 4 and (cos.shape[0] == 1 or cos.shape[0] == B) and cos.shape[1] == S and \
+        cos.shape[2] == 1 and cos.shape[3] == D, (
+            f"qk_norm_rope: cos shape {cos.shape} must be [1 or B={B}, S={S}, 1, D={D}]")
+    assert _is_float(cos.dtype), f"qk_norm_rope: cos dtype {cos.dtype} is not supported"
+    assert eps == None or eps >= 0, f"qk_norm_rope: eps must be a float >= 0 or None, got {eps}"
+
+
+def _weighted(y, y0, w_sb, n, a, e, h0, engine):
+    """y[:, a:e] = y0[:, a:e] * w[h0 + a : h0 + e] (whole heads of one chunk) on ``engine``."""
+    nisa.tensor_tensor(dst=y[0:n, a:e, :], data1=y0[0:n, a:e, :], data2=w_sb[0:n, h0 + a:h0 + e, :],
+                       op=nl.multiply, engine=engine)
+
+
 @nki.jit
 def qk_norm_rope_kernel(x, weight, eps, cos, sin, heads):
-    reasons = not_supported_reasons(x, weight, eps, cos, sin, heads)
-    if reasons:
-        raise ValueError("qk_norm_rope: " + "; ".join(reasons))
+    _check(x, weight, eps, cos, sin, heads)
     B, S, HD = x.shape
-    H = int(heads)
+    H = heads
     D = HD // H
     D2 = D // 2
-    eps = resolve_eps(eps)
+    eps_v = FP32_EPS if eps == None else eps  # noqa: E711  torch's default for eps=None (see the twin's resolve_eps)
     per_batch_tables = cos.shape[0] > 1
     o = nl.ndarray((B, S, H, D), dtype=x.dtype, buffer=nl.shared_hbm)
 
@@ -103,70 +141,89 @@ def qk_norm_rope_kernel(x, weight, eps, cos, sin, heads):
     w_sb = nl.ndarray((P, H, D), dtype=weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_sb, src=weight.ap(pattern=[[0, P], [1, HD]], offset=0))
 
-    gen = nisa.get_nc_version()
-    pool_pct = Y_POOL_PCT.get(int(getattr(gen, "value", gen)), 0)
+    pool_pct = y_pool_pct(nisa.get_nc_version())
     g = max(1, CHUNK // D)  # heads per chunk
-    chunks = [(h0, min(H, h0 + g)) for h0 in range(0, H, g)]
-    pid = nl.program_id(0)
-    nprog = nl.num_programs(0)
-    # token tiles outer, batch inner: shared [1, S, 1, D] tables are loaded once per tile, not once per batch
-    work = [(b, s0) for s0 in range(0, S, P) for b in range(B)]
-    table_key = None
-    for b, s0 in work[pid::nprog]:
-        n = min(P, S - s0)
-        tb = b if per_batch_tables else 0
-        x_sb = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, HD))
-        if table_key != (tb, s0):
-            table_key = (tb, s0)
-            cos_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            sin_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=cos_sb[0:n], src=_rows(cos, tb, s0, n, S, D))
-            nisa.dma_copy(dst=sin_sb[0:n], src=_rows(sin, tb, s0, n, S, D))
+    chunk_lo = []
+    chunk_hi = []
+    for h0 in range(0, H, g):
+        chunk_lo.append(h0)
+        chunk_hi.append(min(H, h0 + g))
+    n_chunks = len(chunk_lo)
+    prg_id = nl.program_id(0)
+    n_prgs = nl.num_programs(0)
+    # token tiles outer, batch inner: shared [1, S, 1, D] tables are loaded once per tile, not once per batch;
+    # under kernel[2] the (tile, batch) pairs are dealt round-robin to the two logical cores
+    loaded_tb = -1
+    loaded_s0 = -1
+    work = 0
+    for s0 in range(0, S, P):
+        for b in range(B):
+            mine = work % n_prgs == prg_id
+            work = work + 1
+            if mine:
+                n = min(P, S - s0)
+                tb = b if per_batch_tables else 0
+                x_sb = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, HD))
+                if tb != loaded_tb or s0 != loaded_s0:
+                    loaded_tb = tb
+                    loaded_s0 = s0
+                    cos_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                    sin_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=cos_sb[0:n], src=_rows(cos, tb, s0, n, S, D))
+                    nisa.dma_copy(dst=sin_sb[0:n], src=_rows(sin, tb, s0, n, S, D))
+                    # rotary tables: cos from the even columns, sin from the odd ones (strided views)
+                    c_tab = cos_sb[0:n].slice(1, 0, D, 2)
+                    s_tab = sin_sb[0:n].slice(1, 1, D, 2)
 
-        # sum of squares over the whole row on ScalarE (registers accumulate across the chunks)
-        ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        for i, (h0, h1) in enumerate(chunks):
-            sq = nl.ndarray((P, h1 - h0, D), dtype=x.dtype, buffer=nl.sbuf)  # discarded
-            last = i == len(chunks) - 1
-            nisa.activation(dst=sq[0:n], op=nl.square, data=x_sb[0:n, h0:h1, :], reduce_op=nl.add,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
-                            reduce_res=ss[0:n] if last else None)
-        # r = 1 / sqrt(mean + eps)
-        ms = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=ms[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / HD, op1=nl.add,
-                           operand1=eps, engine=nisa.engine.vector)
-        rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=rstd[0:n], data=ms[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
+                # sum of squares over the whole row on ScalarE (registers accumulate across the chunks)
+                ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                for i in range(n_chunks):
+                    h0 = chunk_lo[i]
+                    h1 = chunk_hi[i]
+                    sq = nl.ndarray((P, h1 - h0, D), dtype=x.dtype, buffer=nl.sbuf)  # discarded
+                    last = i == n_chunks - 1
+                    nisa.activation(dst=sq[0:n], op=nl.square, data=x_sb[0:n, h0:h1, :], reduce_op=nl.add,
+                                    reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
+                                    reduce_res=ss[0:n] if last else None)
+                # r = 1 / sqrt(mean + eps)
+                ms = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=ms[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / HD, op1=nl.add,
+                                   operand1=eps_v, engine=nisa.engine.vector)
+                rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=rstd[0:n], data=ms[0:n], op0=nl.rsqrt, operand0=None,
+                                   engine=nisa.engine.gpsimd)
 
-        out = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
-        for h0, h1 in chunks:
-            hh = h1 - h0
-            y0 = nl.ndarray((P, hh, D), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=y0[0:n], op=nl.copy, data=x_sb[0:n, h0:h1, :], scale=rstd[0:n])
-            y = nl.ndarray((P, hh, D), dtype=nl.float32, buffer=nl.sbuf)
-            hv = hh - (hh * pool_pct + 50) // 100   # heads of this chunk weighted on VectorE, the rest on GpSimd
-            for a, e, eng in ((0, hv, nisa.engine.vector), (hv, hh, nisa.engine.gpsimd)):
-                if e > a:
-                    nisa.tensor_tensor(dst=y[0:n, a:e, :], data1=y0[0:n, a:e, :], data2=w_sb[0:n, h0 + a:h0 + e, :],
-                                       op=nl.multiply, engine=eng)
-            ye = y[0:n, :, 0:D:2]
-            yo = y[0:n, :, 1:D:2]
-            c = cos_sb[0:n, 0:D:2].expand_dim(1).broadcast(1, hh)   # cos[..., 0::2], over the heads
-            s = sin_sb[0:n, 1:D:2].expand_dim(1).broadcast(1, hh)   # sin[..., 1::2]
-            p1 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-            p2 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=p1[0:n], data1=ye, data2=c, op=nl.multiply, engine=nisa.engine.vector)
-            nisa.tensor_tensor(dst=p2[0:n], data1=yo, data2=s, op=nl.multiply, engine=nisa.engine.vector)
-            nisa.tensor_tensor(dst=out[0:n, h0:h1, 0:D:2], data1=p1[0:n], data2=p2[0:n], op=nl.subtract,
-                               engine=nisa.engine.gpsimd)
-            p3 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-            p4 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=p3[0:n], data1=ye, data2=s, op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=p4[0:n], data1=yo, data2=c, op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=out[0:n, h0:h1, 1:D:2], data1=p3[0:n], data2=p4[0:n], op=nl.add,
-                               engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=_rows(o, b, s0, n, S, HD), src=out[0:n])
+                out = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
+                for i in range(n_chunks):
+                    h0 = chunk_lo[i]
+                    h1 = chunk_hi[i]
+                    hh = h1 - h0
+                    y0 = nl.ndarray((P, hh, D), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=y0[0:n], op=nl.copy, data=x_sb[0:n, h0:h1, :], scale=rstd[0:n])
+                    y = nl.ndarray((P, hh, D), dtype=nl.float32, buffer=nl.sbuf)
+                    hv = hh - (hh * pool_pct + 50) // 100   # heads weighted on VectorE, the rest on GpSimd
+                    if hv > 0:
+                        _weighted(y, y0, w_sb, n, 0, hv, h0, nisa.engine.vector)
+                    if hh > hv:
+                        _weighted(y, y0, w_sb, n, hv, hh, h0, nisa.engine.gpsimd)
+                    ye = y[0:n].slice(2, 0, D, 2)    # y[..., 0::2]
+                    yo = y[0:n].slice(2, 1, D, 2)    # y[..., 1::2]
+                    c = c_tab.expand_dim(1).broadcast(1, hh)   # cos[..., 0::2], over the heads
+                    s = s_tab.expand_dim(1).broadcast(1, hh)   # sin[..., 1::2]
+                    p1 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+                    p2 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_tensor(dst=p1[0:n], data1=ye, data2=c, op=nl.multiply, engine=nisa.engine.vector)
+                    nisa.tensor_tensor(dst=p2[0:n], data1=yo, data2=s, op=nl.multiply, engine=nisa.engine.vector)
+                    nisa.tensor_tensor(dst=out[0:n, h0:h1, :].slice(2, 0, D, 2), data1=p1[0:n], data2=p2[0:n],
+                                       op=nl.subtract, engine=nisa.engine.gpsimd)
+                    p3 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+                    p4 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_tensor(dst=p3[0:n], data1=ye, data2=s, op=nl.multiply, engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=p4[0:n], data1=yo, data2=c, op=nl.multiply, engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=out[0:n, h0:h1, :].slice(2, 1, D, 2), data1=p3[0:n], data2=p4[0:n],
+                                       op=nl.add, engine=nisa.engine.gpsimd)
+                nisa.dma_copy(dst=_rows(o, b, s0, n, S, HD), src=out[0:n])
     return o
 
 

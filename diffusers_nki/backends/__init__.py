@@ -1,12 +1,15 @@
 """Attention backends behind the ``diffusers_nki::attention`` / ``::cache_write`` custom ops.
 
 Each backend module exposes ``attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)``
-(BSHD, returns a new tensor) and ``cache_write(k_cache, v_cache, k, v, slot)`` (in place), plus
-``unavailable_reason() -> str | None``.
+(BSHD, returns a new tensor), ``cache_write(k_cache, v_cache, k, v, slot)`` (updates the caller's caches in
+place; the kernel backends rebind the caches the kernel returns) and ``qk_norm_rope(x, weight, eps, cos, sin,
+heads)`` (the Wan q/k prologue, returns BSHD), plus ``unavailable_reason() -> str | None`` and optionally
+``prepare()`` (called by ``require`` once the backend is available).
 
 - ``"torch"``: the PyTorch reference twins (``kernels/*_ref.py``); any device.
 - ``"sim"``: the NKI kernels run in our NumPy emulator (``diffusers_nki.sim``); CPU tensors, slow, for validation.
-- ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily).
+- ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily;
+  on TorchNeuron registered as ``torch_neuronx.nki_op`` ops, launched with the runtime's LNC degree).
 - ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"`` (the choice is logged once).
 """
 from __future__ import annotations
@@ -59,4 +62,7 @@ def require(name: str):
     reason = mod.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"diffusers_nki backend {name!r} is unavailable: {reason}")
+    prepare = getattr(mod, "prepare", None)  # e.g. "nki": register its torch_neuronx.nki_op ops (once), eagerly
+    if prepare is not None:
+        prepare()
     return mod

@@ -1,55 +1,279 @@
-"""The "nki" backend: the NKI kernels compiled by ``nki.jit`` and run on a NeuronCore through torch-neuronx.
+"""The "nki" backend: the NKI kernels launched on a NeuronCore through torch-neuronx (Trainium only).
 
-Imported lazily: nothing here is needed to import or test the package. Without the Neuron SDK (or without a
-Neuron device) ``unavailable_reason()`` says why and every call raises a RuntimeError naming it.
-NOT validated on hardware in this repository (no Trainium here): the kernels are validated in the emulator
-("sim" backend); this module only launches them.
+Imported lazily and never needed to import or test the package: nothing of the Neuron SDK is imported at
+module import, and without the SDK (or without a Neuron device) ``unavailable_reason()`` says why and every
+launch raises a RuntimeError naming it. NOT validated on hardware in this repository (no Trainium here):
+the kernels are validated in the emulator ("sim" backend) and this launch layer with a fake
+``torch_neuronx`` / ``nki`` (tests/backends/test_nki_launch.py), which records what would be launched.
+
+Two integrations, chosen by what the installed torch-neuronx offers:
+- TorchNeuron (Neuron SDK 2.33+, ``torch_neuronx.nki_op`` exists): the three kernels are registered ONCE as
+  torch ops with ``nki_op`` (``hardware_ops()``): ``diffusers_nki::attention_nki`` and
+  ``diffusers_nki::qk_norm_rope_nki`` (``mutates_args=()``) and ``diffusers_nki::cache_write_nki``
+  (``mutates_args=("k_cache", "v_cache")``: the caches are updated in place, nothing is returned, as PyTorch's
+  rule for mutable custom ops requires). Each body launches the ``nki.jit`` kernel. ``diffusers_nki.ops``
+  calls these ops for backend "nki" (its hardware-dispatch hook), so under
+  ``torch.compile(backend="neuron")`` the kernel call is a node of the FX graph instead of an opaque
+  Python op the Neuron compiler cannot lower.
+- otherwise (torch-neuronx without ``nki_op``, XLA tensors): ``diffusers_nki.ops``' own custom ops call
+  ``attention`` / ``cache_write`` / ``qk_norm_rope`` below, which launch the ``nki.jit`` kernel on the
+  device tensors.
+
+Launch contract (both integrations, ``launch()``):
+- LNC: ``kernel[runtime_lnc()]`` where the degree is the Neuron runtime's: ``NEURON_LOGICAL_NC_CONFIG`` when
+  set (checked against an ``--lnc`` in ``NEURON_CC_FLAGS``, a mismatch is a clear error here instead of a
+  runtime error on the device), else the compiler's platform default (2 on trn2/trn3, 1 on trn1/inf2; the
+  platform from ``NEURON_PLATFORM_TARGET_OVERRIDE`` or the instance type). A kernel launched without a
+  degree would be LNC 1 while trn2 compiles for LNC 2 by default: exactly the mismatch this avoids.
+- ``cache_len``, ``kv_len`` and ``slot`` are passed as contiguous int32 [n] tensors (NKI has 32-bit
+  integers only); every tensor input is made contiguous (the kernels address HBM with explicit row-major
+  access patterns).
+- ``cache_write``: the kernel returns the caches (a framework kernel call is functional); the results are
+  rebound into the caller's tensors (``_launch.rebind``: no copy when they are the caller's buffers, one
+  copy when a strided cache view was passed as a contiguous copy).
+
+Environment: ``DIFFUSERS_NKI_FORCE_EMULATOR`` (1/true/yes/on, any case) makes this backend unavailable and
+the kernels use the emulator even where the SDK is installed.
 """
 from __future__ import annotations
 
 import glob
 import importlib
 import os
+import re
+import threading
+from typing import Optional
+
+import torch
+
+from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind
+
+__all__ = ["unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
+           "hardware_op", "prepare", "attention", "cache_write", "qk_norm_rope", "force_emulator", "HW_OP_NAMES"]
+
+_TRUTHY = ("1", "true", "yes", "on")
+
+# kernel name -> (module in diffusers_nki.kernels, kernel function)
+_KERNELS = {
+    "attention": ("attention", "attention_kernel"),
+    "cache_write": ("cache_write", "cache_write_kernel"),
+    "qk_norm_rope": ("qk_norm_rope", "qk_norm_rope_kernel"),
+}
+
+# op -> (registered name, mutates_args) of the torch_neuronx.nki_op registrations
+HW_OP_NAMES = {
+    "attention": ("diffusers_nki::attention_nki", ()),
+    "cache_write": ("diffusers_nki::cache_write_nki", ("k_cache", "v_cache")),
+    "qk_norm_rope": ("diffusers_nki::qk_norm_rope_nki", ()),
+}
 
 _jitted = {}
+_hw_ops = None  # {op: registered op} once registration was attempted ({} when nki_op is absent)
+_hw_lock = threading.Lock()
+
+
+def force_emulator() -> bool:
+    """``DIFFUSERS_NKI_FORCE_EMULATOR`` set to 1, true, yes or on (case-insensitive)."""
+    return os.environ.get("DIFFUSERS_NKI_FORCE_EMULATOR", "").strip().lower() in _TRUTHY
+
+
+def _has_device() -> bool:
+    return bool(glob.glob("/dev/neuron*"))
+
+
+def _torch_neuronx():
+    return importlib.import_module("torch_neuronx")
 
 
 def unavailable_reason():
+    """Why the "nki" backend cannot run here (None: it can)."""
     from diffusers_nki import nki as shim
 
-    if os.environ.get("DIFFUSERS_NKI_FORCE_EMULATOR", "0") == "1":
-        return "DIFFUSERS_NKI_FORCE_EMULATOR=1"
+    if force_emulator():
+        return f"DIFFUSERS_NKI_FORCE_EMULATOR={os.environ.get('DIFFUSERS_NKI_FORCE_EMULATOR')}"
     if not shim.HAVE_REAL_NKI:
         return "the Neuron SDK's `nki` package is not installed"
     try:
-        importlib.import_module("torch_neuronx")
+        _torch_neuronx()
     except Exception as exc:  # the placeholder distribution is empty: any failure means absent
         return f"torch-neuronx is not importable ({type(exc).__name__})"
-    if not glob.glob("/dev/neuron*"):
+    if not _has_device():
         return "no Neuron device (/dev/neuron*) on this host"
     return None
 
 
-def _kernel(name):
+# ----------------------------------------------------------------------------------------------------------
+# LNC: the runtime's degree, never a guess that could mismatch it
+# ----------------------------------------------------------------------------------------------------------
+_TARGETS = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3",
+            "gen4": "trn3"}
+
+
+def platform_target() -> str:
+    """"trn1" | "trn2" | "trn3": ``NEURON_PLATFORM_TARGET_OVERRIDE`` if set, else the instance type (DMI
+    product name, e.g. trn2.48xlarge), else "trn2"."""
+    raw = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip().lower()
+    if raw:
+        if raw not in _TARGETS:
+            raise ValueError(f"NEURON_PLATFORM_TARGET_OVERRIDE={raw!r} is not one of {sorted(_TARGETS)}")
+        return _TARGETS[raw]
+    try:
+        with open("/sys/devices/virtual/dmi/id/product_name") as f:
+            product = f.read().strip().lower()
+    except OSError:
+        product = ""
+    for prefix in ("trn1", "inf2", "trn2", "trn3"):
+        if product.startswith(prefix):
+            return _TARGETS[prefix]
+    return "trn2"
+
+
+def _cc_flags_lnc():
+    """The ``--lnc`` / ``--logical-nc-config`` / ``-lnc`` degree in ``NEURON_CC_FLAGS``, or None."""
+    m = re.search(r"(?:--lnc|--logical-nc-config|-lnc)(?:=|\s+)(\S+)", os.environ.get("NEURON_CC_FLAGS", ""))
+    return None if m is None else m.group(1)
+
+
+def runtime_lnc() -> int:
+    """The LNC degree kernels must be launched with: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2) when set, else the
+    compiler's default for the platform (trn2/trn3: 2, trn1/inf2: 1). Raises ValueError for a value that is
+    not 1 or 2, for LNC 2 on trn1, and when ``NEURON_CC_FLAGS`` compiles for another degree."""
+    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
+    target = platform_target()
+    if raw:
+        if raw not in ("1", "2"):
+            raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={raw!r}: the LNC degree must be 1 or 2")
+        lnc = int(raw)
+    else:
+        lnc = 1 if target == "trn1" else 2
+    cc = _cc_flags_lnc()
+    if cc is not None and cc != str(lnc):
+        raise ValueError(f"NEURON_CC_FLAGS compiles for LNC {cc} but the runtime uses LNC {lnc} "
+                         f"(NEURON_LOGICAL_NC_CONFIG={raw or 'unset'}, platform {target}); set them to the same "
+                         "degree")
+    if lnc == 2 and target == "trn1":
+        raise ValueError("NEURON_LOGICAL_NC_CONFIG=2: LNC 2 does not exist on trn1/inf2 (limit: 1)")
+    return lnc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kernels and the launch
+# ----------------------------------------------------------------------------------------------------------
+def kernel(name: str):
+    """The ``nki.jit`` kernel ``name`` ("attention", "cache_write", "qk_norm_rope"); RuntimeError when the
+    backend is unavailable."""
     if name not in _jitted:
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"diffusers_nki backend 'nki' is unavailable: {reason}")
         from diffusers_nki import nki as shim
 
-        module, attr = {"attention": ("attention", "attention_kernel"),
-                        "cache_write": ("cache_write", "cache_write_kernel")}[name]
+        module, attr = _KERNELS[name]
         fn = getattr(importlib.import_module(f"diffusers_nki.kernels.{module}"), attr)
         _jitted[name] = fn if hasattr(fn, "__wrapped__") else shim.nki.jit(fn)
     return _jitted[name]
 
 
+def launch(name: str, *args):
+    """``kernel(name)[runtime_lnc()](*args)``: the one place a kernel is launched on the device."""
+    return kernel(name)[runtime_lnc()](*args)
+
+
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
-    return _kernel("attention")(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    if is_real(q):  # runtime checks the kernel cannot make (cache_len <= capacity), with the twin's text
+        importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+            q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    return launch("attention", contiguous(q), contiguous(k), contiguous(v), contiguous(k_cache),
+                  contiguous(v_cache), as_int32(cache_len), as_int32(kv_len),
+                  None if scale is None else float(scale), int(causal_block))
 
 
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
-    res = _kernel("cache_write")(k_cache, v_cache, k, v, slot)
-    if res is not None:  # kernels return their outputs; the caches are updated from them
-        k_cache.copy_(res[0])
-        v_cache.copy_(res[1])
+    """Write the chunk at ``slot``; the kernel returns the caches and they are rebound into the caller's."""
+    if is_real(k):
+        importlib.import_module("diffusers_nki.kernels.cache_write_ref").check_inputs(k_cache, v_cache, k, v, slot)
+    res = launch("cache_write", contiguous(k_cache), contiguous(v_cache), contiguous(k), contiguous(v),
+                 as_int32(slot))
+    if not isinstance(res, (tuple, list)) or len(res) != 2:
+        raise RuntimeError(f"cache_write_kernel returned {type(res).__name__}, expected (k_cache, v_cache)")
+    rebind(k_cache, res[0])
+    rebind(v_cache, res[1])
+
+
+def qk_norm_rope(x, weight, eps, cos, sin, heads):
+    return launch("qk_norm_rope", contiguous(x), contiguous(weight), None if eps is None else float(eps),
+                  contiguous(cos), contiguous(sin), int(heads))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# TorchNeuron: the kernels as torch_neuronx.nki_op ops (so they land in the FX graph of torch.compile)
+# ----------------------------------------------------------------------------------------------------------
+def _count(op: str, anchor) -> None:
+    if is_real(anchor):  # eager calls; a trace (fake tensors) is not a call
+        from diffusers_nki import ops
+
+        ops._count(op, "nki")
+
+
+def _attention_nki(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Optional[torch.Tensor],
+                   v_cache: Optional[torch.Tensor], cache_len: Optional[torch.Tensor], kv_len: Optional[torch.Tensor],
+                   scale: Optional[float], causal_block: int) -> torch.Tensor:
+    _count("attention", q)
+    return attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+
+
+def _cache_write_nki(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     slot: torch.Tensor) -> None:
+    _count("cache_write", k)
+    cache_write(k_cache, v_cache, k, v, slot)
+
+
+def _qk_norm_rope_nki(x: torch.Tensor, weight: torch.Tensor, eps: Optional[float], cos: torch.Tensor,
+                      sin: torch.Tensor, heads: int) -> torch.Tensor:
+    _count("qk_norm_rope", x)
+    return qk_norm_rope(x, weight, eps, cos, sin, heads)
+
+
+_BODIES = {"attention": _attention_nki, "cache_write": _cache_write_nki, "qk_norm_rope": _qk_norm_rope_nki}
+
+
+def _define(nki_op) -> dict:
+    """Register the three ops with ``nki_op(name, mutates_args=...)``; the bodies (the functions above, which
+    TorchNeuron also traces as the fake implementation) launch the kernels."""
+    out = {}
+    for op, fn in _BODIES.items():
+        name, mutates = HW_OP_NAMES[op]
+        out[op] = nki_op(name, mutates_args=mutates)(fn)
+    return out
+
+
+def hardware_ops() -> dict:
+    """``{"attention": op, "cache_write": op, "qk_norm_rope": op}``: the ``torch_neuronx.nki_op``-registered ops,
+    registered on the first call; ``{}`` when the backend is unavailable or torch-neuronx has no ``nki_op``
+    (then ``diffusers_nki.ops`` uses its own custom ops, which call the kernels directly)."""
+    if _hw_ops is not None:
+        return _hw_ops
+    return _register()
+
+
+@torch.compiler.disable  # registration is host work: never traced (a first call inside a compile splits once)
+def _register() -> dict:
+    global _hw_ops
+    with _hw_lock:
+        if _hw_ops is None:
+            if unavailable_reason() is not None:
+                return {}  # not cached: the custom ops then raise, naming the reason
+            nki_op = getattr(_torch_neuronx(), "nki_op", None)
+            _hw_ops = _define(nki_op) if nki_op is not None else {}
+    return _hw_ops
+
+
+def prepare() -> None:
+    """Called by ``backends.require("nki")`` (so by ``patch()``): registers the nki_op ops eagerly, before any
+    ``torch.compile`` traces a call (a registration inside a trace would split the graph)."""
+    hardware_ops()
+
+
+def hardware_op(name: str):
+    """The ``nki_op``-registered op for ``name`` ("attention", "cache_write", "qk_norm_rope"), or None."""
+    return hardware_ops().get(name)

@@ -1,21 +1,27 @@
-"""The "sim" backend: the NKI kernels (``kernels/attention.py``, ``kernels/cache_write.py``) run in our NumPy
-emulator through ``diffusers_nki.sim.simulate(kernel)``. CPU only and slow: it exists to validate the kernels
-inside real models (the numbers it produces are the kernel's numbers; its speed means nothing).
+"""The "sim" backend: the NKI kernels (``kernels/attention.py``, ``kernels/cache_write.py``,
+``kernels/qk_norm_rope.py``) run in our NumPy emulator through ``diffusers_nki.sim.simulate(kernel)``. CPU
+only and slow: it exists to validate the kernels inside real models (the numbers it produces are the
+kernel's numbers; its speed means nothing).
 
-Tensors on another device are copied to the CPU and the results copied back. Integer length/slot tensors
-are passed as int32 (the kernels' contract; the host wrappers cast int64)."""
+It follows the hardware launch contract (``diffusers_nki.backends._launch``): tensors on another device are
+copied to the CPU and the results copied back; integer length/slot tensors are passed as int32 (the
+kernels' contract; the ops accept int64); the cache writer's returned caches are rebound into the caller's
+tensors exactly as the "nki" backend does (no copy when they are the caller's own buffers)."""
 from __future__ import annotations
 
 import importlib
 
 import torch
 
+from diffusers_nki.backends._launch import rebind
+
 
 def _load():
     sim = importlib.import_module("diffusers_nki.sim")
     att = importlib.import_module("diffusers_nki.kernels.attention")
     cw = importlib.import_module("diffusers_nki.kernels.cache_write")
-    return sim.simulate, att.attention_kernel, cw.cache_write_kernel
+    qk = importlib.import_module("diffusers_nki.kernels.qk_norm_rope")
+    return sim.simulate, att.attention_kernel, cw.cache_write_kernel, qk.qk_norm_rope_kernel
 
 
 def unavailable_reason():
@@ -35,7 +41,7 @@ def _i32(t):
 
 
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
-    simulate, attention_kernel, _ = _load()
+    simulate, attention_kernel, _, _ = _load()
     # runtime checks the kernel cannot make (cache_len <= capacity): the twin's, so the error text is shared
     importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
         q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
@@ -45,12 +51,20 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
 
 
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
-    simulate, _, cache_write_kernel = _load()
+    simulate, _, cache_write_kernel, _ = _load()
     importlib.import_module("diffusers_nki.kernels.cache_write_ref").check_inputs(k_cache, v_cache, k, v, slot)
     on_cpu = k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
     kc, vc = (k_cache, v_cache) if on_cpu else (_cpu(k_cache), _cpu(v_cache))
-    # the emulator writes modified inputs back into the caller's tensors (views included)
-    simulate(cache_write_kernel)(kc, vc, _cpu(k), _cpu(v), _i32(slot))
-    if not on_cpu:
-        k_cache.copy_(kc)
-        v_cache.copy_(vc)
+    # the kernel returns the caches; the emulator hands back the caller's own objects (updated in place,
+    # views included), so rebind copies only for caches that were staged on the CPU
+    res = simulate(cache_write_kernel)(kc, vc, _cpu(k), _cpu(v), _i32(slot))
+    rebind(k_cache, res[0])
+    rebind(v_cache, res[1])
+
+
+def qk_norm_rope(x, weight, eps, cos, sin, heads):
+    simulate, _, _, qk_norm_rope_kernel = _load()
+    importlib.import_module("diffusers_nki.kernels.qk_norm_rope_ref").check_inputs(x, weight, eps, cos, sin, heads)
+    out = simulate(qk_norm_rope_kernel)(_cpu(x).contiguous(), _cpu(weight).contiguous(), eps,
+                                        _cpu(cos).contiguous(), _cpu(sin).contiguous(), int(heads))
+    return out.to(device=x.device, dtype=x.dtype)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from diffusers_nki.kernels.attention_ref import attention_ref
 from diffusers_nki.kernels.cache_write_ref import cache_write_ref
+from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
 
 
 def unavailable_reason():
@@ -14,4 +15,8 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
 
 
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
-    cache_write_ref(k_cache, v_cache, k, v, slot)
+    cache_write_ref(k_cache, v_cache, k, v, slot)  # in place (it also returns the caches, like the kernel)
+
+
+def qk_norm_rope(x, weight, eps, cos, sin, heads):
+    return qk_norm_rope_ref(x, weight, eps, cos, sin, heads)

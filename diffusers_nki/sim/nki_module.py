@@ -2,7 +2,8 @@
 
 ``simulate(kernel, target=None, strict=False, numerics=True)(*arrays)`` runs a kernel on the CPU:
 NumPy arrays or CPU torch tensors in, results back in the same kind; inputs the kernel wrote are
-updated in place in the caller's arrays. ``kernel[lnc]`` selects the LNC degree (1 or 2).
+updated in place in the caller's arrays, and an input the kernel returns whole (as production KV-cache
+writers return their caches) comes back as the caller's own object. ``kernel[lnc]`` selects the LNC degree (1 or 2).
 """
 from __future__ import annotations
 
@@ -197,6 +198,7 @@ class Simulated:
         _LAST_RECORD = launch.record
         buf = shared_hbm if lnc > 1 else hbm
         wrote_back = []  # (caller object, storage, numpy view, dtype, is_torch)
+        arg_views = {}  # id(storage) -> (caller object, its full NkiTensor): inputs a kernel may return
         any_torch = False
 
         def convert(a, i):
@@ -226,7 +228,9 @@ class Simulated:
             for s in reversed(shape):
                 strides.append(acc)
                 acc *= s
-            return NkiTensor(st, dt, shape, tuple(reversed(strides)), 0, name=f"arg{i}")
+            t = NkiTensor(st, dt, shape, tuple(reversed(strides)), 0, name=f"arg{i}")
+            arg_views[id(st)] = (a, t)
+            return t
 
         targs = [convert(a, i) for i, a in enumerate(args)]
         tkw = {kk: convert(v, kk) for kk, v in kwargs.items()}
@@ -246,7 +250,7 @@ class Simulated:
             if not isinstance(o, NkiTensor):
                 raise NkiLaunchError(f"{fn.__name__}: return value {j} is {type(o).__name__}; kernels return NKI "
                                      "tensors allocated in nl.shared_hbm")
-            if o._st.buffer is not shared_hbm:
+            if o._st.buffer is not shared_hbm and _returned_input(o, arg_views) is None:
                 raise NkiLaunchError(f"{fn.__name__}: return value {j} ({o.name}{list(o.shape)}) is in "
                                      f"{o._st.buffer.name}; kernel outputs must be allocated in nl.shared_hbm")
         # write back inputs the kernel modified
@@ -258,6 +262,9 @@ class Simulated:
                     a[...] = view.reshape(a.shape)
 
         def out_value(o):
+            aliased = _returned_input(o, arg_views)
+            if aliased is not None:  # an input returned whole (production KV writers return their caches):
+                return aliased       # the caller's own object, already updated in place above
             if self.numerics:
                 arr = np.array(o._npv())
             else:
@@ -269,6 +276,17 @@ class Simulated:
         if isinstance(result, (tuple, list)):
             return type(result)(out_value(o) for o in result)
         return out_value(result)
+
+
+def _returned_input(o, arg_views):
+    """The caller's object when kernel output ``o`` is a whole kernel argument (same storage and view), else None."""
+    entry = arg_views.get(id(o._st))
+    if entry is None:
+        return None
+    a, t = entry
+    if (tuple(o.shape), tuple(o.strides), o.offset, o.dtype) != (tuple(t.shape), tuple(t.strides), t.offset, t.dtype):
+        return None
+    return a
 
 
 def simulate(kernel, target=None, strict=False, numerics=True):

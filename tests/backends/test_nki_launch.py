@@ -1,0 +1,296 @@
+"""The "nki" backend's hardware path, on a FAKE Neuron host (tests/backends/conftest.py): what is registered with
+``torch_neuronx.nki_op`` (names, mutates_args), what is launched (the right kernel, the runtime's LNC degree,
+int32 lengths and slots, contiguous tensors), that ``diffusers_nki.ops`` uses the registered ops on such a host
+(and that they are the nodes of a ``torch.compile`` FX graph), and that the launches give the kernels' numbers
+(the recorder runs the launched kernel in the emulator). Nothing here needs, or imports, the Neuron SDK."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffusers_nki import ops
+from diffusers_nki.backends import nki as hw
+from diffusers_nki.kernels.attention import attention_kernel
+from diffusers_nki.kernels.attention_ref import attention_oracle
+from diffusers_nki.kernels.cache_write import cache_write_kernel
+from diffusers_nki.kernels.cache_write_ref import cache_write_ref
+from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
+from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
+from diffusers_nki.prologue_ops import qk_norm_rope
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    ops.reset_counters()
+
+
+def _qkv(B=2, Sq=9, Skv=11, H=4, Hkv=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Sq, H, D, generator=g), torch.randn(B, Skv, Hkv, D, generator=g),
+            torch.randn(B, Skv, Hkv, D, generator=g))
+
+
+def _tensor_args(launch):
+    return [a for a in launch.args if a[0] == "tensor"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# no SDK: the package imports and runs without it, and says why "nki" is unavailable
+# ----------------------------------------------------------------------------------------------------------
+def test_package_never_imports_the_sdk():
+    code = ("import sys, torch, diffusers_nki\n"
+            "from diffusers_nki import ops, prologue_ops\n"
+            "from diffusers_nki.backends import nki\n"
+            "q = torch.randn(1, 5, 2, 8)\n"
+            "ops.attention(q, q, q, backend='auto')\n"
+            "assert nki.unavailable_reason() and nki.hardware_ops() == {}\n"
+            "bad = [m for m in ('torch_neuronx', 'nki', 'neuronxcc') if m in sys.modules]\n"
+            "assert not bad, bad\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_unavailable_nki_backend_raises_naming_why():
+    reason = hw.unavailable_reason()
+    assert reason
+    kc = torch.zeros(1, 8, 2, 8)
+    with pytest.raises(RuntimeError, match="backend 'nki' is unavailable"):
+        ops.cache_write(kc, kc.clone(), kc[:, :2], kc[:, :2], torch.tensor([0]), backend="nki")
+    with pytest.raises(RuntimeError, match="backend 'nki' is unavailable"):
+        hw.kernel("attention")
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", "on", " On "])
+def test_force_emulator_accepts_truthy_spellings(monkeypatch, fake_neuron, value):
+    from diffusers_nki import nki as shim
+
+    fake_neuron()
+    monkeypatch.setenv("DIFFUSERS_NKI_FORCE_EMULATOR", value)
+    assert hw.force_emulator()
+    assert "DIFFUSERS_NKI_FORCE_EMULATOR" in hw.unavailable_reason()
+    assert shim._load_real() is None  # the shim keeps the emulator too
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])
+def test_force_emulator_falsy_spellings(monkeypatch, fake_neuron, value):
+    from diffusers_nki import nki as shim
+
+    fake = fake_neuron()
+    monkeypatch.setenv("DIFFUSERS_NKI_FORCE_EMULATOR", value)
+    assert not hw.force_emulator()
+    assert hw.unavailable_reason() is None
+    assert shim._load_real()[0] is fake.nki  # a real-looking nki package is detected
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LNC: the runtime's degree
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("platform,env,cc,want", [
+    ("trn2", None, None, 2), ("trn3", None, None, 2), ("trn1", None, None, 1), ("inf2", None, None, 1),
+    ("trn2", "1", None, 1), ("trn2", "2", None, 2), ("trn3", "1", "--lnc=1", 1),
+    ("trn2", None, "-O1 --logical-nc-config 2", 2),
+])
+def test_runtime_lnc(monkeypatch, platform, env, cc, want):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", platform)
+    for name, value in (("NEURON_LOGICAL_NC_CONFIG", env), ("NEURON_CC_FLAGS", cc)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert hw.runtime_lnc() == want
+
+
+@pytest.mark.parametrize("platform,env,cc,msg", [
+    ("trn2", "3", None, "NEURON_LOGICAL_NC_CONFIG='3': the LNC degree must be 1 or 2"),
+    ("trn1", "2", None, "LNC 2 does not exist on trn1"),
+    ("trn2", "2", "--lnc=1", "NEURON_CC_FLAGS compiles for LNC 1 but the runtime uses LNC 2"),
+    ("trn2", None, "--lnc 1", "NEURON_CC_FLAGS compiles for LNC 1 but the runtime uses LNC 2"),
+    ("trn9", None, None, "NEURON_PLATFORM_TARGET_OVERRIDE='trn9' is not one of"),
+])
+def test_runtime_lnc_mismatch_is_a_clear_error(monkeypatch, platform, env, cc, msg):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", platform)
+    for name, value in (("NEURON_LOGICAL_NC_CONFIG", env), ("NEURON_CC_FLAGS", cc)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        hw.runtime_lnc()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# TorchNeuron: nki_op registration and the launches behind it
+# ----------------------------------------------------------------------------------------------------------
+def test_nki_op_registration(fake_neuron):
+    from diffusers_nki import backends
+
+    fake = fake_neuron()
+    backends.require("nki")  # patch() resolves the backend this way: it registers the ops eagerly
+    assert len(fake.nki_op_calls) == 3
+    regs = hw.hardware_ops()
+    assert set(regs) == {"attention", "cache_write", "qk_norm_rope"}
+    assert fake.nki_op_calls == [("diffusers_nki::attention_nki", ()),
+                                 ("diffusers_nki::cache_write_nki", ("k_cache", "v_cache")),
+                                 ("diffusers_nki::qk_norm_rope_nki", ())]
+    assert hw.hardware_ops() is regs and len(fake.nki_op_calls) == 3  # registered once
+    schema = str(torch.ops.diffusers_nki.cache_write_nki.default._schema)
+    assert re.search(r"Tensor\(a\d*!\) k_cache, Tensor\(a\d*!\) v_cache, Tensor k, Tensor v, Tensor slot\) -> \(\)$",
+                     schema), schema
+    assert str(torch.ops.diffusers_nki.attention_nki.default._schema).endswith("-> Tensor")
+
+
+def test_attention_launch_contract(fake_neuron, monkeypatch):
+    fake = fake_neuron()
+    used_custom_op = []
+    monkeypatch.setattr(ops, "_attention_op", lambda *a: used_custom_op.append(a))
+    q, k, v = _qkv()
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a strided BSHD view, as processors pass
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(2, 8, 2, 8, generator=g), torch.randn(2, 8, 2, 8, generator=g)
+    cl, kvl = torch.tensor([5]), torch.tensor([11, 4])  # int64, as users pass them
+    out = ops.attention(q, k, v, kc, vc, cl, kvl, scale=0.3, causal_block=3, backend="nki")
+    assert not used_custom_op, "on a TorchNeuron host the nki_op-registered op is used, not the custom op"
+    ref = attention_oracle(q, k, v, kc, vc, cl, kvl, 0.3, 3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    (launch,) = fake.launches
+    assert launch.kernel == "attention" and launch.target is attention_kernel
+    assert launch.lnc == 2  # trn2, NEURON_LOGICAL_NC_CONFIG unset: the compiler's default degree
+    tensors = _tensor_args(launch)
+    assert all(t[3] for t in tensors), "every tensor input is contiguous"
+    assert [t[1] for t in tensors[5:7]] == [torch.int32, torch.int32] and [t[2] for t in tensors[5:7]] == [(1,), (2,)]
+    assert launch.args[7] == ("value", 0.3) and launch.args[8] == ("value", 3)
+    assert ops.counters()["attention"]["nki"] == 1
+
+
+def test_attention_runtime_lnc1(fake_neuron, monkeypatch):
+    fake = fake_neuron()
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    q, k, v = _qkv(B=1)
+    out = ops.attention(q, k, v, backend="nki")
+    torch.testing.assert_close(out.double(), attention_oracle(q, k, v), rtol=1e-5, atol=1e-5)
+    assert [x.lnc for x in fake.launches] == [1]
+
+
+def test_attention_runtime_checks_still_apply(fake_neuron):
+    fake_neuron()
+    q, k, v = _qkv()
+    kc = torch.zeros(2, 8, 2, 8)
+    with pytest.raises(ValueError, match="cache_len"):
+        ops.attention(q, k, v, kc, kc.clone(), torch.tensor([9]), backend="nki")
+
+
+@pytest.mark.parametrize("slot", [[4], [1, 5]], ids=["shared_slot", "per_batch_slot"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided_views"])
+def test_cache_write_launch_contract_and_rebind(fake_neuron, slot, layout):
+    fake = fake_neuron()
+    _, k, v = _qkv(Skv=3)
+    if layout == "strided_views":  # AnyFlow-FAR's layout: the op writes BSHD views of a [2, B, H, C, D] buffer
+        base = torch.zeros(2, 2, 2, 8, 8)
+        kc, vc = base[0].transpose(1, 2), base[1].transpose(1, 2)
+    else:
+        kc, vc = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
+    ptrs = (kc.data_ptr(), vc.data_ptr())
+    kr, vr = kc.clone(), vc.clone()
+    s = torch.tensor(slot)  # int64
+    cache_write_ref(kr, vr, k, v, s)
+    ops.cache_write(kc, vc, k, v, s, backend="nki")
+    assert torch.equal(kc, kr) and torch.equal(vc, vr), "the caller's caches hold the write (rebound)"
+    assert (kc.data_ptr(), vc.data_ptr()) == ptrs  # in place: the caller's tensors, never new ones
+    (launch,) = fake.launches
+    assert launch.kernel == "cache_write" and launch.target is cache_write_kernel and launch.lnc == 2
+    tensors = _tensor_args(launch)
+    assert all(t[3] for t in tensors)
+    assert tensors[4][1] == torch.int32 and tensors[4][2] == (len(slot),)
+    assert ops.counters()["cache_write"]["nki"] == 1
+
+
+def test_rebind_copies_only_when_needed():
+    from diffusers_nki.backends._launch import rebind
+
+    dst = torch.zeros(2, 3)
+    rebind(dst, dst)  # the kernel returned the caller's buffer: nothing to do
+    alias = dst.view(2, 3)
+    alias.fill_(1.0)
+    rebind(dst, alias)
+    assert torch.equal(dst, torch.ones(2, 3))
+    view = torch.zeros(3, 2).t()  # a strided destination gets the values copied in
+    rebind(view, torch.full((2, 3), 7.0))
+    assert torch.equal(view, torch.full((2, 3), 7.0))
+    with pytest.raises(RuntimeError, match="does not match the tensor it updates"):
+        rebind(dst, torch.zeros(3, 2))
+    with pytest.raises(RuntimeError, match="returned no result"):
+        rebind(dst, None)
+
+
+def test_qk_norm_rope_launch_contract(fake_neuron):
+    fake = fake_neuron()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, 3 * 8, generator=g)
+    x_view = x.transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous
+    w = torch.randn(24, generator=g)
+    cos, sin = torch.randn(1, 7, 1, 8, generator=g), torch.randn(1, 7, 1, 8, generator=g)
+    out = qk_norm_rope(x_view, w, 1e-6, cos, sin, 3, backend="nki")
+    ref = qk_norm_rope_ref(x, w, 1e-6, cos, sin, 3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (launch,) = fake.launches
+    assert launch.kernel == "qk_norm_rope" and launch.target is qk_norm_rope_kernel and launch.lnc == 2
+    assert all(t[3] for t in _tensor_args(launch))
+    assert launch.args[2] == ("value", 1e-6) and launch.args[5] == ("value", 3)
+    assert ops.counters()["qk_norm_rope"]["nki"] == 1
+
+
+def test_xla_path_without_nki_op(fake_neuron, monkeypatch):
+    """A torch-neuronx without ``nki_op``: the diffusers_nki custom ops launch the nki.jit kernel themselves."""
+    fake = fake_neuron(nki_op=False)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert hw.hardware_ops() == {} and not fake.nki_op_calls
+    q, k, v = _qkv()
+    out = ops.attention(q, k, v, backend="nki")
+    torch.testing.assert_close(out.double(), attention_oracle(q, k, v), rtol=1e-5, atol=1e-5)
+    base = torch.zeros(2, 2, 2, 8, 8)
+    kc, vc = base[0].transpose(1, 2), base[1].transpose(1, 2)
+    ops.cache_write(kc, vc, k[:, :3], v[:, :3], torch.tensor([2]), backend="nki")
+    assert torch.equal(kc[:, 2:5], k[:, :3]) and torch.equal(vc[:, 2:5], v[:, :3])
+    assert [(x.kernel, x.lnc) for x in fake.launches] == [("attention", 1), ("cache_write", 1)]
+    c = ops.counters()
+    assert c["attention"]["nki"] == 1 and c["cache_write"]["nki"] == 1
+
+
+def test_compiled_graph_holds_the_nki_ops(fake_neuron):
+    """Under torch.compile the kernel ops registered with nki_op are the graph's nodes (TorchNeuron lowers them
+    to the kernel), not our Python custom ops; the compiled step gives the eager result."""
+    fake_neuron()
+    from diffusers_nki import backends
+
+    backends.require("nki")  # what patch() does: the nki_op ops are registered before anything is traced
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(q, k, v, kc, vc, slot, cache_len):
+        ops.cache_write(kc, vc, k, v, slot, backend="nki")
+        return ops.attention(q, k, v, kc, vc, cache_len, backend="nki")
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, backend=capture)
+        q, k, v = _qkv()
+        kc, vc = torch.zeros(2, 20, 2, 8), torch.zeros(2, 20, 2, 8)
+        args = (torch.tensor([4], dtype=torch.int32), torch.tensor([4], dtype=torch.int32))
+        out = compiled(q, k, v, kc, vc, *args)
+        kc2, vc2 = torch.zeros(2, 20, 2, 8), torch.zeros(2, 20, 2, 8)
+        ref = step(q, k, v, kc2, vc2, *args)
+        assert torch.equal(out, ref) and torch.equal(kc, kc2)
+        targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+        assert any("diffusers_nki.attention_nki" in t for t in targets), targets
+        assert any("diffusers_nki.cache_write_nki" in t for t in targets), targets
+        assert not any(t.startswith("diffusers_nki.attention.") for t in targets), targets
+    finally:
+        torch._dynamo.reset()
