@@ -97,6 +97,13 @@ def _is_float(dt):
     return dt == nl.float32 or dt == nl.bfloat16 or dt == nl.float16
 
 
+def _check_table(name, t, B, S, D):
+    sh = t.shape
+    assert len(sh) == 4 and (sh[0] == 1 or sh[0] == B) and sh[1] == S and sh[2] == 1 and sh[3] == D, (
+        f"qk_norm_rope: {name} shape {sh} must be [1 or B={B}, S={S}, 1, D={D}] (WanRotaryPosEmbed's layout)")
+    assert _is_float(t.dtype), f"qk_norm_rope: {name} dtype {t.dtype} is not supported"
+
+
 def _check(x, weight, eps, cos, sin, heads):
     """Trace-time checks of a direct launch: shapes and dtypes (compared with ``==`` against NKI's own dtypes,
     so real NKI dtypes pass) are compile-time constants. The op layer checks the same limits first with the
@@ -112,11 +119,9 @@ def _check(x, weight, eps, cos, sin, heads):
     assert len(weight.shape) == 1 and weight.shape[0] == HD, (
         f"qk_norm_rope: weight shape {weight.shape} must be [H*D={HD}]")
     assert weight.dtype == x.dtype, f"qk_norm_rope: weight dtype {weight.dtype} differs from x dtype {x.dtype}"
+    _check_table("cos", cos, B, S, D)
+    _check_table("sin", sin, B, S, D)
     assert cos.shape == sin.shape and cos.dtype == sin.dtype, "qk_norm_rope: cos and sin differ in shape or dtype"
-    assert len(cos.shape) == 4 and (cos.shape[0] == 1 or cos.shape[0] == B) and cos.shape[1] == S and \
-        cos.shape[2] == 1 and cos.shape[3] == D, (
-            f"qk_norm_rope: cos shape {cos.shape} must be [1 or B={B}, S={S}, 1, D={D}]")
-    assert _is_float(cos.dtype), f"qk_norm_rope: cos dtype {cos.dtype} is not supported"
     assert eps == None or eps >= 0, f"qk_norm_rope: eps must be a float >= 0 or None, got {eps}"
 
 

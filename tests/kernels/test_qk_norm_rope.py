@@ -25,6 +25,7 @@ import torch
 
 import diffusers_nki.kernels.qk_norm_rope as qkr
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_oracle, qk_norm_rope_ref
+from diffusers_nki.prologue_ops import qk_norm_rope
 from diffusers_nki.sim import NkiValidationError, cost, simulate
 from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
@@ -258,7 +259,12 @@ def test_rejects_unsupported(kind):
     args, msg = _bad(kind)
     with pytest.raises(ValueError, match="qk_norm_rope: .*" + re.escape(msg)):
         qk_norm_rope_ref(*args)
-    with pytest.raises(ValueError, match="qk_norm_rope: .*" + re.escape(msg)):
+    with pytest.raises(ValueError, match="diffusers_nki.ops.qk_norm_rope: .*" + re.escape(msg)):
+        qk_norm_rope(*args, backend="sim")
+    # a direct launch: the kernel's trace-time asserts (no raise in kernel code) name the same limit; dtypes
+    # print as NKI's own (nl.float32)
+    kernel_msg = re.escape(msg).replace(re.escape("dtype "), re.escape("dtype ") + r"(nl\.)?")
+    with pytest.raises(AssertionError, match="qk_norm_rope: .*" + kernel_msg):
         run_kernel(args)
 
 
