@@ -37,7 +37,8 @@ Loop structure: weight -> SBUF once (DMA with partition stride 0); for token til
 rsqrt; for chunk: scale, weight, rotate; DMA the [n, H*D] output rows. Under ``kernel[2]`` the (tile, batch)
 pairs are dealt round-robin to the two logical cores.
 
-Cost (MODELED by ``diffusers_nki.sim.cost`` from the trace of ``model_full_scale``; never measured).
+Cost (MODELED by ``diffusers_nki.sim.cost`` from the trace of ``model_full_scale``, also the row
+``qk_norm_rope_chunk`` of ``diffusers-nki bench kernels``; never measured).
 HBM traffic is the minimum: x read once, o written once, cos/sin once per tile, the weight once per
 partition (18.66 MiB read, 13.71 MiB written). Wan2.1-1.3B, one of q/k, 4680 tokens x 12 x 128, bf16:
     target  lnc  optimistic  pessimistic  bottleneck   HBM roof   VectorE / GpSimd / ScalarE busy
@@ -51,6 +52,18 @@ element/cycle), the price of the single rounding. ``y_pool_pct`` sweep, trn2 lnc
 
 Limits (``not_supported_reasons``): D = H*D / heads even and <= 128; H*D <= 8192 (x row and weight resident in
 SBUF); x fp32/bf16/fp16 with a weight of the same dtype; cos/sin [1 or B, S, 1, D], fp32/bf16/fp16; eps >= 0.
+The op layer checks them with the twin's function (torch tensors, every reason listed); a direct launch is
+checked at trace time by ``_check`` (asserts, dtypes compared with ``==`` against NKI's own dtypes, so real
+NKI dtypes pass; no ``raise`` and no string-name dtype tests in kernel code).
+
+Launch path: ``diffusers_nki.prologue_ops.qk_norm_rope`` (custom op ``diffusers_nki::qk_norm_rope`` with a fake
+impl, counters and a torch-recomputed backward) dispatches to the "torch" (twin), "sim" (this kernel in the
+emulator) or "nki" backend (this kernel on a NeuronCore, ``kernel[runtime LNC]`` with contiguous inputs; on
+TorchNeuron the ``torch_neuronx.nki_op`` op ``diffusers_nki::qk_norm_rope_nki``). The Wan processor
+(``diffusers_nki.processors_wan``) calls it as the prologue of every self-attention. Kernel code stays inside
+the NKI subset production kernels use (tests/kernels/test_nki_subset_audit.py): no comprehensions, zip /
+enumerate, int-keyed tables, step slicing (strided even/odd views via ``.slice(dim, start, end, 2)``) or
+enum ``getattr``/``int`` (the engine split is ``y_pool_pct(nisa.get_nc_version())``).
 
 Tested ranges (tests/kernels/test_qk_norm_rope.py, emulator with numerics, trn2 unless noted; error vs an
 fp64 oracle <= 2 x torch's own + floor): pairwise grid (20 rows) over S in {1, 113, 1560}, D in {8, 12, 64,

@@ -13,6 +13,7 @@ Shapes (Wan2.1-1.3B: B=1, H=12, D=128, bf16; 1560 tokens per latent frame at 480
   frame_causal_21f       Sq=Skv=32760, frame-causal blocks of 3 frames (4680 tokens); reports the share
                          of the dense work done (the exact block-causal minimum is 28/49 = 57.1%)
   cache_write_chunk      one 4680-token chunk written into a 32760-slot cache at slot 28080
+  qk_norm_rope_chunk     the fused Wan q/k prologue (RMSNorm across heads + RoPE) of one of q or k, 4680 tokens
 
 JSON rows (``--json PATH``): shape, kernel, target, dims, modeled_seconds {optimistic, pessimistic},
 modeled_efficiency {optimistic, pessimistic} (the cost model's: recorded matmul FLOPs / (T x PE peak)),
@@ -49,6 +50,9 @@ SHAPES: Dict[str, dict] = {
                              C=0, cache_len=0, causal_block=3 * FRAME),
     "cache_write_chunk": dict(kernel="cache_write", B=1, H=12, Hkv=12, D=128, Sq=3 * FRAME, Skv=3 * FRAME,
                               C=21 * FRAME, cache_len=18 * FRAME, causal_block=0),
+    # the Wan q/k prologue (RMSNorm across heads + RoPE) of one of q or k for the 3-frame chunk
+    "qk_norm_rope_chunk": dict(kernel="qk_norm_rope", B=1, H=12, Hkv=12, D=128, Sq=3 * FRAME, Skv=3 * FRAME,
+                               C=0, cache_len=0, causal_block=0),
 }
 
 
@@ -92,8 +96,8 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
 
     s = dict(SHAPES[name])
     H_full = s["H"]
-    if s["kernel"] == "cache_write":
-        heads = None  # three instructions whatever the size: always traced in full
+    if s["kernel"] in ("cache_write", "qk_norm_rope"):
+        heads = None  # few instructions (cache_write) / not per-head work (qk_norm_rope): always traced in full
     if heads is not None:
         if heads < 1 or heads > H_full:
             raise ValueError(f"--heads={heads} must be in 1..{H_full}")
@@ -119,6 +123,14 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
         hbm_min = (2 * B * Sq * H * D + 2 * B * keys * Hkv * D) * isz
         exact_flops = 4 * D * B * H * _visible_pairs(s)
         dense_flops = 4 * D * B * H * Sq * (C + Skv)
+    elif s["kernel"] == "qk_norm_rope":
+        from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
+
+        args = [_zeros((B, Sq, H * D), bf16), _zeros((H * D,), bf16), 1e-6, _zeros((1, Sq, 1, D), np.float32),
+                _zeros((1, Sq, 1, D), np.float32), H]
+        kern = qk_norm_rope_kernel
+        hbm_min = 2 * B * Sq * H * D * isz  # x read once, o written once
+        exact_flops = dense_flops = 0
     else:
         from diffusers_nki.kernels.cache_write import cache_write_kernel
 
