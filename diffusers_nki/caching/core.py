@@ -38,7 +38,7 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
 def cache_write(k_cache, v_cache, k, v, slot, backend="auto") -> None:
     """``diffusers_nki.ops.cache_write``: writes ``k``/``v`` at slots ``[slot, slot + S)`` in place, whatever the
     backend (the NKI kernel returns the caches; the "sim"/"nki" backends rebind them into these buffers, which
-    are contiguous, so the rebind never copies)."""
+    are contiguous, so no staging copy is made before the launch)."""
     from diffusers_nki import ops
 
     ops.cache_write(k_cache, v_cache, k, v, slot, backend)

@@ -90,18 +90,22 @@ def test_force_emulator_falsy_spellings(monkeypatch, fake_neuron, value):
 # ----------------------------------------------------------------------------------------------------------
 # LNC: the runtime's degree
 # ----------------------------------------------------------------------------------------------------------
+def _set_env(monkeypatch, platform, lnc, cc_flags):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", platform)
+    for name, value in (("NEURON_LOGICAL_NC_CONFIG", lnc), ("NEURON_CC_FLAGS", cc_flags)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("platform,env,cc,want", [
     ("trn2", None, None, 2), ("trn3", None, None, 2), ("trn1", None, None, 1), ("inf2", None, None, 1),
     ("trn2", "1", None, 1), ("trn2", "2", None, 2), ("trn3", "1", "--lnc=1", 1),
     ("trn2", None, "-O1 --logical-nc-config 2", 2),
 ])
 def test_runtime_lnc(monkeypatch, platform, env, cc, want):
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", platform)
-    for name, value in (("NEURON_LOGICAL_NC_CONFIG", env), ("NEURON_CC_FLAGS", cc)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+    _set_env(monkeypatch, platform, env, cc)
     assert hw.runtime_lnc() == want
 
 
@@ -113,12 +117,7 @@ def test_runtime_lnc(monkeypatch, platform, env, cc, want):
     ("trn9", None, None, "NEURON_PLATFORM_TARGET_OVERRIDE='trn9' is not one of"),
 ])
 def test_runtime_lnc_mismatch_is_a_clear_error(monkeypatch, platform, env, cc, msg):
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", platform)
-    for name, value in (("NEURON_LOGICAL_NC_CONFIG", env), ("NEURON_CC_FLAGS", cc)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+    _set_env(monkeypatch, platform, env, cc)
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         hw.runtime_lnc()
 
