@@ -575,7 +575,10 @@ def _explain_model(name, model) -> ModelReport:
         elif kind == "swap":
             ours = st.swapped.get(id(module))
             wrapper = _wrapping(module.processor, ours)
-            if module.processor is ours:
+            be = bridge.processor_backend(ours)  # a swapped processor that attends through dispatch (Wan)
+            if module.processor is ours and be is not None and not bridge.is_ours(be):
+                why = f"attention backend changed to {getattr(be, 'value', be)!r} after patch()"
+            elif module.processor is ours:
                 taken, why = st.backend, ""
             elif wrapper:  # the static cache's processor, which routes through our ops and wraps ours
                 taken, why = st.backend, f"static cache: {type(module.processor).__name__} wraps {wrapper}"

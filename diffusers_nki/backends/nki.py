@@ -37,6 +37,7 @@ the kernels use the emulator even where the SDK is installed.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib
 import os
@@ -109,6 +110,15 @@ _TARGETS = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen
             "gen4": "trn3"}
 
 
+@functools.lru_cache(maxsize=1)  # the host's hardware does not change within a process
+def _instance_type() -> str:
+    try:
+        with open("/sys/devices/virtual/dmi/id/product_name") as f:
+            return f.read().strip().lower()
+    except OSError:
+        return ""
+
+
 def platform_target() -> str:
     """"trn1" | "trn2" | "trn3": ``NEURON_PLATFORM_TARGET_OVERRIDE`` if set, else the instance type (DMI
     product name, e.g. trn2.48xlarge), else "trn2"."""
@@ -117,11 +127,7 @@ def platform_target() -> str:
         if raw not in _TARGETS:
             raise ValueError(f"NEURON_PLATFORM_TARGET_OVERRIDE={raw!r} is not one of {sorted(_TARGETS)}")
         return _TARGETS[raw]
-    try:
-        with open("/sys/devices/virtual/dmi/id/product_name") as f:
-            product = f.read().strip().lower()
-    except OSError:
-        product = ""
+    product = _instance_type()
     for prefix in ("trn1", "inf2", "trn2", "trn3"):
         if product.startswith(prefix):
             return _TARGETS[prefix]

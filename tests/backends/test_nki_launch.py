@@ -109,6 +109,17 @@ def test_runtime_lnc(monkeypatch, platform, env, cc, want):
     assert hw.runtime_lnc() == want
 
 
+@pytest.mark.parametrize("product,want", [("trn1.32xlarge", ("trn1", 1)), ("trn2.48xlarge", ("trn2", 2)),
+                                          ("trn3.48xlarge", ("trn3", 2)), ("inf2.xlarge", ("trn1", 1)),
+                                          ("", ("trn2", 2))])
+def test_platform_from_the_instance_type(monkeypatch, product, want):
+    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    monkeypatch.setattr(hw, "_instance_type", lambda: product)
+    assert (hw.platform_target(), hw.runtime_lnc()) == want
+
+
 @pytest.mark.parametrize("platform,env,cc,msg", [
     ("trn2", "3", None, "NEURON_LOGICAL_NC_CONFIG='3': the LNC degree must be 1 or 2"),
     ("trn1", "2", None, "LNC 2 does not exist on trn1"),

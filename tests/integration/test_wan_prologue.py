@@ -217,3 +217,13 @@ def test_compiled_patched_wan_runs_the_prologue_op(h):
         assert ops.counters()["qk_norm_rope"]["torch"] == 4
     finally:
         torch._dynamo.reset()
+
+
+def test_backend_changed_after_patch_is_reported():
+    model, _ = tiny.tiny_transformer("wan", num_layers=1)
+    diffusers_nki.patch(model, backend="torch")
+    model.set_attention_backend("native")  # diffusers sets it on our processors: attention no longer ours
+    rep = diffusers_nki.explain(model)
+    assert all(m.path_taken == "stock" and "attention backend changed to 'native' after patch()" in m.reason
+               for m in rep.models[0].modules), str(rep)
+    assert rep.summary()["routed_share"] == 0.0
