@@ -170,7 +170,8 @@ def test_ops_keep_in_place_semantics(backend, slot_dtype):
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(2, 3, 2, 8, generator=g), torch.randn(2, 3, 2, 8, generator=g)
     base = torch.zeros(2, 2, 2, 8, 8)
-    for kc, vc in ((torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)), (base[0].transpose(1, 2), base[1].transpose(1, 2))):
+    layouts = ((torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)), (base[0].transpose(1, 2), base[1].transpose(1, 2)))
+    for kc, vc in layouts:
         ptrs = (kc.data_ptr(), vc.data_ptr())
         for slot in ([4], [1, 5]):
             kr, vr = kc.clone(), vc.clone()
@@ -250,3 +251,20 @@ def test_opcheck_with_per_batch_slots():
         torch.library.opcheck(torch.ops.diffusers_nki.cache_write.default,
                               (base[0].transpose(1, 2), base[1].transpose(1, 2), k, v,
                                torch.tensor([2, 5], dtype=torch.int32), backend))
+
+
+def test_emulator_returns_a_returned_input_as_the_callers_object():
+    """The emulator rule this kernel relies on: an input returned WHOLE comes back as the caller's own object
+    (aliasing, as on the device); a part of an input is not an output buffer and is still rejected."""
+    from diffusers_nki.sim import NkiLaunchError
+
+    def whole(x):
+        return x
+
+    def part(x):
+        return x[0:1]
+
+    x = torch.arange(6.0).reshape(2, 3)
+    assert simulate(whole)(x) is x
+    with pytest.raises(NkiLaunchError, match="kernel outputs must be allocated in nl.shared_hbm"):
+        simulate(part)(x)
