@@ -300,13 +300,32 @@ def _cache_module():
         raise
 
 
+def _cache_for_patch(cache):
+    """The cache module for ``patch(cache=...)`` after validating the argument (``diffusers_nki.cache.
+    check_cache_argument``); None when no cache is to be installed. ``cache=None`` (the default cache) in a build
+    without the cache module installs none."""
+    if cache is None or cache is False:
+        try:
+            mod = importlib.import_module("diffusers_nki.cache")
+        except ModuleNotFoundError as exc:
+            if exc.name == "diffusers_nki.cache":
+                return None
+            raise
+        return mod if cache is None else None
+    mod = _cache_module()
+    mod.check_cache_argument(cache)
+    return mod
+
+
 def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None):
     """Route every softmax attention of the covered models in ``pipe_or_model`` through the NKI kernels.
 
     ``backend``: "auto" (nki on a Neuron device, else torch), "torch", "sim" or "nki".
-    ``strict``: raise instead of falling back to stock attention. ``cache``: a
-    ``diffusers_nki.StaticCacheConfig`` to install the static KV cache (``diffusers_nki.cache``), after the
-    attention is patched (a config with ``backend=None`` follows ``patched_backend(model)``).
+    ``strict``: raise instead of falling back to stock attention. ``cache``: ``None`` (default) installs the
+    exact static KV cache wherever the model family has one (``diffusers_nki.cache.DEFAULT_CACHES``: same output
+    as stock, one set of attention shapes); ``False`` installs none; a ``diffusers_nki.StaticCacheConfig``
+    installs that one; anything else raises TypeError. The cache goes in after the attention is patched (a
+    config with ``backend=None`` follows ``patched_backend(model)``).
     Returns ``pipe_or_model`` itself. See the module docstring for the decisions on errors.
     """
     backends.check_name(backend)
@@ -315,7 +334,7 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     resolved = backends.resolve(backend)
     backends.require(resolved)  # e.g. "nki" without the Neuron SDK: fail now, naming why
     comps = _components(pipe_or_model)
-    cache_mod = _cache_module() if cache is not None else None
+    cache_mod = _cache_for_patch(cache)
     args = (resolved, strict, cache)
     prev = _object_states.get(pipe_or_model)
     if prev is not None:
@@ -357,9 +376,8 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             _model_states[comp] = _patch_model(comp, fam, resolved, strict)
             done.append((name, comp))
         state = ObjectState(args=args, models=done)
-        if cache is not None:  # a config with backend=None follows the backend patch() recorded per model
-            cache_mod.apply_static_cache(pipe_or_model, cache)
-            state.cache_applied = True
+        if cache_mod is not None:  # a config with backend=None follows the backend patch() recorded per model
+            state.cache_applied = bool(cache_mod.install_for_patch(pipe_or_model, cache))
     except BaseException:
         for _, comp in done:
             st = _model_states.pop(comp, None)
