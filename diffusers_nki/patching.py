@@ -582,9 +582,12 @@ def _explain_model(name, model) -> ModelReport:
         elif kind == "unknown":
             pass
         elif kind == "dispatch":
-            be = bridge.processor_backend(module.processor)
+            proc, inner = module.processor, _wrapped_dispatch(module.processor)
+            be = bridge.processor_backend(inner)
             if bridge.is_ours(be):
                 taken, why = backends.resolve(bridge.parse_member(be)[0]), ""
+                if inner is not proc:  # the static cache's processor (routes through our ops) wraps it
+                    why = f"static cache: {type(proc).__name__} wraps {type(inner).__name__}"
             else:
                 why = f"attention backend changed to {getattr(be, 'value', be)!r} after patch()"
         elif kind == "global":
@@ -611,6 +614,14 @@ def _explain_model(name, model) -> ModelReport:
                                     kind != "stock", calls, fbs))
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, fam.notes)
+
+
+def _wrapped_dispatch(proc, depth: int = 4):
+    """A static-cache processor's wrapped dispatch processor (through ``.original`` links), else ``proc``."""
+    inner = proc
+    while depth > 0 and not hasattr(inner, "_attention_backend") and getattr(inner, "original", None) is not None:
+        inner, depth = inner.original, depth - 1
+    return inner if hasattr(inner, "_attention_backend") else proc
 
 
 def _wrapping(proc, ours, depth: int = 4) -> str:
