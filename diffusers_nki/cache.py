@@ -7,7 +7,10 @@
     remove_static_cache(pipe)       # restores the original processors and forward exactly
 
 (``diffusers_nki.patch(pipe, cache=config)`` calls ``apply_static_cache``; ``unpatch`` and ``explain`` call
-``remove_static_cache`` and ``describe_cache``.)
+``remove_static_cache`` and ``describe_cache``. ``patch(pipe)`` alone installs the DEFAULT cache of each family
+that has an exact one (``DEFAULT_CACHES``: AnyFlow-FAR, SkyReels-V2 DF, the SANA-WM refiner, causal Wan; same
+output as stock; FramePack's static layout stays opt-in); ``cache=False`` installs none; any other value than
+None, False or a ``StaticCacheConfig`` raises TypeError.)
 
 What it does per family (the family is chosen by the transformer's EXACT class; details in each module of
 ``diffusers_nki.caching``):
@@ -23,6 +26,10 @@ What it does per family (the family is chosen by the transformer's EXACT class; 
 * FramePack (``HunyuanVideoFramepackTransformer3DModel``): no exact cache exists (bidirectional history);
   the token layout is made static (history padded to a fixed capacity, text never trimmed) and the padding
   is masked with ``cache_len`` / ``kv_len``.
+* causal Wan (a stock ``WanTransformer3DModel`` inside ``diffusers_nki.pipelines.CausalWanPipeline``; the family is
+  chosen by the pipeline, ``caching.PIPELINE_FAMILIES``): Self-Forcing / LongLive-class chunk-causal rollout over
+  [sinks + rolling window of post-RoPE keys | the chunk], block-causal through ``causal_block``
+  (``caching/causal_wan.py``).
 * SanaWM refiner (``SanaWMLTX2RefinerTransformer3DModel``): its sink + history cache
   (``SanaWMRefinerKVLayerCache``) is served from the static buffers (sink re-RoPE'd once per block; the
   history window is the pipeline's own, counted in tokens).
@@ -271,6 +278,20 @@ def check_cache_argument(cache):
         f"diffusers_nki.patch: cache={cache!r} ({type(cache).__name__}) is not accepted; pass cache=None (the "
         f"default: install the exact static cache wherever the model family has one), cache=False (no static "
         f"cache) or cache=diffusers_nki.StaticCacheConfig(...)")
+
+
+def release_pipeline_caches(obj) -> int:
+    """Remove the caches a pipeline installed for itself (``PIPELINE_ORIGIN``: CausalWanPipeline's own window),
+    so ``patch`` classifies the stock processors; the pipeline (or the default) installs one again."""
+    from diffusers_nki.caching.core import HOOK_NAME, find_hook
+
+    n = 0
+    for _, _, model in _named_transformers(obj):
+        hook = find_hook(model)
+        if hook is not None and getattr(hook, "origin", None) == PIPELINE_ORIGIN:
+            model._diffusers_hook.remove_hook(HOOK_NAME, recurse=False)
+            n += 1
+    return n
 
 
 def install_for_patch(obj, cache) -> List[str]:

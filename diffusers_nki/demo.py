@@ -219,12 +219,10 @@ def _stream(args) -> dict:
     report["routing"] = {"attention_calls": routed + unrouted, "routed_to_diffusers_nki": routed,
                          "share": routed / (routed + unrouted) if routed + unrouted else 0.0}
     if not args.no_check:  # the streamed frames == a one-shot decode of the same latents
-        z = torch.cat(latents, dim=2).to(pipe.vae.dtype)
-        cfg = pipe.vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
-        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
+        from diffusers_nki.pipelines.causal_wan import denormalize_latents
+
         with torch.no_grad():
-            one_shot = pipe.vae.decode(z * std + mean, return_dict=False)[0]
+            one_shot = pipe.vae.decode(denormalize_latents(pipe.vae, torch.cat(latents, dim=2)), return_dict=False)[0]
         one_shot = np.asarray(pipe.video_processor.postprocess_video(one_shot, output_type="np")[0])
         report["streaming_check"] = {"max_abs_diff_vs_one_shot_decode": float(np.abs(one_shot - video).max()),
                                      "frames": int(video.shape[0])}

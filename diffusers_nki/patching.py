@@ -302,8 +302,8 @@ def _cache_module():
 
 def _cache_for_patch(cache):
     """The cache module for ``patch(cache=...)`` after validating the argument (``diffusers_nki.cache.
-    check_cache_argument``); None when no cache is to be installed. ``cache=None`` (the default cache) in a build
-    without the cache module installs none."""
+    check_cache_argument``). ``cache=None`` (the default cache) or ``False`` in a build without the cache module:
+    None (nothing to install)."""
     if cache is None or cache is False:
         try:
             mod = importlib.import_module("diffusers_nki.cache")
@@ -311,7 +311,7 @@ def _cache_for_patch(cache):
             if exc.name == "diffusers_nki.cache":
                 return None
             raise
-        return mod if cache is None else None
+        return mod
     mod = _cache_module()
     mod.check_cache_argument(cache)
     return mod
@@ -345,6 +345,8 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             return pipe_or_model
         unpatch(pipe_or_model)
     bridge.install()
+    if cache_mod is not None:  # a cache a pipeline installed for itself goes first: patch sees stock processors
+        cache_mod.release_pipeline_caches(pipe_or_model)
     planned, uncovered = [], []
     for name, comp in comps:
         fam = find_family(comp)

@@ -56,6 +56,8 @@ sana_wm            SanaWMPipeline (stage 1)            ``out.frames`` [5, 3, 16,
                                                         ``out.latent`` [1, 4, 3, 8, 8]; chunks must be 1
 sana_wm_refiner    SanaWMLTX2Refiner (stage 2)         returns a tensor [2 * F - 2, 3, 16, 16] directly,
                                                         F = 1 + chunks * block_size latent frames
+causal_wan         diffusers_nki CausalWanPipeline     T = 4 * (chunks * frames_per_chunk - 1) + 1; steps -> the
+                   (FlowMatchLCM, shift 5)              timesteps 1000 (1 - i / steps); UMT5 encoder, window 21
 =================  ==================================  =================================================
 
 AR pipelines: the call arguments that give several chunks/iterations at tiny scale

@@ -297,6 +297,7 @@ def render(results: List[dict]) -> str:
     for t, v in r0["targets"].items():
         lines.append(f"{t}: TensorE efficiency {v['tensor_e_efficiency']:.2f} for non-attention matmuls and the VAE "
                      f"({v['efficiency_source']})")
+    lines.append(f"Attention figure: bench/_modeled.py ({r0['attention_method'] or 'kernel model'})")
     lines.append("Cores: non-attention work split evenly over the chip's 8 NeuronCores, no collectives "
                  "(ASSUMPTION, budget.chip_seconds); attention: the kernel model's chip figure (heads over cores).")
     return "\n".join(lines)

@@ -53,7 +53,7 @@ from diffusers_nki.caching.causal_wan import CHUNK_KEY, CausalChunk
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CausalWanPipeline", "CausalWanStreamChunk", "WanStreamingDecoder"]
+__all__ = ["CausalWanPipeline", "CausalWanStreamChunk", "WanStreamingDecoder", "denormalize_latents"]
 
 DEFAULT_TIMESTEPS = (1000, 750, 500, 250)
 
@@ -67,6 +67,16 @@ class CausalWanStreamChunk:
     start_frame: int
     latents: torch.Tensor
     frames: Any = None
+
+
+def denormalize_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents as the transformer produces them -> the VAE's input (``* latents_std + latents_mean``, as the
+    Wan pipelines do before ``vae.decode``), in the VAE's dtype."""
+    z = latents.to(vae.dtype)
+    cfg = vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    return z / inv_std + mean
 
 
 class WanStreamingDecoder:
@@ -92,12 +102,8 @@ class WanStreamingDecoder:
         if getattr(vae, "use_tiling", False):
             raise NotImplementedError("WanStreamingDecoder: tiled VAE decoding cannot be streamed; call "
                                       "vae.disable_tiling() first")
-        z = latents.to(vae.dtype)
         cfg = vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        z = z / inv_std + mean  # as WanPipeline un-normalizes before vae.decode
-        x = vae.post_quant_conv(z)
+        x = vae.post_quant_conv(denormalize_latents(vae, latents))
         outs = []
         for i in range(x.shape[2]):
             outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
@@ -390,11 +396,7 @@ class CausalWanPipeline(DiffusionPipeline):
         if output_type != "latent":
             if self.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-            z = out.to(self.vae.dtype)
-            cfg = self.vae.config
-            mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-            inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-            video = self.vae.decode(z / inv_std + mean, return_dict=False)[0]
+            video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
             out = self._postprocess(video, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
