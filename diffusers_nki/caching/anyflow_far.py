@@ -310,12 +310,7 @@ class _Rollout:
         comp_cap = capacity - full_region
         pad = FLEX_BLOCK if self.zeros is not None else 0
         self.valid_end_max = comp_cap * self.ctpf + max(full_region * self.ftpf, self.ctpf)
-        B, _, heads, head_dim = self.buffers.shape
-        bigger = KVBuffers(len(self.layers), B, self.valid_end_max + pad, heads, head_dim, self.dtype, self.device)
-        used = self.ring.valid * self.ctpf + self.full_tokens
-        for i in range(len(self.layers)):
-            bigger.k[i][:, :used].copy_(self.buffers.k[i][:, :used])
-            bigger.v[i][:, :used].copy_(self.buffers.v[i][:, :used])
+        bigger = self.buffers.grown(self.valid_end_max + pad, self.ring.valid * self.ctpf + self.full_tokens)
         warnings.warn(
             f"AnyFlow-FAR static cache: this rollout needs more than capacity={self.capacity_frames} frames of "
             f"history; the buffers grow once to {capacity} frames (the output is unchanged; one new set of "

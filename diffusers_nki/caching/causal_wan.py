@@ -289,12 +289,7 @@ class _Rollout:
         whole rollout when its length is known (so it grows once), else to twice the window."""
         new_window = max(frames_needed, total_frames or 2 * self.window)
         new_history = new_window - self.n
-        B, _, heads, head_dim = self.buffers.shape
-        bigger = KVBuffers(len(self.layers), B, new_history * self.tpf, heads, head_dim, self.dtype, self.device)
-        used = self.ring.valid * self.tpf
-        for i in range(len(self.layers)):
-            bigger.k[i][:, :used].copy_(self.buffers.k[i][:, :used])
-            bigger.v[i][:, :used].copy_(self.buffers.v[i][:, :used])
+        bigger = self.buffers.grown(new_history * self.tpf, self.ring.valid * self.tpf)
         warnings.warn(
             f"causal Wan static cache: this rollout needs {frames_needed} frames of attention window, more than "
             f"capacity={self.window}; the buffers grow once to {new_window} frames (the output is unchanged; "

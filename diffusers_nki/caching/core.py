@@ -103,6 +103,15 @@ class KVBuffers:
     def layer(self, i: int) -> "LayerKV":
         return LayerKV(self.k[i], self.v[i])
 
+    def grown(self, capacity: int, used: int) -> "KVBuffers":
+        """New buffers of ``capacity`` slots (zeros) holding a copy of the first ``used`` slots of these
+        (``StaticCacheConfig.grow``: the valid prefix survives, so the output does not change)."""
+        B, _, heads, head_dim = self.shape
+        out = KVBuffers(len(self.k), B, capacity, heads, head_dim, self.k[0].dtype, self.k[0].device)
+        for new, old in zip(out.k + out.v, self.k + self.v):
+            new[:, :used].copy_(old[:, :used])
+        return out
+
 
 class LayerKV:
     """What a cache-aware processor receives as ``kv_cache``: one layer's two buffers."""
