@@ -320,7 +320,14 @@ def install_for_patch(obj, cache) -> List[str]:
         config = DEFAULT_CACHES[family][1](owner, model)
         if config is None:
             continue
-        caching.install(family, model, config)
+        try:
+            caching.install(family, model, config)
+        except (NotImplementedError, ValueError) as exc:  # a geometry the cache cannot serve: stock caching stays
+            import warnings
+
+            warnings.warn(f"diffusers_nki.patch: no default static cache on {type(model).__name__} ({exc}); "
+                          f"its attention is patched, its caching stays stock", RuntimeWarning, stacklevel=3)
+            continue
         find_hook(model).origin = DEFAULT_ORIGIN
         installed.append(family)
     return installed

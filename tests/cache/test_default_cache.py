@@ -106,3 +106,15 @@ def test_no_default_cache_where_no_exact_one_exists():
     finally:
         diffusers_nki.unpatch(pipe)
     assert "framepack" in NOT_BY_DEFAULT
+
+
+def test_a_model_the_default_cache_cannot_serve_keeps_stock_caching_visibly():
+    from diffusers_nki import tiny
+
+    model, _ = tiny.tiny_transformer("anyflow_far", full_chunk_limit=1)  # the FAR cache needs >= 2
+    with pytest.warns(RuntimeWarning, match="no default static cache on AnyFlowFARTransformer3DModel.*full_chunk_limit"):
+        diffusers_nki.patch(model, backend="torch")
+    try:
+        assert find_hook(model) is None and diffusers_nki.explain(model).summary()["routed_share"] == 1.0
+    finally:
+        diffusers_nki.unpatch(model)
