@@ -2,7 +2,8 @@
 
 Public API (kept small):
 
-- ``patch(pipe_or_model, backend="auto", strict=False, cache=None)`` -> the same object, patched;
+- ``patch(pipe_or_model, backend="auto", strict=False, cache=None)`` -> the same object, patched (``cache=None``:
+  the exact static KV cache wherever the family has one; ``False``: none; a ``StaticCacheConfig``: that one);
 - ``unpatch(pipe_or_model)`` -> the same object, restored bit-for-bit;
 - ``explain(pipe_or_model)`` -> a printable report (``.to_dict()``) of every attention module's path;
 - ``StaticCacheConfig`` (from ``diffusers_nki.cache``) and ``__version__``.

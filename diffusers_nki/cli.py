@@ -17,6 +17,7 @@ COMMANDS = {
 BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
     "cache": ("diffusers_nki.bench.cache", "stock vs static-cache rollouts: shapes, recompiles, time, memory"),
+    "budget": ("diffusers_nki.bench.budget", "MODELED end-to-end time and fps per chunk of chunk-causal Wan on trn2/trn3"),
 }
 
 

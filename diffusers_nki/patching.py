@@ -300,13 +300,32 @@ def _cache_module():
         raise
 
 
+def _cache_for_patch(cache):
+    """The cache module for ``patch(cache=...)`` after validating the argument (``diffusers_nki.cache.
+    check_cache_argument``). ``cache=None`` (the default cache) or ``False`` in a build without the cache module:
+    None (nothing to install)."""
+    if cache is None or cache is False:
+        try:
+            mod = importlib.import_module("diffusers_nki.cache")
+        except ModuleNotFoundError as exc:
+            if exc.name == "diffusers_nki.cache":
+                return None
+            raise
+        return mod
+    mod = _cache_module()
+    mod.check_cache_argument(cache)
+    return mod
+
+
 def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None):
     """Route every softmax attention of the covered models in ``pipe_or_model`` through the NKI kernels.
 
     ``backend``: "auto" (nki on a Neuron device, else torch), "torch", "sim" or "nki".
-    ``strict``: raise instead of falling back to stock attention. ``cache``: a
-    ``diffusers_nki.StaticCacheConfig`` to install the static KV cache (``diffusers_nki.cache``), after the
-    attention is patched (a config with ``backend=None`` follows ``patched_backend(model)``).
+    ``strict``: raise instead of falling back to stock attention. ``cache``: ``None`` (default) installs the
+    exact static KV cache wherever the model family has one (``diffusers_nki.cache.DEFAULT_CACHES``: same output
+    as stock, one set of attention shapes); ``False`` installs none; a ``diffusers_nki.StaticCacheConfig``
+    installs that one; anything else raises TypeError. The cache goes in after the attention is patched (a
+    config with ``backend=None`` follows ``patched_backend(model)``).
     Returns ``pipe_or_model`` itself. See the module docstring for the decisions on errors.
     """
     backends.check_name(backend)
@@ -315,7 +334,7 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     resolved = backends.resolve(backend)
     backends.require(resolved)  # e.g. "nki" without the Neuron SDK: fail now, naming why
     comps = _components(pipe_or_model)
-    cache_mod = _cache_module() if cache is not None else None
+    cache_mod = _cache_for_patch(cache)
     args = (resolved, strict, cache)
     prev = _object_states.get(pipe_or_model)
     if prev is not None:
@@ -326,6 +345,8 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             return pipe_or_model
         unpatch(pipe_or_model)
     bridge.install()
+    if cache_mod is not None:  # a cache a pipeline installed for itself goes first: patch sees stock processors
+        cache_mod.release_pipeline_caches(pipe_or_model)
     planned, uncovered = [], []
     for name, comp in comps:
         fam = find_family(comp)
@@ -357,9 +378,8 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             _model_states[comp] = _patch_model(comp, fam, resolved, strict)
             done.append((name, comp))
         state = ObjectState(args=args, models=done)
-        if cache is not None:  # a config with backend=None follows the backend patch() recorded per model
-            cache_mod.apply_static_cache(pipe_or_model, cache)
-            state.cache_applied = True
+        if cache_mod is not None:  # a config with backend=None follows the backend patch() recorded per model
+            state.cache_applied = bool(cache_mod.install_for_patch(pipe_or_model, cache))
     except BaseException:
         for _, comp in done:
             st = _model_states.pop(comp, None)
@@ -565,9 +585,12 @@ def _explain_model(name, model) -> ModelReport:
         elif kind == "unknown":
             pass
         elif kind == "dispatch":
-            be = bridge.processor_backend(module.processor)
+            proc, inner = module.processor, _wrapped_dispatch(module.processor)
+            be = bridge.processor_backend(inner)
             if bridge.is_ours(be):
                 taken, why = backends.resolve(bridge.parse_member(be)[0]), ""
+                if inner is not proc:  # the static cache's processor (routes through our ops) wraps it
+                    why = f"static cache: {type(proc).__name__} wraps {type(inner).__name__}"
             else:
                 why = f"attention backend changed to {getattr(be, 'value', be)!r} after patch()"
         elif kind == "global":
@@ -597,6 +620,14 @@ def _explain_model(name, model) -> ModelReport:
                                     kind != "stock", calls, fbs))
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, fam.notes)
+
+
+def _wrapped_dispatch(proc, depth: int = 4):
+    """A static-cache processor's wrapped dispatch processor (through ``.original`` links), else ``proc``."""
+    inner = proc
+    while depth > 0 and not hasattr(inner, "_attention_backend") and getattr(inner, "original", None) is not None:
+        inner, depth = inner.original, depth - 1
+    return inner if hasattr(inner, "_attention_backend") else proc
 
 
 def _wrapping(proc, ours, depth: int = 4) -> str:

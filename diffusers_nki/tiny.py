@@ -56,6 +56,8 @@ sana_wm            SanaWMPipeline (stage 1)            ``out.frames`` [5, 3, 16,
                                                         ``out.latent`` [1, 4, 3, 8, 8]; chunks must be 1
 sana_wm_refiner    SanaWMLTX2Refiner (stage 2)         returns a tensor [2 * F - 2, 3, 16, 16] directly,
                                                         F = 1 + chunks * block_size latent frames
+causal_wan         diffusers_nki CausalWanPipeline     T = 4 * (chunks * frames_per_chunk - 1) + 1; steps -> the
+                   (FlowMatchLCM, shift 5)              timesteps 1000 (1 - i / steps); UMT5 encoder, window 21
 =================  ==================================  =================================================
 
 AR pipelines: the call arguments that give several chunks/iterations at tiny scale
@@ -983,7 +985,13 @@ def _pipeline_missing_reason(name: str) -> str | None:
     import diffusers
 
     spec = _PIPELINES[name]
-    if not hasattr(diffusers, spec.pipeline_class):
+    if "." in spec.pipeline_class:  # a pipeline of diffusers_nki itself ("module.Class")
+        module_name, _, cls_name = spec.pipeline_class.rpartition(".")
+        try:
+            getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError) as exc:
+            return f"tiny pipeline {name!r} needs {spec.pipeline_class} ({type(exc).__name__}: {exc})"
+    elif not hasattr(diffusers, spec.pipeline_class):
         return (
             f"tiny pipeline {name!r} needs diffusers.{spec.pipeline_class}, which diffusers "
             f"{diffusers.__version__} does not provide"
@@ -1032,6 +1040,9 @@ def tiny_call_kwargs(name: str, *, chunks: int | None = None, steps: int = 2, se
         max_sequence_length=16, output_type="pt", generator=torch.Generator().manual_seed(seed),
     )
     kwargs.update(spec.call_kwargs(chunks=chunks, **geometry))
+    if name == "causal_wan":  # few-step, no CFG: the step count picks the timesteps (4 -> 1000, 750, 500, 250)
+        kwargs.pop("negative_prompt")
+        kwargs["denoising_timesteps"] = [1000.0 * (1 - i / steps) for i in range(kwargs.pop("num_inference_steps"))]
     if name == "sana_wm_refiner":  # (sana_latent, prompt, *, fps, ...): no height/width/steps/negative prompt
         shape = kwargs.pop("sana_latent_shape")
         kwargs["sana_latent"] = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
@@ -1041,3 +1052,38 @@ def tiny_call_kwargs(name: str, *, chunks: int | None = None, steps: int = 2, se
         kwargs["sigmas"] = tuple(float(x) for x in torch.linspace(0.9, 0.0, steps + 1))
     kwargs.update(overrides)
     return kwargs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Causal Wan (diffusers_nki.pipelines.CausalWanPipeline: Self-Forcing / CausVid / LongLive class)
+# ----------------------------------------------------------------------------------------------------------
+def tiny_umt5_encoder(seed: int = 0, vocab_size: int = 128):
+    """Tiny random ``UMT5EncoderModel`` (d_model=32, 2 layers, 4 heads x 8) matching ``tiny_tokenizer``."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(d_model=TEXT_DIM, d_kv=8, d_ff=37, num_layers=2, num_heads=4, vocab_size=vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = UMT5EncoderModel(config)
+    return model.eval()
+
+
+def _causal_wan_pipeline(seed):
+    from diffusers import FlowMatchLCMScheduler
+
+    from diffusers_nki.pipelines import CausalWanPipeline
+
+    transformer, _ = tiny_transformer("wan", seed=seed, in_channels=16, out_channels=16, text_dim=TEXT_DIM)
+    return CausalWanPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_umt5_encoder(seed), transformer=transformer,
+                             vae=tiny_wan_vae(seed), scheduler=FlowMatchLCMScheduler(shift=5.0),
+                             num_frame_per_block=3, window_frames=21, sink_frames=0)
+
+
+def _causal_wan_kwargs(chunks: int = 3, frames_per_chunk: int = 3) -> dict:
+    # chunks of frames_per_chunk latent frames (num_frame_per_block); 4x temporal VAE compression
+    return dict(num_frames=4 * (chunks * frames_per_chunk - 1) + 1, num_frame_per_block=frames_per_chunk)
+
+
+_PIPELINES["causal_wan"] = _PipelineSpec(_causal_wan_pipeline, _causal_wan_kwargs,
+                                         "diffusers_nki.pipelines.CausalWanPipeline", "wan")
+PIPELINES = tuple(_PIPELINES)

@@ -126,27 +126,31 @@ def test_gpu_rollout_parses_and_refuses_without_cuda(capsys, monkeypatch):
     assert "refusing to run" in err and "no CUDA device" in err
     assert gpu_rollout.main(["--chunks", "0"]) == 2
     assert "--chunks=0" in capsys.readouterr().err
-    assert gpu_rollout.main(["--chunks", "1"]) == 2  # full_chunk_limit = chunks must be >= 2
-    assert "--chunks=1 must be >= 2" in capsys.readouterr().err
+    assert gpu_rollout.main(["--height", "40"]) == 2
+    assert "--height=40" in capsys.readouterr().err
     assert gpu_rollout.main(["--modes", "stock,fast"]) == 2
     assert "fast" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_rollout.main(["--dtype", "float64"])
+    with pytest.raises(SystemExit):
+        gpu_rollout.main(["--config", "global"])
 
 
 def test_gpu_rollout_smoke_runs_its_logic_on_cpu(tmp_path, capsys):
-    """--smoke runs the same stock/patched rollout code at a CPU size (not a benchmark); the patched
-    latents must match stock."""
+    """--smoke runs the same unpatched/patched CausalWanPipeline rollout code (streaming, VAE decode per chunk)
+    at a CPU size (not a benchmark); the patched latents must match the unpatched ones."""
     path = tmp_path / "g.json"
-    assert gpu_rollout.main(["--smoke", "--chunks", "2", "--steps", "1", "--json", str(path)]) == 0
+    assert gpu_rollout.main(["--smoke", "--chunks", "3", "--steps", "1", "--config", "longlive",
+                             "--json", str(path)]) == 0
     res = json.loads(path.read_text())
-    assert res["smoke"] is True and set(res["modes"]) == {"stock", "patched"}
-    assert res["dtype"] == "float32"  # --smoke runs float32 whatever --dtype says
-    assert res["modes"]["patched"]["static_cache"] is True
+    assert res["smoke"] is True and set(res["modes"]) == {"unpatched", "patched"}
+    assert res["dtype"] == "float32" and res["decode"] is True  # --smoke runs float32 whatever --dtype says
+    assert res["window_frames"] == 12 and res["sink_frames"] == 3
+    assert all(m["static_cache"] for m in res["modes"].values())
     assert all(m["median_s"] > 0 and m["fps"] > 0 for m in res["modes"].values())
-    assert res["max_rel_diff_patched_vs_stock"] < 1e-4
+    assert res["max_rel_diff_patched_vs_unpatched"] < 1e-4
     out = capsys.readouterr().out
-    assert "not a benchmark" in out and "Self-Forcing" not in out
+    assert "not a benchmark" in out and "LongLive" not in out
 
 
 def test_compiled_graphs_stay_flat_with_the_static_cache():

@@ -44,3 +44,11 @@ def test_shim_uses_emulator_without_neuron_sdk():
 
 def test_version():
     assert diffusers_nki.__version__
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    text = (ROOT / "pyproject.toml").read_text()
+    subs = sorted(p.parent.name for p in (ROOT / "diffusers_nki").glob("*/__init__.py"))
+    assert "pipelines" in subs
+    for name in subs:
+        assert f'"diffusers_nki.{name}"' in text, f"diffusers_nki.{name} is not in pyproject's packages list"

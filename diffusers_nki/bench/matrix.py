@@ -40,6 +40,14 @@ PIPELINES: Dict[str, tuple] = {
     "framepack": ("framepack", {}),
     "sana_wm": ("sana_wm", None),
     "sana_wm_refiner": ("sana_wm_refiner", {}),
+    "causal_wan": ("causal_wan", {"frames_per_chunk": 1}),
+}
+# rows for pipelines of diffusers_nki itself over a stock transformer class (its transformer row is that class's)
+# name -> (what the row's class column shows, why there is no separate transformer row)
+EXTRA_ROWS: Dict[str, tuple] = {
+    "causal_wan": ("CausalWanPipeline (WanTransformer3DModel)",
+                   "chunk-causal Wan (Self-Forcing / LongLive class): diffusers_nki.pipelines.CausalWanPipeline over the "
+                   "stock WanTransformer3DModel, whose transformer row is the wan row"),
 }
 PARITY_RTOL = 1e-4  # fp32 tiny models: patched vs stock transformer output, max relative error
 PSNR_MIN_DB = 60.0  # fp32 tiny pipelines: decoded frames, patched vs stock
@@ -163,9 +171,11 @@ def _cache_config(pipe):
         from diffusers_nki.cache import StaticCacheConfig
     except ImportError:
         return None, "diffusers_nki.cache is not available"
-    fam = caching.family_of(pipe.transformer)
+    fam = caching.family_for_component(pipe, "transformer", pipe.transformer)
     if fam is None:
         return None, "no static cache for this transformer class (attention routing only)"
+    if hasattr(pipe, "default_cache_config"):  # the pipeline's own attention window (causal Wan)
+        return pipe.default_cache_config(backend="torch"), f"static cache [{fam}], the pipeline's window"
     return StaticCacheConfig(backend="torch"), f"static cache [{fam}]"
 
 
@@ -266,6 +276,21 @@ def _modeled_row(family: str, args) -> dict:
     from diffusers_nki.bench import _modeled
     from diffusers_nki.bench._published import published_for
 
+    if family == "causal_wan":  # Self-Forcing at full scale: shapes recorded from the patched pipeline
+        from diffusers_nki.bench.budget import chunk_attention_calls
+
+        why = _modeled.unavailable_reason()
+        if why:
+            return {"status": "n/a", "reason": why}
+        probe = chunk_attention_calls()
+        if probe["unrouted"]:
+            return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls bypass diffusers_nki"}
+        calls = probe["chunks"][probe["steady"]]
+        res = _modeled.model_calls(calls, _targets(args))
+        res.update(status="ok", unit="chunk", shapes_from=f"recorded from the patched CausalWanPipeline at 480x832 "
+                   f"(chunk {probe['steady']}, Self-Forcing 21-frame window; {probe['distinct_shapes']} distinct "
+                   f"shapes in the whole rollout); end-to-end budget: diffusers-nki bench budget")
+        return res
     pub = published_for(family)
     if pub is None:
         return {"status": "n/a", "reason": "no published full-scale configuration recorded for this family in "
@@ -304,11 +329,11 @@ def _families(args) -> List[str]:
 
     if args.families:
         names = [f.strip() for f in args.families.split(",") if f.strip()]
-        bad = [f for f in names if f not in tiny.FAMILIES]
+        bad = [f for f in names if f not in tiny.FAMILIES and f not in EXTRA_ROWS]
         if bad:
-            raise ValueError(f"--families: unknown {bad}; known families: {', '.join(tiny.FAMILIES)}")
+            raise ValueError(f"--families: unknown {bad}; known families: {', '.join([*tiny.FAMILIES, *EXTRA_ROWS])}")
         return names
-    return list(tiny.FAMILIES)
+    return list(tiny.FAMILIES) + list(EXTRA_ROWS)
 
 
 def build_matrix(args, log=print) -> dict:
@@ -330,14 +355,16 @@ def build_matrix(args, log=print) -> dict:
     bar = tqdm(families, desc="bench", unit="family", disable=None)
     for fam in bar:
         bar.set_postfix_str(fam)
-        row = {"family": fam, "class": tiny.FAMILIES[fam].class_path.rsplit(".", 1)[-1]}
+        row = {"family": fam, "class": tiny.FAMILIES[fam].class_path.rsplit(".", 1)[-1] if fam in tiny.FAMILIES
+               else EXTRA_ROWS[fam][0]}
         if fam in unavailable:
             row.update(status="unavailable", reason=unavailable[fam])
             rows.append(row)
             continue
         t_fam = time.perf_counter()
         try:
-            row["transformer"] = _transformer_row(fam, args, 3 * repeats)  # forwards are cheap: more samples
+            row["transformer"] = _transformer_row(fam, args, 3 * repeats) if fam not in EXTRA_ROWS else \
+                {"status": "n/a", "reason": EXTRA_ROWS[fam][1]}  # forwards are cheap: more samples
         except Exception as e:
             row["transformer"] = {"status": "error", "reason": _err(e), "traceback": traceback.format_exc(limit=3)}
         pipes = [n for n, (f, _) in PIPELINES.items() if f == fam]
@@ -411,6 +438,8 @@ def _cells(row) -> List[str]:
     cls = row["class"] + (f" / {pl['class']}" if pl.get("class") else "")
     if tr.get("status") != "ok":
         routed = f"{tr.get('status', '?')}: {tr.get('reason', '')[:60]}"
+        if fam in EXTRA_ROWS and pl.get("status") == "ok":  # a pipeline row: its rollout's routing
+            routed = _fmt_share(pl.get("routing")) + " (pipeline)"
         par = "n/a"
         cpu = "n/a"
     else:

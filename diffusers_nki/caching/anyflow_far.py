@@ -224,11 +224,15 @@ class _Rollout:
         self.L = int(cfg.full_chunk_limit)
         cp = list(a["chunk_partition"])
         self.n = conf.chunk_frames or max(max(cfg.chunk_partition), max(cp))
+        if conf.chunk_frames is None and conf.grow:  # the default cache: the pipeline's biggest chunk fits too
+            self.n = max(self.n, self._pipeline_frames(a, chunk_only=True) or 0)
         self.full_slots = self.L - 1
         full_region_frames = self.full_slots * self.n
         # capacity (frames of history = compressed + full) -> compressed frames
         if conf.unit == "frames":
             capacity = conf.capacity if conf.capacity is not None else sum(cfg.chunk_partition)
+            if conf.grow and getattr(hook, "grown_capacity", None):
+                capacity = max(capacity, hook.grown_capacity)  # a grown cache stays grown
             sink = conf.sink
         else:
             tokens = conf.capacity
@@ -278,6 +282,45 @@ class _Rollout:
         self.cached_chunks = 0
         self.kv_dict_id = id(a["kv_cache"])
         self.stats = {"denoise_steps": 0, "cache_steps": 0, "cache_tokens": 0, "cache_tokens_stock": 0}
+
+    # -- growth (StaticCacheConfig.grow) ----------------------------------------------------------------
+    def _pipeline_frames(self, a: dict, chunk_only: bool = False) -> Optional[int]:
+        """Frames of history the pipeline's own cache dict is sized for (its ``full_cache`` holds
+        ``full_chunk_limit x max(chunk_partition)`` frames, its ``compressed_cache`` ``(chunks - full_chunk_limit
+        + 1) x max(chunk_partition)``), or None when the dict has another layout."""
+        try:
+            layer = next(iter(a["kv_cache"].values()))
+            n_full, n_comp = int(layer["full_cache"].shape[3]), int(layer["compressed_cache"].shape[3])
+            biggest = n_full // (self.L * self.ftpf)
+            if chunk_only:
+                return biggest or None
+            chunks = n_comp // (biggest * self.ctpf) + self.L - 1
+            return chunks * biggest if biggest > 0 and chunks > 0 else None
+        except Exception:  # not the stock pipeline's dict: fall back to doubling
+            return None
+
+    def grow(self, hook, a: dict, comp_frames_needed: int) -> None:
+        """Reallocate the buffers for a longer history (valid prefix copied, zero slots stay zero): once, to the
+        rollout the pipeline sized its own cache for, else to twice the capacity."""
+        import warnings
+
+        full_region = self.full_slots * self.n
+        needed = comp_frames_needed + full_region
+        capacity = max(needed, self._pipeline_frames(a) or 2 * self.capacity_frames)
+        comp_cap = capacity - full_region
+        pad = FLEX_BLOCK if self.zeros is not None else 0
+        self.valid_end_max = comp_cap * self.ctpf + max(full_region * self.ftpf, self.ctpf)
+        bigger = self.buffers.grown(self.valid_end_max + pad, self.ring.valid * self.ctpf + self.full_tokens)
+        warnings.warn(
+            f"AnyFlow-FAR static cache: this rollout needs more than capacity={self.capacity_frames} frames of "
+            f"history; the buffers grow once to {capacity} frames (the output is unchanged; one new set of "
+            f"attention shapes). Pass StaticCacheConfig(capacity={capacity}) to size it up front.",
+            RuntimeWarning, stacklevel=4)
+        self.buffers, self.layers = bigger, [bigger.layer(i) for i in range(len(self.layers))]
+        self.capacity_frames, self.comp_cap = capacity, comp_cap
+        self.ring.capacity = comp_cap
+        hook.grown_capacity = capacity
+        self.stats["grown"] = self.stats.get("grown", 0) + 1
 
     # -- helpers ---------------------------------------------------------------------------------------
     def check(self, a: dict, c: int):
@@ -370,6 +413,9 @@ class _Rollout:
         # host-side plan: ring placement of the newly compressed chunk, then the full chunks behind it
         values: Dict[str, int] = {"comp_cache_len": self.ring.valid * ctpf,
                                   "comp_kv_len": cp[comp] * ctpf if comp is not None else 0}
+        if comp is not None and hook.config.grow and not hook.config.rolling \
+                and self.ring.valid + cp[comp] > self.ring.capacity:
+            self.grow(hook, a, self.ring.valid + cp[comp])
         slots = self.ring.place(cp[comp]) if comp is not None else []
         trash = self.ring.valid * ctpf  # first slot after the compressed prefix: overwritten by the full chunks
         for f in range(n):

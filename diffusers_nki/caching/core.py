@@ -30,8 +30,9 @@ HOOK_NAME = "diffusers_nki.static_cache"
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
               backend="auto"):
     """``diffusers_nki.ops.attention`` (the custom op: counted, backend-dispatched); see docs/ARCHITECTURE.md."""
-    from diffusers_nki import ops
+    from diffusers_nki import bridge, ops
 
+    bridge.note_routed(1)  # explain() counts the kernel calls of the module running it (not under compile)
     return ops.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend)
 
 
@@ -103,6 +104,15 @@ class KVBuffers:
 
     def layer(self, i: int) -> "LayerKV":
         return LayerKV(self.k[i], self.v[i])
+
+    def grown(self, capacity: int, used: int) -> "KVBuffers":
+        """New buffers of ``capacity`` slots (zeros) holding a copy of the first ``used`` slots of these
+        (``StaticCacheConfig.grow``: the valid prefix survives, so the output does not change)."""
+        B, _, heads, head_dim = self.shape
+        out = KVBuffers(len(self.k), B, capacity, heads, head_dim, self.k[0].dtype, self.k[0].device)
+        for new, old in zip(out.k + out.v, self.k + self.v):
+            new[:, :used].copy_(old[:, :used])
+        return out
 
 
 class LayerKV:

@@ -1,0 +1,13 @@
+"""Pipelines diffusers lacks and users need, built from stock diffusers components.
+
+- ``CausalWanPipeline``: chunk-causal Wan (Self-Forcing / CausVid / LongLive class) on the stock
+  ``WanTransformer3DModel``, ``AutoencoderKLWan`` and a UMT5 text encoder; ``stream()`` yields decoded frames
+  chunk by chunk.
+- ``convert_causal_wan_checkpoint``: the published causal checkpoints (original Wan key names inside
+  ``generator`` / ``generator_ema``) -> a diffusers ``WanTransformer3DModel`` state dict.
+"""
+from .causal_wan import CausalWanPipeline, CausalWanStreamChunk, WanStreamingDecoder
+from .convert import CheckpointKeyError, convert_causal_wan_checkpoint, to_original_wan_state_dict
+
+__all__ = ["CausalWanPipeline", "CausalWanStreamChunk", "WanStreamingDecoder", "convert_causal_wan_checkpoint",
+           "to_original_wan_state_dict", "CheckpointKeyError"]
