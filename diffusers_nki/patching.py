@@ -308,21 +308,36 @@ _bound_classes: Dict[tuple, type] = {}
 
 
 def _bind_dispatch(func, member):
-    """``func`` (a processor's ``__call__``) with the very same code, whose ``dispatch_attention_fn`` passes
-    ``backend=member`` when the call names none (a copy of its module globals; the module is untouched)."""
-    if "dispatch_attention_fn" not in func.__code__.co_names:
+    """``func`` (a processor's ``__call__``): the very same code, except that its global name
+    ``dispatch_attention_fn`` is read from ``_diffusers_nki_dispatch_<member>``: diffusers' dispatch with
+    ``backend=member`` when the call names none. That name is added to the function's own module namespace
+    (nothing else reads it), so the function keeps its real globals and torch.compile traces it as before."""
+    import dis
+
+    code = func.__code__
+    if "dispatch_attention_fn" not in code.co_names:
         raise RuntimeError(f"{func.__qualname__} does not call dispatch_attention_fn itself; diffusers_nki cannot "
                            "bind it to a backend per module (global_backend family)")
-    real = func.__globals__["dispatch_attention_fn"]
+    index = code.co_names.index("dispatch_attention_fn")
+    for ins in dis.get_instructions(code):
+        if ins.opname != "LOAD_GLOBAL" and ins.argval == "dispatch_attention_fn" and ins.opcode in dis.hasname:
+            raise RuntimeError(f"{func.__qualname__} uses the name dispatch_attention_fn other than as a global "
+                               f"({ins.opname}); diffusers_nki cannot bind it per module")
+    alias = "_diffusers_nki_dispatch_" + member.value.strip("_")
+    namespace = func.__globals__
+    if alias not in namespace:
+        real = namespace["dispatch_attention_fn"]
 
-    def dispatch_attention_fn(*args, **kwargs):
-        if kwargs.get("backend") is None:
-            kwargs["backend"] = member
-        return real(*args, **kwargs)
+        def dispatch_attention_fn(*args, **kwargs):
+            if kwargs.get("backend") is None:
+                kwargs["backend"] = member
+            return real(*args, **kwargs)
 
-    g = dict(func.__globals__)
-    g["dispatch_attention_fn"] = dispatch_attention_fn
-    bound = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
+        namespace[alias] = dispatch_attention_fn
+    names = list(code.co_names)
+    names[index] = alias
+    bound = types.FunctionType(code.replace(co_names=tuple(names)), namespace, func.__name__, func.__defaults__,
+                               func.__closure__)
     bound.__kwdefaults__ = func.__kwdefaults__
     bound.__qualname__, bound.__doc__ = func.__qualname__, func.__doc__
     return bound

@@ -279,6 +279,28 @@ def test_cosmos_routes_per_module_and_leaves_other_threads_alone(h):
     assert _our_state(patched) == [] and torch.equal(h.run(patched, clean), ref_patched)
 
 
+def test_cosmos_per_module_binding_compiles_fullgraph(h):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, make_inputs = tiny.tiny_transformer("cosmos")
+    x = make_inputs(**FAST)
+    ref = h.run(model, x)
+    diffusers_nki.patch(model, backend="torch")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        compiled(**x, return_dict=False)
+        out = compiled(**x, return_dict=False)[0]
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and h.rel_err(out, ref) <= 1e-5
+    n = ops.counters()["attention"]
+    assert n["torch"] + n["stock"] == 2 * 2 * len(model.transformer_blocks) and n["torch"] > 0
+    s = diffusers_nki.explain(model).summary()
+    assert s["calls_routed"] == n["torch"] and s["calls_fallback"] == n["stock"]
+    diffusers_nki.unpatch(model)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # defect 9: explain() is derived from what ran
 # ---------------------------------------------------------------------------------------------------------
