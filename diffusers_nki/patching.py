@@ -205,6 +205,13 @@ class ModelPatch:
         inst = self.installed
         if inst is None or not self.requests:
             return new
+        if inst.cache_applied:
+            # diffusers' hooks (the static cache is one) keep closures over the ORIGINAL module: a copy would
+            # run the original model's forward and cache. Refuse rather than copy something silently wrong.
+            raise TypeError(
+                f"copy.deepcopy of a {inst.unattributed.cls} with a diffusers_nki static cache installed is not "
+                "supported (diffusers' hooks would keep running the original model): unpatch() it (or "
+                "remove_static_cache), copy, then patch() the original and the copy")
         top = self.requests[-1]
         new.installed = copy.deepcopy(inst, memo)
         req = Request("self", "deepcopy", top.backend, top.strict, new.installed.cache)
@@ -903,8 +910,9 @@ class Explanation:
                 fb = "; ".join(f"{n}x {r}" for r, n in fbs.items())
                 lines.append(f"  inside compiled code (counted per model, not per module): kernel calls {text}"
                              + (f"; fallbacks {fb}" if fb else ""))
-            for owner in m.owners[:-1] if len(m.owners) > 1 else ():
-                lines.append(f"  note: also patched by {owner} (the most recent patch is installed)")
+            if len(m.owners) > 1:
+                lines.append(f"  note: patched by {', '.join(m.owners)}; the most recent ({m.owners[-1]}) is "
+                             "installed, unpatching it brings back the one before")
             for note in m.notes:
                 lines.append(f"  note: {note}")
             s = m.summary()

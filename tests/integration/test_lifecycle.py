@@ -234,6 +234,19 @@ def test_deepcopy_carries_an_independent_patch(through, h):
     assert _our_state(model) == []
 
 
+def test_deepcopy_with_a_static_cache_is_refused_clearly():
+    from diffusers_nki.cache import StaticCacheConfig
+
+    model, _ = tiny.tiny_transformer("skyreels_v2", in_channels=16, out_channels=16, text_dim=32)
+    diffusers_nki.patch(model, backend="torch", cache=StaticCacheConfig(backend="torch"))
+    with pytest.raises(TypeError, match="deepcopy of a SkyReelsV2Transformer3DModel with a diffusers_nki static "
+                                        "cache installed is not supported"):
+        copy.deepcopy(model)
+    diffusers_nki.unpatch(model)
+    twin = copy.deepcopy(model)  # after unpatch: a plain copy
+    assert _our_state(twin) == []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # defect 8: the global-backend family (Cosmos) is routed per module: other threads and models are untouched
 # ---------------------------------------------------------------------------------------------------------
