@@ -660,6 +660,8 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     resolved = backends.resolve(backend)
     backends.require(resolved)  # e.g. "nki" without the Neuron SDK: fail now, naming why
     comps = _components(pipe_or_model)
+    # The cache argument's semantics (and the default cache of patch(pipe)) are resolved HERE, before any
+    # comparison with what is installed: everything below treats `cache` as final (None = no cache).
     if cache is not None:
         _cache_module()
     is_model = isinstance(pipe_or_model, torch.nn.Module)
