@@ -197,6 +197,15 @@ class ModelPatch:
     def own(self) -> List[Request]:
         return [r for r in self.requests if r.owner == "self"]
 
+    def __setstate__(self, state):
+        # unpickled (torch.save / torch.load of a patched model): like a deep copy, the model now owns its patch
+        self.__dict__.update(state)
+        if self.installed is not None and self.requests and any(r.owner != "self" for r in self.requests):
+            top = self.requests[-1]
+            req = Request("self", "unpickled", top.backend, top.strict, self.installed.cache)
+            self.installed.request, self.requests = req, [req]
+            self.copied_from = self.copied_from or top.label
+
     def __deepcopy__(self, memo):
         # A deep copy of a patched model carries an independent copy of the INSTALLED patch, owned by the copy
         # itself (pipelines do not own copies of their components); its records start at zero.
@@ -350,6 +359,10 @@ def _bind_dispatch(func, member):
     return bound
 
 
+def _reduce_bound(self, protocol):
+    return dispatch_bound, (self.stock, self.member)
+
+
 def dispatch_bound(stock, member):
     """A processor of a subclass of ``type(stock)`` (same attributes, same ``__call__`` signature, which
     diffusers inspects to filter kwargs) whose dispatch calls go to ``member``; ``.stock`` is the original."""
@@ -360,6 +373,7 @@ def dispatch_bound(stock, member):
         sub = type(f"{cls.__name__}[{member.value}]", (cls,), {
             "__call__": _bind_dispatch(cls.__call__, member),
             "__module__": __name__,
+            "__reduce_ex__": _reduce_bound,  # (pickle / copy rebuild it from the stock processor)
             "__doc__": f"{cls.__name__} with its dispatch calls bound to the {member.value!r} backend (diffusers_nki)",
         })
         _bound_classes[key] = sub

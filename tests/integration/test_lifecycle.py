@@ -234,6 +234,25 @@ def test_deepcopy_carries_an_independent_patch(through, h):
     assert _our_state(model) == []
 
 
+@pytest.mark.parametrize("family", ["wan", "cosmos"])
+def test_torch_save_load_of_a_patched_model_owns_its_patch(family, h):
+    import io
+
+    model, make_inputs = tiny.tiny_transformer(family)
+    x = make_inputs(**FAST)
+    stock = h.run(model, x)
+    diffusers_nki.patch(model, backend="torch")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    ops.reset_counters()
+    assert h.rel_err(h.run(loaded, x), stock) <= 1e-5 and ops.counters()["attention"]["torch"] > 0
+    assert is_patched(loaded)
+    diffusers_nki.unpatch(loaded)
+    assert _our_state(loaded) == [] and torch.equal(h.run(loaded, x), stock)
+
+
 def test_deepcopy_with_a_static_cache_is_refused_clearly():
     from diffusers_nki.cache import StaticCacheConfig
 
