@@ -268,18 +268,25 @@ def _covered_names() -> List[str]:
 # hooks: plain module-level functions that find their record on the module they run for (no closures, so
 # nothing references a model, and a deep copy's hooks find the copy's records)
 # ----------------------------------------------------------------------------------------------------------
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover
+        return False
+
+
 _marks = threading.local()  # per-thread stack of record-stack depths at patched models' forward entries
 
 
 def _record_pre_hook(module, args):
-    if not bridge._compiling():
+    if not _compiling():
         rec = module.__dict__.get(RECORD_ATTR)
         if rec is not None:
             bridge.push_record(rec)
 
 
 def _record_post_hook(module, args, output):
-    if not bridge._compiling():
+    if not _compiling():
         rec = module.__dict__.get(RECORD_ATTR)
         if rec is not None:
             bridge.pop_record(rec)
@@ -289,7 +296,7 @@ def _model_pre_hook(model, args):
     # No always_call on the per-module hooks: torch.compile guards on each always-called hook's (per-module)
     # id, so every repeated block would compile its own graph. A forward that raises leaves its record on the
     # stack; this model-level always-called hook (outside any repeated block) truncates the stack back.
-    if not bridge._compiling():
+    if not _compiling():
         stack = getattr(_marks, "stack", None)
         if stack is None:
             stack = _marks.stack = []
@@ -297,7 +304,7 @@ def _model_pre_hook(model, args):
 
 
 def _model_post_hook(model, args, output):
-    if not bridge._compiling():
+    if not _compiling():
         stack = getattr(_marks, "stack", None)
         bridge.reset_records(stack.pop() if stack else 0)
 
