@@ -82,7 +82,36 @@ class _DispatchImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _import_order_hint():
+    """A warning when ``DIFFUSERS_ATTN_BACKEND`` names our backend but diffusers' attention dispatch was (or
+    failed to be) imported before diffusers_nki, which is when "nki" gets registered."""
+    import os
+
+    value = os.environ.get("DIFFUSERS_ATTN_BACKEND", "")
+    if not (value == "nki" or value.startswith("_nki_")):
+        return None
+    dispatch = sys.modules.get(_DispatchImportHook.target)
+    if dispatch is not None:
+        active = getattr(getattr(dispatch, "_AttentionBackendRegistry", None), "_active_backend", None)
+        if getattr(active, "value", active) == value:
+            return None
+        return (f"DIFFUSERS_ATTN_BACKEND={value!r} has no effect: diffusers' attention dispatch was imported before "
+                f"diffusers_nki (it read the variable as {getattr(active, 'value', active)!r}). Import diffusers_nki "
+                "before any diffusers model, or use diffusers_nki.patch(model) / model.set_attention_backend('nki').")
+    if any(name.startswith("diffusers.models.") for name in sys.modules):
+        return (f"DIFFUSERS_ATTN_BACKEND={value!r}: diffusers model modules were imported before diffusers_nki. If "
+                f"that import failed with \"'{value}' is not a valid AttentionBackendName\", this is why: "
+                "diffusers_nki registers the backend when diffusers' attention dispatch is imported, so it must be "
+                "imported first. Models imported from now on are routed.")
+    return None
+
+
 def _arrange_registration():
+    hint = _import_order_hint()
+    if hint is not None:
+        import warnings
+
+        warnings.warn(hint, RuntimeWarning, stacklevel=3)
     if _DispatchImportHook.target in sys.modules:
         from diffusers_nki import bridge
 

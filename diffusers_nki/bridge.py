@@ -394,11 +394,8 @@ def current_record():
 
 
 def note_routed(n: int = 1) -> None:
-    if _compiling():
-        return
-    rec = current_record()
-    if rec is not None:
-        rec.calls += n
+    """Kept for callers; routed kernel calls are counted where they run (``diffusers_nki.accounting.observe``,
+    called by the custom ops), per module and per backend."""
 
 
 def fallback(reason: str, strict: bool, where: str = "", anchor: Optional[torch.Tensor] = None) -> None:
@@ -437,6 +434,10 @@ torch.fx.node.has_side_effect(torch.ops.diffusers_nki.stock_fallback.default)  #
 def _record_fallback(reason: str, where: str) -> None:
     ops._count("attention", "stock")
     rec = current_record()
+    if rec is None:  # compiled code, or a model routed without patch(): the owner on the call stack
+        from diffusers_nki import accounting
+
+        rec = accounting.owner_from_stack(1)
     place = where or (getattr(rec, "path", "") if rec is not None else "")
     if rec is not None:
         rec.fallbacks[reason] += 1

@@ -40,7 +40,8 @@ model no longer sees the evicted frames). With ``rolling=False`` an overflow rai
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import numbers
+from dataclasses import asdict, dataclass, fields
 from typing import List, Optional
 
 import torch
@@ -89,24 +90,29 @@ class StaticCacheConfig:
     grow: bool = False
 
     def __post_init__(self):
-        from diffusers_nki.backends import check_name
+        for f in fields(self):
+            object.__setattr__(self, f.name, _checked(f.name, getattr(self, f.name)))
+        self._check_together()
+        object.__setattr__(self, "_validated", True)
 
-        if not isinstance(self.grow, bool):
-            raise ValueError(f"StaticCacheConfig.grow={self.grow!r} must be a bool")
+    def __setattr__(self, name, value):
+        # a field assigned after construction is checked like a constructor argument (and with the others)
+        if self.__dict__.get("_validated") and name in _RULES:
+            value = _checked(name, value)
+            old = getattr(self, name)
+            object.__setattr__(self, name, value)
+            try:
+                self._check_together()
+            except ValueError:
+                object.__setattr__(self, name, old)
+                raise
+            return
+        object.__setattr__(self, name, value)
+
+    def _check_together(self) -> None:
         if self.grow and self.rolling is True:
             raise ValueError("StaticCacheConfig(grow=True, rolling=True): a rolling window evicts instead of growing; "
                              "set one of them")
-
-        if self.backend is not None:
-            check_name(self.backend)
-        if self.unit not in _UNITS:
-            raise ValueError(f"StaticCacheConfig.unit={self.unit!r} must be one of {_UNITS}")
-        for name in ("capacity", "chunk_frames"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"StaticCacheConfig.{name}={value!r} must be None or an int >= 1")
-        if not isinstance(self.sink, int) or isinstance(self.sink, bool) or self.sink < 0:
-            raise ValueError(f"StaticCacheConfig.sink={self.sink!r} must be an int >= 0")
         if self.capacity is not None and self.sink >= self.capacity:
             raise ValueError(
                 f"StaticCacheConfig.sink={self.sink} {self.unit} must be smaller than capacity={self.capacity} "
@@ -119,6 +125,53 @@ class StaticCacheConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _backend_ok(value) -> bool:
+    from diffusers_nki.backends import CHOICES
+
+    return isinstance(value, str) and value in CHOICES
+
+
+def _backend_expectation() -> str:
+    from diffusers_nki.backends import CHOICES
+
+    return f"None or one of {list(CHOICES)} (a diffusers_nki backend)"
+
+
+# field -> (type check, value check, what is expected). EVERY field has a rule (a test checks it): booleans
+# must be bool (not "no", 1 or None), counts must be ints (numpy ints are accepted; bools are not).
+_RULES = {
+    "capacity": (lambda v: v is None or _is_int(v), lambda v: v is None or v >= 1, "None or an int >= 1"),
+    "unit": (lambda v: isinstance(v, str), lambda v: v in _UNITS, f"one of {_UNITS}"),
+    "sink": (_is_int, lambda v: v >= 0, "an int >= 0"),
+    "rolling": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
+    "chunk_frames": (lambda v: v is None or _is_int(v), lambda v: v is None or v >= 1, "None or an int >= 1"),
+    "reuse": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
+    "backend": (lambda v: v is None or isinstance(v, str), lambda v: v is None or _backend_ok(v), None),
+    "strict": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
+    "grow": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
+}
+
+
+def _checked(name: str, value):
+    """``value`` for field ``name`` (ints normalised to int), or TypeError / ValueError naming the field, the
+    value and what is expected."""
+    type_ok, value_ok, expected = _RULES[name]
+    if expected is None:
+        expected = _backend_expectation()
+    if not type_ok(value):
+        raise TypeError(f"StaticCacheConfig.{name}={value!r} must be {expected}, got {type(value).__name__}")
+    if value_ok is not None and not value_ok(value):
+        if name == "backend":
+            raise ValueError(f"StaticCacheConfig.backend={value!r} is not a diffusers_nki backend; "
+                             f"expected {expected}")
+        raise ValueError(f"StaticCacheConfig.{name}={value!r} must be {expected}")
+    return int(value) if _is_int(value) else value
 
 
 def _transformers(obj) -> List[torch.nn.Module]:

@@ -1,12 +1,23 @@
 """Command line: ``diffusers-nki demo | bench [kernels]`` (also ``python -m diffusers_nki``).
 
 Each subcommand lives in its own module and is imported lazily, so ``--help`` stays fast.
+
+Arguments are validated BEFORE any work (``validate``), the same way for every subcommand, and a bad one is
+reported as ONE line on stderr (``diffusers-nki <command>: <what is wrong>``) with exit code 2:
+- every integer option is a count that must be >= 1 (``--seed`` and the others in ``NONNEGATIVE``: >= 0);
+- ``--backend`` must name a backend that can run HERE (``--backend nki`` without a Neuron device says why);
+- ``--output`` / ``--out`` (directories) must be, or be creatable as, a writable directory (an existing file
+  is refused); ``--json`` (a file) must not be a directory and its directory must exist and be writable;
+- a subcommand module's own ``_check_args(args)`` / ``_check(args)`` runs too (its ValueError is the line);
+- a ``SystemExit("message")`` raised by a subcommand is printed as that one line, exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
 from typing import List, Optional
 
 # subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
@@ -31,7 +42,7 @@ def _add(sub, name, module, help_):
         p.set_defaults(_missing=module)
         return p
     mod.add_arguments(p)
-    p.set_defaults(_run=mod.run)
+    p.set_defaults(_run=mod.run, _parser=p, _module=mod, _prog=f"diffusers-nki {p.prog.split(' ', 1)[-1]}")
     return p
 
 
@@ -46,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         matrix = importlib.import_module(COMMANDS["bench"][0])
         matrix.add_arguments(bench)
-        bench.set_defaults(_run=matrix.run)
+        bench.set_defaults(_run=matrix.run, _parser=bench, _module=matrix, _prog="diffusers-nki bench")
     except ModuleNotFoundError as e:
         if e.name != COMMANDS["bench"][0]:
             raise
@@ -54,13 +65,132 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# ----------------------------------------------------------------------------------------------------------
+# argument validation (before any work)
+# ----------------------------------------------------------------------------------------------------------
+NONNEGATIVE = ("seed", "sink")  # integer options where 0 is meaningful; every other integer option is a count >= 1
+DIRECTORY_OPTIONS = ("output", "out")
+FILE_OPTIONS = ("json",)
+
+
+class UsageError(ValueError):
+    """A bad command-line argument (printed as one line, exit code 2)."""
+
+
+def _flag(action) -> str:
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    return (longs or action.option_strings or [action.dest])[0]
+
+
+def _probe_writable(directory: str) -> Optional[str]:
+    """None when a file can be created in ``directory`` (tried for real: permission bits lie to root and on
+    read-only file systems), else why not."""
+    try:
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".diffusers-nki-probe-")
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    os.unlink(path)
+    return None
+
+
+def check_directory(flag: str, value: str) -> None:
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError(f"{flag}={value} exists and is not a directory")
+        why = _probe_writable(path)
+        if why:
+            raise UsageError(f"{flag}={value} is not writable ({why})")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag}={value} cannot be created: {parent} is a file, not a directory")
+    why = _probe_writable(parent)
+    if why:
+        raise UsageError(f"{flag}={value} cannot be created: {parent} is not writable ({why})")
+
+
+def check_file(flag: str, value: str) -> None:
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag}={value} is a directory (expected a file path)")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag}={value}: directory {parent} does not exist")
+    why = _probe_writable(parent)
+    if why:
+        raise UsageError(f"{flag}={value}: directory {parent} is not writable ({why})")
+
+
+def check_backend(flag: str, value) -> None:
+    from diffusers_nki import backends
+
+    try:
+        backends.check_name(value)
+    except ValueError:
+        raise UsageError(f"{flag}={value!r} is not a diffusers_nki backend; choose one of {list(backends.CHOICES)}") \
+            from None
+    resolved = backends.resolve(value)
+    reason = backends.get(resolved).unavailable_reason()
+    if reason is not None:
+        raise UsageError(f"{flag}={value} is not available here: {reason} (use --backend torch or sim; "
+                         f"nki needs a Trainium host with the Neuron SDK)")
+
+
+def validate(args) -> None:
+    """Check every argument of the chosen subcommand before it runs (raises UsageError)."""
+    parser = getattr(args, "_parser", None)
+    actions = parser._actions if parser is not None else []
+    for action in actions:
+        dest, value = action.dest, getattr(args, action.dest, None)
+        if value is None or dest.startswith("_") or dest == "help":
+            continue
+        flag = _flag(action)
+        if action.type is int and not isinstance(value, bool):
+            low = 0 if dest in NONNEGATIVE else 1
+            if value < low:
+                raise UsageError(f"{flag}={value} must be {'>= 0' if low == 0 else 'a positive integer (>= 1)'}")
+        elif dest == "backend":
+            check_backend(flag, value)
+        elif dest in DIRECTORY_OPTIONS and isinstance(value, str):
+            check_directory(flag, value)
+        elif dest in FILE_OPTIONS and isinstance(value, str):
+            check_file(flag, value)
+    mod = getattr(args, "_module", None)
+    for name in ("_check_args", "_check"):
+        check = getattr(mod, name, None)
+        if callable(check):
+            try:
+                check(args)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    prog = getattr(args, "_prog", "diffusers-nki")
     if getattr(args, "_missing", None):
         print(f"diffusers-nki: this command is not available in this build ({args._missing} is missing)",
               file=sys.stderr)
         return 2
-    return int(args._run(args) or 0)
+    try:
+        validate(args)
+    except UsageError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # a subcommand's own one-line refusal: SystemExit("message")
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

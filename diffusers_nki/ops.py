@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from diffusers_nki import accounting as _accounting
 from diffusers_nki import backends
 from diffusers_nki.kernels import attention_ref as _att_ref
 from diffusers_nki.kernels import cache_write_ref as _cw_ref
@@ -35,6 +36,8 @@ _counts["qk_norm_rope"] = dict.fromkeys(_PATHS, 0)  # the Wan prologue op (diffu
 def _count(op: str, path: str) -> None:
     with _lock:
         _counts[op][path] += 1
+    if path != "stock":  # per-module / per-model attribution for explain() (fallbacks: the bridge records them)
+        _accounting.observe(op, path)
 
 
 def counters() -> dict:

@@ -99,6 +99,16 @@ class NKIWanAttnProcessor(_Routed):
         self._wan = importlib.import_module(_WAN)  # looked up here, once: the call must stay traceable
         self._pass_pc = _accepts_parallel_config(self._wan.dispatch_attention_fn)
 
+    # -- copies (deepcopy / torch.save of a patched model): the diffusers module is looked up again -------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_wan", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._wan = importlib.import_module(_WAN)
+
     # -- what ran (explain) ------------------------------------------------------------------------------
     def explain_note(self) -> str:
         parts = []

@@ -129,7 +129,8 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: int = 8, step
                                 cb))
         chunks_out.append(out)
     passes = [sum(1 for s in starts if s // chunk_frames == ci) for ci in range(len(chunks_out))]
-    steady = max(i for i, p in enumerate(passes) if p == steps + 1)
+    # the last chunk with its cache pass (the last chunk of a rollout skips it: a 1-chunk rollout has none)
+    steady = max((i for i, p in enumerate(passes) if p == steps + 1), default=len(passes) - 1)
     return {"chunks": chunks_out, "steady": steady, "passes": passes,
             "unrouted": sum(1 for c in rec.calls if c.path != "diffusers_nki"),
             "distinct_shapes": rec.distinct([c for c in rec.calls if c.path == "diffusers_nki"]),

@@ -243,15 +243,21 @@ class _Rollout:
                                  f"tokens per frame ({self.ctpf}) for AnyFlow-FAR")
             capacity = full_region_frames + max(0, tokens - full_region_frames * self.ftpf) // self.ctpf
             sink = conf.sink // self.ctpf
+        # the capacity as the user gave it (tokens are converted to frames above; errors speak the user's unit)
+        given = (f"{capacity} frames" if conf.unit == "frames" else
+                 f"{conf.capacity} tokens (= {capacity} frames: {full_region_frames} full-resolution frames of "
+                 f"{self.ftpf} tokens + compressed frames of {self.ctpf} tokens)")
+        need_tokens = full_region_frames * self.ftpf + self.n * self.ctpf
         if capacity < self.n:
-            raise ValueError(f"StaticCacheConfig.capacity={capacity} frames is smaller than one chunk "
+            raise ValueError(f"StaticCacheConfig.capacity={given} is smaller than one chunk "
                              f"(chunk_frames={self.n})")
         comp_cap = capacity - full_region_frames
         if comp_cap < self.n:
+            need = (f"{full_region_frames + self.n} frames" if conf.unit == "frames" else f"{need_tokens} tokens")
             raise ValueError(
-                f"StaticCacheConfig.capacity={capacity} frames is too small for AnyFlow-FAR: it keeps "
+                f"StaticCacheConfig.capacity={given} is too small for AnyFlow-FAR: it keeps "
                 f"full_chunk_limit-1={self.full_slots} chunks of {self.n} frames at full resolution plus at least one "
-                f"compressed chunk, so capacity must be >= {full_region_frames + self.n} frames")
+                f"compressed chunk, so capacity must be >= {need}")
         if conf.rolling and comp_cap - sink < self.n:
             raise ValueError(
                 f"StaticCacheConfig.sink={sink} frames leaves a rolling window of {comp_cap - sink} compressed frames, "
@@ -259,7 +265,7 @@ class _Rollout:
         self.capacity_frames, self.comp_cap, self.sink = capacity, comp_cap, sink
         self.ring = FrameRing(comp_cap, sink, conf.rolling,
                               what=f"AnyFlow-FAR static cache (compressed history: StaticCacheConfig.capacity="
-                                   f"{capacity} frames minus {full_region_frames} full-resolution frames)")
+                                   f"{given} minus {full_region_frames} full-resolution frames)")
         self.valid_end_max = comp_cap * self.ctpf + max(full_region_frames * self.ftpf, self.ctpf)
         pad_keys = hook.emulate_stock_key_padding
         capacity_tokens = self.valid_end_max + (FLEX_BLOCK if pad_keys else 0)

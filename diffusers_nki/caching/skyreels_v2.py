@@ -46,10 +46,20 @@ swaps the attention (``causal_block`` = b*h*w, or 0 for b = 1), no cache.
 Work saved is counted exactly on every call (``hook.stats``, shown by ``describe_cache``): frames, blocks and
 tokens not recomputed, and attention score pairs (stock dense / block-causal visible / computed).
 
+What the reuse is keyed on (nothing can go stale)
+------------------------------------------------
+Besides the inputs compared above, every served call checks what else determined the stored K/V and outputs
+and drops them (``stats["invalidated"]``, named in ``describe_cache``) when any of it changed: the causal block
+size (``num_frame_per_block``), the training flag, each parameter's and buffer's identity, storage, shape,
+dtype and version counter (``load_state_dict``, in-place edits under ``no_grad``, optimizer steps, LoRA fuse,
+``assign=True`` loads), the attention processors and their backends, PEFT adapter state, and a value
+fingerprint of the weights (sum and 2-norm per tensor, float32) that catches edits made through ``.data``
+(which bypass version counters). The fingerprint is one reduction pass over the weights per served call.
+
 Limits: temporal patch size 1; F must be a multiple of b (stock fails otherwise too); the LoRA ``scale``
 attention kwarg raises; ``sink``/``rolling``/``chunk_frames`` do not apply (raise). Calls without diffusion
 forcing (``SkyReelsV2Pipeline``, 1-D timestep) and calls with gradients go to the stock forward (counted,
-warned once). After changing the weights (LoRA load, fuse), call ``reset_static_cache``.
+warned once).
 """
 from __future__ import annotations
 
@@ -137,6 +147,21 @@ class _Context:
         self.valid = 0  # frames whose K/V (and output) are stored
         self.hidden = self.timestep = self.output = None
         self.conditions: tuple = ()
+        self.model_key: tuple = ()  # what else determined the stored K/V and outputs (see _model_key)
+        self.fingerprint: Optional[torch.Tensor] = None  # the weights' values (see _fingerprint)
+
+    def stale(self, model_key: tuple, fingerprint: torch.Tensor) -> str:
+        """Why the stored K/V and outputs cannot be reused whatever the inputs ('' when they can)."""
+        if not self.valid:
+            return ""
+        if model_key != self.model_key:
+            for name, a, b in zip(_KEY_PARTS, model_key, self.model_key):
+                if a != b:
+                    return name
+            return "model state"
+        if self.fingerprint is None or not torch.equal(fingerprint, self.fingerprint):
+            return "weight values (edited in place without a version bump, e.g. through .data)"
+        return ""
 
     def reusable_frames(self, hs: torch.Tensor, ts: torch.Tensor, conditions: tuple, block: int) -> int:
         """Frames of the leading run of blocks identical (inputs and position) to the stored call."""
@@ -148,12 +173,52 @@ class _Context:
         blocks = same.view(-1, block).all(1)
         return int(torch.cumprod(blocks.int(), 0).sum()) * block
 
-    def store(self, hs, ts, out, conditions, frames: int):
+    def store(self, hs, ts, out, conditions, frames: int, model_key: tuple, fingerprint: torch.Tensor):
         self.valid = frames
         self.hidden = hs[:, :, :frames].clone()
         self.timestep = ts[:, :frames].clone()
         self.output = out[:, :, :frames].clone()
         self.conditions = conditions
+        self.model_key, self.fingerprint = model_key, fingerprint
+
+
+_KEY_PARTS = ("causal block size (num_frame_per_block)", "training mode", "weights (a parameter or buffer replaced, "
+              "reshaped or edited in place: load_state_dict, LoRA, fuse, optimizer step)",
+              "attention processors or their backends", "adapter state (PEFT scaling, active or merged adapters)")
+
+
+def _model_key(module, block: int) -> tuple:
+    """Everything besides the call's inputs that determines the transformer's output, cheaply: the causal
+    block size, the training flag, each parameter's and buffer's identity, storage, shape, dtype and VERSION
+    COUNTER (bumped by every in-place edit autograd can see: ``load_state_dict``, ``with no_grad(): p.mul_()``,
+    optimizer steps), the attention processors and their backends, and PEFT adapter state (scaling, active
+    and merged adapters). Edits that bypass version counters (through ``.data``) are caught by
+    ``_fingerprint``."""
+    tensors = tuple((id(t), t.data_ptr(), t._version, t.dtype, tuple(t.shape))
+                    for t in (*module.parameters(), *module.buffers()))
+    procs, adapters = [], []
+    for name, m in module.named_modules():
+        proc = getattr(m, "processor", None)
+        if proc is not None:
+            procs.append((name, id(proc), str(getattr(proc, "_attention_backend", None))))
+        scaling = getattr(m, "scaling", None)
+        if isinstance(scaling, dict):
+            adapters.append((name, tuple(sorted(scaling.items())), str(getattr(m, "active_adapters", None)),
+                             tuple(getattr(m, "merged_adapters", ()) or ()), bool(getattr(m, "disable_adapters",
+                                                                                          False))))
+    return (int(block), bool(module.training), tensors, tuple(procs), tuple(adapters))
+
+
+def _fingerprint(module) -> torch.Tensor:
+    """The weights' values, summarised: per floating parameter and buffer, the sum and the 2-norm (float32).
+    One reduction pass over the weights per served call (a forward reads them all anyway)."""
+    values = []
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_floating_point() and t.numel():
+            d = t.detach()
+            values.append(d.sum(dtype=torch.float32))
+            values.append(torch.linalg.vector_norm(d, dtype=torch.float32))
+    return torch.stack(values) if values else torch.zeros(0)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -178,7 +243,8 @@ def _snapshot(value):
 
 
 _STAT_KEYS = ("calls", "calls_with_reuse", "frames", "frames_reused", "blocks", "blocks_reused", "tokens",
-              "tokens_computed", "pairs_dense", "pairs_visible", "pairs_computed", "stock_calls", "buffer_bytes")
+              "tokens_computed", "pairs_dense", "pairs_visible", "pairs_computed", "stock_calls", "buffer_bytes",
+              "invalidated")
 
 
 class SkyReelsV2StaticCache(StaticCacheHook):
@@ -200,6 +266,7 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         self.contexts: Dict[Optional[str], _Context] = {}
         self.stats = dict.fromkeys(_STAT_KEYS, 0)
         self.geometry = None
+        self.last_invalidation = ""
 
     def initialize_hook(self, module):
         from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2TransformerBlock
@@ -293,6 +360,12 @@ class SkyReelsV2StaticCache(StaticCacheHook):
             ctx = self._context(module, hs, F, tpf)
             conditions = (_snapshot(a["encoder_hidden_states"]), _snapshot(a["encoder_hidden_states_image"]),
                           _snapshot(a["fps"]), F)
+            model_key, fingerprint = _model_key(module, b), _fingerprint(module)
+            why = ctx.stale(model_key, fingerprint)
+            if why:  # what the stored K/V and outputs were computed with changed: nothing is reused
+                self.stats["invalidated"] += 1
+                self.last_invalidation = why
+                ctx.valid = 0
             r = ctx.reusable_frames(hs, ts, conditions[:3], b)
         n = F - r  # frames to compute
         new = None
@@ -306,7 +379,7 @@ class SkyReelsV2StaticCache(StaticCacheHook):
             new = _run(module, a, r, n, hp, wp, steps)
         out = new if r == 0 else (ctx.output[:, :, :r] if n == 0 else torch.cat([ctx.output[:, :, :r], new], dim=2))
         if reuse:
-            ctx.store(hs, ts, out, conditions[:3], min(F, ctx.capacity))
+            ctx.store(hs, ts, out, conditions[:3], min(F, ctx.capacity), model_key, fingerprint)
         self._count(F, r, b, tpf)
         return out
 
@@ -348,6 +421,8 @@ class SkyReelsV2StaticCache(StaticCacheHook):
             f"attention score pairs per layer: {s['pairs_computed']} computed vs {s['pairs_visible']} block-causal "
             f"visible vs {s['pairs_dense']} stock dense",
             f"largest K/V buffers held: {s['buffer_bytes'] / 2**20:.2f} MiB (freed after every pipeline call)",
+            f"stored K/V invalidated: {s['invalidated']} time(s)"
+            + (f" (last: {self.last_invalidation} changed)" if self.last_invalidation else ""),
         ]
 
 

@@ -126,7 +126,7 @@ def test_processor_replaced_after_patch_is_reported():
     model.blocks[0].attn1.set_processor(WanAttnProcessor())
     rep = diffusers_nki.explain(model)
     row = [m for m in rep.models[0].modules if m.path == "blocks.0.attn1"][0]
-    assert row.path_taken == "stock" and "replaced by WanAttnProcessor after patch()" in row.reason
+    assert row.path_taken == "stock" and "changed to WanAttnProcessor after patch()" in row.reason
     assert rep.summary()["routed_share"] == 0.5
 
 
