@@ -77,6 +77,7 @@ class FamilyPatch:
     stock: Mapping[str, str] = field(default_factory=dict)  # processor/module class -> reason (non-softmax)
     global_backend: bool = False
     notes: Tuple[str, ...] = ()
+    setup: Optional[Callable] = None  # setup(model, backend, strict) -> undo callable or None (model-level)
 
     def model_classes(self) -> Dict[str, Optional[type]]:
         return {p: resolve_class(p) for p in self.models}
@@ -272,6 +273,10 @@ def _patch_model(model, family: FamilyPatch, backend: str, strict: bool) -> Mode
         h2 = model.register_forward_hook(restore_active, always_call=True)
         state.undo.append(h1.remove)
         state.undo.append(h2.remove)
+    if family.setup is not None:
+        undo = family.setup(model, backend, strict)
+        if undo is not None:
+            state.undo.append(undo)
     if unknown:
         msg = (f"diffusers_nki: {type(model).__name__}: {len(unknown)} attention module(s) keep stock attention "
                f"(uncovered processors): {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''}")
