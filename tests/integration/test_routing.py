@@ -68,7 +68,7 @@ def test_padded_query_rows_become_row_groups():
     assert ops.counters()["attention"]["torch"] == 2 and ops.counters()["attention"]["stock"] == 0
 
 
-def test_analysis_is_cached_per_mask_object(monkeypatch):
+def test_analysis_is_cached_per_mask_object_and_never_stale(monkeypatch):
     mask = torch.arange(12)[None, :] < torch.tensor([12, 3])[:, None]
     calls = []
     real = masks._analyse_mask
@@ -76,11 +76,75 @@ def test_analysis_is_cached_per_mask_object(monkeypatch):
     for _ in range(3):
         masks.analyse_mask(mask, 2, 2, 12, 12)
     assert len(calls) == 1
-    mask[1, 5] = True  # in-place change bumps the tensor version: analysed again
-    masks.analyse_mask(mask, 2, 2, 12, 12)
-    assert len(calls) == 2
+    mask[1, 5] = True  # in-place change: analysed again
+    assert masks.analyse_mask(mask, 2, 2, 12, 12)[0].perm is not None and len(calls) == 2
+    mask.data[1, 5] = False  # through .data: the version counter does not move, the snapshot check sees it
+    assert masks.analyse_mask(mask, 2, 2, 12, 12)[0].kv_len.tolist() == [12, 3] and len(calls) == 3
     masks.analyse_mask(mask.clone(), 2, 2, 12, 12)  # another object
-    assert len(calls) == 3
+    assert len(calls) == 4
+
+
+def test_mask_mutated_through_data_between_calls_is_honoured():
+    # the scenario (rel. err 0.80 before): a mask reused across calls, changed through .data in between
+    q, k, v = _qkv(B=1)
+    mask = torch.zeros(1, 1, 1, 12)
+    mask[..., 8:] = float("-inf")
+    out1 = _route(q, k, v, mask)
+    torch.testing.assert_close(out1, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    mask.data[..., 3:] = float("-inf")  # now only keys 0..2 are visible
+    out2 = _route(q, k, v, mask)
+    torch.testing.assert_close(out2, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    assert ops.counters()["attention"]["torch"] == 2 and ops.counters()["attention"]["stock"] == 0
+
+
+@pytest.mark.parametrize("q_scale", [1.0, 300.0])
+def test_finite_additive_mask_blocks_only_when_it_provably_dominates_the_logits(q_scale, recwarn):
+    # -1000 excludes keys only if every logit is far smaller; at q * 300 logits reach ~1e3 (rel. err 1.22 before)
+    q, k, v = _qkv(B=1)
+    q = q * q_scale
+    mask = torch.zeros(1, 1, 1, 12)
+    mask[..., 9:] = -1000.0
+    out = _route(q, k, v, mask)
+    ref = _sdpa(q, k, v, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    n = ops.counters()["attention"]
+    blocked = q_scale == 1.0
+    assert (n["torch"], n["stock"]) == ((1, 0) if blocked else (0, 1))
+    if not blocked:
+        assert any("does not provably block" in str(w.message) for w in recwarn.list)
+        with pytest.raises(routing.StrictFallbackError, match="does not provably block"):
+            _route(q, k, v, mask, strict=True)
+
+
+def test_large_finite_masks_like_ltx_still_route():
+    # LTX / LTX-2 text masks: (1 - m) * -10000, dominant for any realistic logits
+    q, k, v = _qkv()
+    m = torch.ones(2, 12)
+    m[1, 7:] = 0
+    mask = ((1 - m) * -10000.0)[:, None, None, :]
+    out = _route(q, k, v, mask, strict=True)
+    torch.testing.assert_close(out, attention_oracle(q, k, v, kv_len=torch.tensor([12, 7])).float(), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_key_masks_that_are_not_prefixes_route_through_a_key_order():
+    # left-padded text: the visible keys are a suffix; softmax does not depend on the key order
+    q, k, v = _qkv()
+    vis = torch.ones(2, 12, dtype=torch.bool)
+    vis[0, :4] = False
+    vis[1, 2:5] = False
+    out = _route(q, k, v, vis[:, None, None, :], strict=True)
+    torch.testing.assert_close(out, _sdpa(q, k, v, vis[:, None, None, :]), rtol=1e-5, atol=1e-6)
+    plan, _ = masks.analyse_mask(vis, 2, 2, 12, 12)
+    assert plan.kv_len.tolist() == [8, 9] and plan.perm is not None
+
+
+def test_kv_len_beyond_the_keys_is_rejected():
+    q, k, v = _qkv(B=2, Sk=6)
+    for bad in ([7, 3], [2, -1]):
+        with pytest.raises(ValueError, match=r"kv_len=\[.*\] is outside 0..Skv=6"):
+            ops.attention(q, k, v, kv_len=torch.tensor(bad, dtype=torch.int32))
+    ops.attention(q, k, v, kv_len=torch.tensor([6, 0], dtype=torch.int32))  # the bounds themselves are fine
 
 
 def test_fully_masked_queries_get_zeros_like_sdpa():
@@ -121,7 +185,7 @@ def test_unrepresentable_calls_fall_back_visibly_or_raise_in_strict(case, recwar
         mask = torch.randn(2, 1, 12, 12)  # a real additive bias (e.g. ALiBi)
     elif case == "non_prefix":
         mask = torch.ones(2, 1, 12, 12, dtype=torch.bool)
-        mask[..., 3] = False  # a hole in the middle
+        mask[:, :, 6:, 3] = False  # a hole in the middle, for some queries only (a key hole for all: routed)
     elif case == "per_head":
         mask = torch.ones(2, 2, 12, 12, dtype=torch.bool)
         mask[:, 1, :, 6:] = False
@@ -171,3 +235,116 @@ def test_kernel_limits_fall_back():
     q, k, v = _qkv(D=160)  # head_dim > 128
     plan, reason = routing.plan(q, k, v)
     assert plan is None and "head_dim D=160" in reason
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the compiled path: structure from shapes, descriptors and exactness checks inside the graph
+# ---------------------------------------------------------------------------------------------------------
+def _mask_case(case, B=2, S=12, H=2):
+    lens = torch.tensor([12, 7])
+    key = torch.arange(S)[None, :] < lens[:, None]  # [B, Sk]
+    if case == "bool_key":
+        return key[:, None, None, :], 1
+    if case == "left_padded":
+        return key.flip(-1)[:, None, None, :], 1
+    if case == "additive_per_head":  # LTX after prepare_attention_mask: [B, H, 1, Sk], 0 / -10000
+        return ((~key).float() * -10000.0)[:, None, None, :].expand(B, H, 1, S).contiguous(), 1
+    if case == "refiner":  # HunyuanVideo's token refiner: valid queries see the valid prefix, padded ones key 0
+        m = (key[:, None, None, :] & key[:, None, :, None]).clone()
+        m[:, :, :, 0] = True
+        return m, 2
+    if case == "three_blocks":  # block-causal with 3 prefix lengths: more than the compiled path's two groups
+        blk = torch.arange(S) // 4
+        return (blk[None, :] <= blk[:, None])[None, None], 0
+    if case == "non_dominant":  # -1000 against logits of ~1e3 (q scaled below)
+        return torch.where(key, 0.0, -1000.0)[:, None, None, :], 0
+    if case == "per_head":
+        m = torch.ones(B, H, 1, S, dtype=torch.bool)
+        m[:, 1, :, 6:] = False
+        return m, 0
+    raise AssertionError(case)
+
+
+CASES = ["bool_key", "left_padded", "additive_per_head", "refiner", "three_blocks", "non_dominant", "per_head"]
+GRAPH_BITS = {"three_blocks": "more than 2 distinct", "non_dominant": "do not provably block",
+              "per_head": "differs between heads"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_route_computes_descriptors_in_graph_and_checks_them_at_run_time(case, recwarn):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mask, kernel_calls = _mask_case(case)
+    q, k, v = _qkv()
+    if case == "non_dominant":
+        q = q * 300
+
+    def f(q, k, v, mask):
+        return routing.route(q, k, v, mask, backend="torch", strict=False, stock=lambda: _sdpa(q, k, v, mask))
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.compile(f, fullgraph=True, backend=counter)(q, k, v, mask)
+    torch.testing.assert_close(out, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    n = ops.counters()["attention"]
+    assert (n["torch"], n["stock"]) == ((kernel_calls, 0) if kernel_calls else (0, 1))
+    if not kernel_calls:
+        msgs = [str(w.message) for w in recwarn.list]
+        assert any("checked at run time" in m and GRAPH_BITS[case] in m for m in msgs), msgs
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_compiled_route_follows_new_mask_values_without_recompiling():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = _qkv()
+
+    def f(q, k, v, mask):
+        return routing.route(q, k, v, mask, backend="torch", strict=True, stock=lambda: _sdpa(q, k, v, mask))
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    g = torch.compile(f, fullgraph=True, backend=counter)
+    for lens in ([12, 7], [3, 12], [0, 5]):
+        mask = (torch.arange(12)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        torch.testing.assert_close(g(q, k, v, mask), _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1 and ops.counters()["attention"]["torch"] == 3
+    torch._dynamo.reset()
+
+
+def test_strict_compiled_route_raises_at_run_time():
+    mask, _ = _mask_case("three_blocks")
+    q, k, v = _qkv()
+
+    def f(q, k, v, mask):
+        return routing.route(q, k, v, mask, backend="torch", strict=True, stock=lambda: _sdpa(q, k, v, mask))
+
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with pytest.raises(routing.StrictFallbackError, match="checked at run time.*more than 2 distinct"):
+        g(q, k, v, mask)
+    good, _ = _mask_case("bool_key")  # same shapes, exact: no error
+    torch.testing.assert_close(g(q, k, v, good.expand(2, 1, 12, 12)), _sdpa(q, k, v, good), rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_compiled_route_gradients_match_stock_through_both_branches():
+    # torch.cond is differentiable: the kernel branch (key mask) and the stock branch (a real bias) both give
+    # stock's gradients in a compiled training graph
+    for case in ("left_padded", "non_dominant"):
+        mask, _ = _mask_case(case)
+        q, k, v = (t.requires_grad_() for t in _qkv())
+
+        def f(q, k, v, mask):
+            return routing.route(q * (300 if case == "non_dominant" else 1), k, v, mask, backend="torch",
+                                 strict=False, stock=lambda: _sdpa(q * (300 if case == "non_dominant" else 1), k, v,
+                                                                   mask))
+
+        torch._dynamo.reset()
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, mask)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        ref = torch.autograd.grad(_sdpa(q * (300 if case == "non_dominant" else 1), k, v, mask).sum(), (q, k, v))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
