@@ -597,7 +597,21 @@ def _explain_model(name, model) -> ModelReport:
         reports.append(ModuleReport(path, type(module).__name__, _proc_name(module, kind), taken, why,
                                     kind != "stock", calls, fbs))
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
-                       st.strict if st else None, reports, fam.notes)
+                       st.strict if st else None, reports, fam.notes + _routing_notes(model, st))
+
+
+def _routing_notes(model, st) -> tuple:
+    """How the backward runs for this backend, and what the dispatch-only route left on stock attention."""
+    from diffusers_nki import autograd, routing
+
+    notes = []
+    if st is not None:
+        notes.append(f"backward ({st.backend}): {autograd.backward_path(st.backend)}")
+    missed = routing.unreached(model)
+    if st is None and missed:
+        notes.append(f"set_attention_backend / DIFFUSERS_ATTN_BACKEND does not reach {len(missed)} module(s) that "
+                     "bypass dispatch (" + ", ".join(p for p, _ in missed[:4]) + "): diffusers_nki.patch(model)")
+    return tuple(notes)
 
 
 def _wrapping(proc, ours, depth: int = 4) -> str:

@@ -179,3 +179,15 @@ def test_cache_write_of_values_that_require_grad_is_detached_and_says_so():
             ops.cache_write(kc, vc, k, v, torch.tensor([0]))
     assert not kc.requires_grad and torch.equal(kc[:, 0:3], k.detach())
     assert sum("stores k/v that require grad DETACHED" in str(w.message) for w in caught) == 1
+
+
+def test_explain_says_how_the_backward_runs():
+    import diffusers_nki
+    from diffusers_nki import tiny
+
+    model, _ = tiny.tiny_transformer("wan", num_layers=1)
+    diffusers_nki.patch(model, backend="sim")
+    notes = diffusers_nki.explain(model).models[0].notes
+    assert any(n.startswith("backward (sim): recomputed through the torch twin") for n in notes), notes
+    diffusers_nki.patch(model, backend="torch")
+    assert "backward (torch): exact" in str(diffusers_nki.explain(model))

@@ -191,3 +191,13 @@ def test_nki_first_used_inside_compiled_models_in_a_fresh_process(tmp_path):
                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["torch", "4", "0"], out.stdout  # ltx 2 calls + wan 2 calls, all routed
+
+
+def test_explain_lists_what_the_dispatch_only_route_misses(h):
+    model, make_inputs = tiny.tiny_transformer("hunyuan_video")
+    model.set_attention_backend("nki")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.run(model, make_inputs())
+    text = str(diffusers_nki.explain(model))
+    assert "does not reach 1 module(s)" in text and "token_refiner" in text and "diffusers_nki.patch(model)" in text
