@@ -9,7 +9,7 @@ Each backend module exposes ``attention(q, k, v, k_cache, v_cache, cache_len, kv
 - ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily).
 - ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"``. Resolved once per process, before
   any trace: ``bridge.install()`` and ``patch()`` resolve it eagerly, and a first resolution that does happen
-  inside ``torch.compile`` runs as a constant (``torch._dynamo.assume_constant_result``: executed for real at
+  inside ``torch.compile`` runs as a constant (``torch.compiler.assume_constant_result``: executed for real at
   trace time, logging included, never traced), so it is graph-safe and the choice is kept even if that trace
   fails later for another reason.
 """
@@ -53,7 +53,7 @@ def resolve(backend: str) -> str:
 _auto_lock = threading.Lock()
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _resolve_auto() -> str:
     global _auto_choice
     with _auto_lock:
