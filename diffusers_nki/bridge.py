@@ -29,7 +29,6 @@ import os
 import sys
 import threading
 import warnings
-import weakref
 
 from diffusers_nki import backends, routing
 from diffusers_nki.masks import MAX_ROW_GROUPS, MAX_SEGMENTS, Plan, analyse_mask, blockmask_segments  # noqa: F401
