@@ -219,9 +219,14 @@ def _analyse_mask(mask, B, H, Sq, Sk):
 
 
 def key_order(vis: torch.Tensor) -> torch.Tensor:
-    """[B, Sk] gather index putting each batch element's visible keys first, in their order (stable): the
-    identity for a key prefix. Graph-safe (no host reads)."""
-    return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)
+    """[B, Sk] gather index putting each batch element's visible keys first, in their order (a stable
+    partition): the identity for a key prefix. Graph-safe (no host reads) and sort-free: each key's new
+    position comes from running counts (cumsum), scattered into the index."""
+    vis = vis.to(torch.int64)
+    n_vis = vis.sum(-1, keepdim=True)
+    pos = torch.where(vis.bool(), vis.cumsum(-1) - 1, n_vis + (1 - vis).cumsum(-1) - 1)
+    src = torch.arange(vis.shape[-1], device=vis.device).expand_as(pos)
+    return torch.empty_like(pos).scatter_(-1, pos, src)
 
 
 def permute_keys(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
