@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 
+import pytest
 import torch
 
 import diffusers_nki
@@ -166,6 +167,18 @@ def test_first_resolution_inside_a_fullgraph_trace_is_graph_safe(monkeypatch, ca
         out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))  # logging inside: no break
     assert torch.equal(out, torch.full((2,), 2.0)) and backends._auto_choice == "torch"  # the choice is kept
     assert sum("backend 'auto' -> 'torch'" in r.getMessage() for r in caplog.records) == 1
+    # a trace that fails later, for another reason, still keeps the choice it made
+    monkeypatch.setattr(backends, "_auto_choice", None)
+
+    def g(x):
+        backends.resolve("auto")
+        torch._dynamo.graph_break()
+        return x
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="graph_break|Graph break"):
+        torch.compile(g, fullgraph=True, backend="eager")(torch.ones(2))
+    assert backends._auto_choice == "torch"
     torch._dynamo.reset()
 
 
