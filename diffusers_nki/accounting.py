@@ -48,7 +48,7 @@ class ModuleRecord:
     kind: str  # dispatch | swap | module | global | stock | unknown | observed | model
     reason: str = ""
     softmax: bool = True
-    ran: Dict[str, Counter] = field(default_factory=lambda: {"attention": Counter(), "cache_write": Counter(), "qk_norm_rope": Counter()})
+    ran: Dict[str, Counter] = field(default_factory=lambda: {"attention": Counter(), "cache_write": Counter()})
     fallbacks: Counter = field(default_factory=Counter)
 
     @property
@@ -80,7 +80,7 @@ class ModuleRecord:
 # ----------------------------------------------------------------------------------------------------------
 _observed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> ModuleRecord
 _observed_models: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> ModuleRecord(kind=model)
-_unattributed: Dict[str, Counter] = {"attention": Counter(), "cache_write": Counter(), "qk_norm_rope": Counter()}
+_unattributed: Dict[str, Counter] = {"attention": Counter(), "cache_write": Counter()}
 
 
 def observed_record(module) -> Optional[ModuleRecord]:
@@ -175,6 +175,6 @@ def observe(op: str, backend: str) -> None:
         rec = owner_from_stack(1)
     with _lock:
         if rec is None:
-            _unattributed[op][backend] += 1
+            _unattributed.setdefault(op, Counter())[backend] += 1
         else:
-            rec.ran[op][backend] += 1
+            rec.ran.setdefault(op, Counter())[backend] += 1

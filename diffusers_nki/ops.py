@@ -29,7 +29,7 @@ __all__ = ["attention", "cache_write", "counters", "reset_counters", "attention_
 
 _PATHS = backends.NAMES + ("stock",)
 _lock = threading.Lock()
-_counts = {op: dict.fromkeys(_PATHS, 0) for op in ("attention", "cache_write")}
+_counts = {op: dict.fromkeys(_PATHS, 0) for op in ("attention", "cache_write", "attention_backward")}
 _counts["qk_norm_rope"] = dict.fromkeys(_PATHS, 0)  # the Wan prologue op (diffusers_nki.prologue_ops)
 
 
@@ -70,6 +70,11 @@ def _attention_op(
     backend: str,
 ) -> torch.Tensor:
     impl = backends.require(backend)
+    if kv_len is not None and kv_len.numel():  # runtime values (also from compiled graphs): never clamp silently
+        lo, hi = int(kv_len.min()), int(kv_len.max())
+        if lo < 0 or hi > k.shape[1]:
+            raise ValueError(f"diffusers_nki::attention: kv_len={kv_len.tolist()} is outside 0..Skv={k.shape[1]} "
+                             "(the number of chunk keys)")
     _count("attention", backend)
     out = impl.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     if out.shape != q.shape or out.dtype != q.dtype:
@@ -150,8 +155,15 @@ def cache_write(k_cache, v_cache, k, v, slot, backend: str = "torch") -> None:
     reasons = _cw_ref.not_supported_reasons(k_cache, v_cache, k, v, slot)
     if reasons:
         raise ValueError("diffusers_nki.ops.cache_write: " + "; ".join(reasons))
+    if (k.requires_grad or v.requires_grad) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        from diffusers_nki import autograd
+
+        autograd.warn_detached_cache_write()
     hw = _hardware_op("cache_write", backend)
     if hw is not None:
         hw(k_cache, v_cache, k, v, slot)
         return
     _cache_write_op(k_cache, v_cache, k, v, slot, backend)
+
+
+from diffusers_nki import autograd as _autograd  # noqa: E402,F401  (registers the attention op's backward)

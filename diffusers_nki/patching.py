@@ -95,6 +95,13 @@ class FamilyPatch:
     stock: Mapping[str, str] = field(default_factory=dict)  # processor/module class -> reason (non-softmax)
     global_backend: bool = False
     notes: Tuple[str, ...] = ()
+    # swapped processor classes whose stock code calls dispatch itself (swapped to add a prologue, e.g. Wan's
+    # fused q/k norm + RoPE): the dispatch-only route (set_attention_backend, the env var) reaches their
+    # attention, without the prologue
+    reached_by_dispatch: Tuple[str, ...] = ()
+    # model-level setup(model, backend, strict) -> {instance attribute: value} set on the model (restored by
+    # unpatch; values that reference the model should be bound methods, so a deep copy rebinds them)
+    setup: Optional[Callable] = None
 
     def __deepcopy__(self, memo):  # static description (and functions): shared, never copied
         return self
@@ -481,6 +488,11 @@ def _install(model, family: FamilyPatch, req: Request) -> ModelState:
             if kind != "stock":
                 st.undo.append(("hook", path, module.register_forward_pre_hook(_record_pre_hook).id))
                 st.undo.append(("hook", path, module.register_forward_hook(_record_post_hook).id))
+        if family.setup is not None:
+            for name, value in (family.setup(model, backend, strict) or {}).items():
+                had, old = name in vars(model), vars(model).get(name)
+                setattr(model, name, value)
+                st.undo.append(("instattr", "", name, value, had, old))
         st.undo.append(("hook", "", model.register_forward_pre_hook(_model_pre_hook).id))
         st.undo.append(("hook", "", model.register_forward_hook(_model_post_hook, always_call=True).id))
         if unknown:
@@ -589,6 +601,13 @@ def _undo(model, st: ModelState) -> None:
                     vars(module).pop("forward", None)
         elif what == "hook":
             _remove_hook(module, entry[2])
+        elif what == "instattr":
+            _, _, name, ours, had, old = entry
+            if vars(module).get(name) is ours:
+                if had:
+                    setattr(module, name, old)
+                else:
+                    vars(module).pop(name, None)
 
 
 def _problems(model, st: ModelState) -> Dict[str, str]:
@@ -627,6 +646,8 @@ def _problems(model, st: ModelState) -> Dict[str, str]:
             out.setdefault(path, "forward replaced after patch()")
         elif what == "hook" and not _has_hook(module, entry[2]):
             out.setdefault(path, "diffusers_nki's record hooks were removed")
+        elif what == "instattr" and vars(module).get(entry[2]) is not entry[3]:
+            out.setdefault(path, f"{entry[2]} replaced after patch()")
     for path, proc in st.dispatch.items():
         module = mods.get(path)
         if module is not None and path not in out and not _wraps(getattr(module, "processor", None), proc):
@@ -1183,7 +1204,7 @@ def _explain_model(name, model) -> ModelReport:
     compiled = {}
     if model_ev is not None and (model_ev.calls or model_ev.fallback_calls):
         compiled = {"by_backend": model_ev.by_backend(), "fallbacks": dict(model_ev.fallbacks)}
-    notes = tuple(fam.notes)
+    notes = tuple(fam.notes) + _routing_notes(model, st)
     if mp is not None and mp.copied_from:
         notes = (f"a deep copy of a patched model (patched by {mp.copied_from}): it carries its own independent "
                  "patch, counted on its own; unpatch() it on its own",) + notes
@@ -1192,6 +1213,20 @@ def _explain_model(name, model) -> ModelReport:
     owners = tuple("own patch()" if r.owner == "self" else r.label for r in mp.requests) if mp is not None else ()
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, notes, cache_be, compiled, owners)
+
+
+def _routing_notes(model, st) -> tuple:
+    """How the backward runs for this backend, and what the dispatch-only route left on stock attention."""
+    from diffusers_nki import autograd, routing
+
+    notes = []
+    if st is not None:
+        notes.append(f"backward ({st.backend}): {autograd.backward_path(st.backend)}")
+    missed = routing.unreached(model)
+    if st is None and missed:
+        notes.append(f"set_attention_backend / DIFFUSERS_ATTN_BACKEND does not reach {len(missed)} module(s) that "
+                     "bypass dispatch (" + ", ".join(p for p, _ in missed[:4]) + "): diffusers_nki.patch(model)")
+    return tuple(notes)
 
 
 def explain(pipe_or_model) -> Explanation:

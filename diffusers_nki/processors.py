@@ -18,13 +18,15 @@ the kernel cannot represent a call it falls back visibly to the STOCK processor 
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn.functional as F
 
-from diffusers_nki import bridge, ops
+from diffusers_nki import masks, ops, routing
 
 __all__ = [
+    "anyflow_far_setup",
     "NKIAttnProcessor2_0",
     "NKIAnyFlowCausalAttnProcessor",
     "NKIWanAnimate2AttnProcessor",
@@ -46,7 +48,7 @@ class _Routed:
 
 
 class NKIAttnProcessor2_0(_Routed):
-    """``AttnProcessor2_0`` with the SDPA call routed through the kernel (masks converted by the bridge)."""
+    """``AttnProcessor2_0`` with the SDPA call routed through the kernel (masks converted by diffusers_nki.routing)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,
                  **kwargs):
@@ -84,11 +86,12 @@ class NKIAttnProcessor2_0(_Routed):
 
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views, no copies
 
-        def stock():
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
+        def stock():  # from the BSHD views: under torch.compile, torch.cond takes no aliased operands
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=attention_mask, dropout_p=0.0,
                                                   is_causal=False).transpose(1, 2)
 
-        out = bridge.route(q, k, v, attention_mask, backend=self.backend, strict=self.strict, stock=stock)
+        out = routing.route(q, k, v, attention_mask, backend=self.backend, strict=self.strict, stock=stock)
         hidden_states = out.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
@@ -102,7 +105,7 @@ class NKIAttnProcessor2_0(_Routed):
 def _run_segments(q, k, v, segments, backend, scale=None):
     outs = [ops.attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale=scale, backend=backend)
             for q0, q1, k0, k1 in segments]
-    bridge.note_routed(len(outs))
+    routing.note_routed(len(outs))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -140,14 +143,21 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
             if kv_cache_flag["is_cache_step"]:
                 n_c, n_f = kv_cache_flag["num_compressed_tokens"], kv_cache_flag["num_full_tokens"]
                 if key.shape[2] - n_c != n_f:  # stock's slice assignment raises (or broadcasts a 1-token chunk)
-                    bridge.fallback(f"cache step with {key.shape[2]} tokens != num_compressed_tokens {n_c} + "
+                    routing.fallback(f"cache step with {key.shape[2]} tokens != num_compressed_tokens {n_c} + "
                                     f"num_full_tokens {n_f}", self.strict, anchor=key)
                     return stock()
                 slot = torch.zeros(1, dtype=torch.int32, device=key.device)
                 kb, vb = key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
+                # training (k/v require grad): stock's own differentiable slice assignment into the caller's
+                # kv_cache, so gradients flow through the cache into this step as they do in stock
+                differentiable = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
                 for name, lo, hi in (("compressed_cache", 0, n_c), ("full_cache", n_c, n_c + n_f)):
                     if hi > lo:
                         cache = kv_cache[name]
+                        if differentiable:
+                            cache[0, :, :, : hi - lo, :] = key[:, :, lo:hi]
+                            cache[1, :, :, : hi - lo, :] = value[:, :, lo:hi]
+                            continue
                         ops.cache_write(cache[0].transpose(1, 2), cache[1].transpose(1, 2),
                                         kb[:, lo:hi].to(cache.dtype), vb[:, lo:hi].to(cache.dtype), slot,
                                         backend=self.backend)
@@ -168,7 +178,7 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views
         problems = ops.attention_not_supported_reasons(q, k, v)
         if problems:
-            bridge.fallback("kernel limits: " + "; ".join(problems), self.strict, anchor=q)
+            routing.fallback("kernel limits: " + "; ".join(problems), self.strict, anchor=q)
             return stock()
         if attention_mask is None:
             if pad:
@@ -178,7 +188,7 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
         else:
             segments, reason = self._segments(attention_mask, seq_len, k.shape[1], pad)
             if reason is not None:
-                bridge.fallback(reason, self.strict, anchor=q)
+                routing.fallback(reason, self.strict, anchor=q)
                 return stock()
             if max(s[3] for s in segments) > k.shape[1]:
                 k = torch.cat([k, _zeros_like_rows(k, pad)], dim=1)
@@ -195,11 +205,34 @@ class NKIAnyFlowCausalAttnProcessor(_Routed):
 
         if not isinstance(mask, BlockMask):
             return None, f"attention_mask of type {type(mask).__name__} (this processor converts flex BlockMasks)"
-        if bridge._compiling():
-            return None, "a flex BlockMask inside torch.compile (its values cannot be read at trace time)"
         if tuple(mask.seq_lengths) != (seq_len + pad, n_k + pad):
             return None, f"BlockMask of {tuple(mask.seq_lengths)} for a padded call of {(seq_len + pad, n_k + pad)}"
-        return bridge.blockmask_segments(mask, seq_len, n_k + pad)
+        if routing.compiling():  # no value can be read: the description stored on the mask when it was built
+            table = masks.attached_table(mask)
+            if table is None:
+                return None, ("a flex BlockMask inside torch.compile that was not built by the patched model's "
+                              "build_attention_mask() (its values cannot be read at trace time)")
+            if table[0] is None:
+                return table
+            return masks.restrict_table(table[0], seq_len, n_k + pad)
+        return masks.blockmask_segments(mask, seq_len, n_k + pad)
+
+
+def _build_attention_mask_described(model, *args, **kwargs):
+    """``model.build_attention_mask`` that also describes the BlockMask it builds (``masks.attach_table``)."""
+    bm = type(model).build_attention_mask(model, *args, **kwargs)
+    masks.attach_table(bm)
+    return bm
+
+
+def anyflow_far_setup(model, backend: str, strict: bool):
+    """Model-level setup of AnyFlow-FAR: ``model.build_attention_mask`` (diffusers' way to pre-build the mask
+    outside a compiled forward) also describes the new BlockMask (``masks.attach_table``, eager), so a compiled
+    forward routes its causal self-attention from that description, read at trace time as a constant. Returns
+    the instance attribute to set (a method bound to the model: a deep copy rebinds it; unpatch removes it)."""
+    if not callable(getattr(type(model), "build_attention_mask", None)):
+        return {}
+    return {"build_attention_mask": types.MethodType(_build_attention_mask_described, model)}
 
 
 class NKIWanAnimate2AttnProcessor(_Routed):
@@ -225,7 +258,7 @@ class NKIWanAnimate2AttnProcessor(_Routed):
         value = value.unflatten(2, (attn.heads, -1))
         problems = ops.attention_not_supported_reasons(query, key, value)
         if problems:
-            bridge.fallback("kernel limits: " + "; ".join(problems), self.strict, anchor=query)
+            routing.fallback("kernel limits: " + "; ".join(problems), self.strict, anchor=query)
             return stock()
 
         if kv_cache_mode == "extract":
@@ -244,7 +277,7 @@ class NKIWanAnimate2AttnProcessor(_Routed):
             hw, ref_hw, f0, hwo = height * width, ref_height * ref_width, origin_latent_frames, origin_latent_hw
             reason = self._check_cached_mask(attention_mask, f0, hwo, frames, hw, ref_frames, ref_hw)
             if reason is not None:
-                bridge.fallback(reason, self.strict, anchor=query)
+                routing.fallback(reason, self.strict, anchor=query)
                 return stock()
             bsz, _, heads, head_dim = query.shape
             valid, ref_valid = frames * hw, ref_frames * ref_hw
@@ -268,7 +301,7 @@ class NKIWanAnimate2AttnProcessor(_Routed):
                     kf = torch.cat([base_k, ref_k[:, (f - 1) * hwo: f * hwo]], dim=1)
                     vf = torch.cat([base_v, ref_v[:, (f - 1) * hwo: f * hwo]], dim=1)
                 outs.append(ops.attention(query[:, f * hw: (f + 1) * hw], kf, vf, backend=self.backend))
-            bridge.note_routed(len(outs))
+            routing.note_routed(len(outs))
             # padded query positions pass through unchanged, as in the stock processor
             out = torch.cat(outs + [query[:, valid:]], dim=1)
         hidden_states = out.flatten(2, 3).type_as(query)
@@ -316,7 +349,7 @@ def sana_wm_softmax_forward(stock_module, backend: str, strict: bool):
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
         problems = ops.attention_not_supported_reasons(q, k, v)
         if problems:
-            bridge.fallback("kernel limits: " + "; ".join(problems), strict, anchor=q)
+            routing.fallback("kernel limits: " + "; ".join(problems), strict, anchor=q)
             return stock_forward(self, query, key, value, rotary_emb, token_valid_mask)
         out = _run_segments(q, k, v, ((0, seq_len, 0, seq_len),), backend)
         return out.reshape(batch_size, seq_len, num_heads * head_dim).to(dtype_orig)
@@ -371,11 +404,11 @@ def sana_wm_softmax_cam_forward(stock_module, backend: str, strict: bool):
             width = 128 if head_dim <= 128 else 256
             qs, ks, vs = (F.pad(t, (0, width - head_dim)) for t in (qs, ks, vs))
         qs, ks, vs = (t.transpose(1, 2) for t in (qs, ks, vs))
-        plan, reason = bridge.plan(qs, ks, vs, bias)
+        plan, reason = routing.plan(qs, ks, vs, bias)
         if reason is not None:
-            bridge.fallback(reason, strict, anchor=qs)
+            routing.fallback(reason, strict, anchor=qs)
             return stock()
-        out = bridge.run_plan(plan, qs, ks, vs, None, backend)[..., :head_dim]
+        out = routing.run_plan(plan, qs, ks, vs, None, backend)[..., :head_dim]
         hidden_states = out.permute(0, 2, 3, 1)  # (B, H, D, N), as the stock code after its transpose
         if hidden_states.dtype != dtype_orig:
             hidden_states = hidden_states.to(dtype_orig)

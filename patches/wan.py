@@ -16,6 +16,7 @@ PATCH = FamilyPatch(
     name="wan",
     models=(_T + "transformer_wan.WanTransformer3DModel", _T + "transformer_wan_vace.WanVACETransformer3DModel"),
     swap={_T + "transformer_wan.WanAttnProcessor": _wan_processor},
+    reached_by_dispatch=(_T + "transformer_wan.WanAttnProcessor",),
     notes=("self-attention: q/k prologue (RMSNorm across heads + RoPE) fused into the qk_norm_rope op; "
            "self-attention, text cross-attention and the I2V image cross-attention route through dispatch",),
 )

@@ -10,12 +10,19 @@ heads)`` (the Wan q/k prologue, returns BSHD), plus ``unavailable_reason() -> st
 - ``"sim"``: the NKI kernels run in our NumPy emulator (``diffusers_nki.sim``); CPU tensors, slow, for validation.
 - ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily;
   on TorchNeuron registered as ``torch_neuronx.nki_op`` ops, launched with the runtime's LNC degree).
-- ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"`` (the choice is logged once).
+- ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"``. Resolved once per process, before
+  any trace: ``bridge.install()`` and ``patch()`` resolve it eagerly, and a first resolution that does happen
+  inside ``torch.compile`` runs as a constant (``torch.compiler.assume_constant_result``: executed for real at
+  trace time, logging included, never traced), so it is graph-safe and the choice is kept even if that trace
+  fails later for another reason.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
+
+import torch
 
 NAMES = ("torch", "sim", "nki")
 CHOICES = ("auto",) + NAMES
@@ -39,21 +46,30 @@ def get(name: str):
 
 
 def resolve(backend: str) -> str:
-    """Map "auto" to a concrete backend ("nki" with a Neuron device, else "torch"); validate the others."""
-    global _auto_choice
-    check_name(backend)
+    """Map "auto" to a concrete backend ("nki" with a Neuron device, else "torch"); validate the others.
+    Graph-safe: usable inside ``torch.compile(fullgraph=True)`` whether or not "auto" was resolved before."""
     if backend != "auto":
-        return backend
-    if _auto_choice is None:
-        from . import nki as _nki
+        return check_name(backend)
+    return _resolve_auto()
 
-        reason = _nki.unavailable_reason()
-        _auto_choice = "nki" if reason is None else "torch"
-        if reason is None:
-            logger.info("diffusers_nki: backend 'auto' -> 'nki' (a Neuron device is available)")
-        else:
-            logger.info("diffusers_nki: backend 'auto' -> 'torch' (%s)", reason)
-    return _auto_choice
+
+_auto_lock = threading.Lock()
+
+
+@torch.compiler.assume_constant_result
+def _resolve_auto() -> str:
+    global _auto_choice
+    with _auto_lock:
+        if _auto_choice is None:
+            from . import nki as _nki
+
+            reason = _nki.unavailable_reason()
+            _auto_choice = "nki" if reason is None else "torch"
+            if reason is None:
+                logger.info("diffusers_nki: backend 'auto' -> 'nki' (a Neuron device is available)")
+            else:
+                logger.info("diffusers_nki: backend 'auto' -> 'torch' (%s)", reason)
+        return _auto_choice
 
 
 def require(name: str):

@@ -1,15 +1,16 @@
 """The bridge into diffusers' dispatch: registration (set_attention_backend, context manager, env var), the
-private-name guard, and the router's mask -> descriptor conversion with visible fallbacks."""
+private-name guard, the names it re-exports from the router, what the dispatch-only route says it misses, and
+"auto" resolved before (and safely inside) any trace. The router itself: test_routing.py."""
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import bridge, ops, tiny
-from diffusers_nki.kernels.attention_ref import attention_oracle
+from diffusers_nki import backends, bridge, masks, ops, routing, tiny
 
 
 def test_diffusers_private_names_are_as_expected():
@@ -77,170 +78,138 @@ def test_env_var_selects_nki(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "2"
 
 
+def test_router_names_stay_importable_from_bridge():
+    # the router and the mask analysis moved out (routing.py, masks.py); callers of the first release keep working
+    assert bridge.route is routing.route and bridge.fallback is routing.fallback
+    assert bridge.StrictFallbackError is routing.StrictFallbackError
+    assert bridge.analyse_mask is masks.analyse_mask and bridge.Plan is masks.Plan
+    assert bridge._warned is routing._warned and bridge._global is routing._global
+
+
 # ---------------------------------------------------------------------------------------------------------
-# the router
+# the dispatch-only route (env var / set_attention_backend / attention_backend) says what it does not reach
 # ---------------------------------------------------------------------------------------------------------
-def _qkv(B=2, Sq=12, Sk=12, H=2, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Sq, H, D, generator=g), torch.randn(B, Sk, H, D, generator=g),
-            torch.randn(B, Sk, H, D, generator=g))
+def _unreached_warnings(caught):
+    return [str(w.message) for w in caught if "bypass it and keep stock attention" in str(w.message)]
 
 
-def _sdpa(q, k, v, mask=None, is_causal=False):
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal).transpose(1, 2)
-
-
-def _route(q, k, v, mask=None, strict=False, **kw):
-    return bridge.route(q, k, v, mask, backend="torch", strict=strict, stock=lambda: _sdpa(q, k, v, mask), **kw)
-
-
-def test_key_padding_masks_become_kv_len():
-    q, k, v = _qkv()
-    lens = torch.tensor([12, 7])
-    boolean = torch.arange(12)[None, :] < lens[:, None]  # [B, Sk] (diffusers' native 2-D form)
-    additive = torch.where(boolean, 0.0, -10000.0)[:, None, None, :]  # LTX / SanaVideo style
-    for mask in (boolean, boolean[:, None, None, :], additive, boolean[:, None, None, :].expand(2, 2, 12, 12)):
-        plan, reason = bridge.analyse_mask(mask, 2, 2, 12, 12)
-        assert reason is None and plan.kv_len.tolist() == [12, 7] and plan.causal_block == 0
-    out = _route(q, k, v, additive)
-    torch.testing.assert_close(out, attention_oracle(q, k, v, kv_len=lens).float(), rtol=1e-5, atol=1e-6)
-    assert ops.counters()["attention"] == {"torch": 1, "sim": 0, "nki": 0, "stock": 0}
-
-
-def test_all_visible_and_constant_bias_masks_are_no_mask():
-    assert bridge.analyse_mask(torch.ones(2, 12, dtype=torch.bool), 2, 2, 12, 12)[0] == bridge.Plan()
-    ones = torch.ones(2, 1, 1, 12)  # Cosmos passes its float 0/1 mask as an additive bias: +1 everywhere
-    assert bridge.analyse_mask(ones, 2, 2, 12, 12)[0] == bridge.Plan()
-
-
-def test_dense_block_causal_mask_becomes_causal_block():
-    q, k, v = _qkv(B=1, Sq=12, Sk=12)
-    blk = torch.arange(12) // 4  # SkyReels-V2 diffusion forcing: frame blocks of 4 tokens
-    mask = (blk[None, :] <= blk[:, None])[None, None]
-    plan, reason = bridge.analyse_mask(mask, 1, 2, 12, 12)
-    assert reason is None and plan.causal_block == 4 and plan.kv_len is None
-    out = _route(q, k, v, mask)
-    torch.testing.assert_close(out, attention_oracle(q, k, v, causal_block=4).float(), rtol=1e-5, atol=1e-6)
-    # is_causal -> causal_block=1
-    out = bridge.route(q, k, v, None, is_causal=True, backend="torch", strict=True,
-                       stock=lambda: _sdpa(q, k, v, is_causal=True))
-    torch.testing.assert_close(out, _sdpa(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
-
-
-def test_padded_query_rows_become_row_groups():
-    # HunyuanVideo's token refiner: valid queries see the valid prefix, padded queries see key 0 only
-    q, k, v = _qkv()
-    valid = torch.arange(12)[None, :] < torch.tensor([9, 5])[:, None]
-    mask = (valid[:, None, None, :] & valid[:, None, :, None]).clone()
-    mask[:, :, :, 0] = True
-    plan, reason = bridge.analyse_mask(mask, 2, 2, 12, 12)
-    assert reason is None and len(plan.groups) == 2
-    out = _route(q, k, v, mask)
-    torch.testing.assert_close(out, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6)
-    assert ops.counters()["attention"]["torch"] == 2 and ops.counters()["attention"]["stock"] == 0
-
-
-def test_analysis_is_cached_per_mask_object(monkeypatch):
-    mask = torch.arange(12)[None, :] < torch.tensor([12, 3])[:, None]
-    calls = []
-    real = bridge._analyse_mask
-    monkeypatch.setattr(bridge, "_analyse_mask", lambda *a: calls.append(1) or real(*a))
-    for _ in range(3):
-        bridge.analyse_mask(mask, 2, 2, 12, 12)
-    assert len(calls) == 1
-    mask[1, 5] = True  # in-place change bumps the tensor version: analysed again
-    bridge.analyse_mask(mask, 2, 2, 12, 12)
-    assert len(calls) == 2
-    bridge.analyse_mask(mask.clone(), 2, 2, 12, 12)  # another object
-    assert len(calls) == 3
-
-
-def test_fully_masked_queries_get_zeros_like_sdpa():
-    # HunyuanVideo-1.5's token refiner: padded queries see no key at all
-    q, k, v = _qkv()
-    valid = torch.arange(12)[None, :] < torch.tensor([9, 12])[:, None]
-    mask = valid[:, None, None, :] & valid[:, None, :, None]
-    out = _route(q, k, v, mask, strict=True)
-    ref = _sdpa(q, k, v, mask)
-    assert ref[0, 9:].abs().sum() == 0  # stock SDPA: zeros
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, float("nan"), float("-inf")])
-def test_fully_masked_additive_rows_are_zeros_only_at_minus_inf(fill, recwarn):
-    # a query row masked everywhere with a FINITE fill (finfo.min, -1e9) is not zeroed by SDPA: the huge shift
-    # wipes out the scores and SDPA averages the row uniformly; it must not be read as "every key visible"
-    q, k, v = _qkv(B=1, Sq=6, Sk=6)
-    q = q * 3
-    mask = torch.zeros(1, 1, 6, 6)
-    mask[..., 4:] = float("-inf")  # key padding
-    mask[:, :, 2, :] = fill  # query 2 sees nothing
-    plan, reason = bridge.plan(q, k, v, mask)
-    if fill == float("-inf"):
-        assert reason is None and len(plan.groups) == 2
-    else:
-        assert plan is None and "fully masked row" in reason
-    out = _route(q, k, v, mask)
-    torch.testing.assert_close(out, _sdpa(q, k, v, mask), rtol=1e-5, atol=1e-6, equal_nan=True)
-    assert ops.counters()["attention"]["stock"] == (0 if fill == float("-inf") else 1)
-
-
-@pytest.mark.parametrize("case", ["bias", "non_prefix", "per_head", "dropout", "causal_and_mask"])
-def test_unrepresentable_calls_fall_back_visibly_or_raise_in_strict(case, recwarn):
-    q, k, v = _qkv()
-    mask, kw = None, {}
-    if case == "bias":
-        mask = torch.randn(2, 1, 12, 12)  # a real additive bias (e.g. ALiBi)
-    elif case == "non_prefix":
-        mask = torch.ones(2, 1, 12, 12, dtype=torch.bool)
-        mask[..., 3] = False  # a hole in the middle
-    elif case == "per_head":
-        mask = torch.ones(2, 2, 12, 12, dtype=torch.bool)
-        mask[:, 1, :, 6:] = False
-    elif case == "dropout":
-        kw = {"dropout_p": 0.1}
-    else:
-        mask, kw = torch.ones(2, 1, 12, 12, dtype=torch.bool), {"is_causal": True}
-    plan, reason = bridge.plan(q, k, v, mask, **kw)
-    assert plan is None and reason
-    with pytest.raises(bridge.StrictFallbackError, match="strict"):
-        _route(q, k, v, mask, strict=True, **kw)
+def test_set_attention_backend_says_once_per_model_what_it_misses(h):
+    # HunyuanVideo's token refiner calls SDPA directly (AttnProcessor2_0): only patch() swaps it
+    model, make_inputs = tiny.tiny_transformer("hunyuan_video")
+    model.set_attention_backend("nki")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.run(model, make_inputs())
+        h.run(model, make_inputs())
+    msgs = _unreached_warnings(caught)
+    assert len(msgs) == 1, msgs
+    assert "HunyuanVideoTransformer3DModel" in msgs[0] and "token_refiner" in msgs[0]
+    assert "AttnProcessor2_0" in msgs[0] and "diffusers_nki.patch(model)" in msgs[0]
+    assert [p for p, _ in routing.unreached(model)] == [
+        p for p, m in model.named_modules() if type(getattr(m, "processor", None)).__name__ == "AttnProcessor2_0"]
+    other, _ = tiny.tiny_transformer("hunyuan_video", seed=1)  # another model: its own warning
+    other.set_attention_backend("nki")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.run(other, make_inputs())
+    assert len(_unreached_warnings(caught)) == 1
+    # patch() reaches them: no warning, every call routed
+    diffusers_nki.patch(other, backend="torch")
     ops.reset_counters()
-    sentinel = torch.zeros(1)
-    out = bridge.route(q, k, v, mask, backend="torch", strict=False, stock=lambda: sentinel, **kw)
-    assert out is sentinel  # the stock path ran: the mask was not dropped
-    assert ops.counters()["attention"] == {"torch": 0, "sim": 0, "nki": 0, "stock": 1}
-    assert any(reason in str(w.message) for w in recwarn.list)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.run(other, make_inputs())
+    assert not _unreached_warnings(caught) and ops.counters()["attention"]["stock"] == 0
 
 
-def test_fallback_is_warned_once_and_recorded_for_explain(recwarn, h):
-    # a real Cosmos forward with a padded float 0/1 attention mask: Cosmos adds it as a bias of +1 on the
-    # valid keys (not a mask), which the kernel cannot apply -> its cross-attention falls back, visibly
-    model, make_inputs = tiny.tiny_transformer("cosmos")
-    inputs = make_inputs()
-    inputs["attention_mask"][:, 6:] = 0.0
-    ref = h.run(model, inputs)
-    diffusers_nki.patch(model, backend="torch")
-    out = h.run(model, inputs)
-    h.run(model, inputs)
-    assert h.rel_err(out, ref) <= 1e-5
-    n = ops.counters()["attention"]
-    assert n["stock"] == 4 and n["torch"] == 4  # 2 runs x 2 layers each
-    msgs = [str(w.message) for w in recwarn.list if "falling back" in str(w.message)]
-    assert len(msgs) == 1 and "real bias" in msgs[0]
-    rep = diffusers_nki.explain(model)
-    cross = [m for m in rep.models[0].modules if m.path.endswith("attn2")]
-    assert all(m.path_taken == "stock" and sum(m.fallbacks.values()) == 2 for m in cross)
-    assert rep.summary()["routed_share"] == 0.5 and rep.summary()["calls_fallback"] == 4
-    assert "fallbacks=2x additive attn_mask is a real bias" in str(rep)
-    # strict mode raises on the same call
-    diffusers_nki.patch(model, backend="torch", strict=True)
-    with pytest.raises(bridge.StrictFallbackError, match="transformer_blocks.0.attn2.*real bias"):
-        h.run(model, inputs)
+def test_dispatch_only_route_is_silent_where_it_reaches_everything(h):
+    model, make_inputs = tiny.tiny_transformer("wan")
+    model.set_attention_backend("nki")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.run(model, make_inputs())
+    assert not _unreached_warnings(caught)
+    assert routing.unreached(model) == ()
 
 
-def test_kernel_limits_fall_back():
-    q, k, v = _qkv(D=160)  # head_dim > 128
-    plan, reason = bridge.plan(q, k, v)
-    assert plan is None and "head_dim D=160" in reason
+def test_attention_backend_context_on_anyflow_far_names_its_causal_processors(h):
+    # the issue's case: with the "nki" backend active, AnyFlow-FAR routes only its dispatch calls; its flex causal
+    # processor (replaced only by patch()) keeps stock attention, and that is said once
+    from diffusers.models.attention_dispatch import attention_backend
+
+    model, make_inputs = tiny.tiny_transformer("anyflow_far")
+    with warnings.catch_warnings(record=True) as caught, attention_backend("nki"):
+        warnings.simplefilter("always")
+        h.run(model, make_inputs())
+    msgs = _unreached_warnings(caught)
+    assert len(msgs) == 1 and "AnyFlowFARTransformer3DModel" in msgs[0]
+    assert "AnyFlowCausalAttnProcessor" in msgs[0] and "blocks.0.attn1" in msgs[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# "nki" means "auto": resolved before any trace, and graph-safe if a first resolution happens inside one
+# ---------------------------------------------------------------------------------------------------------
+def test_auto_is_resolved_by_install_before_any_trace():
+    bridge.install()
+    assert backends._auto_choice in backends.NAMES
+
+
+def test_first_resolution_inside_a_fullgraph_trace_is_graph_safe(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(backends, "_auto_choice", None)  # as if nothing resolved "auto" before this trace
+
+    def f(x):
+        return x * (2.0 if backends.resolve("auto") == "torch" else 3.0)
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="diffusers_nki"):
+        out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))  # logging inside: no break
+    assert torch.equal(out, torch.full((2,), 2.0)) and backends._auto_choice == "torch"  # the choice is kept
+    assert sum("backend 'auto' -> 'torch'" in r.getMessage() for r in caplog.records) == 1
+    # a trace that fails later, for another reason, still keeps the choice it made
+    monkeypatch.setattr(backends, "_auto_choice", None)
+
+    def g(x):
+        backends.resolve("auto")
+        torch._dynamo.graph_break()
+        return x
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="graph_break|Graph break"):
+        torch.compile(g, fullgraph=True, backend="eager")(torch.ones(2))
+    assert backends._auto_choice == "torch"
+    torch._dynamo.reset()
+
+
+def test_nki_first_used_inside_compiled_models_in_a_fresh_process(tmp_path):
+    # defect: "nki" resolved lazily inside the first compiled region (a logger call dynamo cannot trace) failed
+    # that compile and, never recorded, every later one: here the FIRST use of "nki" in the process is inside a
+    # fullgraph compile (the eager resolution undone), then a second model compiles too
+    code = (
+        "import sys, torch, diffusers_nki\n"
+        "from diffusers_nki import backends, ops, tiny\n"
+        "backends._auto_choice = None\n"
+        "order = sys.argv[1].split(',')\n"
+        "for fam in order:\n"
+        "    m, mk = tiny.tiny_transformer(fam, num_layers=1)\n"
+        "    m.set_attention_backend('nki')\n"
+        "    c = torch.compile(m, fullgraph=True, backend='aot_eager')\n"
+        "    with torch.no_grad():\n"
+        "        c(**mk(frames=1, height=4, width=4), return_dict=False)\n"
+        "print(backends._auto_choice, ops.counters()['attention']['torch'], ops.counters()['attention']['stock'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "ltx,wan"], capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["torch", "4", "0"], out.stdout  # ltx 2 calls + wan 2 calls, all routed
+
+
+def test_explain_lists_what_the_dispatch_only_route_misses(h):
+    model, make_inputs = tiny.tiny_transformer("hunyuan_video")
+    model.set_attention_backend("nki")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.run(model, make_inputs())
+    text = str(diffusers_nki.explain(model))
+    assert "does not reach 1 module(s)" in text and "token_refiner" in text and "diffusers_nki.patch(model)" in text

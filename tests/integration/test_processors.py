@@ -151,3 +151,36 @@ def test_anyflow_far_inconsistent_cache_step_falls_back_visibly(h):
     diffusers_nki.patch(model, backend="torch", strict=True)
     with pytest.raises(bridge.StrictFallbackError, match="num_full_tokens 3"):
         call(attn.processor)
+
+
+def test_anyflow_far_cache_step_in_training_keeps_gradients_through_the_callers_cache():
+    # stock writes the caller's kv_cache dict by slice assignment, so gradients of a later step flow through it
+    # into the cache step's keys; with k/v requiring grad the patched processor does the same (ops.cache_write
+    # would store them detached)
+    model, _ = tiny.tiny_transformer("anyflow_far", num_layers=1)
+    attn = model.blocks[0].attn1
+    diffusers_nki.patch(model, backend="torch")
+    heads, d = attn.heads, attn.to_q.out_features // attn.heads
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(1, 3, attn.to_q.in_features, generator=g)
+    x1 = torch.randn(1, 2, attn.to_q.in_features, generator=g)
+
+    def run(detach_cache):
+        attn.zero_grad(set_to_none=True)
+        cache = {"compressed_cache": torch.zeros(2, 1, heads, 4, d), "full_cache": torch.zeros(2, 1, heads, 4, d)}
+        flag = {"is_cache_step": True, "num_compressed_tokens": 0, "num_full_tokens": 3}
+        if detach_cache:
+            with torch.no_grad():
+                attn.processor(attn, x0, kv_cache=cache, kv_cache_flag=flag)
+        else:
+            attn.processor(attn, x0, kv_cache=cache, kv_cache_flag=flag)
+        step = {"is_cache_step": False, "num_cached_compressed_tokens": 0, "num_cached_full_tokens": 3}
+        out = attn.processor(attn, x1, kv_cache=cache, kv_cache_flag=step)
+        out.square().sum().backward()
+        return cache, attn.to_k.weight.grad.clone()
+
+    cache, grad_through = run(detach_cache=False)
+    assert cache["full_cache"].requires_grad  # the write is part of the graph, as in stock
+    _, grad_detached = run(detach_cache=True)
+    assert not torch.allclose(grad_through, grad_detached)  # the cache step's keys received gradient
+    assert ops.counters()["cache_write"]["torch"] == 1  # only the no_grad cache step used the kernel write
