@@ -17,7 +17,7 @@ from . import runtime as _rt
 from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiOutOfBoundsError, NkiShapeError,
                      NkiUninitializedReadError, NkiValidationError)
 from .records import Instr
-from .tensor import NkiTensor, psum, sbuf
+from .tensor import NkiTensor, dyn_footprint, footprint, psum, read, sbuf, write
 
 F32 = np.float32
 _PMAX = _rt.PMAX
@@ -129,8 +129,8 @@ def _start_ok(t, op, arg):
     n = t.P
     if n > _PMAX:
         raise NkiLimitError(f"{op}: {arg} has {n} partitions; the limit is {_PMAX}")
-    if t.offset:
-        sp = t.offset // t._row_elems()
+    if t.offset or t._st.p0:
+        sp = t.start_partition()
         if sp:
             allowed = (0,) if n > 64 else (0, 64) if n > 32 else (0, 32, 64, 96)
             if sp not in allowed:
@@ -178,59 +178,46 @@ def _inner_stride_bytes(*ts):
     return best
 
 
-def _byte_range(t):
-    lo, hi = t.elem_range()
-    isz = t.dtype.itemsize
-    return lo * isz, (hi + 1) * isz
+_footprint = footprint  # (space, p0, p1, byte lo, byte hi); see tensor.footprint
+_read = read
+_write = write
 
 
-def _footprint(t):
-    """(partition lo, partition hi, byte lo, byte hi): on chip per partition row, in HBM over the flat storage."""
-    if t._st.buffer.on_chip:
-        sp = t.offset // t._row_elems()
-        lo, hi = t.free_byte_range()
-        return sp, sp + t.P, lo, hi
-    lo, hi = _byte_range(t)
-    return 0, 1, lo, hi
+def _overlaps(a, b):
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]
 
 
-def _emit(prog, eng, opname, dst, srcs, partitions, free, **kw):
-    """Append one Instr; computes dep_prev (RAW on the previous instruction of the same engine)."""
+def _emit(prog, eng, opname, dst, srcs, partitions, free, extra_reads=(), extra_writes=(), fp_reads=None,
+          fp_writes=None, **kw):
+    """Append one Instr with its read/write footprints; computes dep_prev (RAW on the previous instruction of
+    the same engine). ``extra_reads`` / ``extra_writes``: further operand views (not part of the dtype/buffer
+    summary); ``fp_reads`` / ``fp_writes``: footprints given directly (dynamic DMA)."""
+    reads = tuple(footprint(s) for s in srcs) + tuple(footprint(s) for s in extra_reads) if fp_reads is None \
+        else tuple(fp_reads)
+    if fp_writes is not None:
+        writes = tuple(fp_writes)
+    else:
+        writes = ((footprint(dst),) if dst is not None else ()) + tuple(footprint(s) for s in extra_writes)
     last = prog.last_dst.get(eng)
     dep = False
     if last is not None:
-        lst, lp0, lp1, llo, lhi = last
-        for s in srcs:
-            if s._st is lst:
-                p0, p1, lo, hi = _footprint(s)
-                if p0 < lp1 and lp0 < p1 and lo < lhi and llo < hi:
-                    dep = True
-                    break
-    if dst is not None:
-        prog.last_dst[eng] = (dst._st,) + _footprint(dst)
-    ins = prog.instrs
+        for r in reads:
+            if _overlaps(r, last):
+                dep = True
+                break
+    if writes:
+        prog.last_dst[eng] = writes[0]
     instr = Instr(eng, opname, partitions, free,
                   tuple(s.dtype.name for s in srcs), dst.dtype.name if dst is not None else "",
                   tuple(s._st.buffer.name for s in srcs), dst._st.buffer.name if dst is not None else "",
-                  dep_prev=dep, program=prog.pid, **kw)
-    ins.append(instr)
+                  dep_prev=dep, program=prog.pid, reads=reads, writes=writes, **kw)
+    prog.instrs.append(instr)
     return instr
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data access (numerics mode)
+# Data access (numerics mode): read / write live in tensor.py; these are (P, F) conveniences
 # ----------------------------------------------------------------------------------------------------
-def _read(t, op, arg):
-    """The NumPy view of ``t`` (its own dtype), after checking no element is unwritten."""
-    m = t._maskv()
-    if m is not None and not m.all():
-        n_bad = int(m.size - np.count_nonzero(m))
-        raise NkiUninitializedReadError(
-            f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {m.size} elements "
-            "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
-    return t._npv()
-
-
 def _readf(t, op, arg):
     """float32 (P, F) copy-or-view of ``t``."""
     a = _read(t, op, arg)
@@ -240,26 +227,6 @@ def _readf(t, op, arg):
 def _readn(t, op, arg):
     """native-dtype (P, F) view of ``t``."""
     return _read(t, op, arg).reshape(t.P, t.F)
-
-
-def _write(t, val, mark=1):
-    """Write ``val`` (any shape with t's element count) into view ``t``, rounding to t.dtype."""
-    v = t._npv()
-    val = np.asarray(val)
-    if val.shape != v.shape:
-        val = val.reshape(v.shape)
-    dt = t.dtype
-    if dt.is_int and val.dtype.kind == "f":
-        info = np.iinfo(dt.np)
-        with np.errstate(invalid="ignore"):
-            val = np.clip(np.nan_to_num(np.rint(val)), info.min, info.max)
-    elif dt is _dt.tfloat32:
-        val = _dt.round_tf32(val)
-    v[...] = val
-    m = t._maskv()
-    if m is not None:
-        m[...] = mark
-    t._st.dirty = True
 
 
 def _operand_col(x, data, op, arg, need_f32=False):
@@ -411,6 +378,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         kk = 2 * K if double else K
         onez = bool((is_stationary_onezero and f32s) or (is_moving_onezero and f32m))
         _emit(prog, "pe", "nc_matmul", dst, (stationary, moving), K, N, flops=2 * kk * M * N, k=kk, m=M,
+              extra_reads=(dst,) if accumulate is not False else (),
               onezero=onez, perf_mode=perf_mode.value, tile_size=tuple(tile_size),
               inner_stride_bytes=_inner_stride_bytes(stationary, moving, dst),
               extra={"accumulate": accumulate})
@@ -418,17 +386,18 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
 
 
 def _mm_accumulate(prog, dst, res, accumulate, op):
-    mv = dst._maskv()
-    cur_state = mv.reshape(dst.P, dst.F) if mv is not None else None
-    if accumulate is False:
+    """PSUM accumulation. ``True`` checks the PHYSICAL bytes (aliases included: hardware accumulates onto
+    whatever the bank holds); ``None`` infers per tensor OBJECT, as the compiler does: the first matmul write
+    through this tensor overwrites, later ones accumulate."""
+    st = dst._st
+    if accumulate is False or dst._maskv() is None:
         _write(dst, res, mark=2)
+        dst._mmv()[...] = 1
+        st.consumed = False
         return
-    if cur_state is None:
-        _write(dst, res, mark=2)
-        return
-    by_mm = cur_state == 2
     if accumulate is True:
-        if not by_mm.all():
+        cur_state = dst._state()
+        if not (cur_state == 2).all():
             n0 = int(np.count_nonzero(cur_state == 0))
             n1 = int(np.count_nonzero(cur_state == 1))
             if n0:
@@ -442,15 +411,23 @@ def _mm_accumulate(prog, dst, res, accumulate, op):
                     "trn1/trn2; start the group with accumulate=False")
         cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
         _write(dst, cur + res, mark=2)
+        dst._mmv()[...] = 1
+        st.consumed = False
         return
-    # None: compiler inference -- the first write overwrites, later writes accumulate
+    # None: compiler inference on this tensor -- the first write overwrites, later writes accumulate
+    mm = dst._mmv()
+    by_mm = (mm.reshape(dst.P, dst.F) if mm.size == dst.P * dst.F else mm.reshape(1, -1)) != 0
     if by_mm.any():
-        prog.launch.warn_once("acc_none", f"{op}: accumulate=None inferred accumulation onto a PSUM location "
-                              "already written by a matmul; pass accumulate=(k > 0) explicitly")
+        if st.consumed:
+            prog.launch.warn_once("acc_none", f"{op}: accumulate=None inferred accumulation onto a PSUM tile whose "
+                                  "result was already read (a reused accumulator); pass accumulate=(k > 0) "
+                                  "explicitly")
         cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
         _write(dst, np.where(by_mm, cur + res, res), mark=2)
     else:
         _write(dst, res, mark=2)
+    mm[...] = 1
+    st.consumed = False
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -595,6 +572,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
             raise NkiValidationError(f"{opn}: reduce_res reads accumulator registers that were never reset")
     srcs = (data,) + tuple(t for t in (sc, bias) if isinstance(t, NkiTensor))
     _emit(prog, "act", "activation", dst, srcs, P, data.F, reduce_res=reduce_res is not None,
+          extra_writes=(reduce_res,) if reduce_res is not None else (),
           inner_stride_bytes=_inner_stride_bytes(data, dst), extra={"func": op.name, "reduce_cmd": cmd.name})
     return _HANDLE
 
@@ -889,12 +867,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _no_psum_on_pool(eng, opn, dst=dst)
     _free_limit(dst, opn, "dst", "VectorE" if eng is E.vector else "GpSimd")
     if prog.numerics:
-        v = dst._npv()
-        v[...] = F32(value) if dst.dtype.is_float else value
-        m = dst._maskv()
-        if m is not None:
-            m[...] = 1
-        dst._st.dirty = True
+        _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
     _emit(prog, _ENGINE_NAME[eng], "memset", dst, (), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(dst),
           extra={"value": value})
     return _HANDLE
@@ -1067,9 +1040,10 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dyn_t is not None and dyn_t._dyn[0] == "vector" and dge_mode is _DGE.hwdge and prog.gen == 3:
         raise NkiValidationError(f"{op}: hardware DGE on trn2 does not support vector-indirect DMA")
     skipped = False
+    vec_fp = None
     if prog.numerics:
         if dyn_t is not None and dyn_t._dyn[0] == "vector":
-            skipped = _dma_vector(dst, src, dyn_t, oob_mode, op)
+            skipped, vec_fp = _dma_vector(dst, src, dyn_t, oob_mode, op)
         else:
             if dyn_t is not None:
                 res, v = dyn_t._resolve_scalar(op, "scalar_offset")
@@ -1092,9 +1066,24 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                     val = val.astype(F32)
                 _write(dst, val)
     nbytes, contig, parts, free, direction = _dma_geometry(dst, src)
+
+    def fp(t):  # resolved views are static; unresolved dynamic ones cover their whole reachable range
+        if t._dyn is None:
+            return (footprint(t),)
+        if vec_fp is not None:
+            return (vec_fp,)
+        if t._dyn[0] == "vector" and prog.numerics:
+            return ()  # every row skipped: nothing touched
+        return (dyn_footprint(t),)
+
+    xt = {"dynamic": dyn_t._dyn[0]} if dyn_t is not None else {}
+    if skipped:
+        xt["skipped"] = True
+    if engine is not _E.unknown:
+        xt["trigger"] = _ENGINE_NAME.get(engine, engine.name)
     _emit(prog, "dma", "dma_copy", dst, (src,), parts, free, nbytes=nbytes, contig_bytes=contig,
-          dma_partitions=parts, direction=direction, dge=dge_mode.name,
-          extra={"dynamic": dyn_t._dyn[0]} if dyn_t is not None else {"skipped": True} if skipped else {})
+          dma_partitions=parts, direction=direction, dge=dge_mode.name, fp_reads=fp(src), fp_writes=fp(dst),
+          extra=xt)
     return _HANDLE
 
 
@@ -1124,15 +1113,12 @@ def _dma_vector(dst, src, dyn_t, oob, op):
     if dyn_t is src:  # gather into dst rows
         g = flat[addr[valid]]
         dv = dst._npv()
-        rows = dv.reshape(P, -1)
-        if not np.shares_memory(rows, dv):
-            raise NotImplementedError(f"{op}: vector gather needs a dst whose free dims are contiguous")
         if dst.dtype is not src.dtype:
             g = g.astype(F32).astype(dst.dtype.np)
-        rows[valid] = g
+        dv[valid] = g.reshape((int(valid.sum()),) + tuple(dv.shape[1:]))
         m = dst._maskv()
         if m is not None:
-            m.reshape(P, -1)[valid] = 1
+            m[valid] = 1
         dst._st.dirty = True
     else:  # scatter src rows into dst
         vals = _readn(src, op, "src")
@@ -1142,7 +1128,12 @@ def _dma_vector(dst, src, dyn_t, oob, op):
         if st.mask is not None and st.dtype.itemsize == dyn_t.dtype.itemsize:
             st.mask[addr[valid]] = 1
         st.dirty = True
-    return not valid.all()
+    isz = dyn_t.dtype.itemsize
+    if addr[valid].size:
+        fp = (f"hbm{st.serial}", 0, 1, int(addr[valid].min()) * isz, (int(addr[valid].max()) + 1) * isz)
+    else:
+        fp = None
+    return not valid.all(), fp
 
 
 _DT_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}

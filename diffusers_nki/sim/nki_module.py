@@ -50,9 +50,7 @@ def _lint(fn):
         problems.append(f"line {fdef.lineno}: keyword-only arguments ('*') in the kernel signature")
     for node in ast.walk(tree):
         ln = getattr(node, "lineno", "?")
-        if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Is, ast.IsNot)) for o in node.ops):
-            problems.append(f"line {ln}: 'is' / 'is not' comparison (use == / !=)")
-        elif isinstance(node, ast.Attribute) and node.attr in _LEGACY_ATTRS:
+        if isinstance(node, ast.Attribute) and node.attr in _LEGACY_ATTRS:
             problems.append(f"line {ln}: legacy nl.{node.attr} (removed in NKI 0.2)")
         elif isinstance(node, ast.keyword) and node.arg == "mask":
             problems.append(f"line {ln}: legacy mask= argument (removed in NKI 0.2)")
