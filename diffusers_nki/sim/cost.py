@@ -1,4 +1,10 @@
-"""Roofline cost model: turn an emulated launch's ``RunRecord`` into a MODELED kernel time.
+"""Roofline cost model: turn an emulated launch's ``RunRecord`` into MODELED time BOUNDS.
+
+The headline modeled time is NOT computed here: it is the dependency-aware schedule of ``schedule.py``.
+This roofline is its CEILING (``t_optimistic_s`` = ``t_ceiling_s``: every engine perfectly overlapped, which
+nothing checks the kernel's dependencies allow) and its FLOOR (``t_pessimistic_s`` = ``t_floor_s``:
+everything serialised). Never tune a kernel against the ceiling. ``instr_cost`` (below) is the
+per-instruction cost both use.
 
 Everything here is modeled from published per-engine figures (``/work/shared/COST_MODEL.md``); nothing is
 measured. The official NKI simulator does not model time at all [SIM].
@@ -530,7 +536,8 @@ _BUSY_ORDER = ("pe", "act", "dve", "pool", "dma", "dge", "hbm")
 
 @dataclass
 class CostReport:
-    """A MODELED (never measured) roofline estimate of one emulated launch on one target.
+    """MODELED (never measured) roofline bounds of one emulated launch on one target: the ceiling and the
+    floor of ``schedule.ScheduleReport``'s scheduled time.
 
     Times are seconds. ``terms_s``: the optimistic-model terms (busy time per engine/lane, the HBM roof
     and on trn1 the shared-port terms); ``busy_s``: busy seconds per engine (pe = matmuls + transposes);
@@ -564,6 +571,16 @@ class CostReport:
     modeled: bool = True
 
     @property
+    def t_ceiling_s(self) -> float:
+        """The roofline ceiling (the optimistic bound; the schedule can only be slower)."""
+        return self.t_optimistic_s
+
+    @property
+    def t_floor_s(self) -> float:
+        """The roofline floor (everything serialised)."""
+        return self.t_pessimistic_s
+
+    @property
     def t_optimistic_ns(self) -> float:
         return self.t_optimistic_s * 1e9
 
@@ -579,7 +596,8 @@ class CostReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
-        lines = [f"modeled roofline cost (not measured): {self.target} ({self.nc}), lnc={self.lnc}",
+        lines = [f"modeled roofline bounds (not measured; the modeled time is schedule.py's): {self.target} "
+                 f"({self.nc}), lnc={self.lnc}",
                  f"{'term':<10}{'busy_us':>12}{'of_T_opt':>10}{'instrs':>9}"]
         t = self.t_optimistic_s or 1.0
         for k in _TERM_ORDER:
@@ -590,9 +608,9 @@ class CostReport:
             mark = " *" if k == self.bottleneck else ""
             lines.append(f"{k:<10}{v * 1e6:>12.3f}{100 * v / t:>9.1f}%{cnt!s:>9}{mark}")
         lines += [
-            f"{'optimistic':<12}{self.t_optimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_optimistic:5.1f}%"
+            f"{'ceiling':<12}{self.t_optimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_optimistic:5.1f}%"
             f"  bottleneck {self.bottleneck}",
-            f"{'pessimistic':<12}{self.t_pessimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_pessimistic:5.1f}%"
+            f"{'floor':<12}{self.t_pessimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_pessimistic:5.1f}%"
             f"  (incl. {self.n_dma} x DMA_LAT = {self.dma_latency_s * 1e6:.3f} us)",
             f"PE on transposes {100 * self.pe_transpose_share:.1f}%  HBM read {self.hbm_read_bytes / 2**20:.3f} MiB"
             f"  written {self.hbm_write_bytes / 2**20:.3f} MiB  DMA descriptors {self.n_dma_descriptors}",
