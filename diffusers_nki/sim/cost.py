@@ -317,6 +317,10 @@ _KNOWN_VEC_OPS = {
     "activation", "activation_reduce", "tensor_tensor", "scalar_tensor_tensor", "tensor_scalar",
     "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "reciprocal", "nc_transpose",
     "exponential",
+    # one streamed input each: N cycles at the dtype rate (ASSUMPTION: no perf mode, the reduction folded in
+    # "at a small additional performance cost" [API-isa tensor_scalar_reduce]; the cross-partition shuffle
+    # streams its elements once)
+    "tensor_scalar_reduce", "range_select", "nc_stream_shuffle",
 }
 _WARNED: set = set()
 

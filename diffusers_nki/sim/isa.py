@@ -939,6 +939,230 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     return _HANDLE
 
 
+# ----------------------------------------------------------------------------------------------------
+# VectorE with the accumulator registers (tensor_scalar_reduce, range_select) and cross-partition moves
+# ----------------------------------------------------------------------------------------------------
+FP32_MIN = float(np.finfo(np.float32).min)
+_RED_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}
+
+
+def _red_op(op, opn, allowed=("add", "multiply", "maximum", "minimum")):
+    name = getattr(op, "name", None)
+    # nl.max / nl.min (the reduction wrappers) name the same reductions as nl.maximum / nl.minimum
+    alias = {"max": "maximum", "min": "minimum"}
+    if name is None:
+        name = alias.get(getattr(op, "__name__", ""), None)
+    name = alias.get(name, name)
+    if name not in allowed:
+        raise NkiValidationError(f"{opn}: reduce_op={op!r} must be one of " + ", ".join(f"nl.{a}" for a in allowed))
+    return name
+
+
+def _dve_accumulate(prog, opn, red_name, partial, reduce_cmd_, reduce_init, P):
+    """Update the VectorE accumulator registers (shared by tensor_scalar_reduce / range_select [API-isa])."""
+    RC = _RC
+    comb = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}[red_name]
+    if reduce_cmd_ is RC.reset_reduce:
+        regs = np.full(_PMAX, _RED_IDENTITY[red_name], F32)
+    elif reduce_cmd_ is RC.reduce:
+        if prog.dve_regs is None:
+            raise NkiValidationError(f"{opn}: reduce_cmd=reduce before the VectorE accumulator registers were reset "
+                                     "(use reset_reduce first)")
+        regs = prog.dve_regs.copy()
+    elif reduce_cmd_ is RC.load_reduce:
+        regs = np.full(_PMAX, _RED_IDENTITY[red_name], F32)
+        regs[:P] = np.asarray(reduce_init, F32).reshape(-1)[:P] if not _scalar_number(reduce_init) else F32(
+            reduce_init)
+    else:
+        raise NkiValidationError(f"{opn}: reduce_cmd={reduce_cmd_!r} must be reset_reduce, reduce or load_reduce")
+    regs[:P] = comb(regs[:P], partial.astype(F32))
+    prog.dve_regs = regs
+    return regs[:P]
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
+                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+    """VectorE ``dst = data <op0> operand0`` plus ``reduce_res = reduce_op`` of that result over the free
+    dimensions, through the VectorE accumulator registers [API-isa ``tensor_scalar_reduce``]."""
+    opn = "nisa.tensor_scalar_reduce"
+    prog = _rt.current()
+    for t, a in ((dst, "dst"), (data, "data")):
+        _tensor(t, opn, a)
+        _buf(t, opn, a, _ONCHIP)
+        _start_ok(t, opn, a)
+    _same_pf(dst, data, opn, "dst", "data")
+    if not isinstance(op0, _ops.Op) or not op0.alu or op0.kind != "arith":
+        raise NkiValidationError(f"{opn}: op0={op0!r} must be an arithmetic ALU operator (bit-vector ops are not "
+                                 "supported)")
+    if reverse0:
+        raise NkiValidationError(f"{opn}: reverse0=True is not supported yet [API-isa]")
+    red = _red_op(reduce_op, opn)
+    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    if (reduce_init is not None) != (reduce_cmd is _RC.load_reduce):
+        raise NkiValidationError(f"{opn}: reduce_init must be given exactly when reduce_cmd is load_reduce")
+    if op0.arity == 1:
+        if operand0 not in (None, 0):
+            raise NkiValidationError(f"{opn}: unary nl.{op0.name} needs operand0=None or 0, got {operand0!r}")
+        col = None
+    else:
+        col = _operand_col(operand0, data, opn, "operand0", need_f32=True)
+        if col is None:
+            raise NkiValidationError(f"{opn}: binary nl.{op0.name} needs operand0")
+    init = None
+    if reduce_init is not None:
+        init = _operand_col(reduce_init, data, opn, "reduce_init", need_f32=True)
+    if reduce_res is not None:
+        _tensor(reduce_res, opn, "reduce_res")
+        _buf(reduce_res, opn, "reduce_res", _ONCHIP)
+        if reduce_res.P != data.P or reduce_res.F != 1:
+            raise NkiShapeError(f"{opn}: reduce_res must be [P={data.P}, 1], got {list(reduce_res.shape)}")
+        _start_ok(reduce_res, opn, "reduce_res")
+    _free_limit(data, opn, "data", "VectorE")
+    _free_limit(dst, opn, "dst", "VectorE")
+    P = data.P
+    if prog.numerics:
+        x = _readf(data, opn, "data")
+        with np.errstate(all="ignore"):
+            if op0.arity == 1:
+                x = np.asarray(op0.fn(x), dtype=F32)
+            else:
+                v = _colval(col, opn, "operand0")
+                x = np.asarray(x * (F32(1) / v) if op0 is _ops.divide else op0.fn(x, v), dtype=F32)
+            part = _ops.OPS[red].reduce(x, (1,)) if x.shape[1] else np.full(P, _RED_IDENTITY[red], F32)
+            iv = _colval(init, opn, "reduce_init") if init is not None else None
+            regs = _dve_accumulate(prog, opn, red, np.asarray(part, F32).reshape(-1), reduce_cmd, iv, P)
+        _write(dst, x)
+        if reduce_res is not None:
+            _write(reduce_res, (-regs if reduce_res_negate else regs).reshape(P, 1))
+    else:
+        if reduce_cmd is _RC.reduce and prog.dve_regs is None:
+            raise NkiValidationError(f"{opn}: reduce_cmd=reduce before the VectorE accumulator registers were reset")
+        prog.dve_regs = True
+    srcs = (data,) + tuple(t for t in (col, init) if isinstance(t, NkiTensor))
+    _emit(prog, "dve", "tensor_scalar_reduce", dst, srcs, P, data.F,
+          extra_writes=(reduce_res,) if reduce_res is not None else (),
+          inner_stride_bytes=_inner_stride_bytes(data, dst), extra={"alu": (op0.name, red)})
+    return _HANDLE
+
+
+_CMP_OPS = ("equal", "less", "less_equal", "greater", "greater_equal")
+
+
+def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
+                 reduce_res=None, reduce_op=_ops.maximum, range_start=0, on_false_value=FP32_MIN, name=None):
+    """VectorE (trn2+): ``dst[p, i] = on_true_tile[p, i]`` where ``comp_op0(range_start + i, bound0[p])`` and
+    ``comp_op1(range_start + i, bound1[p])``, else ``on_false_value`` (must be FP32_MIN); the row maximum goes
+    through the VectorE accumulator registers to ``reduce_res`` [API-isa ``range_select``]."""
+    opn = "nisa.range_select"
+    prog = _rt.current()
+    if prog.gen < 3:
+        raise NkiValidationError(f"{opn}: range_select needs trn2 or later (target {prog.launch.target})")
+    for t, a in ((dst, "dst"), (on_true_tile, "on_true_tile")):
+        _tensor(t, opn, a)
+        _buf(t, opn, a, _ONCHIP)
+        _start_ok(t, opn, a)
+    _same_pf(dst, on_true_tile, opn, "dst", "on_true_tile")
+    if not on_true_tile.dtype.is_float:
+        raise NkiDtypeError(f"{opn}: on_true_tile dtype {on_true_tile.dtype!r} must be a floating-point dtype")
+    for o, a in ((comp_op0, "comp_op0"), (comp_op1, "comp_op1")):
+        if not isinstance(o, _ops.Op) or o.name not in _CMP_OPS:
+            raise NkiValidationError(f"{opn}: {a}={o!r} must be one of " + ", ".join(f"nl.{c}" for c in _CMP_OPS))
+    for b, a in ((bound0, "bound0"), (bound1, "bound1")):
+        _tensor(b, opn, a)
+        _buf(b, opn, a, _ONCHIP)
+        if b.P != on_true_tile.P or b.F != 1:
+            raise NkiShapeError(f"{opn}: {a} must be [P={on_true_tile.P}, 1], got {list(b.shape)}")
+        if b.dtype is not _dt.float32:
+            raise NkiDtypeError(f"{opn}: {a} dtype {b.dtype!r} must be nl.float32")
+    if on_false_value is Ellipsis:
+        on_false_value = FP32_MIN
+    if not _scalar_number(on_false_value) or F32(on_false_value) != F32(FP32_MIN):
+        raise NkiValidationError(f"{opn}: on_false_value={on_false_value!r} must be FP32_MIN (-3.4028235e+38), a "
+                                 "hardware constraint")
+    if _red_op(reduce_op, opn, allowed=("maximum",)) != "maximum":  # pragma: no cover
+        pass
+    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    if not isinstance(range_start, (int, np.integer)) or isinstance(range_start, bool):
+        raise NkiValidationError(f"{opn}: range_start={range_start!r} must be a compile-time int")
+    if abs(int(range_start)) + on_true_tile.F > 2 ** 24:
+        raise NkiLimitError(f"{opn}: range_start + free index reaches {abs(int(range_start)) + on_true_tile.F}; it "
+                            "must stay within 2^24 (fp32 comparison)")
+    if reduce_res is not None:
+        _tensor(reduce_res, opn, "reduce_res")
+        _buf(reduce_res, opn, "reduce_res", _ONCHIP)
+        if reduce_res.P != on_true_tile.P or reduce_res.F != 1:
+            raise NkiShapeError(f"{opn}: reduce_res must be [P={on_true_tile.P}, 1], got {list(reduce_res.shape)}")
+    _free_limit(on_true_tile, opn, "on_true_tile", "VectorE")
+    P, F = on_true_tile.P, on_true_tile.F
+    if prog.numerics:
+        x = _readf(on_true_tile, opn, "on_true_tile")
+        b0 = _readf(bound0, opn, "bound0")
+        b1 = _readf(bound1, opn, "bound1")
+        idx = (F32(range_start) + np.arange(F, dtype=F32))[None, :]
+        mask = (comp_op0.fn(idx, b0) != 0) & (comp_op1.fn(idx, b1) != 0)
+        y = np.where(mask, x, F32(FP32_MIN)).astype(F32)
+        regs = _dve_accumulate(prog, opn, "maximum", y.max(axis=1), reduce_cmd, None, P)
+        _write(dst, y)
+        if reduce_res is not None:
+            _write(reduce_res, regs.reshape(P, 1))
+    else:
+        prog.dve_regs = True
+    _emit(prog, "dve", "range_select", dst, (on_true_tile, bound0, bound1), P, F,
+          extra_writes=(reduce_res,) if reduce_res is not None else (),
+          inner_stride_bytes=_inner_stride_bytes(on_true_tile, dst),
+          extra={"cmp": (comp_op0.name, comp_op1.name), "range_start": int(range_start)})
+    return _HANDLE
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """VectorE cross-partition move within each 32-partition quadrant: dst partition q*32 + i takes src
+    partition q*32 + shuffle_mask[i] (255: unchanged); in place allowed [API-isa ``nc_stream_shuffle``]."""
+    opn = "nisa.nc_stream_shuffle"
+    prog = _rt.current()
+    for t, a in ((dst, "dst"), (src, "src")):
+        _tensor(t, opn, a)
+        _buf(t, opn, a, _ONCHIP)
+    if dst.dtype is not src.dtype:
+        raise NkiDtypeError(f"{opn}: dst dtype {dst.dtype!r} must equal src dtype {src.dtype!r}")
+    if dst.F != src.F:
+        raise NkiShapeError(f"{opn}: dst has {dst.F} elements per partition, src {src.F}; they must be equal")
+    try:
+        mask = [int(m) for m in shuffle_mask]
+    except (TypeError, ValueError):
+        raise NkiValidationError(f"{opn}: shuffle_mask={shuffle_mask!r} must be 32 ints")
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        raise NkiValidationError(f"{opn}: shuffle_mask must hold 32 entries in 0..31 or 255, got {shuffle_mask!r}")
+    active = -(-max(src.P, dst.P) // 32) * 32
+    allowed = (0,) if active > 64 else (0, 64) if active > 32 else (0, 32, 64, 96)
+    for t, a in ((dst, "dst"), (src, "src")):
+        sp = t.start_partition()
+        if sp not in allowed:
+            raise NkiLimitError(f"{opn}: {a} starts at partition {sp} with {active} active partitions; the start "
+                                f"partition must be one of {allowed}")
+    rows = []
+    for j in range(dst.P):
+        m = mask[j % 32]
+        if m == 255:
+            continue
+        r = (j // 32) * 32 + m
+        if r >= src.P:
+            raise NkiShapeError(f"{opn}: dst partition {j} takes src partition {r}, but src has {src.P} partitions")
+        rows.append((j, r))
+    if prog.numerics:
+        sv = np.array(_readn(src, opn, "src"))  # a copy: dst may be src
+        dv = np.array(dst._npv().reshape(dst.P, dst.F))
+        st_m = dst._state()
+        for j, r in rows:
+            dv[j] = sv[r]
+        keep = [j for j in range(dst.P) if mask[j % 32] == 255]
+        if keep and st_m is not None and not (st_m[keep] != 0).all():
+            raise NkiUninitializedReadError(f"{opn}: dst partitions kept by mask 255 were never written")
+        _write(dst, dv)
+    _emit(prog, "dve", "nc_stream_shuffle", dst, (src,), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(src, dst),
+          extra={"mask": tuple(mask)})
+    return _HANDLE
+
+
 def reciprocal(dst, data, name=None):
     """VectorE ``dst = 1 / data`` (fp32, cast to dst)."""
     opn = "nisa.reciprocal"
@@ -1187,9 +1411,9 @@ def _not_emulated(nm):
     return f
 
 
-for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative", "tensor_scalar_reduce",
-            "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "nc_stream_shuffle",
-            "select_reduce", "range_select", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
+for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative",
+            "bn_stats", "bn_aggr", "local_gather", "nc_n_gather",
+            "select_reduce", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
             "dropout", "quantize_mx", "register_alloc", "register_load", "register_store", "register_move",
             "core_barrier", "sendrecv", "dma_compute", "tensor_copy_predicated", "exponential", "activate2",
             "tensor_tensor_scan"):
