@@ -37,7 +37,8 @@ Field meanings follow ``COST_MODEL.md`` section 2:
   ``reduce_res`` outputs are writes.
 
 RunRecord (added by the emulator): ``kernel`` (name), ``numerics`` (False = trace mode: every instruction
-and limit check, no arithmetic), ``warnings`` (each distinct emulator warning of the launch).
+and limit check, no arithmetic), ``warnings`` (each distinct emulator warning of the launch), ``lint``
+(the kernel's lint findings: constructs outside NKI's documented Python subset, ``sim/lint.py``).
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class RunRecord:
     kernel: str = ""
     numerics: bool = True
     warnings: List[str] = field(default_factory=list)
+    lint: List[str] = field(default_factory=list)
 
     def add(self, instr: Instr) -> None:
         self.instrs.append(instr)
