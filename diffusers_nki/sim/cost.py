@@ -510,6 +510,31 @@ def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
                      descriptors=max(1, math.ceil(nbytes / max(contig, 1))) if nbytes else 0)
 
 
+_COST_CACHE: Dict[tuple, tuple] = {}
+
+
+def _cost_key(i: Instr) -> tuple:
+    return (i.engine, i.op, i.partitions, i.free, i.in_dtypes, i.out_dtype, i.in_buffers, i.out_buffer, i.flops, i.k,
+            i.m, i.nbytes, i.contig_bytes, i.dma_partitions, i.direction, i.dge, i.transpose, i.inner_stride_bytes,
+            i.reduce_res, i.onezero, i.perf_mode, i.dep_prev, i.tile_size)
+
+
+def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] = None) -> "InstrCost":
+    """``instr_cost(instr, spec)`` (no chain_start), memoised on the fields it reads and the spec."""
+    key = (spec.name, spec.dve_fp32_rate) + _cost_key(instr)
+    hit = _COST_CACHE.get(key)
+    if hit is None:
+        if len(_COST_CACHE) > 200_000:
+            _COST_CACHE.clear()
+        own: List[str] = []
+        hit = _COST_CACHE[key] = (instr_cost(instr, spec, notes=own), own)
+    if notes is not None:
+        for n in hit[1]:
+            if n not in notes:
+                notes.append(n)
+    return hit[0]
+
+
 def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
                dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None) -> InstrCost:
     """Cost of one instruction on ``target`` (a name/alias or a ``GenSpec``).
@@ -600,8 +625,8 @@ class CostReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
-        lines = [f"modeled roofline bounds (not measured; the modeled time is schedule.py's): {self.target} "
-                 f"({self.nc}), lnc={self.lnc}",
+        lines = [f"modeled roofline cost (not measured; the ceiling and floor of sim.schedule's modeled time): "
+                 f"{self.target} ({self.nc}), lnc={self.lnc}",
                  f"{'term':<10}{'busy_us':>12}{'of_T_opt':>10}{'instrs':>9}"]
         t = self.t_optimistic_s or 1.0
         for k in _TERM_ORDER:
@@ -632,7 +657,7 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
     prev_engine = None
     for i in instrs:
         chain_start = expose_ls and i.engine == "pe" and prev_engine != "pe"
-        c = instr_cost(i, s, chain_start=chain_start, notes=notes)
+        c = instr_cost(i, s, chain_start=chain_start, notes=notes) if chain_start else instr_cost_cached(i, s, notes)
         prev_engine = i.engine
         a["counts"][i.engine] += 1
         a["opt"][c.lane] += c.opt_ns

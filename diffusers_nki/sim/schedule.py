@@ -58,7 +58,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from diffusers_nki.sim.cost import GENERATIONS, CostReport, instr_cost, model, resolve_target
+from diffusers_nki.sim.cost import GENERATIONS, CostReport, instr_cost_cached, model, resolve_target
 from diffusers_nki.sim.records import RunRecord
 
 __all__ = ["DMA_QUEUES", "ScheduleReport", "schedule", "sensitivity", "format_schedule"]
@@ -364,7 +364,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     for i in _order(instrs, cores):
         ins = instrs[i]
         c = ins.program if cores > 1 else 0
-        cost = instr_cost(ins, s)
+        cost = instr_cost_cached(ins, s)
         flops += cost.flops
         is_dma = ins.engine == "dma"
         lane = "dma" if is_dma else cost.lane
@@ -379,7 +379,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             sl = m.sl(fp)
             fps_r.append((m, sl))
             v = m.w_end[sl]
-            if v.size and v.max() > 0.0:
+            mx = float(v.max()) if v.size else 0.0
+            if mx > 0.0 and mx + (0.0 if is_dma else sem_ns[lane]) > dep_t:
                 t, eng, idx = _argmax_at(m.w_end, m.w_eng, m.w_idx, sl)
                 l_ = 0.0
                 if not is_dma and _ENGINE_OF_LANE[_NAME[eng]] != _ENGINE_OF_LANE[lane]:
