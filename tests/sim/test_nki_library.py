@@ -20,12 +20,15 @@ Tolerance (the rule of tests/kernels/test_attention.py), per case, computed in t
 Grid: pairwise over Sq {77, 200, 640}, Skv {130, 700, 1024}, D {48, 64, 128}, causal {no, yes}, prefix
 {none, prior_used_len 0 / partial 161 / full 300 of a 300-key prior}, GQA {1, 2 query rows per kv row},
 dtype {bf16, fp32}, launch {kernel[1], kernel[2]}; plus kernel[2] sharding one batch row on Sq (Sq 1100,
-causal: the 65/35 split) and the flash-attention section loop (10500 keys: two 8192-key sections).
+causal: the 65/35 split) and the flash-attention section loop (10500 keys: two 8192-key sections). The
+kernel's other paths (sliding window, sink, tp_out / tp_k / tp_q=False layouts, softmax caching, context
+parallelism with a sliding window, sequence packing) run too, checked against the twin at bf16 resolution.
 """
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -191,3 +194,53 @@ def test_attention_cte_runs_on_trn3_and_not_on_trn1(cte):
 
     with pytest.raises(NkiValidationError, match="dma_transpose: DMA transpose needs trn2 or later"):
         run_cte(cte, case, 1, target="trn1")   # Trainium2 introduced DMA transposes [ARCH3]
+
+
+FEATURES = {
+    "sliding_window": dict(causal_mask=True, sliding_window=100),
+    "sink": dict(causal_mask=True, sink="sink"),
+    "tp_out": dict(causal_mask=False, tp_out=True),
+    "tp_k": dict(causal_mask=False, tp_k=True),
+    "tp_q_false": dict(causal_mask=False, tp_q=False),
+    "cache_softmax": dict(causal_mask=True, cache_softmax=True),
+    "context_parallel_swa": dict(causal_mask=True, cp_offset="cp", global_cp_deg=4, sliding_window=100),
+    "sequence_packing": dict(causal_mask=True, bound_min="bmin", bound_max="bmax"),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_attention_cte_other_paths_run_unchanged(cte, feature, capsys):
+    """The kernel's other features (not in the grid above) also run unchanged; checked against its twin at
+    bf16 resolution (4 x 2^-8 x max|v|; the grid above applies the flash-attention rule)."""
+    g = torch.Generator().manual_seed(1)
+    kw = dict(FEATURES[feature])
+    sq, sk, d = 256, 700, 64
+    tp_q, tp_k = kw.get("tp_q", True), kw.get("tp_k", False)
+    q = (torch.randn(1, sq, d, generator=g) if tp_q else torch.randn(1, d, sq, generator=g)).bfloat16()
+    k = (torch.randn(1, sk, d, generator=g) if tp_k else torch.randn(1, d, sk, generator=g)).bfloat16()
+    v = torch.randn(1, sk, d, generator=g).bfloat16()
+    if kw.get("sink") == "sink":
+        kw["sink"] = torch.randn(1, 1, generator=g)
+    if kw.get("cp_offset") == "cp":
+        kw["cp_offset"] = torch.tensor([[64]], dtype=torch.int32)
+    if kw.get("bound_min") == "bmin":
+        bmin = torch.zeros(sq, 1, dtype=torch.int32)
+        bmax = torch.full((sq, 1), 150, dtype=torch.int32)
+        bmin[128:], bmax[128:] = 100, 600
+        kw.update(bound_min=bmin, bound_max=bmax)
+    if "scale" not in kw and not ({"cp_offset", "sliding_window", "bound_min"} & set(kw)):  # range_select: scale 1
+        kw["scale"] = 1.0 / math.sqrt(d)
+    out = simulate(cte.kernel, target="trn2")(q, k, v, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the twin's own torch.tensor(tensor) copy warning (sequence packing)
+        ref = cte.torch_ref(q, k, v, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    assert len(outs) == len(refs)
+    vmax = v.abs().max().item()
+    for o, r in zip(outs, refs):
+        assert torch.isfinite(o.float()).all()
+        err = (o.float() - r.float()).abs().max().item()
+        assert err <= 4 * 2.0 ** -8 * max(vmax, r.float().abs().max().item()), (feature, err)
+    capsys.readouterr()
+
