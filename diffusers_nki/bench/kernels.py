@@ -189,6 +189,7 @@ def _row(name, kernel, target, rec, factor, heads_traced, trace_s, hbm_min, exac
         "waits": [dict(w, seconds=w["seconds"] * factor) for w in sch.waits[:8]],
         "critical_path": {"seconds_by_lane": {k: v * factor for k, v in sch.critical_path["seconds_by_lane"].items()},
                           "latency_s": sch.critical_path["latency_s"] * factor,
+                          "wait_s": sch.critical_path["wait_s"] * factor,
                           "instructions": sch.critical_path["instructions"]},
         "busy_seconds": {k: v * factor for k, v in rep.busy_s.items()},
         "terms_seconds": {k: v * factor for k, v in rep.terms_s.items()},
@@ -294,7 +295,8 @@ def _where(r: dict) -> str:
     waits = "; ".join(f"{w['waiter']}<-{w['on']} {w['kind']} {w['seconds'] * 1e3:.1f}" for w in r["waits"][:3]
                       if w["waiter"] != "dma") or "-"
     return (f"  {r['shape']} {r['kernel']} {r['target']}: utilisation {util}; critical path (ms) {lanes}, "
-            f"latencies {cp['latency_s'] * 1e3:.1f}; largest engine waits (ms) {waits}")
+            f"latencies {cp['latency_s'] * 1e3:.1f}, other waits {cp['wait_s'] * 1e3:.1f}; largest engine waits (ms) "
+            f"{waits}")
 
 
 def _pair(rows: List[dict]):

@@ -199,7 +199,8 @@ class ScheduleReport:
     roofline bounds (``cost.model``'s optimistic / pessimistic). ``busy_s`` / ``utilisation``: per lane of the
     slowest core ("pe", "pe_bg", "act", "dve", "pool", "dma" = the DMA engines, "dge", "hbm", "q0".. the DMA
     queues, and on trn1 "sbuf_port" / "psum_port"). ``waits``: the largest summed waits, each
-    {"waiter", "on", "kind", "seconds", "count"}. ``critical_path``: {"seconds_by_lane", "latency_s",
+    {"waiter", "on", "kind", "seconds", "count"}. ``critical_path``: {"seconds_by_lane", "latency_s" (semaphore
+    and DMA fixed latencies on its edges), "wait_s" (resource waits and overlap gaps on its edges),
     "instructions"}. ``constants``: the schedule's constants as used."""
 
     target: str
@@ -255,7 +256,8 @@ def format_schedule(r: ScheduleReport, top: int = 6) -> str:
     cp = r.critical_path
     if cp:
         lines.append("critical path: " + "  ".join(f"{k} {v * 1e6:.1f} us" for k, v in cp["seconds_by_lane"].items())
-                     + f"  latencies {cp['latency_s'] * 1e6:.1f} us over {cp['instructions']} instructions")
+                     + f"  latencies {cp['latency_s'] * 1e6:.1f} us  other waits {cp['wait_s'] * 1e6:.1f} us over "
+                     f"{cp['instructions']} instructions")
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -529,7 +531,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     wl = sorted(({"waiter": k[0], "on": k[1], "kind": k[2], "seconds": v[0] * 1e-9, "count": v[1]}
                  for k, v in waits.items()), key=lambda w: -w["seconds"])[:top]
     # critical path: binding predecessors back from the last instruction to finish
-    cp = {"seconds_by_lane": {}, "latency_s": 0.0, "instructions": 0}
+    cp = {"seconds_by_lane": {}, "latency_s": 0.0, "wait_s": 0.0, "instructions": 0}
     if n:
         j = int(np.argmax(end))
         seen = 0
@@ -538,10 +540,14 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             lane = "dma" if ins.engine == "dma" else ("pe_bg" if (s.background_transpose and ins.op == "nc_transpose"
                                                                   and ins.engine == "pe") else ins.engine)
             cp["seconds_by_lane"][lane] = cp["seconds_by_lane"].get(lane, 0.0) + (end[j] - start[j]) * 1e-9
-            cp["latency_s"] += gap_lat[j] * 1e-9
+            p = int(pred[j])
+            gap = start[j] - (end[p] if p >= 0 else 0.0)
+            lat_ = min(max(gap, 0.0), gap_lat[j])
+            cp["latency_s"] += lat_ * 1e-9
+            cp["wait_s"] += max(gap - lat_, 0.0) * 1e-9
             cp["instructions"] += 1
             seen += 1
-            j = int(pred[j])
+            j = p
         cp["seconds_by_lane"] = dict(sorted(cp["seconds_by_lane"].items(), key=lambda kv: -kv[1]))
     ceil = ceiling if ceiling is not None else model(record, name)
     peak = s.pe_peak_flops * cores
