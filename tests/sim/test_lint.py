@@ -129,3 +129,17 @@ def test_documented_subset_is_clean():
     rep = lint_kernel(k)
     assert rep.errors == [] and rep.findings == [], rep.lines()
     assert any(f.endswith("_helper_ok") for f in rep.functions)
+
+
+def test_production_library_location_and_override(monkeypatch, tmp_path):
+    """The pinned library is looked for next to the repository or at $DIFFUSERS_NKI_NKILIB; absent, the reason
+    names where it was looked for (the fidelity tests skip with it)."""
+    monkeypatch.setenv(production.ENV, str(tmp_path / "nowhere"))
+    why = production.unavailable_reason()
+    assert production.nkilib_path() is None and str(tmp_path / "nowhere") in why and production.ENV in why
+    with pytest.raises(RuntimeError, match="not found"):
+        production._CACHE.clear() or production.load_attention_cte()
+    monkeypatch.delenv(production.ENV)
+    default = production.nkilib_path()
+    if default is not None:
+        assert default.name == "nki-library" and default.parent.name == "third_party"
