@@ -1,10 +1,13 @@
-"""``diffusers-nki bench kernels``: MODELED Trainium cost of the attention and cache-write kernels at full
-scale (never measured: no Trainium here).
+"""``diffusers-nki bench kernels``: MODELED Trainium time of the attention and cache-write kernels at full scale,
+side by side with AWS's production attention kernel (nki-library ``attention_cte``) at the shapes it can
+express. Never measured: no Trainium here.
 
 Each shape runs the NKI kernel in the emulator's trace mode (``simulate(..., numerics=False)``: every
-instruction recorded and every hardware limit checked, no arithmetic), once per target because the kernel
-picks its engine split by generation; ``diffusers_nki.sim.cost.model`` turns the record into a roofline
-time (optimistic = the busiest engine, pessimistic = everything serialised, COST_MODEL.md section 2).
+instruction recorded and every hardware limit checked, no arithmetic), once per target because the kernels
+pick their engine split by generation. ``diffusers_nki.sim.schedule.schedule`` turns the record into the
+modeled time: a dependency-aware list schedule (engines and DMA queues in program order, RAW / WAR / WAW
+from the instructions' footprints; docs/COST_MODEL_SCHEDULE.md). The roofline of ``sim.cost.model`` is
+printed beside it as the ceiling (every engine perfectly overlapped) and the floor (everything serialised).
 
 Shapes (Wan2.1-1.3B: B=1, H=12, D=128, bf16; 1560 tokens per latent frame at 480x832):
   self_forcing_chunk     Sq=4680 (3 frames), cache of 28080 valid tokens + the 4680-token chunk (32760 keys)
@@ -15,25 +18,38 @@ Shapes (Wan2.1-1.3B: B=1, H=12, D=128, bf16; 1560 tokens per latent frame at 480
   cache_write_chunk      one 4680-token chunk written into a 32760-slot cache at slot 28080
   qk_norm_rope_chunk     the fused Wan q/k prologue (RMSNorm across heads + RoPE) of one of q or k, 4680 tokens
 
-JSON rows (``--json PATH``): shape, kernel, target, dims, modeled_seconds {optimistic, pessimistic},
-modeled_efficiency {optimistic, pessimistic} (the cost model's: recorded matmul FLOPs / (T x PE peak)),
-attention_efficiency (exact attention FLOPs 4*D*visible pairs per head / (T_opt x PE peak), i.e. without
-the V_aug row-sum column and without padded work), bottleneck, busy_seconds per engine, terms_seconds,
-pe_transpose_share, hbm_bytes (read + written) and hbm_bytes_min (q, k, v read once, o written once; for
-cache_write the chunk read once and written once), dense_work_share (matmul FLOPs done / dense FLOPs),
-instruction counts and the trace time. Every number is modeled.
+attention_cte rows (``--no-peer`` drops them; skipped with the reason when ../shared/third_party/nki-library
+is absent): wan_bidirectional_81f (non-causal), self_forcing_chunk (prefix caching: prior = the 28080 cached
+keys, prior_used_len = 28080, active = the chunk, non-causal) and causal_21f (Sq=Skv=32760, TOKEN-causal:
+attention_cte has no frame-causal mask; compared with our frame_causal_21f on exact attention FLOPs). Its
+layouts: q [B*H, Sq, D], k [B*H, D, Skv], v [B*H, Skv, D]. On trn1 it is not expressible: it uses DMA
+transposes, which Trainium2 introduced [ARCH3].
+
+JSON rows (``--json PATH``): shape, kernel, target, dims, modeled_seconds {scheduled (THE modeled time),
+ceiling, floor, optimistic (= ceiling), pessimistic (= floor)}, modeled_efficiency {same keys} (recorded
+matmul FLOPs / (T x PE peak)), attention_efficiency (exact attention FLOPs 4*D*visible pairs per head /
+(T_scheduled x PE peak)) and attention_efficiency_ceiling, bottleneck (the ceiling's), utilisation and
+waits and critical_path (the schedule's), busy_seconds per engine, terms_seconds, pe_transpose_share,
+hbm_bytes and hbm_bytes_min, dense_work_share, instruction counts, lint findings, trace/schedule seconds
+and peak resident memory of the judging process; attention rows also ``peer``: the other kernel's scheduled
+time at the same shape and ``ratio`` = ours / attention_cte. Every time is modeled; 1-head traces
+(``--heads 1``) are multiplied by the head count (each head's work is identical and sequential; the
+overlap between consecutive heads is then not modeled, a small pessimism).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
+import resource
 import time
 from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["SHAPES", "add_arguments", "run", "bench_shape"]
+__all__ = ["SHAPES", "PEER_SHAPES", "add_arguments", "run", "bench_shape", "bench_peer"]
 
 TARGETS = ("trn1", "trn2", "trn3")
 FRAME = 1560  # tokens per latent frame, Wan 480x832
@@ -56,6 +72,14 @@ SHAPES: Dict[str, dict] = {
 }
 
 
+# attention_cte at the shapes it can express: (q rows, active keys, prior keys, causal, our shape to compare)
+PEER_SHAPES: Dict[str, dict] = {
+    "self_forcing_chunk": dict(Sq=3 * FRAME, Skv=3 * FRAME, prior=18 * FRAME, causal=False, vs="self_forcing_chunk"),
+    "wan_bidirectional_81f": dict(Sq=21 * FRAME, Skv=21 * FRAME, prior=0, causal=False, vs="wan_bidirectional_81f"),
+    "causal_21f": dict(Sq=21 * FRAME, Skv=21 * FRAME, prior=0, causal=True, vs="frame_causal_21f"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
     parser.add_argument("--targets", default=",".join(TARGETS),
@@ -67,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "linearly (the kernel's work per head is identical); default: all heads")
     parser.add_argument("--lnc", type=int, default=1, choices=(1, 2),
                         help="launch kernel[lnc]; 2 = two logical cores (trn2/trn3 only), modeled per core pair")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="do not add nki-library attention_cte rows (default: added when the library is there)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also reschedule each attention row with every schedule ASSUMPTION doubled (slow)")
     parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
 
 
@@ -87,12 +115,11 @@ def _visible_pairs(s: dict) -> int:
     return tot
 
 
-def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 1) -> dict:
+def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 1, sensitivity: bool = False) -> dict:
     """Trace one shape on one target and return its JSON row (all numbers modeled)."""
     import ml_dtypes
 
     from diffusers_nki.sim import simulate
-    from diffusers_nki.sim.cost import model
 
     s = dict(SHAPES[name])
     H_full = s["H"]
@@ -143,18 +170,40 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
     sim(*args)
     rec = sim.last_record
     trace_s = time.perf_counter() - t0
+    return _row(name, s["kernel"], target, rec, factor, s["H"], trace_s, hbm_min, exact_flops, dense_flops,
+                {k: SHAPES[name][k] for k in ("B", "H", "Hkv", "D", "Sq", "Skv", "C", "cache_len", "causal_block")},
+                sensitivity=sensitivity)
+
+
+def _row(name, kernel, target, rec, factor, heads_traced, trace_s, hbm_min, exact_flops, dense_flops, dims,
+         sensitivity=False):
+    from diffusers_nki.sim.cost import model
+    from diffusers_nki.sim.schedule import schedule, sensitivity as _sens
+
+    t1 = time.perf_counter()
     rep = model(rec, target)
+    sch = schedule(rec, target, ceiling=rep)
+    sched_s = time.perf_counter() - t1
     peak = rep.pe_peak_flops
     moved = sum(int(i.nbytes) for i in rec.instrs if i.engine == "dma")
+    ts, tc, tf = sch.t_scheduled_s, rep.t_optimistic_s, rep.t_pessimistic_s
     row = {
-        "shape": name, "kernel": s["kernel"], "target": target, "lnc": rep.lnc, "modeled": True,
-        "dims": {k: SHAPES[name][k] for k in ("B", "H", "Hkv", "D", "Sq", "Skv", "C", "cache_len", "causal_block")},
-        "dtype": "bfloat16", "heads_traced": s["H"], "time_scale": factor,
-        "modeled_seconds": {"optimistic": rep.t_optimistic_s * factor, "pessimistic": rep.t_pessimistic_s * factor},
-        "modeled_efficiency": {"optimistic": rep.efficiency_optimistic,
+        "shape": name, "kernel": kernel, "target": target, "lnc": rep.lnc, "modeled": True,
+        "dims": dims, "dtype": "bfloat16", "heads_traced": heads_traced, "time_scale": factor,
+        "modeled_seconds": {"scheduled": ts * factor, "ceiling": tc * factor, "floor": tf * factor,
+                            "optimistic": tc * factor, "pessimistic": tf * factor},
+        "modeled_efficiency": {"scheduled": sch.efficiency_scheduled, "ceiling": rep.efficiency_optimistic,
+                               "floor": rep.efficiency_pessimistic, "optimistic": rep.efficiency_optimistic,
                                "pessimistic": rep.efficiency_pessimistic},
-        "attention_efficiency": (exact_flops / (rep.t_optimistic_s * peak)) if exact_flops else None,
+        "attention_efficiency": (exact_flops / (ts * peak)) if exact_flops else None,
+        "attention_efficiency_ceiling": (exact_flops / (tc * peak)) if exact_flops else None,
         "bottleneck": rep.bottleneck,
+        "utilisation": {k: round(v, 4) for k, v in sch.utilisation.items()},
+        "waits": [dict(w, seconds=w["seconds"] * factor) for w in sch.waits[:8]],
+        "critical_path": {"seconds_by_lane": {k: v * factor for k, v in sch.critical_path["seconds_by_lane"].items()},
+                          "latency_s": sch.critical_path["latency_s"] * factor,
+                          "wait_s": sch.critical_path["wait_s"] * factor,
+                          "instructions": sch.critical_path["instructions"]},
         "busy_seconds": {k: v * factor for k, v in rep.busy_s.items()},
         "terms_seconds": {k: v * factor for k, v in rep.terms_s.items()},
         "pe_transpose_share": rep.pe_transpose_share,
@@ -168,28 +217,119 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
         "peak_sbuf_bytes_per_partition": rec.peak_sbuf_bytes_per_partition,
         "peak_psum_banks": rec.peak_psum_banks,
         "trace_seconds": trace_s,
-        "notes": list(rep.notes),
+        "schedule_seconds": sched_s,
+        "judge_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "schedule_constants": sch.constants,
+        "lint": list(rec.lint),
+        "notes": list(sch.notes),
     }
+    if sensitivity:
+        row["sensitivity"] = {k: (v if k == "base_s" else v["change"]) for k, v in _sens(rec, target, sch).items()}
+    return row
+
+
+def peer_unavailable_reason() -> Optional[str]:
+    from diffusers_nki.sim import production
+
+    return production.unavailable_reason()
+
+
+def bench_peer(name: str, target: str, heads: Optional[int] = None, lnc: int = 1, sensitivity: bool = False) -> dict:
+    """nki-library ``attention_cte`` at ``PEER_SHAPES[name]`` on ``target`` (trace mode), as a JSON row."""
+    import ml_dtypes
+
+    from diffusers_nki.sim import NkiValidationError, production, simulate
+
+    p = PEER_SHAPES[name]
+    H_full, D = 12, 128
+    H = H_full if heads is None else heads
+    if H < 1 or H > H_full:
+        raise ValueError(f"--heads={heads} must be in 1..{H_full}")
+    factor = H_full / H
+    Sq, Skv, prior, causal = p["Sq"], p["Skv"], p["prior"], p["causal"]
+    dims = {"B": 1, "H": H_full, "Hkv": H_full, "D": D, "Sq": Sq, "Skv": Skv, "prior": prior,
+            "prior_used_len": prior, "causal": causal}
+    cte = production.load_attention_cte()
+    bf16 = ml_dtypes.bfloat16
+
+    def z(*shape):
+        return np.broadcast_to(np.zeros((), bf16), shape)
+
+    args = (z(H, Sq, D), z(H, D, Skv), z(H, Skv, D))
+    kw = dict(scale=1.0 if prior else 1.0 / math.sqrt(D), causal_mask=causal)
+    if prior:
+        kw.update(k_prior=z(H, D, prior), v_prior=z(H, prior, D), prior_used_len=np.array([prior], np.int32))
+    pairs = Sq * (prior + Skv) if not causal else prior * Sq + sum(min(i + 1, Skv) for i in range(Sq))
+    exact = 4 * D * H * pairs
+    dense = 4 * D * H * Sq * (prior + Skv)
+    hbm_min = (2 * Sq * H * D + 2 * (prior + Skv) * H * D) * 2
+    t0 = time.perf_counter()
+    sim = simulate(cte.kernel[lnc] if lnc > 1 else cte.kernel, target=target, numerics=False)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):  # the kernel's own compile-time logger lines
+            sim(*args, **kw)
+    except NkiValidationError as e:
+        return {"shape": name, "kernel": "attention_cte", "target": target, "modeled": True, "dims": dims,
+                "unavailable": f"not expressible on {target}: {e}"}
+    trace_s = time.perf_counter() - t0
+    row = _row(name, "attention_cte", target, sim.last_record, factor, H, trace_s, hbm_min, exact, dense, dims,
+               sensitivity=sensitivity)
+    row["vs"] = p["vs"]
+    row["compile_log"] = log.getvalue().strip().splitlines()
     return row
 
 
 def _fmt_row(r: dict) -> str:
-    b = r["busy_seconds"]
     ms = lambda x: f"{x * 1e3:9.3f}"  # noqa: E731
-    eff = r["modeled_efficiency"]["optimistic"]
+    if r.get("unavailable"):
+        return f"{r['shape']:<22}{r['kernel']:<14}{r['target']:>5}  {r['unavailable'][:90]}"
+    b = r["busy_seconds"]
+    m, e = r["modeled_seconds"], r["modeled_efficiency"]
     aeff = r["attention_efficiency"]
     dense = r["dense_work_share"]
-    return (f"{r['shape']:<22}{r['target']:>5} {ms(r['modeled_seconds']['optimistic'])}"
-            f" {ms(r['modeled_seconds']['pessimistic'])} {100 * eff:6.1f}%"
-            f" {'' if aeff is None else f'{100 * aeff:5.1f}%':>6} {r['bottleneck']:>5}"
+    return (f"{r['shape']:<22}{r['kernel']:<14}{r['target']:>5} {ms(m['scheduled'])} {100 * e['scheduled']:5.1f}%"
+            f" {'' if aeff is None else f'{100 * aeff:5.1f}%':>6} | {ms(m['ceiling'])} {100 * e['ceiling']:5.1f}%"
+            f" {r['bottleneck']:>5} {ms(m['floor'])} |"
             f" {ms(b['pe'])}{ms(b['act'])}{ms(b['dve'])}{ms(b['pool'])}{ms(b['dma'])}"
-            f" {r['hbm_bytes'] / 2**20:9.1f} {r['hbm_bytes_min'] / 2**20:9.1f}"
-            f" {'' if dense is None else f'{100 * dense:5.1f}%':>6}")
+            f" {r['hbm_bytes'] / 2**20:9.1f} {'' if dense is None else f'{100 * dense:5.1f}%':>6}")
 
 
-HEADER = (f"{'shape':<22}{'tgt':>5} {'T_opt ms':>9} {'T_pes ms':>9} {'eff':>7} {'attn':>6} {'bound':>5}"
-          f" {'PE ms':>9}{'ACT ms':>9}{'DVE ms':>9}{'POOL ms':>9}{'DMA ms':>9}"
-          f" {'HBM MiB':>9} {'min MiB':>9} {'dense':>6}")
+HEADER = (f"{'shape':<22}{'kernel':<14}{'tgt':>5} {'SCHED ms':>9} {'eff':>6} {'attn':>6} | {'ceil ms':>9} {'eff':>6}"
+          f" {'bound':>5} {'floor ms':>9} | {'PE ms':>9}{'ACT ms':>9}{'DVE ms':>9}{'POOL ms':>9}{'DMA ms':>9}"
+          f" {'HBM MiB':>9} {'dense':>6}")
+
+
+def _where(r: dict) -> str:
+    cp = r["critical_path"]
+    lanes = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in list(cp["seconds_by_lane"].items())[:4])
+    util = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["utilisation"].items()
+                     if k in ("pe", "pe_bg", "act", "dve", "pool", "dma"))
+    waits = "; ".join(f"{w['waiter']}<-{w['on']} {w['kind']} {w['seconds'] * 1e3:.1f}" for w in r["waits"][:3]
+                      if w["waiter"] != "dma") or "-"
+    return (f"  {r['shape']} {r['kernel']} {r['target']}: utilisation {util}; critical path (ms) {lanes}, "
+            f"latencies {cp['latency_s'] * 1e3:.1f}, other waits {cp['wait_s'] * 1e3:.1f}; largest engine waits (ms) "
+            f"{waits}")
+
+
+def _pair(rows: List[dict]):
+    """(ours, attention_cte) pairs at the same shape and target; ratio = ours / attention_cte (scheduled)."""
+    ours = {(r["shape"], r["target"]): r for r in rows if r["kernel"] == "attention" and not r.get("unavailable")}
+    out = []
+    for r in rows:
+        if r["kernel"] != "attention_cte" or r.get("unavailable"):
+            continue
+        o = ours.get((r["vs"], r["target"]))
+        if o is None:
+            continue
+        ratio = o["modeled_seconds"]["scheduled"] / r["modeled_seconds"]["scheduled"]
+        o.setdefault("peer", []).append({"kernel": "attention_cte", "shape": r["shape"],
+                                         "scheduled_s": r["modeled_seconds"]["scheduled"],
+                                         "ceiling_s": r["modeled_seconds"]["ceiling"], "ratio": ratio})
+        r["peer"] = [{"kernel": "attention", "shape": o["shape"], "scheduled_s": o["modeled_seconds"]["scheduled"],
+                      "ceiling_s": o["modeled_seconds"]["ceiling"], "ratio": ratio}]
+        out.append((o, r, ratio))
+    return out
 
 
 def run(args) -> int:
@@ -203,29 +343,61 @@ def run(args) -> int:
             raise SystemExit(f"diffusers-nki bench kernels: --shapes entry {s!r} is not one of {tuple(SHAPES)}")
     if args.lnc == 2 and "trn1" in targets:
         raise SystemExit("diffusers-nki bench kernels: --lnc 2 does not exist on trn1; pass --targets trn2,trn3")
-    jobs = [(s, t) for s in shapes for t in targets]
+    jobs = [("ours", s, t) for s in shapes for t in targets]
+    peer_note = None
+    if not getattr(args, "no_peer", False):
+        peer_note = peer_unavailable_reason()
+        if peer_note is None:
+            jobs += [("peer", p, t) for p, spec in PEER_SHAPES.items() if spec["vs"] in shapes for t in targets]
     try:
         from tqdm import tqdm
 
-        it = tqdm(jobs, desc="tracing (modeled)", unit="run", disable=args.no_progress)
+        it = tqdm(jobs, desc="tracing + scheduling (modeled)", unit="run", disable=args.no_progress)
     except ImportError:  # pragma: no cover - tqdm is a dependency
         it = jobs
     rows: List[dict] = []
-    for s, t in it:
+    sens = getattr(args, "sensitivity", False)
+    for kind, s, t in it:
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(f"{s} {t}")
-        rows.append(bench_shape(s, t, heads=args.heads, lnc=args.lnc))
-    print("MODELED kernel cost (roofline model of emulated instruction streams; not measured on hardware)")
+        if kind == "ours":
+            rows.append(bench_shape(s, t, heads=args.heads, lnc=args.lnc,
+                                    sensitivity=sens and SHAPES[s]["kernel"] == "attention"))
+        else:
+            rows.append(bench_peer(s, t, heads=args.heads, lnc=args.lnc, sensitivity=sens))
+    pairs = _pair(rows)
+    print("MODELED kernel time: dependency-aware schedule of the emulated instruction stream (SCHED); the roofline "
+          "ceiling (perfect overlap) and floor (serialised) beside it. Not measured on hardware.")
     print("Wan2.1-1.3B geometry: B=1, H=12, D=128, bf16" + (f"; {args.heads} head(s) traced, times scaled"
                                                          if args.heads else ""))
     print(HEADER)
     for r in rows:
         print(_fmt_row(r))
+    if pairs:
+        print("ours vs attention_cte (nki-library), scheduled, same shape and target (ratio = ours / attention_cte):")
+        for o, c, ratio in pairs:
+            ao, ac = o["attention_efficiency"], c["attention_efficiency"]
+            print(f"  {o['shape']:<22} vs {c['shape']:<22} {o['target']}: {o['modeled_seconds']['scheduled'] * 1e3:9.3f}"
+                  f" ms vs {c['modeled_seconds']['scheduled'] * 1e3:9.3f} ms, ratio {ratio:5.2f}; attention efficiency "
+                  f"{100 * ao:.1f}% vs {100 * ac:.1f}%" + ("  (masks differ: frame-causal vs token-causal)"
+                                                          if o["shape"] != c["shape"] else ""))
+    elif peer_note and not getattr(args, "no_peer", False):
+        print(f"attention_cte rows skipped: {peer_note}")
+    print("where the time goes (modeled):")
     for r in rows:
-        if r["shape"] == "frame_causal_21f":
+        if not r.get("unavailable") and r["kernel"] != "cache_write":
+            print(_where(r))
+    for r in rows:
+        if r["shape"] == "frame_causal_21f" and r["kernel"] == "attention":
             print(f"frame_causal_21f on {r['target']}: dense work share {100 * r['dense_work_share']:.1f}% "
                   f"(block-causal minimum 57.1%)")
             break
+    lint = next((r["lint"] for r in rows if r["kernel"] == "attention" and r.get("lint")), None)
+    if lint:
+        print(f"lint: kernels/attention.py has {len(lint)} construct(s) outside NKI's documented Python subset "
+              "(JSON 'lint'); attention_cte has " + str(len(next((r["lint"] for r in rows
+                                                                  if r["kernel"] == "attention_cte"
+                                                                  and "lint" in r), []))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -12,7 +12,8 @@ CPU with the tiny models (stock diffusers vs ``diffusers_nki.patch``, side by si
 - CPU time per transformer forward (and per chunk for AnyFlow-FAR), medians over interleaved repeats.
 MODELED (never measured) at each family's published full scale (``bench/_published.py`` cites each
 number): attention time per unit (AR chunk or one-shot forward) on trn2 (+ trn1, trn3 unless --quick)
-from the attention kernel's emulator trace + the roofline cost model, and full-scale KV-cache bytes.
+from the attention kernel's emulator trace + its dependency-aware schedule (the roofline ceiling beside it),
+and full-scale KV-cache bytes.
 
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out`` (default ``outputs/bench``). A family
 whose piece is missing or fails gets a row with the reason, never a number that was not computed.
@@ -409,8 +410,8 @@ def build_matrix(args, log=print) -> dict:
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "diffusers": diffusers.__version__, "threads": torch.get_num_threads(),
                         "machine": platform.machine()},
-        "legend": {"measured": "CPU, tiny models, this run", "modeled": "emulator trace + roofline cost model "
-                   "at the published full scale; never measured"},
+        "legend": {"measured": "CPU, tiny models, this run", "modeled": "emulator trace + dependency-aware "
+                   "schedule (roofline ceiling beside it) at the published full scale; never measured"},
         "rows": rows, "self_forcing_reference": reference, "seconds": time.perf_counter() - t0,
     }
 
@@ -461,7 +462,8 @@ def _cells(row) -> List[str]:
         psnr_s = shapes = rec = pcpu = "n/a" if pl.get("status") == "n/a" else f"{pl.get('status')}"
     if md.get("status") == "ok":
         t2 = md["targets"].get("trn2")
-        mod = f"{1e3 * t2['chip_s']:.0f} ms/{md['unit']} ({100 * t2['efficiency']:.0f}%)" if t2 else "n/a"
+        mod = (f"{1e3 * t2['chip_s']:.0f} ms/{md['unit']} ({100 * t2['efficiency']:.0f}%)"
+               + (f"; ceiling {1e3 * t2['chip_ceiling_s']:.0f} ms" if "chip_ceiling_s" in t2 else "")) if t2 else "n/a"
         others = " ".join(f"{t} {1e3 * v['chip_s']:.0f}" for t, v in md["targets"].items() if t != "trn2") or "-"
         kv = md.get("kv_cache") or {}
         kvs = (f"{kv['stock_bytes_bf16'] / 2**30:.2f} -> {kv['patched_bytes_bf16'] / 2**30:.2f} GiB" if kv else "-")
@@ -484,8 +486,8 @@ def render_markdown(result: dict) -> str:
         f"{result['environment']['diffusers']}, {result['environment']['threads']} threads, backend "
         f"`{result['backend']}`, {result['chunks']}-chunk AR rollouts, {result['repeats']} timing repeats"
         f"{', --quick' if result['quick'] else ''}). MODELED columns: the attention kernel's emulator trace + "
-        "the roofline cost model at each family's published full scale (one chip, heads spread over its "
-        "cores); never measured. Tiny models are dominated by Python overhead: the CPU ratios show the cost of "
+        "its dependency-aware schedule at each family's published full scale (one chip, heads spread over its "
+        "cores; the roofline ceiling beside the trn2 figure); never measured. Tiny models are dominated by Python overhead: the CPU ratios show the cost of "
         "the routing layer, not Trainium speed.",
         "",
         "| " + " | ".join(HEADERS) + " |",

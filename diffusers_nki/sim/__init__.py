@@ -15,6 +15,9 @@ What is emulated
   * Tensors are storage plus a strided view (partition dim first on chip); slicing, ``nl.ds``, ``reshape``,
     ``permute``, ``broadcast``, ``view(dtype)``, ``.ap(pattern, offset, scalar_offset=/vector_offset=)``
     return aliasing views. Buffers: ``nl.sbuf``, ``nl.psum``, ``nl.hbm``, ``nl.shared_hbm``.
+  * SBUF and PSUM are byte-addressed per partition per core (``memory.py``): ``nl.ndarray(..., address=
+    (partition, byte_offset))`` places a tensor and aliases whatever occupies those bytes; tensors without an
+    address are placed by a documented allocator (lifetime rule, best fit).
   * Every write rounds to the destination dtype (ml_dtypes bf16 / fp8 e4m3, e4m3fn, e5m2 / fp16 / tf32
     RNE; float -> int rounds to nearest and saturates). Engine arithmetic is fp32; TensorE accumulates fp32.
   * nl: creation, load/store/copy/load_transpose2d, ranges (= ``range``), program_id/num_programs,
@@ -26,20 +29,22 @@ What is emulated
     Other ISA ops raise NotImplementedError.
   * One ``records.Instr`` per instruction in the launch's ``RunRecord`` (engine, op, partitions, free,
     dtypes, buffers, flops, DMA bytes / contiguous bytes / partitions / direction / dge / transpose,
-    inner stride, reduce_res, onezero, dep_prev, program); peak SBUF bytes/partition and PSUM banks.
+    inner stride, reduce_res, onezero, dep_prev, program, read/write footprints: space, partitions, bytes);
+    peak SBUF bytes/partition and PSUM banks. ``schedule.py`` turns a record into the modeled time.
 
 Checked beyond the official simulator (each raises a subclass of ``NkiValidationError`` naming the op,
 operand, value and limit)
   * reads of never-written on-chip (and kernel-allocated HBM) elements (a per-element written mask, not
     just the NaN sentinel, so integer tensors are covered too); ``accumulate=True`` onto PSUM no matmul
     wrote (and, on trn1/trn2, onto PSUM last written by a non-matmul instruction);
-  * live SBUF bytes per partition (192/224/256 KiB on trn1/2/3; live = from allocation until the Python
-    object dies): a warning, an error under ``strict=True``; at most 8 live PSUM banks (each PSUM tensor
-    rounds up to whole 2 KiB banks): always an error; a matmul output must sit in one PSUM bank (trn1/2);
+  * address space: an ``address=`` outside 128 partitions x 192/224/256 KiB (SBUF, trn1/2/3) or 8 x 2 KiB
+    (PSUM; bank-aligned) is an error; allocator-placed SBUF beyond the bytes per partition: a warning, an
+    error under ``strict=True``; allocator-placed PSUM without free banks (each rounds up to whole 2 KiB
+    banks): always an error; a matmul output must sit in one PSUM bank (trn1/2);
   * start-partition alignment of compute operands (0 for >64 partitions, 0/64 for >32, 0/32/64/96 else);
     ScalarE/VectorE/GpSimd free size (64K elements from SBUF, 4K from PSUM);
-  * a source lint of the kernel (``is``/``is not``, keyword-only signature, legacy ``nl.arange``/``mgrid``
-    /``mask=``/``neuronxcc``), list arguments, ``kernel[lnc]`` with lnc in {1, 2} (2 rejected on trn1),
+  * a source lint of the kernel (keyword-only signature, legacy ``nl.arange``/``mgrid``/``mask=``/
+    ``neuronxcc``), list arguments, ``kernel[lnc]`` with lnc in {1, 2} (2 rejected on trn1),
     outputs in ``nl.shared_hbm``, ``bool()``/``int()`` on tensors.
 
 Assumed (see NKI_SUBSET.md for the sources and the ASSUMPTION list)

@@ -1,4 +1,10 @@
-"""Roofline cost model: turn an emulated launch's ``RunRecord`` into a MODELED kernel time.
+"""Roofline cost model: turn an emulated launch's ``RunRecord`` into MODELED time BOUNDS.
+
+The headline modeled time is NOT computed here: it is the dependency-aware schedule of ``schedule.py``.
+This roofline is its CEILING (``t_optimistic_s`` = ``t_ceiling_s``: every engine perfectly overlapped, which
+nothing checks the kernel's dependencies allow) and its FLOOR (``t_pessimistic_s`` = ``t_floor_s``:
+everything serialised). Never tune a kernel against the ceiling. ``instr_cost`` (below) is the
+per-instruction cost both use.
 
 Everything here is modeled from published per-engine figures (``/work/shared/COST_MODEL.md``); nothing is
 measured. The official NKI simulator does not model time at all [SIM].
@@ -311,6 +317,10 @@ _KNOWN_VEC_OPS = {
     "activation", "activation_reduce", "tensor_tensor", "scalar_tensor_tensor", "tensor_scalar",
     "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "reciprocal", "nc_transpose",
     "exponential",
+    # one streamed input each: N cycles at the dtype rate (ASSUMPTION: no perf mode, the reduction folded in
+    # "at a small additional performance cost" [API-isa tensor_scalar_reduce]; the cross-partition shuffle
+    # streams its elements once)
+    "tensor_scalar_reduce", "range_select", "nc_stream_shuffle",
 }
 _WARNED: set = set()
 
@@ -500,6 +510,31 @@ def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
                      descriptors=max(1, math.ceil(nbytes / max(contig, 1))) if nbytes else 0)
 
 
+_COST_CACHE: Dict[tuple, tuple] = {}
+
+
+def _cost_key(i: Instr) -> tuple:
+    return (i.engine, i.op, i.partitions, i.free, i.in_dtypes, i.out_dtype, i.in_buffers, i.out_buffer, i.flops, i.k,
+            i.m, i.nbytes, i.contig_bytes, i.dma_partitions, i.direction, i.dge, i.transpose, i.inner_stride_bytes,
+            i.reduce_res, i.onezero, i.perf_mode, i.dep_prev, i.tile_size)
+
+
+def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] = None) -> "InstrCost":
+    """``instr_cost(instr, spec)`` (no chain_start), memoised on the fields it reads and the spec."""
+    key = (spec.name, spec.dve_fp32_rate) + _cost_key(instr)
+    hit = _COST_CACHE.get(key)
+    if hit is None:
+        if len(_COST_CACHE) > 200_000:
+            _COST_CACHE.clear()
+        own: List[str] = []
+        hit = _COST_CACHE[key] = (instr_cost(instr, spec, notes=own), own)
+    if notes is not None:
+        for n in hit[1]:
+            if n not in notes:
+                notes.append(n)
+    return hit[0]
+
+
 def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
                dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None) -> InstrCost:
     """Cost of one instruction on ``target`` (a name/alias or a ``GenSpec``).
@@ -530,7 +565,8 @@ _BUSY_ORDER = ("pe", "act", "dve", "pool", "dma", "dge", "hbm")
 
 @dataclass
 class CostReport:
-    """A MODELED (never measured) roofline estimate of one emulated launch on one target.
+    """MODELED (never measured) roofline bounds of one emulated launch on one target: the ceiling and the
+    floor of ``schedule.ScheduleReport``'s scheduled time.
 
     Times are seconds. ``terms_s``: the optimistic-model terms (busy time per engine/lane, the HBM roof
     and on trn1 the shared-port terms); ``busy_s``: busy seconds per engine (pe = matmuls + transposes);
@@ -564,6 +600,16 @@ class CostReport:
     modeled: bool = True
 
     @property
+    def t_ceiling_s(self) -> float:
+        """The roofline ceiling (the optimistic bound; the schedule can only be slower)."""
+        return self.t_optimistic_s
+
+    @property
+    def t_floor_s(self) -> float:
+        """The roofline floor (everything serialised)."""
+        return self.t_pessimistic_s
+
+    @property
     def t_optimistic_ns(self) -> float:
         return self.t_optimistic_s * 1e9
 
@@ -579,7 +625,8 @@ class CostReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
-        lines = [f"modeled roofline cost (not measured): {self.target} ({self.nc}), lnc={self.lnc}",
+        lines = [f"modeled roofline cost (not measured; the ceiling and floor of sim.schedule's modeled time): "
+                 f"{self.target} ({self.nc}), lnc={self.lnc}",
                  f"{'term':<10}{'busy_us':>12}{'of_T_opt':>10}{'instrs':>9}"]
         t = self.t_optimistic_s or 1.0
         for k in _TERM_ORDER:
@@ -590,9 +637,9 @@ class CostReport:
             mark = " *" if k == self.bottleneck else ""
             lines.append(f"{k:<10}{v * 1e6:>12.3f}{100 * v / t:>9.1f}%{cnt!s:>9}{mark}")
         lines += [
-            f"{'optimistic':<12}{self.t_optimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_optimistic:5.1f}%"
+            f"{'ceiling':<12}{self.t_optimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_optimistic:5.1f}%"
             f"  bottleneck {self.bottleneck}",
-            f"{'pessimistic':<12}{self.t_pessimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_pessimistic:5.1f}%"
+            f"{'floor':<12}{self.t_pessimistic_s * 1e6:>10.3f} us  eff {100 * self.efficiency_pessimistic:5.1f}%"
             f"  (incl. {self.n_dma} x DMA_LAT = {self.dma_latency_s * 1e6:.3f} us)",
             f"PE on transposes {100 * self.pe_transpose_share:.1f}%  HBM read {self.hbm_read_bytes / 2**20:.3f} MiB"
             f"  written {self.hbm_write_bytes / 2**20:.3f} MiB  DMA descriptors {self.n_dma_descriptors}",
@@ -610,7 +657,7 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
     prev_engine = None
     for i in instrs:
         chain_start = expose_ls and i.engine == "pe" and prev_engine != "pe"
-        c = instr_cost(i, s, chain_start=chain_start, notes=notes)
+        c = instr_cost(i, s, chain_start=chain_start, notes=notes) if chain_start else instr_cost_cached(i, s, notes)
         prev_engine = i.engine
         a["counts"][i.engine] += 1
         a["opt"][c.lane] += c.opt_ns

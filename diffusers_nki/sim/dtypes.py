@@ -13,10 +13,11 @@ from .errors import NkiDtypeError
 
 
 class DType:
-    __slots__ = ("name", "np", "itemsize", "is_float", "is_int", "is_signed", "is_bool")
+    __slots__ = ("name", "np", "itemsize", "is_float", "is_int", "is_signed", "is_bool", "packed")
 
-    def __init__(self, name, np_dtype, kind):
+    def __init__(self, name, np_dtype, kind, packed=False):
         self.name = name
+        self.packed = packed
         self.np = np.dtype(np_dtype)
         self.itemsize = self.np.itemsize
         self.is_float = kind == "f"
@@ -65,6 +66,11 @@ for _n, _d in BY_NAME.items():
     if _n != "tfloat32":
         _BY_NP[_d.np] = _d
 _BY_NP[np.dtype(np.float64)] = float32  # float64 host arrays are not a device dtype; see from_numpy_dtype
+
+# 4-packed MX data types (NC-v4): named so kernels can compare against them, never allocated (out of scope)
+PACKED = {"float8_e5m2_x4": DType("float8_e5m2_x4", np.uint32, "f", packed=True),
+          "float8_e4m3fn_x4": DType("float8_e4m3fn_x4", np.uint32, "f", packed=True),
+          "float4_e2m1fn_x4": DType("float4_e2m1fn_x4", np.uint16, "f", packed=True)}
 
 FP8_NAMES = ("float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
 FP32_LIKE = ("float32", "tfloat32")

@@ -17,7 +17,7 @@ from . import runtime as _rt
 from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiOutOfBoundsError, NkiShapeError,
                      NkiUninitializedReadError, NkiValidationError)
 from .records import Instr
-from .tensor import NkiTensor, psum, sbuf
+from .tensor import NkiTensor, dyn_footprint, footprint, psum, read, sbuf, write
 
 F32 = np.float32
 _PMAX = _rt.PMAX
@@ -129,8 +129,8 @@ def _start_ok(t, op, arg):
     n = t.P
     if n > _PMAX:
         raise NkiLimitError(f"{op}: {arg} has {n} partitions; the limit is {_PMAX}")
-    if t.offset:
-        sp = t.offset // t._row_elems()
+    if t.offset or t._st.p0:
+        sp = t.start_partition()
         if sp:
             allowed = (0,) if n > 64 else (0, 64) if n > 32 else (0, 32, 64, 96)
             if sp not in allowed:
@@ -178,59 +178,46 @@ def _inner_stride_bytes(*ts):
     return best
 
 
-def _byte_range(t):
-    lo, hi = t.elem_range()
-    isz = t.dtype.itemsize
-    return lo * isz, (hi + 1) * isz
+_footprint = footprint  # (space, p0, p1, byte lo, byte hi); see tensor.footprint
+_read = read
+_write = write
 
 
-def _footprint(t):
-    """(partition lo, partition hi, byte lo, byte hi): on chip per partition row, in HBM over the flat storage."""
-    if t._st.buffer.on_chip:
-        sp = t.offset // t._row_elems()
-        lo, hi = t.free_byte_range()
-        return sp, sp + t.P, lo, hi
-    lo, hi = _byte_range(t)
-    return 0, 1, lo, hi
+def _overlaps(a, b):
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]
 
 
-def _emit(prog, eng, opname, dst, srcs, partitions, free, **kw):
-    """Append one Instr; computes dep_prev (RAW on the previous instruction of the same engine)."""
+def _emit(prog, eng, opname, dst, srcs, partitions, free, extra_reads=(), extra_writes=(), fp_reads=None,
+          fp_writes=None, **kw):
+    """Append one Instr with its read/write footprints; computes dep_prev (RAW on the previous instruction of
+    the same engine). ``extra_reads`` / ``extra_writes``: further operand views (not part of the dtype/buffer
+    summary); ``fp_reads`` / ``fp_writes``: footprints given directly (dynamic DMA)."""
+    reads = tuple(footprint(s) for s in srcs) + tuple(footprint(s) for s in extra_reads) if fp_reads is None \
+        else tuple(fp_reads)
+    if fp_writes is not None:
+        writes = tuple(fp_writes)
+    else:
+        writes = ((footprint(dst),) if dst is not None else ()) + tuple(footprint(s) for s in extra_writes)
     last = prog.last_dst.get(eng)
     dep = False
     if last is not None:
-        lst, lp0, lp1, llo, lhi = last
-        for s in srcs:
-            if s._st is lst:
-                p0, p1, lo, hi = _footprint(s)
-                if p0 < lp1 and lp0 < p1 and lo < lhi and llo < hi:
-                    dep = True
-                    break
-    if dst is not None:
-        prog.last_dst[eng] = (dst._st,) + _footprint(dst)
-    ins = prog.instrs
+        for r in reads:
+            if _overlaps(r, last):
+                dep = True
+                break
+    if writes:
+        prog.last_dst[eng] = writes[0]
     instr = Instr(eng, opname, partitions, free,
                   tuple(s.dtype.name for s in srcs), dst.dtype.name if dst is not None else "",
                   tuple(s._st.buffer.name for s in srcs), dst._st.buffer.name if dst is not None else "",
-                  dep_prev=dep, program=prog.pid, **kw)
-    ins.append(instr)
+                  dep_prev=dep, program=prog.pid, reads=reads, writes=writes, **kw)
+    prog.instrs.append(instr)
     return instr
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data access (numerics mode)
+# Data access (numerics mode): read / write live in tensor.py; these are (P, F) conveniences
 # ----------------------------------------------------------------------------------------------------
-def _read(t, op, arg):
-    """The NumPy view of ``t`` (its own dtype), after checking no element is unwritten."""
-    m = t._maskv()
-    if m is not None and not m.all():
-        n_bad = int(m.size - np.count_nonzero(m))
-        raise NkiUninitializedReadError(
-            f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {m.size} elements "
-            "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
-    return t._npv()
-
-
 def _readf(t, op, arg):
     """float32 (P, F) copy-or-view of ``t``."""
     a = _read(t, op, arg)
@@ -240,26 +227,6 @@ def _readf(t, op, arg):
 def _readn(t, op, arg):
     """native-dtype (P, F) view of ``t``."""
     return _read(t, op, arg).reshape(t.P, t.F)
-
-
-def _write(t, val, mark=1):
-    """Write ``val`` (any shape with t's element count) into view ``t``, rounding to t.dtype."""
-    v = t._npv()
-    val = np.asarray(val)
-    if val.shape != v.shape:
-        val = val.reshape(v.shape)
-    dt = t.dtype
-    if dt.is_int and val.dtype.kind == "f":
-        info = np.iinfo(dt.np)
-        with np.errstate(invalid="ignore"):
-            val = np.clip(np.nan_to_num(np.rint(val)), info.min, info.max)
-    elif dt is _dt.tfloat32:
-        val = _dt.round_tf32(val)
-    v[...] = val
-    m = t._maskv()
-    if m is not None:
-        m[...] = mark
-    t._st.dirty = True
 
 
 def _operand_col(x, data, op, arg, need_f32=False):
@@ -411,6 +378,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         kk = 2 * K if double else K
         onez = bool((is_stationary_onezero and f32s) or (is_moving_onezero and f32m))
         _emit(prog, "pe", "nc_matmul", dst, (stationary, moving), K, N, flops=2 * kk * M * N, k=kk, m=M,
+              extra_reads=(dst,) if accumulate is not False else (),
               onezero=onez, perf_mode=perf_mode.value, tile_size=tuple(tile_size),
               inner_stride_bytes=_inner_stride_bytes(stationary, moving, dst),
               extra={"accumulate": accumulate})
@@ -418,17 +386,18 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
 
 
 def _mm_accumulate(prog, dst, res, accumulate, op):
-    mv = dst._maskv()
-    cur_state = mv.reshape(dst.P, dst.F) if mv is not None else None
-    if accumulate is False:
+    """PSUM accumulation. ``True`` checks the PHYSICAL bytes (aliases included: hardware accumulates onto
+    whatever the bank holds); ``None`` infers per tensor OBJECT, as the compiler does: the first matmul write
+    through this tensor overwrites, later ones accumulate."""
+    st = dst._st
+    if accumulate is False or dst._maskv() is None:
         _write(dst, res, mark=2)
+        dst._mmv()[...] = 1
+        st.consumed = False
         return
-    if cur_state is None:
-        _write(dst, res, mark=2)
-        return
-    by_mm = cur_state == 2
     if accumulate is True:
-        if not by_mm.all():
+        cur_state = dst._state()
+        if not (cur_state == 2).all():
             n0 = int(np.count_nonzero(cur_state == 0))
             n1 = int(np.count_nonzero(cur_state == 1))
             if n0:
@@ -442,15 +411,23 @@ def _mm_accumulate(prog, dst, res, accumulate, op):
                     "trn1/trn2; start the group with accumulate=False")
         cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
         _write(dst, cur + res, mark=2)
+        dst._mmv()[...] = 1
+        st.consumed = False
         return
-    # None: compiler inference -- the first write overwrites, later writes accumulate
+    # None: compiler inference on this tensor -- the first write overwrites, later writes accumulate
+    mm = dst._mmv()
+    by_mm = (mm.reshape(dst.P, dst.F) if mm.size == dst.P * dst.F else mm.reshape(1, -1)) != 0
     if by_mm.any():
-        prog.launch.warn_once("acc_none", f"{op}: accumulate=None inferred accumulation onto a PSUM location "
-                              "already written by a matmul; pass accumulate=(k > 0) explicitly")
+        if st.consumed:
+            prog.launch.warn_once("acc_none", f"{op}: accumulate=None inferred accumulation onto a PSUM tile whose "
+                                  "result was already read (a reused accumulator); pass accumulate=(k > 0) "
+                                  "explicitly")
         cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
         _write(dst, np.where(by_mm, cur + res, res), mark=2)
     else:
         _write(dst, res, mark=2)
+    mm[...] = 1
+    st.consumed = False
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -595,6 +572,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
             raise NkiValidationError(f"{opn}: reduce_res reads accumulator registers that were never reset")
     srcs = (data,) + tuple(t for t in (sc, bias) if isinstance(t, NkiTensor))
     _emit(prog, "act", "activation", dst, srcs, P, data.F, reduce_res=reduce_res is not None,
+          extra_writes=(reduce_res,) if reduce_res is not None else (),
           inner_stride_bytes=_inner_stride_bytes(data, dst), extra={"func": op.name, "reduce_cmd": cmd.name})
     return _HANDLE
 
@@ -889,12 +867,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _no_psum_on_pool(eng, opn, dst=dst)
     _free_limit(dst, opn, "dst", "VectorE" if eng is E.vector else "GpSimd")
     if prog.numerics:
-        v = dst._npv()
-        v[...] = F32(value) if dst.dtype.is_float else value
-        m = dst._maskv()
-        if m is not None:
-            m[...] = 1
-        dst._st.dirty = True
+        _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
     _emit(prog, _ENGINE_NAME[eng], "memset", dst, (), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(dst),
           extra={"value": value})
     return _HANDLE
@@ -963,6 +936,230 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
             _write(dst, np.where(cond, t, F32(on_false_value)))
     _emit(prog, "pool", "affine_select", dst, (on_true_tile,), dst.P, dst.F,
           inner_stride_bytes=_inner_stride_bytes(on_true_tile, dst))
+    return _HANDLE
+
+
+# ----------------------------------------------------------------------------------------------------
+# VectorE with the accumulator registers (tensor_scalar_reduce, range_select) and cross-partition moves
+# ----------------------------------------------------------------------------------------------------
+FP32_MIN = float(np.finfo(np.float32).min)
+_RED_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}
+
+
+def _red_op(op, opn, allowed=("add", "multiply", "maximum", "minimum")):
+    name = getattr(op, "name", None)
+    # nl.max / nl.min (the reduction wrappers) name the same reductions as nl.maximum / nl.minimum
+    alias = {"max": "maximum", "min": "minimum"}
+    if name is None:
+        name = alias.get(getattr(op, "__name__", ""), None)
+    name = alias.get(name, name)
+    if name not in allowed:
+        raise NkiValidationError(f"{opn}: reduce_op={op!r} must be one of " + ", ".join(f"nl.{a}" for a in allowed))
+    return name
+
+
+def _dve_accumulate(prog, opn, red_name, partial, reduce_cmd_, reduce_init, P):
+    """Update the VectorE accumulator registers (shared by tensor_scalar_reduce / range_select [API-isa])."""
+    RC = _RC
+    comb = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}[red_name]
+    if reduce_cmd_ is RC.reset_reduce:
+        regs = np.full(_PMAX, _RED_IDENTITY[red_name], F32)
+    elif reduce_cmd_ is RC.reduce:
+        if prog.dve_regs is None:
+            raise NkiValidationError(f"{opn}: reduce_cmd=reduce before the VectorE accumulator registers were reset "
+                                     "(use reset_reduce first)")
+        regs = prog.dve_regs.copy()
+    elif reduce_cmd_ is RC.load_reduce:
+        regs = np.full(_PMAX, _RED_IDENTITY[red_name], F32)
+        regs[:P] = np.asarray(reduce_init, F32).reshape(-1)[:P] if not _scalar_number(reduce_init) else F32(
+            reduce_init)
+    else:
+        raise NkiValidationError(f"{opn}: reduce_cmd={reduce_cmd_!r} must be reset_reduce, reduce or load_reduce")
+    regs[:P] = comb(regs[:P], partial.astype(F32))
+    prog.dve_regs = regs
+    return regs[:P]
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
+                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+    """VectorE ``dst = data <op0> operand0`` plus ``reduce_res = reduce_op`` of that result over the free
+    dimensions, through the VectorE accumulator registers [API-isa ``tensor_scalar_reduce``]."""
+    opn = "nisa.tensor_scalar_reduce"
+    prog = _rt.current()
+    for t, a in ((dst, "dst"), (data, "data")):
+        _tensor(t, opn, a)
+        _buf(t, opn, a, _ONCHIP)
+        _start_ok(t, opn, a)
+    _same_pf(dst, data, opn, "dst", "data")
+    if not isinstance(op0, _ops.Op) or not op0.alu or op0.kind != "arith":
+        raise NkiValidationError(f"{opn}: op0={op0!r} must be an arithmetic ALU operator (bit-vector ops are not "
+                                 "supported)")
+    if reverse0:
+        raise NkiValidationError(f"{opn}: reverse0=True is not supported yet [API-isa]")
+    red = _red_op(reduce_op, opn)
+    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    if (reduce_init is not None) != (reduce_cmd is _RC.load_reduce):
+        raise NkiValidationError(f"{opn}: reduce_init must be given exactly when reduce_cmd is load_reduce")
+    if op0.arity == 1:
+        if operand0 not in (None, 0):
+            raise NkiValidationError(f"{opn}: unary nl.{op0.name} needs operand0=None or 0, got {operand0!r}")
+        col = None
+    else:
+        col = _operand_col(operand0, data, opn, "operand0", need_f32=True)
+        if col is None:
+            raise NkiValidationError(f"{opn}: binary nl.{op0.name} needs operand0")
+    init = None
+    if reduce_init is not None:
+        init = _operand_col(reduce_init, data, opn, "reduce_init", need_f32=True)
+    if reduce_res is not None:
+        _tensor(reduce_res, opn, "reduce_res")
+        _buf(reduce_res, opn, "reduce_res", _ONCHIP)
+        if reduce_res.P != data.P or reduce_res.F != 1:
+            raise NkiShapeError(f"{opn}: reduce_res must be [P={data.P}, 1], got {list(reduce_res.shape)}")
+        _start_ok(reduce_res, opn, "reduce_res")
+    _free_limit(data, opn, "data", "VectorE")
+    _free_limit(dst, opn, "dst", "VectorE")
+    P = data.P
+    if prog.numerics:
+        x = _readf(data, opn, "data")
+        with np.errstate(all="ignore"):
+            if op0.arity == 1:
+                x = np.asarray(op0.fn(x), dtype=F32)
+            else:
+                v = _colval(col, opn, "operand0")
+                x = np.asarray(x * (F32(1) / v) if op0 is _ops.divide else op0.fn(x, v), dtype=F32)
+            part = _ops.OPS[red].reduce(x, (1,)) if x.shape[1] else np.full(P, _RED_IDENTITY[red], F32)
+            iv = _colval(init, opn, "reduce_init") if init is not None else None
+            regs = _dve_accumulate(prog, opn, red, np.asarray(part, F32).reshape(-1), reduce_cmd, iv, P)
+        _write(dst, x)
+        if reduce_res is not None:
+            _write(reduce_res, (-regs if reduce_res_negate else regs).reshape(P, 1))
+    else:
+        if reduce_cmd is _RC.reduce and prog.dve_regs is None:
+            raise NkiValidationError(f"{opn}: reduce_cmd=reduce before the VectorE accumulator registers were reset")
+        prog.dve_regs = True
+    srcs = (data,) + tuple(t for t in (col, init) if isinstance(t, NkiTensor))
+    _emit(prog, "dve", "tensor_scalar_reduce", dst, srcs, P, data.F,
+          extra_writes=(reduce_res,) if reduce_res is not None else (),
+          inner_stride_bytes=_inner_stride_bytes(data, dst), extra={"alu": (op0.name, red)})
+    return _HANDLE
+
+
+_CMP_OPS = ("equal", "less", "less_equal", "greater", "greater_equal")
+
+
+def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
+                 reduce_res=None, reduce_op=_ops.maximum, range_start=0, on_false_value=FP32_MIN, name=None):
+    """VectorE (trn2+): ``dst[p, i] = on_true_tile[p, i]`` where ``comp_op0(range_start + i, bound0[p])`` and
+    ``comp_op1(range_start + i, bound1[p])``, else ``on_false_value`` (must be FP32_MIN); the row maximum goes
+    through the VectorE accumulator registers to ``reduce_res`` [API-isa ``range_select``]."""
+    opn = "nisa.range_select"
+    prog = _rt.current()
+    if prog.gen < 3:
+        raise NkiValidationError(f"{opn}: range_select needs trn2 or later (target {prog.launch.target})")
+    for t, a in ((dst, "dst"), (on_true_tile, "on_true_tile")):
+        _tensor(t, opn, a)
+        _buf(t, opn, a, _ONCHIP)
+        _start_ok(t, opn, a)
+    _same_pf(dst, on_true_tile, opn, "dst", "on_true_tile")
+    if not on_true_tile.dtype.is_float:
+        raise NkiDtypeError(f"{opn}: on_true_tile dtype {on_true_tile.dtype!r} must be a floating-point dtype")
+    for o, a in ((comp_op0, "comp_op0"), (comp_op1, "comp_op1")):
+        if not isinstance(o, _ops.Op) or o.name not in _CMP_OPS:
+            raise NkiValidationError(f"{opn}: {a}={o!r} must be one of " + ", ".join(f"nl.{c}" for c in _CMP_OPS))
+    for b, a in ((bound0, "bound0"), (bound1, "bound1")):
+        _tensor(b, opn, a)
+        _buf(b, opn, a, _ONCHIP)
+        if b.P != on_true_tile.P or b.F != 1:
+            raise NkiShapeError(f"{opn}: {a} must be [P={on_true_tile.P}, 1], got {list(b.shape)}")
+        if b.dtype is not _dt.float32:
+            raise NkiDtypeError(f"{opn}: {a} dtype {b.dtype!r} must be nl.float32")
+    if on_false_value is Ellipsis:
+        on_false_value = FP32_MIN
+    if not _scalar_number(on_false_value) or F32(on_false_value) != F32(FP32_MIN):
+        raise NkiValidationError(f"{opn}: on_false_value={on_false_value!r} must be FP32_MIN (-3.4028235e+38), a "
+                                 "hardware constraint")
+    if _red_op(reduce_op, opn, allowed=("maximum",)) != "maximum":  # pragma: no cover
+        pass
+    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    if not isinstance(range_start, (int, np.integer)) or isinstance(range_start, bool):
+        raise NkiValidationError(f"{opn}: range_start={range_start!r} must be a compile-time int")
+    if abs(int(range_start)) + on_true_tile.F > 2 ** 24:
+        raise NkiLimitError(f"{opn}: range_start + free index reaches {abs(int(range_start)) + on_true_tile.F}; it "
+                            "must stay within 2^24 (fp32 comparison)")
+    if reduce_res is not None:
+        _tensor(reduce_res, opn, "reduce_res")
+        _buf(reduce_res, opn, "reduce_res", _ONCHIP)
+        if reduce_res.P != on_true_tile.P or reduce_res.F != 1:
+            raise NkiShapeError(f"{opn}: reduce_res must be [P={on_true_tile.P}, 1], got {list(reduce_res.shape)}")
+    _free_limit(on_true_tile, opn, "on_true_tile", "VectorE")
+    P, F = on_true_tile.P, on_true_tile.F
+    if prog.numerics:
+        x = _readf(on_true_tile, opn, "on_true_tile")
+        b0 = _readf(bound0, opn, "bound0")
+        b1 = _readf(bound1, opn, "bound1")
+        idx = (F32(range_start) + np.arange(F, dtype=F32))[None, :]
+        mask = (comp_op0.fn(idx, b0) != 0) & (comp_op1.fn(idx, b1) != 0)
+        y = np.where(mask, x, F32(FP32_MIN)).astype(F32)
+        regs = _dve_accumulate(prog, opn, "maximum", y.max(axis=1), reduce_cmd, None, P)
+        _write(dst, y)
+        if reduce_res is not None:
+            _write(reduce_res, regs.reshape(P, 1))
+    else:
+        prog.dve_regs = True
+    _emit(prog, "dve", "range_select", dst, (on_true_tile, bound0, bound1), P, F,
+          extra_writes=(reduce_res,) if reduce_res is not None else (),
+          inner_stride_bytes=_inner_stride_bytes(on_true_tile, dst),
+          extra={"cmp": (comp_op0.name, comp_op1.name), "range_start": int(range_start)})
+    return _HANDLE
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """VectorE cross-partition move within each 32-partition quadrant: dst partition q*32 + i takes src
+    partition q*32 + shuffle_mask[i] (255: unchanged); in place allowed [API-isa ``nc_stream_shuffle``]."""
+    opn = "nisa.nc_stream_shuffle"
+    prog = _rt.current()
+    for t, a in ((dst, "dst"), (src, "src")):
+        _tensor(t, opn, a)
+        _buf(t, opn, a, _ONCHIP)
+    if dst.dtype is not src.dtype:
+        raise NkiDtypeError(f"{opn}: dst dtype {dst.dtype!r} must equal src dtype {src.dtype!r}")
+    if dst.F != src.F:
+        raise NkiShapeError(f"{opn}: dst has {dst.F} elements per partition, src {src.F}; they must be equal")
+    try:
+        mask = [int(m) for m in shuffle_mask]
+    except (TypeError, ValueError):
+        raise NkiValidationError(f"{opn}: shuffle_mask={shuffle_mask!r} must be 32 ints")
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        raise NkiValidationError(f"{opn}: shuffle_mask must hold 32 entries in 0..31 or 255, got {shuffle_mask!r}")
+    active = -(-max(src.P, dst.P) // 32) * 32
+    allowed = (0,) if active > 64 else (0, 64) if active > 32 else (0, 32, 64, 96)
+    for t, a in ((dst, "dst"), (src, "src")):
+        sp = t.start_partition()
+        if sp not in allowed:
+            raise NkiLimitError(f"{opn}: {a} starts at partition {sp} with {active} active partitions; the start "
+                                f"partition must be one of {allowed}")
+    rows = []
+    for j in range(dst.P):
+        m = mask[j % 32]
+        if m == 255:
+            continue
+        r = (j // 32) * 32 + m
+        if r >= src.P:
+            raise NkiShapeError(f"{opn}: dst partition {j} takes src partition {r}, but src has {src.P} partitions")
+        rows.append((j, r))
+    if prog.numerics:
+        sv = np.array(_readn(src, opn, "src"))  # a copy: dst may be src
+        dv = np.array(dst._npv().reshape(dst.P, dst.F))
+        st_m = dst._state()
+        for j, r in rows:
+            dv[j] = sv[r]
+        keep = [j for j in range(dst.P) if mask[j % 32] == 255]
+        if keep and st_m is not None and not (st_m[keep] != 0).all():
+            raise NkiUninitializedReadError(f"{opn}: dst partitions kept by mask 255 were never written")
+        _write(dst, dv)
+    _emit(prog, "dve", "nc_stream_shuffle", dst, (src,), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(src, dst),
+          extra={"mask": tuple(mask)})
     return _HANDLE
 
 
@@ -1067,9 +1264,10 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dyn_t is not None and dyn_t._dyn[0] == "vector" and dge_mode is _DGE.hwdge and prog.gen == 3:
         raise NkiValidationError(f"{op}: hardware DGE on trn2 does not support vector-indirect DMA")
     skipped = False
+    vec_fp = None
     if prog.numerics:
         if dyn_t is not None and dyn_t._dyn[0] == "vector":
-            skipped = _dma_vector(dst, src, dyn_t, oob_mode, op)
+            skipped, vec_fp = _dma_vector(dst, src, dyn_t, oob_mode, op)
         else:
             if dyn_t is not None:
                 res, v = dyn_t._resolve_scalar(op, "scalar_offset")
@@ -1092,9 +1290,24 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                     val = val.astype(F32)
                 _write(dst, val)
     nbytes, contig, parts, free, direction = _dma_geometry(dst, src)
+
+    def fp(t):  # resolved views are static; unresolved dynamic ones cover their whole reachable range
+        if t._dyn is None:
+            return (footprint(t),)
+        if vec_fp is not None:
+            return (vec_fp,)
+        if t._dyn[0] == "vector" and prog.numerics:
+            return ()  # every row skipped: nothing touched
+        return (dyn_footprint(t),)
+
+    xt = {"dynamic": dyn_t._dyn[0]} if dyn_t is not None else {}
+    if skipped:
+        xt["skipped"] = True
+    if engine is not _E.unknown:
+        xt["trigger"] = _ENGINE_NAME.get(engine, engine.name)
     _emit(prog, "dma", "dma_copy", dst, (src,), parts, free, nbytes=nbytes, contig_bytes=contig,
-          dma_partitions=parts, direction=direction, dge=dge_mode.name,
-          extra={"dynamic": dyn_t._dyn[0]} if dyn_t is not None else {"skipped": True} if skipped else {})
+          dma_partitions=parts, direction=direction, dge=dge_mode.name, fp_reads=fp(src), fp_writes=fp(dst),
+          extra=xt)
     return _HANDLE
 
 
@@ -1124,15 +1337,12 @@ def _dma_vector(dst, src, dyn_t, oob, op):
     if dyn_t is src:  # gather into dst rows
         g = flat[addr[valid]]
         dv = dst._npv()
-        rows = dv.reshape(P, -1)
-        if not np.shares_memory(rows, dv):
-            raise NotImplementedError(f"{op}: vector gather needs a dst whose free dims are contiguous")
         if dst.dtype is not src.dtype:
             g = g.astype(F32).astype(dst.dtype.np)
-        rows[valid] = g
+        dv[valid] = g.reshape((int(valid.sum()),) + tuple(dv.shape[1:]))
         m = dst._maskv()
         if m is not None:
-            m.reshape(P, -1)[valid] = 1
+            m[valid] = 1
         dst._st.dirty = True
     else:  # scatter src rows into dst
         vals = _readn(src, op, "src")
@@ -1142,7 +1352,12 @@ def _dma_vector(dst, src, dyn_t, oob, op):
         if st.mask is not None and st.dtype.itemsize == dyn_t.dtype.itemsize:
             st.mask[addr[valid]] = 1
         st.dirty = True
-    return not valid.all()
+    isz = dyn_t.dtype.itemsize
+    if addr[valid].size:
+        fp = (f"hbm{st.serial}", 0, 1, int(addr[valid].min()) * isz, (int(addr[valid].max()) + 1) * isz)
+    else:
+        fp = None
+    return not valid.all(), fp
 
 
 _DT_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
@@ -1196,9 +1411,9 @@ def _not_emulated(nm):
     return f
 
 
-for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative", "tensor_scalar_reduce",
-            "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "nc_stream_shuffle",
-            "select_reduce", "range_select", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
+for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative",
+            "bn_stats", "bn_aggr", "local_gather", "nc_n_gather",
+            "select_reduce", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
             "dropout", "quantize_mx", "register_alloc", "register_load", "register_store", "register_move",
             "core_barrier", "sendrecv", "dma_compute", "tensor_copy_predicated", "exponential", "activate2",
             "tensor_tensor_scan"):

@@ -24,6 +24,7 @@ from .opdefs import (abs, abs_max, abs_min, add, arctan, bitwise_and, bitwise_or
                      less, less_equal, log, logical_and, logical_not, logical_or, logical_xor, maximum, minimum, mish,
                      mod, multiply, negative, not_equal, power, reciprocal, relu, right_shift, rsqrt, sigmoid, sign,
                      silu, silu_dx, sin, softplus, sqrt, square, subtract, tan, tanh, trunc)
+from . import tensor as _tensor_mod
 from .tensor import (DynSlice, MemoryRegion, NkiTensor, ds, hbm, new_tensor, private_hbm, psum, sbuf,  # noqa: F401
                      shared_hbm)
 
@@ -57,16 +58,10 @@ def is_sbuf(x):
 # Creation
 # ----------------------------------------------------------------------------------------------------
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
-    """Allocate an uninitialised tensor (sentinel-filled in the emulator)."""
-    if address is not None:
-        try:
-            pa, fa = address
-        except (TypeError, ValueError):
-            raise NkiValidationError(f"nl.ndarray: address={address!r} must be (partition_offset, free_offset_bytes)")
-        if buffer is psum and fa % _rt.PSUM_BANK_BYTES:
-            raise NkiValidationError(f"nl.ndarray: a PSUM address must start at a bank boundary "
-                                     f"(multiple of {_rt.PSUM_BANK_BYTES} bytes), got {fa}")
-    return new_tensor(shape, dtype, buffer, name)
+    """Allocate an uninitialised tensor. Without ``address`` the allocator places it (sentinel-filled, never
+    written); ``address=(partition_offset, free_offset_bytes)`` places an on-chip tensor at that address,
+    aliasing whatever else lives there (memory.py)."""
+    return new_tensor(shape, dtype, buffer, name, address=address)
 
 
 def _filled(shape, dtype, buffer, name, value, opname):
@@ -223,7 +218,9 @@ def _assign(target, value):
             prod.out_dtype = target.dtype.name
             if prod.engine == "dma":
                 prod.direction = prod.direction.split("->")[0] + "->" + ("sbuf" if tb is sbuf else "hbm")
-            prog.last_dst[prod.engine] = (target._st,) + _isa._footprint(target)
+            fp = _isa._footprint(target)
+            prod.writes = (fp,) + tuple(prod.writes[1:])
+            prog.last_dst[prod.engine] = fp
             return
         if tb.on_chip and value._st.buffer.on_chip:
             _isa.tensor_copy(target, value)
@@ -285,8 +282,58 @@ def no_reorder():
     yield
 
 
+def _nki_fields(cls):
+    """Field names of an NKIObject subclass, base classes first: annotated names, then plain class attributes
+    (not callables, descriptors or dunders), each in definition order."""
+    names = []
+    for c in reversed(cls.__mro__):
+        if c is object or c is NKIObject:
+            continue
+        for n in c.__dict__.get("__annotations__", {}):
+            if n not in names and not n.startswith("__"):
+                names.append(n)
+        for n, v in c.__dict__.items():
+            if n.startswith("__") or n in names or callable(v) or isinstance(v, (staticmethod, classmethod, property)):
+                continue
+            names.append(n)
+    return names
+
+
+def _nki_init(self, *args, **kwargs):
+    cls = type(self)
+    fields = _nki_fields(cls)
+    if len(args) > len(fields):
+        raise TypeError(f"{cls.__name__}() takes {len(fields)} positional arguments but {len(args)} were given")
+    for n in kwargs:
+        if n not in fields:
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {n!r} (fields: {', '.join(fields)})")
+    for i, n in enumerate(fields):
+        if i < len(args):
+            if n in kwargs:
+                raise TypeError(f"{cls.__name__}() got multiple values for argument {n!r}")
+            v = args[i]
+        elif n in kwargs:
+            v = kwargs[n]
+        else:
+            v = getattr(cls, n, None)
+        object.__setattr__(self, n, v)
+    post = getattr(self, "__post_init__", None)
+    if post is not None:
+        post()
+
+
 class NKIObject:
-    """Base class for the simple classes kernels may define (dataclass-like)."""
+    """Base class of the simple classes kernels define [LANG "Class support"]: "all classes are similar to
+    Python data classes"; "the @dataclass decorator is optional"; without a user ``__init__`` the compiler
+    creates ``__init__(self, field=default_or_None, ...)`` that sets every field and calls ``__post_init__``.
+    Fields are the annotated names and the plain class attributes (nki-library's ``SectionParams`` declares
+    them as ``x = None`` and constructs with keywords). A subclass that defines no ``__init__`` gets that
+    initializer here, before ``@dataclass`` runs, so the decorator keeps it."""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _nki_init
 
 
 def _removed(name):
@@ -335,6 +382,14 @@ class _TileSize:
 
 
 tile_size = _TileSize()
+
+
+def __getattr__(name):  # PEP 562: names that would shadow builtins inside this module, and out-of-scope dtypes
+    if name == "bool":
+        return bool_
+    if name in _dt.PACKED:
+        return _dt.PACKED[name]
+    raise AttributeError(f"module 'nki.language' (emulated) has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -417,6 +472,7 @@ def _call_op(op, *args, dtype=None, **kw):
 
 
 _ops._HOOK = _call_op
+_tensor_mod.ASSIGN_HOOK = _assign
 
 
 def where(condition, x, y, dtype=None):

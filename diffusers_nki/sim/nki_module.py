@@ -7,10 +7,7 @@ writers return their caches) comes back as the caller's own object. ``kernel[lnc
 """
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
-import textwrap
 
 import ml_dtypes
 import numpy as np
@@ -33,39 +30,25 @@ def last_record():
 
 
 # ----------------------------------------------------------------------------------------------------
-# Lint (NKI_SUBSET.md §7): the constructs the NKI compiler rejects and that are visible in the source
+# Lint (lint.py): the kernel and the helpers it reaches in its package
 # ----------------------------------------------------------------------------------------------------
-_LEGACY_ATTRS = {"arange", "mgrid", "par_dim"}
-
-
 def _lint(fn):
-    try:
-        src = textwrap.dedent(inspect.getsource(fn))
-        tree = ast.parse(src)
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return  # source unavailable (REPL, exec): nothing to lint
+    """Errors raise ``NkiLaunchError``; findings come back (and warn once per kernel)."""
+    import warnings
+
+    from . import lint as _lint_mod
+
+    rep = _lint_mod.lint_kernel(fn)
     name = getattr(fn, "__name__", "?")
-    problems = []
-    fdef = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if fdef is not None and fdef.args.kwonlyargs:
-        problems.append(f"line {fdef.lineno}: keyword-only arguments ('*') in the kernel signature")
-    for node in ast.walk(tree):
-        ln = getattr(node, "lineno", "?")
-        if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Is, ast.IsNot)) for o in node.ops):
-            problems.append(f"line {ln}: 'is' / 'is not' comparison (use == / !=)")
-        elif isinstance(node, ast.Attribute) and node.attr in _LEGACY_ATTRS:
-            problems.append(f"line {ln}: legacy nl.{node.attr} (removed in NKI 0.2)")
-        elif isinstance(node, ast.keyword) and node.arg == "mask":
-            problems.append(f"line {ln}: legacy mask= argument (removed in NKI 0.2)")
-        elif isinstance(node, ast.Name) and node.id == "neuronxcc":
-            problems.append(f"line {ln}: legacy neuronxcc namespace inside a kernel")
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            mod = getattr(node, "module", None) or ",".join(a.name for a in node.names)
-            if "neuronxcc" in mod:
-                problems.append(f"line {ln}: legacy neuronxcc import inside a kernel")
-    if problems:
-        raise NkiLaunchError(f"kernel {name}: the NKI compiler rejects these constructs (relative line numbers):\n  "
-                             + "\n  ".join(problems))
+    if rep.errors:
+        raise NkiLaunchError(f"kernel {name}: the NKI compiler rejects these constructs:\n  "
+                             + "\n  ".join(str(e) for e in rep.errors))
+    if rep.findings:
+        warnings.warn(f"kernel {name}: {len(rep.findings)} construct(s) outside NKI's documented Python subset "
+                      "(diffusers_nki.sim.lint; RunRecord.lint lists them):\n  "
+                      + "\n  ".join(str(f) for f in rep.findings[:12])
+                      + ("\n  ..." if len(rep.findings) > 12 else ""), _lint_mod.NkiLintWarning, stacklevel=4)
+    return rep
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -80,11 +63,13 @@ class Kernel:
         self.options = dict(options or {})
         self.lnc = 1
         self._linted = False
+        self._lint_findings = []
         functools.update_wrapper(self, fn)
 
     def __getitem__(self, lnc):
         b = Kernel(self.fn, self.options)
         b._linted = self._linted
+        b._lint_findings = self._lint_findings
         b.lnc = _check_lnc(lnc)
         return b
 
@@ -188,12 +173,14 @@ class Simulated:
         k = self.kernel
         fn = k.fn
         if not k._linted:
-            _lint(fn)
+            rep = _lint(fn)
+            k._lint_findings = rep.lines()
             k._linted = True
         lnc = k.lnc
         if lnc == 2 and self.gen == 2:
             raise NkiLaunchError(f"{fn.__name__}[2]: LNC=2 does not exist on trn1 (gen2); launch with [1]")
         launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__)
+        launch.record.lint = list(k._lint_findings)
         self.last_record = launch.record
         _LAST_RECORD = launch.record
         buf = shared_hbm if lnc > 1 else hbm

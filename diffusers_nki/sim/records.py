@@ -28,8 +28,17 @@ Field meanings follow ``COST_MODEL.md`` section 2:
   (engine "dma", ``transpose=True``). A TensorE transpose issued as ``nc_matmul(is_transpose=True)`` is
   recorded as op "nc_transpose" (flops 0) with ``extra["via"] = "nc_matmul"``.
 
+- ``reads`` / ``writes`` (added for the schedule): the instruction's memory footprints, one tuple
+  ``(space, partition lo, partition hi, byte lo, byte hi)`` per operand. ``space`` is "sbuf" / "psum" (the
+  issuing core's on-chip memory, PHYSICAL addresses: two tensors at overlapping ``address=`` share bytes) or
+  "hbm<n>" (one HBM tensor; partitions 0..1, bytes within the tensor). Byte ranges are bounding ranges of
+  strided views. A dynamically offset DMA records its resolved footprint in numerics mode and the whole
+  range its offset can reach in trace mode. ``nc_matmul`` that accumulates also reads its destination;
+  ``reduce_res`` outputs are writes.
+
 RunRecord (added by the emulator): ``kernel`` (name), ``numerics`` (False = trace mode: every instruction
-and limit check, no arithmetic), ``warnings`` (each distinct emulator warning of the launch).
+and limit check, no arithmetic), ``warnings`` (each distinct emulator warning of the launch), ``lint``
+(the kernel's lint findings: constructs outside NKI's documented Python subset, ``sim/lint.py``).
 """
 from __future__ import annotations
 
@@ -66,6 +75,8 @@ class Instr:
     program: int = 0
     dep_prev: bool = False
     tile_size: Tuple[int, ...] = ()
+    reads: Tuple[Tuple, ...] = ()
+    writes: Tuple[Tuple, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +94,7 @@ class RunRecord:
     kernel: str = ""
     numerics: bool = True
     warnings: List[str] = field(default_factory=list)
+    lint: List[str] = field(default_factory=list)
 
     def add(self, instr: Instr) -> None:
         self.instrs.append(instr)

@@ -1,17 +1,16 @@
 """Launch state of the emulator: targets, per-program state, capacity tracking, instruction recording.
 
 One ``Launch`` per ``simulate(...)(*args)`` call; one ``Program`` per logical core (LNC2 runs program 0
-then program 1, sequentially, sharing ``shared_hbm``). ``current()`` is the running program; every nl /
-nisa call reads it.
+then program 1, sequentially, sharing ``shared_hbm``; each program has its own SBUF/PSUM address spaces).
+``current()`` is the running program; every nl / nisa call reads it.
 """
 from __future__ import annotations
 
 import os
 import warnings
-import weakref
 
 from . import records
-from .errors import NkiCapacityWarning, NkiEmulatorWarning, NkiLaunchError, NkiLimitError, NkiValidationError
+from .errors import NkiEmulatorWarning, NkiLaunchError, NkiValidationError
 
 # ----------------------------------------------------------------------------------------------------
 # Targets and per-generation limits
@@ -78,9 +77,12 @@ class Launch:
 
 
 class Program:
-    """State private to one logical core: capacity tracker, ScalarE accumulator registers."""
+    """State private to one logical core: its SBUF and PSUM address spaces (``memory.py``), the ScalarE and
+    VectorE accumulator registers, and the last destination per engine (``Instr.dep_prev``)."""
 
     def __init__(self, launch: Launch, pid: int):
+        from .memory import AddressSpace  # bottom-layer module; imported here to keep runtime import-light
+
         self.launch = launch
         self.pid = pid
         self.gen = launch.gen
@@ -88,53 +90,17 @@ class Program:
         self.strict = launch.strict
         self.record = launch.record
         self.instrs = launch.record.instrs
-        self.sbuf_live = 0
-        self.psum_banks_live = 0
         self.shared_idx = 0
         self.act_regs = None  # np.float32[128] once reset (True in trace mode)
-        self.last_dst = {}  # engine -> (storage, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
+        self.dve_regs = None  # VectorE accumulators (tensor_scalar_reduce / range_select): (op name, np.float32[128])
+        self.last_dst = {}  # engine -> (space, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
         self.sbuf_budget = SBUF_BYTES_PER_PARTITION[self.gen]
         self.psum_banks = psum_num_banks(self.gen)
+        self.sbuf = AddressSpace("sbuf", self.sbuf_budget, self.numerics, self)
+        self.psum = AddressSpace("psum", 8 * PSUM_BANK_BYTES, self.numerics, self, usable_banks=self.psum_banks)
 
-    # -- capacity -----------------------------------------------------------------------------------
-    def alloc_onchip(self, storage, kind, bytes_pp, what):
-        rec = self.record
-        if kind == "psum":
-            banks = -(-bytes_pp // PSUM_BANK_BYTES)
-            if banks > self.psum_banks:
-                raise NkiLimitError(
-                    f"nl.ndarray: PSUM tensor {what} needs {bytes_pp} bytes per partition = {banks} banks; "
-                    f"the limit is {self.psum_banks} banks x {PSUM_BANK_BYTES} bytes per partition")
-            if self.psum_banks_live + banks > self.psum_banks:
-                raise NkiLimitError(
-                    f"nl.ndarray: allocating PSUM tensor {what} ({banks} bank(s)) would make "
-                    f"{self.psum_banks_live + banks} PSUM banks live; the limit is {self.psum_banks} banks "
-                    f"(each PSUM tensor rounds up to whole 2 KiB banks; drop references to PSUM tiles you no "
-                    f"longer need)")
-            self.psum_banks_live += banks
-            if self.psum_banks_live > rec.peak_psum_banks:
-                rec.peak_psum_banks = self.psum_banks_live
-            weakref.finalize(storage, self._release, "psum", banks)
-        else:
-            self.sbuf_live += bytes_pp
-            if self.sbuf_live > rec.peak_sbuf_bytes_per_partition:
-                rec.peak_sbuf_bytes_per_partition = self.sbuf_live
-            if self.sbuf_live > self.sbuf_budget:
-                msg = (f"nl.ndarray: allocating SBUF tensor {what} ({bytes_pp} bytes per partition) makes "
-                       f"{self.sbuf_live} live SBUF bytes per partition; the {self.launch.target} limit is "
-                       f"{self.sbuf_budget} bytes per partition")
-                if self.strict:
-                    self.sbuf_live -= bytes_pp
-                    raise NkiLimitError(msg)
-                self.launch.warn_once("sbuf_capacity", msg + " (warning; an error under strict=True)",
-                                      NkiCapacityWarning)
-            weakref.finalize(storage, self._release, "sbuf", bytes_pp)
-
-    def _release(self, kind, amount):
-        if kind == "psum":
-            self.psum_banks_live -= amount
-        else:
-            self.sbuf_live -= amount
+    def space(self, kind):
+        return self.sbuf if kind == "sbuf" else self.psum
 
 
 _CURRENT = None

@@ -1,21 +1,33 @@
-"""Emulated NKI tensors: storage plus a strided view (NKI_SUBSET.md §0.1, §4).
+"""Emulated NKI tensors: storage plus a strided view (NKI_SUBSET.md §0.1, §4), over address-level memory.
 
-``Storage`` is a flat byte buffer (``raw``, a uint8 NumPy array; ``None`` in trace mode) tagged with a
-buffer kind, a dtype and its allocation shape; on-chip storage is laid out partition-major, one row of
-``prod(shape[1:])`` elements per partition. ``mask`` (uint8 per storage element) records what was
-written: 0 never, 1 by a non-matmul instruction, 2 by a TensorE matmul/transpose (the PSUM accumulate
-tracker). ``NkiTensor`` is a view: ``(storage, dtype, shape, strides, offset)`` in elements of the view's
-dtype. Every view method returns a new ``NkiTensor`` over the same storage; nothing copies.
+``Storage`` is one allocation. HBM storage is a flat byte buffer (``raw``, a uint8 NumPy array; ``None`` in
+trace mode) with a per-element written mask (``mask``: 0 never, 1 written; ``None`` for kernel inputs, which
+are initialised). On-chip storage (SBUF / PSUM) lives INSIDE the core's address space (``memory.py``): it
+covers partitions ``[p0, p0 + shape[0])`` and bytes ``[base, base + row_bytes)`` of each, so two tensors at
+overlapping addresses alias; its bytes and per-byte written state (0 never, 1 non-matmul, 2 matmul) are the
+space's ``raw`` / ``mask`` arrays (``raw2d`` / ``mask2d`` here). ``NkiTensor`` is a view:
+``(storage, dtype, shape, strides, offset)`` in elements of the view's dtype over the allocation's logical
+partition-major layout (one row of ``prod(shape[1:])`` elements per partition); every view method returns a
+new ``NkiTensor`` over the same storage; nothing copies.
+
+This module is the bottom of the emulator's import graph (with ``dtypes``, ``records``, ``errors``,
+``runtime``, ``memory``): it holds the data-access helpers the instructions use (``read``, ``write``,
+``footprint``) and never imports ``isa`` or ``language``; ``t[...] = value`` reaches the language layer
+through ``ASSIGN_HOOK``, which ``language`` installs.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 
 from . import dtypes as _dt
 from . import runtime as _rt
-from .errors import NkiBufferError, NkiShapeError, NkiValidationError
+from .errors import NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiValidationError
+
+ASSIGN_HOOK = None  # set by language.py: callable(target_view, value) implementing ``t[...] = value``
+_SERIAL = itertools.count(1)
 
 
 class MemoryRegion:
@@ -48,7 +60,11 @@ def to_buffer(b, op="nl.ndarray"):
 
 
 class Storage:
-    __slots__ = ("raw", "mask", "dtype", "buffer", "shape", "nelem", "row", "name", "dirty", "__weakref__")
+    """One allocation. See the module docstring; on-chip fields are set by ``memory.AddressSpace``."""
+
+    __slots__ = ("raw", "mask", "dtype", "buffer", "shape", "nelem", "row", "row_bytes", "name", "dirty", "serial",
+                 "p0", "base", "vbase", "pitch", "raw2d", "mask2d", "overflow", "sentinel", "mm", "consumed",
+                 "__weakref__")
 
     def __init__(self, shape, dtype, buffer, name, numerics, track=True, raw=None):
         self.shape = shape
@@ -57,17 +73,25 @@ class Storage:
         self.name = name
         self.nelem = math.prod(shape)
         self.row = math.prod(shape[1:]) if len(shape) >= 1 else 1
+        self.row_bytes = self.row * dtype.itemsize
         self.dirty = False
+        self.serial = next(_SERIAL)
+        self.sentinel = _dt.sentinel(dtype)
+        self.p0 = self.base = self.vbase = 0
+        self.pitch = self.row_bytes
+        self.raw2d = self.mask2d = None
+        self.overflow = False
+        self.mm = None          # PSUM, numerics: per-element "written by a matmul through THIS tensor" (accumulate=None)
+        self.consumed = False   # PSUM: read by a non-matmul instruction since the last matmul write
+        self.raw = self.mask = None
+        if buffer.on_chip:
+            return  # bytes live in the address space (memory.AddressSpace.place / place_at)
         if raw is not None:
             self.raw = raw
-            self.mask = None
         elif numerics:
             self.raw = np.empty(self.nelem * dtype.itemsize, np.uint8)
-            self.raw.view(dtype.np)[...] = _dt.sentinel(dtype)
+            self.raw.view(dtype.np)[...] = self.sentinel
             self.mask = np.zeros(self.nelem, np.uint8) if track else None
-        else:
-            self.raw = None
-            self.mask = None
 
 
 def _prod(t):
@@ -201,7 +225,8 @@ class NkiTensor:
         return st.row * st.dtype.itemsize // self.dtype.itemsize
 
     def start_partition(self):
-        return self.offset // self._row_elems()
+        """Physical start partition (the allocation's partition offset plus the view's)."""
+        return self._st.p0 + self.offset // self._row_elems()
 
     def free_byte_range(self):
         """(first byte, one past last byte) of this view within its partition row (on-chip tensors)."""
@@ -232,6 +257,18 @@ class NkiTensor:
                          dyn=dyn if dyn is not None else self._dyn, name=self.name)
 
     # -- NumPy materialisation (numerics mode) -----------------------------------------------------
+    def _phys(self):
+        """(byte offset into the space's [128, pitch] arrays, NumPy byte strides) of an on-chip view."""
+        st = self._st
+        isz = self.dtype.itemsize
+        rowv = self._row_elems()
+        p, f = divmod(self.offset, rowv)
+        if self.shape and self.shape[0] > 1 and self.strides[0] != rowv:
+            raise NkiValidationError(f"{self!r}: on-chip views cannot stride the partition dimension")
+        base = (st.p0 + p) * st.pitch + st.base + f * isz
+        strides = (st.pitch,) + tuple(s * isz for s in self.strides[1:])
+        return base, strides
+
     def _npv(self):
         v = self._np
         if v is None:
@@ -239,26 +276,58 @@ class NkiTensor:
             isz = self.dtype.itemsize
             if self._dyn is not None:
                 raise NkiValidationError(f"{self!r}: a dynamically offset view can only be used by dma_copy")
-            v = np.ndarray(self.shape, self.dtype.np, buffer=st.raw, offset=self.offset * isz,
-                           strides=tuple(s * isz for s in self.strides))
+            if st.buffer.on_chip:
+                base, strides = self._phys()
+                v = np.ndarray(self.shape, self.dtype.np, buffer=st.raw2d, offset=base, strides=strides)
+            else:
+                v = np.ndarray(self.shape, self.dtype.np, buffer=st.raw, offset=self.offset * isz,
+                               strides=tuple(s * isz for s in self.strides))
             self._np = v
         return v
 
     def _maskv(self):
-        """uint8 view of the written-mask, one entry per element; None when not tracked."""
+        """uint8 view of the written state; None when not tracked. On chip: one entry per BYTE (shape + (itemsize,)),
+        shared by every alias of those bytes; HBM: one entry per storage element."""
         m = self._mv
         if m is None:
             st = self._st
-            if st.mask is None:
-                return None
-            if self.dtype.itemsize == st.dtype.itemsize:
-                m = np.ndarray(self.shape, np.uint8, buffer=st.mask, offset=self.offset, strides=self.strides)
-            else:  # reinterpreting view: track the bounding range of storage elements (conservative)
-                lo, hi = self.elem_range()
-                isz, ssz = self.dtype.itemsize, st.dtype.itemsize
-                m = st.mask[(lo * isz) // ssz: ((hi + 1) * isz - 1) // ssz + 1]
+            if st.buffer.on_chip:
+                if st.mask2d is None:
+                    return None
+                base, strides = self._phys()
+                m = np.ndarray(tuple(self.shape) + (self.dtype.itemsize,), np.uint8, buffer=st.mask2d, offset=base,
+                               strides=strides + (1,))
+            else:
+                if st.mask is None:
+                    return None
+                if self.dtype.itemsize == st.dtype.itemsize:
+                    m = np.ndarray(self.shape, np.uint8, buffer=st.mask, offset=self.offset, strides=self.strides)
+                else:  # reinterpreting view: track the bounding range of storage elements (conservative)
+                    lo, hi = self.elem_range()
+                    isz, ssz = self.dtype.itemsize, st.dtype.itemsize
+                    m = st.mask[(lo * isz) // ssz: ((hi + 1) * isz - 1) // ssz + 1]
             self._mv = m
         return m
+
+    def _state(self):
+        """Written state per element as a (P, F) uint8 array (on chip: the state of each element's first byte)."""
+        m = self._maskv()
+        if m is None:
+            return None
+        if self._st.buffer.on_chip:
+            m = m[..., 0]
+        return m.reshape(self.P, self.F) if m.size == self.P * self.F else m.reshape(1, -1)
+
+    def _mmv(self):
+        """PSUM: per-element "written by a matmul through this tensor object" mask (accumulate=None inference)."""
+        st = self._st
+        if st.mm is None:
+            st.mm = np.zeros(st.nelem, np.uint8)
+        if self.dtype.itemsize == st.dtype.itemsize:
+            return np.ndarray(self.shape, np.uint8, buffer=st.mm, offset=self.offset, strides=self.strides)
+        lo, hi = self.elem_range()
+        isz, ssz = self.dtype.itemsize, st.dtype.itemsize
+        return st.mm[(lo * isz) // ssz: ((hi + 1) * isz - 1) // ssz + 1]
 
     # -- indexing -----------------------------------------------------------------------------------
     def __getitem__(self, key):
@@ -337,9 +406,9 @@ class NkiTensor:
         return NkiTensor(self._st, self.dtype, tuple(shp), tuple(strd), off, dyn=self._dyn, name=self.name)
 
     def __setitem__(self, key, value):
-        from . import language as _nl  # late import (cycle)
-
-        _nl._assign(self[key], value)
+        if ASSIGN_HOOK is None:  # pragma: no cover - language.py installs it at import
+            raise NkiValidationError("tensor assignment needs diffusers_nki.sim.language")
+        ASSIGN_HOOK(self[key], value)
 
     # -- view methods -------------------------------------------------------------------------------
     def _chk_dim(self, dim, meth, allow0=False):
@@ -572,15 +641,20 @@ class NkiTensor:
             if lo < 0 or hi >= total:
                 raise NkiShapeError(f"{self!r}.ap: pattern {pattern!r} at offset {off} addresses elements "
                                     f"[{lo}, {hi}] outside the storage (0..{total - 1})")
+            if st.buffer.on_chip and dyn is None:
+                row = st.row * st.dtype.itemsize // dt.itemsize
+                flo, fhi = t.free_byte_range()
+                if flo < 0 or fhi > row * dt.itemsize:
+                    raise NkiShapeError(f"{self!r}.ap: pattern {pattern!r} at offset {off} reaches bytes [{flo}, {fhi})"
+                                        f" of each partition, outside the tensor's {row * dt.itemsize} bytes per "
+                                        "partition")
         return t
 
     # -- dynamic resolution (dma_copy) --------------------------------------------------------------
     def _resolve_scalar(self, op, arg):
         """Static view for a scalar_offset view, or None when the offset is out of bounds."""
         kind, so, idim, stride, dimsize = self._dyn
-        from .isa import _read  # late import
-
-        v = int(np.asarray(_read(so, op, "scalar_offset"), dtype=np.float64).reshape(-1)[0])
+        v = int(np.asarray(read(so, op, "scalar_offset"), dtype=np.float64).reshape(-1)[0])
         t = NkiTensor(self._st, self.dtype, self.shape, self.strides, self.offset + v * stride, name=self.name)
         total = self._st.nelem * self._st.dtype.itemsize // self.dtype.itemsize
         lo, hi = t.elem_range()
@@ -589,11 +663,13 @@ class NkiTensor:
         return t, v
 
 
-def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray"):
-    """Allocate a tensor in the current program (sentinel-filled in numerics mode; capacity tracked)."""
+def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray", address=None):
+    """Allocate a tensor in the current program: on chip at ``address`` or by the allocator (memory.py)."""
     prog = _rt.current()
     dt = _dt.to_dtype(dtype, "dtype", op)
     buf = to_buffer(buffer, op)
+    if getattr(dt, "packed", False):
+        raise NkiValidationError(f"{op}: dtype {dt!r} (packed MX data) is not emulated")
     if isinstance(shape, _INT_TYPES):
         shape = (shape,)
     try:
@@ -602,6 +678,8 @@ def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray"):
         raise NkiShapeError(f"{op}: shape={shape!r} must be a tuple of ints")
     if any(s < 1 for s in shape) or not shape:
         raise NkiShapeError(f"{op}: shape={shape} must be non-empty with every dimension >= 1")
+    if address is not None and not buf.on_chip:
+        raise NkiValidationError(f"{op}: address={address!r} places on-chip tensors only; {buf!r} is HBM")
     if buf.on_chip:
         if len(shape) < 2:
             raise NkiShapeError(f"{op}: on-chip tensors need rank >= 2 (partition dim first), got shape {shape}")
@@ -614,7 +692,12 @@ def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray"):
             raise NkiShapeError(f"{op}: on-chip tensors have at most 4 free dimensions, got shape {shape}")
     st = Storage(shape, dt, buf, name, prog.numerics)
     if buf.on_chip:
-        prog.alloc_onchip(st, buf.name, _prod(shape[1:]) * dt.itemsize, f"{name or '?'}{list(shape)} {dt.name}")
+        space = prog.space(buf.name)
+        what = f"{name or '?'}{list(shape)} {dt.name}"
+        if address is None:
+            space.place(st, what)
+        else:
+            space.place_at(st, address, what)
     elif buf is shared_hbm:
         launch = prog.launch
         i = prog.shared_idx
@@ -633,3 +716,77 @@ def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray"):
         strides.append(acc)
         acc *= s
     return NkiTensor(st, dt, shape, tuple(reversed(strides)), 0, name=name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data access (numerics mode) and footprints, used by the instructions (isa.py) and the language layer
+# ----------------------------------------------------------------------------------------------------
+def read(t, op, arg):
+    """The NumPy view of ``t`` (its own dtype), after checking no element is unwritten."""
+    m = t._maskv()
+    if m is not None and not m.all():
+        n_bad = int(np.count_nonzero(t._state() == 0))
+        raise NkiUninitializedReadError(
+            f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {t.P * t.F} elements "
+            "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
+    st = t._st
+    if st.buffer is psum:
+        st.consumed = True
+    return t._npv()
+
+
+def write(t, val, mark=1):
+    """Write ``val`` (any shape with t's element count) into view ``t``, rounding to t.dtype."""
+    v = t._npv()
+    val = np.asarray(val)
+    if val.shape != v.shape:
+        val = val.reshape(v.shape)
+    dt = t.dtype
+    if dt.is_int and val.dtype.kind == "f":
+        info = np.iinfo(dt.np)
+        with np.errstate(invalid="ignore"):
+            val = np.clip(np.nan_to_num(np.rint(val)), info.min, info.max)
+    elif dt is _dt.tfloat32:
+        val = _dt.round_tf32(val)
+    v[...] = val
+    m = t._maskv()
+    if m is not None:
+        m[...] = mark
+    t._st.dirty = True
+
+
+def space_key(st):
+    """The dependency space of a storage: "sbuf" / "psum" (per core, physical) or "hbm<serial>"."""
+    return st.buffer.name if st.buffer.on_chip else f"hbm{st.serial}"
+
+
+def footprint(t):
+    """(space, partition lo, partition hi, byte lo, byte hi) of view ``t``: on chip the physical partitions and
+    per-partition byte range (the address, so aliases share footprints); in HBM the byte range within the
+    tensor's storage (partitions 0..1). Byte ranges are bounding ranges of strided views."""
+    st = t._st
+    if st.buffer.on_chip:
+        sp = st.p0 + t.offset // t._row_elems()
+        lo, hi = t.free_byte_range()
+        return (st.buffer.name, sp, sp + t.P, st.vbase + lo, st.vbase + hi)
+    lo, hi = t.elem_range()
+    isz = t.dtype.itemsize
+    return (f"hbm{st.serial}", 0, 1, lo * isz, (hi + 1) * isz)
+
+
+def dyn_footprint(t):
+    """Footprint of a dynamically offset view, unresolved: the whole range its runtime offset can reach."""
+    kind, _, _, stride, n = t._dyn
+    st = t._st
+    isz = t.dtype.itemsize
+    lo, hi = t.elem_range()
+    hi += max(n - 1, 0) * stride
+    if st.buffer.on_chip:
+        row = t._row_elems()
+        p0 = st.p0 + lo // row
+        p1 = st.p0 + hi // row + 1
+        if p1 - p0 > 1:
+            return (st.buffer.name, p0, p1, st.vbase, st.vbase + st.row_bytes)
+        return (st.buffer.name, p0, p1, st.vbase + (lo % row) * isz, st.vbase + (hi % row + 1) * isz)
+    total = st.nelem * st.dtype.itemsize // isz
+    return (f"hbm{st.serial}", 0, 1, max(lo, 0) * isz, min(hi + 1, total) * isz)

@@ -1,6 +1,8 @@
-"""``diffusers-nki bench kernels``: the command runs, writes the documented JSON rows, and the kernel keeps the
-modeled performance target (>= 70% of TensorE peak on trn2 for the self-forcing chunk). Modeled, not
-measured: these are deterministic functions of the kernel's instruction stream and the cost model."""
+"""``diffusers-nki bench kernels``: the command runs, writes the documented JSON rows (the scheduled time first,
+the roofline ceiling and floor beside it, attention_cte side by side when nki-library is there). Modeled, not
+measured: these are deterministic functions of the kernels' instruction streams and the cost model. The
+kernel's old roofline target (>= 70% of TensorE peak at the ceiling) is kept as a ceiling check; the
+scheduled figures are published as they are (issue 10 restructures the kernel against the schedule)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,8 @@ from diffusers_nki.bench import kernels as bench
 from diffusers_nki.cli import main
 
 KEYS = {"shape", "kernel", "target", "modeled_seconds", "modeled_efficiency", "attention_efficiency", "bottleneck",
-        "busy_seconds", "terms_seconds", "hbm_bytes", "hbm_bytes_min", "dense_work_share", "modeled"}
+        "busy_seconds", "terms_seconds", "hbm_bytes", "hbm_bytes_min", "dense_work_share", "modeled", "utilisation",
+        "waits", "critical_path", "schedule_seconds", "trace_seconds"}
 
 
 def test_bench_kernels_command_writes_rows(tmp_path, capsys):
@@ -20,12 +23,25 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "MODELED" in text and "self_forcing_chunk" in text
     rows = json.loads(out.read_text())
-    assert [r["shape"] for r in rows] == ["self_forcing_chunk", "cache_write_chunk"]
+    ours = [r for r in rows if r["kernel"] != "attention_cte"]
+    assert [r["shape"] for r in ours] == ["self_forcing_chunk", "cache_write_chunk"]
+    assert text.index("SCHED ms") < text.index("ceil ms")
     for r in rows:
         assert KEYS <= set(r) and r["modeled"] is True
-        assert r["modeled_seconds"]["optimistic"] <= r["modeled_seconds"]["pessimistic"]
+        m = r["modeled_seconds"]
+        assert m["ceiling"] <= m["scheduled"] <= m["floor"] * 1.000001
+        assert m["optimistic"] == m["ceiling"] and m["pessimistic"] == m["floor"]
         assert set(r["busy_seconds"]) >= {"pe", "act", "dve", "pool", "dma"}
-    att, cw = rows
+    att, cw = ours
+    cte = [r for r in rows if r["kernel"] == "attention_cte"]
+    from diffusers_nki.sim import production
+
+    if production.unavailable_reason() is None:
+        assert [r["shape"] for r in cte] == ["self_forcing_chunk"] and cte[0]["lint"] == []
+        assert att["peer"][0]["ratio"] == att["modeled_seconds"]["scheduled"] / cte[0]["modeled_seconds"]["scheduled"]
+        assert "ours vs attention_cte" in text
+    else:
+        assert cte == [] and "attention_cte rows skipped" in text
     assert att["modeled_efficiency"]["optimistic"] >= 0.70, att["modeled_efficiency"]
     assert att["hbm_bytes"] <= 1.01 * att["hbm_bytes_min"]  # q, k, v read once, o written once
     d = bench.SHAPES["cache_write_chunk"]
@@ -36,7 +52,7 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
 def test_frame_causal_dense_share_near_block_minimum():
     r = bench.bench_shape("frame_causal_21f", "trn2", heads=1)
     assert 28 / 49 <= r["dense_work_share"] <= 28 / 49 + 0.01
-    assert r["modeled_efficiency"]["optimistic"] >= 0.70
+    assert r["modeled_efficiency"]["ceiling"] >= 0.70
 
 
 def test_modeled_time_scales_linearly_with_heads():
@@ -45,13 +61,16 @@ def test_modeled_time_scales_linearly_with_heads():
 
     from diffusers_nki.kernels.attention import attention_kernel
     from diffusers_nki.sim import cost, simulate
+    from diffusers_nki.sim.schedule import schedule
 
     def modeled(H):
         q = np.zeros((1, 640, H, 128), dtype=np.float32)
         k = np.zeros((1, 1536, H, 128), dtype=np.float32)
         sim = simulate(attention_kernel, target="trn2", numerics=False)
         sim(q, k, k, None, None, None, None, None, 0)
-        return cost.model(sim.last_record, "trn2").t_optimistic_s
+        return cost.model(sim.last_record, "trn2").t_optimistic_s, schedule(sim.last_record, "trn2").t_scheduled_s
 
-    one, three = modeled(1), modeled(3)
+    (one, s_one), (three, s_three) = modeled(1), modeled(3)
     assert abs(three / (3 * one) - 1) < 0.01, (one, three)
+    # the schedule of 3 heads overlaps consecutive heads a little: at most 3 x one head, not much less
+    assert 0.85 * 3 * s_one <= s_three <= 3 * s_one * 1.001, (s_one, s_three)
