@@ -55,7 +55,8 @@ def test_counters_and_reset():
     kc, vc = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
     ops.cache_write(kc, vc, k[:, :3], v[:, :3], torch.tensor([1]))
     assert ops.counters() == {"attention": {"torch": 2, "sim": 0, "nki": 0, "stock": 0},
-                              "cache_write": {"torch": 1, "sim": 0, "nki": 0, "stock": 0}}
+                              "cache_write": {"torch": 1, "sim": 0, "nki": 0, "stock": 0},
+                              "attention_lse": {"torch": 0, "sim": 0, "nki": 0, "stock": 0}}
     snapshot = ops.counters()
     snapshot["attention"]["torch"] = 99  # a copy
     assert ops.counters()["attention"]["torch"] == 2

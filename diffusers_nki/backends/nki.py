@@ -53,3 +53,9 @@ def cache_write(k_cache, v_cache, k, v, slot) -> None:
     if res is not None:  # kernels return their outputs; the caches are updated from them
         k_cache.copy_(res[0])
         v_cache.copy_(res[1])
+
+
+def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    """(out, lse float32 [B, H, Sq]): the kernel launched with ``return_lse=True``."""
+    out, lse = _kernel("attention")(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, True)
+    return out, lse

@@ -54,3 +54,13 @@ def cache_write(k_cache, v_cache, k, v, slot) -> None:
     if not on_cpu:
         k_cache.copy_(kc)
         v_cache.copy_(vc)
+
+
+def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    """(out, lse float32 [B, H, Sq]): the kernel's ``return_lse=True`` output, run in the emulator."""
+    simulate, attention_kernel, _ = _load()
+    importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+        q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    out, lse = simulate(attention_kernel)(_cpu(q), _cpu(k), _cpu(v), _cpu(k_cache), _cpu(v_cache), _i32(cache_len),
+                                          _i32(kv_len), scale, int(causal_block), True)
+    return out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
