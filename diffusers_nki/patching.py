@@ -592,7 +592,15 @@ def _explain_model(name, model) -> ModelReport:
         reports.append(ModuleReport(path, type(module).__name__, _proc_name(module, kind), taken, why,
                                     kind != "stock", calls, fbs))
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
-                       st.strict if st else None, reports, fam.notes)
+                       st.strict if st else None, reports, fam.notes + _parallel_notes(model))
+
+
+def _parallel_notes(model) -> tuple:
+    """The context-parallel layout (degrees, what this rank holds) as a note; () without parallelism."""
+    from diffusers_nki import parallel
+
+    text = parallel.describe(model)
+    return (text,) if text else ()
 
 
 def _wrapping(proc, ours, depth: int = 4) -> str:
