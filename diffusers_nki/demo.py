@@ -133,7 +133,9 @@ def _modeled_per_chunk(args) -> dict:
     if why:
         return {"available": False, "reason": why}
     probe = far_chunk_calls(chunk_partition=[FULL_SCALE_CHUNK_FRAMES] * args.chunks, steps=args.steps)
-    per_chunk = [_modeled.model_calls(calls) for calls in probe["chunks"]]
+    from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
+
+    per_chunk = [add_chip_figures(_modeled.model_calls(calls), calls) for calls in probe["chunks"]]
     return {"available": True, "modeled": True, "geometry": probe["geometry"], "unrouted_calls": probe["unrouted"],
             "distinct_shapes_full_scale": probe["distinct_shapes"], "chunks": per_chunk,
             "method": per_chunk[0]["method"] if per_chunk else ""}
@@ -274,7 +276,8 @@ def _stream(args) -> dict:
         steady = modeled["chunks"][-2 if len(modeled["chunks"]) > 1 else -1]["targets"]
         line = ", ".join(f"{t} {1e3 * v['chip_s']:.0f} ms ({100 * v['efficiency']:.0f}% of PE peak)"
                          for t, v in steady.items())
-        print(f"MODELED attention per full-scale chunk (one chip, 12 heads spread over its cores): {line}")
+        print(f"MODELED attention per full-scale chunk (one chip, its cores under context parallelism, collectives "
+              f"included): {line}")
     print(f"video: {report['video']} ({len(frames)} frames)   report: {os.path.join(args.output, 'demo.json')}")
     return report
 
