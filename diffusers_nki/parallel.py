@@ -282,19 +282,21 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype) -> torch.Tenso
 # static caches under context parallelism
 # ----------------------------------------------------------------------------------------------------------
 def _all_gather(x: torch.Tensor, n: int, group) -> torch.Tensor:
-    """[n, *x.shape]: x of every rank of ``group``, in group-rank order."""
-    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x.contiguous(), group=group)
-    return out.view((n,) + tuple(x.shape))
+    """[n, *x.shape]: x of every rank of ``group``, in group-rank order (functional collective: traceable by
+    torch.compile, so a compiled block keeps one graph)."""
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_gather_tensor(x.contiguous(), 0, group)
+    return funcol.wait_tensor(out).view((n,) + tuple(x.shape))
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all along dim 0 (one slice per group rank, in group-rank order)."""
+    """All-to-all along dim 0 (one slice per group rank, in group-rank order; functional collective)."""
+    import torch.distributed._functional_collectives as funcol
+
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+    out = funcol.all_to_all_single(x.flatten(), None, None, group)
+    return funcol.wait_tensor(out).view(x.shape)
 
 
 class CacheParallel:

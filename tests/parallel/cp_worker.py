@@ -81,13 +81,25 @@ def run_case(case, cfg, spy):
         res["counters"], res["spy"] = _delta(c0, ops.counters()), _spy_delta(s0, spy.snapshot())
         res["layers"] = len(model.blocks)
         res["explain"] = str(diffusers_nki.explain(model))
-    elif case == "anyflow_far":
+    elif case in ("anyflow_far", "anyflow_far_compiled"):
         pipe = tiny_pipeline("anyflow_far")
         diffusers_nki.patch(pipe, backend="torch", cache=StaticCacheConfig(**ANYFLOW_FAR_CACHE))
         pipe.transformer.enable_parallelism(config=cfg, cp_plan=parallel.cp_plan(pipe.transformer))
         spy.watch(pipe.transformer)
+        timer = None
+        if case == "anyflow_far_compiled":  # regional compilation: the blocks (our collectives inside) compile once
+            from diffusers_nki.bench._measure import ChunkTimer, GraphCounter
+
+            counter, marks = GraphCounter(), []
+            pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
+            timer = ChunkTimer(pipe.transformer, on_chunk=lambda s: marks.append(counter.graphs))
+            timer.__enter__()
         c0, s0 = ops.counters(), spy.snapshot()
         res["out"] = pipe(**anyflow_far_kwargs()).frames
+        if timer is not None:
+            timer.__exit__(None, None, None)
+            res["graphs_after_each_chunk"] = marks
+            return res
         res["counters"], res["spy"] = _delta(c0, ops.counters()), _spy_delta(s0, spy.snapshot())
         res["explain"] = str(diffusers_nki.explain(pipe))
         hook = pipe.transformer._diffusers_hook.get_hook("diffusers_nki.static_cache")

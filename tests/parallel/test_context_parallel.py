@@ -21,6 +21,7 @@ from cp_cases import ANYFLOW_FAR_CACHE, anyflow_far_kwargs, wan_inputs  # noqa: 
 TIMEOUT_S = 240  # per spawn (all ranks); a hung collective fails the test instead of the suite
 CASES = "wan,anyflow_far,templates"
 LAYOUTS = [pytest.param(2, 1, id="ulysses2"), pytest.param(1, 2, id="ring2"), pytest.param(2, 2, id="ulysses2-ring2")]
+COMPILED = {(1, 2)}  # also run the pipeline with torch.compile'd blocks (regional) in this layout
 
 
 def _spawn(U: int, R: int, tmp_path, cases: str = CASES):
@@ -77,7 +78,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("U,R", LAYOUTS)
 def test_context_parallel_matches_single_process(U, R, tmp_path, references):
-    ranks = _spawn(U, R, tmp_path)
+    ranks = _spawn(U, R, tmp_path, CASES + (",anyflow_far_compiled" if (U, R) in COMPILED else ""))
     world = U * R
     for r, res in enumerate(ranks):
         # --- tiny Wan (diffusers' _cp_plan splits the sequence; our ops inside diffusers' templates)
@@ -123,5 +124,10 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
         assert t["grad_err"] <= 1e-5 * max(1.0, t["grad_scale"]), t["grad_err"]
         lse_calls = t["sim_counters"]["attention_lse"]["sim"]
         assert lse_calls == (R if R > 1 else 0) and t["sim_counters"]["attention"]["sim"] == (0 if R > 1 else 1)
+        if (U, R) in COMPILED:  # compiled blocks: same output, no graph compiled after the first chunk
+            comp = res["anyflow_far_compiled"]
+            assert _rel(comp["out"], references["anyflow_far"]) <= 1e-5
+            marks = comp["graphs_after_each_chunk"]
+            assert marks[0] >= 1 and len(set(marks)) == 1, marks
     outs = [res["anyflow_far"]["out"] for res in ranks]
     assert all(torch.equal(o, outs[0]) for o in outs)  # every rank returns the same full output
