@@ -1,7 +1,8 @@
 """The bridge into diffusers' attention dispatch, and the router every patched attention call goes through.
 
 This is the ONLY module that touches diffusers' private names (``AttentionBackendName``,
-``_AttentionBackendRegistry``, ``diffusers.utils.constants.DIFFUSERS_ATTN_BACKEND``). It is version-guarded
+``_AttentionBackendRegistry``, ``diffusers.utils.constants.DIFFUSERS_ATTN_BACKEND``; for context parallelism,
+at the end of the file: ``_templated_context_parallel_attention``, the native forward/backward ops, ``ContextParallelConfig``'s mesh fields, ``model._parallel_config``). It is version-guarded
 (diffusers >= 0.35) and ``check_diffusers()`` lists what changed if diffusers renames them (a test asserts it
 is empty).
 
@@ -26,7 +27,9 @@ mask:
   rows picked per query (e.g. HunyuanVideo's token-refiner mask); a query that sees no key gets zeros, as
   SDPA gives for a fully masked row (torch >= 2.5);
   the analysis reads mask values, so it is cached per mask object (and mask version);
-- anything else (a real bias, non-prefix masks, per-head masks, dropout, context parallelism, shapes/dtypes
+- with a parallel config (diffusers' context parallelism) or ``return_lse=True`` the call goes to
+  ``diffusers_nki.parallel`` (diffusers' Ulysses / ring templates around our ops; the log-sum-exp op);
+- anything else (a real bias, non-prefix masks, per-head masks, dropout, shapes/dtypes
   the kernel rejects, or a mask inside ``torch.compile`` whose values cannot be read at trace time) falls
   back VISIBLY to stock SDPA: recorded for ``explain()``, counted as ``ops.counters()["attention"]["stock"]``
   and warned once per reason; with ``strict=True`` it raises ``StrictFallbackError`` instead.
@@ -700,8 +703,8 @@ def _blockmask_segments(bm, n_q, n_k):
 # ----------------------------------------------------------------------------------------------------------
 # context parallelism: diffusers' ContextParallelConfig internals and templated attention (diffusers_nki.parallel)
 # ----------------------------------------------------------------------------------------------------------
-CP_TEMPLATES = ("_templated_context_parallel_attention", "TemplatedUlyssesAttention",
-                "_native_attention_forward_op", "_native_attention_backward_op")
+CP_TEMPLATES = ("_templated_context_parallel_attention", "_native_attention_forward_op",
+                "_native_attention_backward_op")
 CP_CONFIG_FIELDS = ("ulysses_degree", "ring_degree", "_ulysses_mesh", "_ring_mesh", "_flattened_mesh",
                     "_ulysses_local_rank", "_ring_local_rank", "_world_size")
 CP_HOOK_PREFIXES = ("cp_input---", "cp_output---")  # diffusers' context-parallel split / gather hook names
@@ -755,14 +758,6 @@ def templated_cp_attention(query, key, value, attn_mask, dropout_p, is_causal, s
     return _templated_context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                  enable_gqa, return_lse, forward_op=forward_op,
                                                  backward_op=backward_op, _parallel_config=parallel_config)
-
-
-def templated_ulysses(query, key, value, scale, forward_op, backward_op, parallel_config):
-    """diffusers' ``TemplatedUlyssesAttention`` (all-to-all to head shards, ``forward_op``, all-to-all back)."""
-    from diffusers.models.attention_dispatch import TemplatedUlyssesAttention
-
-    return TemplatedUlyssesAttention.apply(query, key, value, None, 0.0, False, scale, False, False, forward_op,
-                                           backward_op, parallel_config)
 
 
 def native_forward_op():

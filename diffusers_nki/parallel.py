@@ -286,7 +286,8 @@ def _all_gather(x: torch.Tensor, n: int, group) -> torch.Tensor:
     torch.compile, so a compiled block keeps one graph)."""
     import torch.distributed._functional_collectives as funcol
 
-    out = funcol.all_gather_tensor(x.contiguous(), 0, group)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch >= 2.13 renamed it
+    out = gather(x.contiguous(), 0, group)
     return funcol.wait_tensor(out).view((n,) + tuple(x.shape))
 
 

@@ -81,9 +81,10 @@ def run_case(case, cfg, spy):
         res["counters"], res["spy"] = _delta(c0, ops.counters()), _spy_delta(s0, spy.snapshot())
         res["layers"] = len(model.blocks)
         res["explain"] = str(diffusers_nki.explain(model))
-    elif case in ("anyflow_far", "anyflow_far_compiled"):
+    elif case in ("anyflow_far", "anyflow_far_compiled", "anyflow_far_sim"):
         pipe = tiny_pipeline("anyflow_far")
-        diffusers_nki.patch(pipe, backend="torch", cache=StaticCacheConfig(**ANYFLOW_FAR_CACHE))
+        backend = "sim" if case == "anyflow_far_sim" else "torch"  # sim: the NKI kernels (lse too) in the emulator
+        diffusers_nki.patch(pipe, backend=backend, cache=StaticCacheConfig(**ANYFLOW_FAR_CACHE))
         pipe.transformer.enable_parallelism(config=cfg, cp_plan=parallel.cp_plan(pipe.transformer))
         spy.watch(pipe.transformer)
         timer = None
@@ -159,7 +160,7 @@ def main():
     rank, world, U, R = int(rank), int(world), int(U), int(R)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
+                            timeout=datetime.timedelta(seconds=300))
     torch.accelerator.device_count = lambda: 1  # diffusers: device = rank % torch.accelerator.device_count()
     from diffusers import ContextParallelConfig
 
