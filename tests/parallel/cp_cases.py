@@ -10,9 +10,10 @@ ANYFLOW_FAR_CACHE = dict(capacity=sum(ANYFLOW_FAR_PARTITION) + 1, chunk_frames=2
 def anyflow_far_kwargs():
     kw = tiny_call_kwargs("anyflow_far", chunks=3, steps=2, seed=0, output_type="latent")
     cp = ANYFLOW_FAR_PARTITION
-    kw.update(num_frames=4 * (sum(cp) - 1) + 1, chunk_partition=list(cp), height=64, width=64)
+    # guidance 3: the transformer runs cond + uncond as batch 2 (per-batch key lengths under the shards)
+    kw.update(num_frames=4 * (sum(cp) - 1) + 1, chunk_partition=list(cp), height=64, width=64, guidance_scale=3.0)
     return kw
 
 
 def wan_inputs(make):
-    return make(1)  # 2 latent frames of 16x16: 128 tokens (divisible by 4 ranks), 12 text tokens
+    return make(2)  # batch 2, 2 latent frames of 16x16: 128 tokens (divisible by 4 ranks), 12 text tokens

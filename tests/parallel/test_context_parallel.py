@@ -116,7 +116,7 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
         # each rank holds its shard [B, C / R + 128 zero slots / R, H / U, D]; single process C = 4 compressed
         # frames x 4 tokens + 2 full chunks x 2 frames x 16 tokens, H = 2
         B, C, H, D = far["buffers"]
-        assert (B, H, D) == (1, 2 // U, 12) and C == (4 * 4 + 2 * 2 * 16) // R + -(-128 // R)
+        assert (B, H, D) == (2, 2 // U, 12) and C == (4 * 4 + 2 * 2 * 16) // R + -(-128 // R)
         assert "cache shard of rank" in far["explain"]
         # --- diffusers' templates around our forward/backward ops
         t = res["templates"]
