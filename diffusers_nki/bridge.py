@@ -2,9 +2,10 @@
 
 This is the ONLY module that touches diffusers' private names (``AttentionBackendName``,
 ``_AttentionBackendRegistry``, ``diffusers.utils.constants.DIFFUSERS_ATTN_BACKEND``; for context parallelism,
-at the end of the file: ``_templated_context_parallel_attention``, the native forward/backward ops, ``ContextParallelConfig``'s mesh fields, ``model._parallel_config``). It is version-guarded
+at the end of the file: ``_templated_context_parallel_attention``, the native forward/backward ops,
+``ContextParallelConfig``'s mesh fields, ``model._parallel_config``). It is version-guarded
 (diffusers >= 0.35) and ``check_diffusers()`` lists what changed if diffusers renames them (a test asserts it
-is empty).
+is empty; ``check_context_parallel()`` likewise for the context-parallel names).
 
 Registration (``install()``, done automatically when ``diffusers.models.attention_dispatch`` is imported after
 ``diffusers_nki``, or by ``patch()``): one ``AttentionBackendName`` member ``"nki"`` plus internal members

@@ -335,7 +335,8 @@ class CacheParallel:
         return n // self.R
 
     def share(self, n: int) -> int:
-        """This ring row's share of ``n`` interchangeable slots (e.g. zero keys): n // R, +1 for the first n % R rows."""
+        """This ring row's share of ``n`` interchangeable slots (e.g. zero keys): n // R, +1 for the first n % R
+        rows."""
         return n // self.R + (1 if self.layout.ring_rank < n % self.R else 0)
 
     def slots(self, n: int) -> int:

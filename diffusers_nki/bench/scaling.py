@@ -243,7 +243,8 @@ def model_layout(work: Workload, fab: Fabric, U: int, R: int, kernel_time: Calla
             if kind == "self" and (S % W or Skv % W):
                 flags.append(f"{c.name}: {S} tokens not divisible by {W} ranks")
             if c.causal_block and R > 1:
-                raise ValueError(f"{c.name}: a frame-causal mask cannot use ring attention (diffusers' ring has no mask)")
+                raise ValueError(f"{c.name}: a frame-causal mask cannot use ring attention (diffusers' ring has "
+                                 f"no mask)")
             s_w, k_w = -(-S // W), -(-Skv // W)
             if U > 1:  # q, k, v to head shards and the output back; one piece per peer
                 for n_tok in (s_w, k_w, k_w, s_w):
@@ -282,7 +283,7 @@ def model_layout(work: Workload, fab: Fabric, U: int, R: int, kernel_time: Calla
 
 
 def _kernel_time_fn(target: str, dtype: str = "bfloat16") -> Callable[[AttnCall], float]:
-    """Seconds of one kernel call on one core: ``bench/_modeled.model_call``'s per-core figure (all the call's heads)."""
+    """Seconds of one kernel call on one core: ``bench/_modeled.model_call``'s per-core figure (all its heads)."""
     from diffusers_nki.bench import _modeled
 
     return lambda call: float(_modeled.model_call(call, target, dtype)["core_s"])
@@ -332,7 +333,8 @@ def best(rows: Sequence[dict], ranks: Optional[int] = None) -> Optional[dict]:
 # ------------------------------------------------------------------------------------------------------
 # the per-chip figure of the matrix and the demo (replaces the collective-free "spread over the cores")
 # ------------------------------------------------------------------------------------------------------
-def chip_figure(calls: Sequence[AttnCall], target: str, tokens_per_frame: Optional[int] = None, kernel_time=None) -> dict:
+def chip_figure(calls: Sequence[AttnCall], target: str, tokens_per_frame: Optional[int] = None,
+                kernel_time=None) -> dict:
     """The best layout of ``calls`` over ALL of one chip's cores under context parallelism (U x R = cores per chip),
     collectives included and not overlapped; one core when that is faster or when a call has GQA (diffusers'
     templates have none). Even splits are preferred over uneven ones."""

@@ -70,7 +70,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"sq{c[0]}-skv{c[1]}-d{c[2]}-{str(c[3])[6:10]}-{c[4]}-cb{c[5]}-{c[6]}")
+def _case_id(c):
+    return f"sq{c[0]}-skv{c[1]}-d{c[2]}-{str(c[3])[6:10]}-{c[4]}-cb{c[5]}-{c[6]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_lse_parity(case):
     sq, skv, d, dtype, cache, cb, inputs = case
     args = make_case(sq, skv, d, dtype, cache, cb, inputs, seed=sq + skv)

@@ -150,7 +150,8 @@ def templates_case(cfg):
         out[f"{backend}_err"] = (o.detach() - ref[:, sl].detach()).abs().max().item()
         if backend == "torch":
             o.backward(do[:, sl])
-            out["grad_err"] = max((a.grad - b.grad[:, sl]).abs().max().item() for a, b in ((ql, qr), (kl, kr), (vl, vr)))
+            pairs = ((ql, qr), (kl, kr), (vl, vr))
+            out["grad_err"] = max((a.grad - b.grad[:, sl]).abs().max().item() for a, b in pairs)
     out["grad_scale"] = max(t.grad.abs().max().item() for t in (qr, kr, vr))
     return out
 
