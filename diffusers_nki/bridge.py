@@ -3,7 +3,9 @@
 Private names used (version-guarded, diffusers >= 0.35; ``check_diffusers()`` lists what changed if diffusers
 renames them, and a test asserts it is empty): ``AttentionBackendName``, ``_AttentionBackendRegistry``,
 ``diffusers.utils.constants.DIFFUSERS_ATTN_BACKEND``, a dispatch processor's ``_attention_backend``, and the few
-private model methods the static caches reuse (``MODEL_INTERNALS``).
+private model methods the static caches reuse (``MODEL_INTERNALS``). For context parallelism (at the end of the
+file): ``_templated_context_parallel_attention``, the native forward/backward ops, ``ContextParallelConfig``'s
+mesh fields, ``model._parallel_config`` (``check_context_parallel()`` lists what changed for those).
 
 Registration (``install()``, done automatically when ``diffusers.models.attention_dispatch`` is imported after
 ``diffusers_nki``, or by ``patch()``): one ``AttentionBackendName`` member ``"nki"`` plus internal members
@@ -21,6 +23,9 @@ modules it does not reach (those ``patch()`` swaps) and that ``diffusers_nki.pat
 The router and the mask analysis live in ``diffusers_nki.routing`` and ``diffusers_nki.masks``; the names the
 first release exported from here (``route``, ``plan``, ``run_plan``, ``fallback``, ``StrictFallbackError``, the
 record helpers, ``analyse_mask``, ``Plan``, ``blockmask_segments``) are re-exported for existing callers.
+
+With a parallel config (diffusers' context parallelism) or ``return_lse=True`` the call goes to
+``diffusers_nki.parallel`` (diffusers' Ulysses / ring templates around our ops; the log-sum-exp op).
 """
 from __future__ import annotations
 
@@ -238,10 +243,12 @@ def _make_backend_fn(backend: str, strict: bool):
                           _parallel_config=_parallel_config)
 
         reason = None
-        if return_lse:
-            reason = "return_lse=True (the kernel does not return the log-sum-exp)"
-        elif _parallel_config is not None:
-            reason = "context parallelism (a parallel_config is set): the kernel is single-device"
+        if _parallel_config is not None or return_lse:  # context parallelism / log-sum-exp: diffusers_nki.parallel
+            from diffusers_nki import parallel
+
+            return parallel.dispatch(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                     scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                     parallel_config=_parallel_config, backend=backend, strict=strict, stock=stock)
         if not routing.compiling() and routing.current_record() is None:
             routing.warn_unreached()  # the env-var / set_attention_backend route: say what it misses, once
         return routing.route(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -273,7 +280,8 @@ def install() -> None:
             name = value.upper() if not value.startswith("_") else "_" + value[1:].upper()
             member = _add_enum_member(AttentionBackendName, name, value)
             if member not in _AttentionBackendRegistry._backends:
-                _AttentionBackendRegistry.register(member, constraints=None, supports_context_parallel=False)(
+                _AttentionBackendRegistry.register(member, constraints=None,
+                                                   supports_context_parallel=not check_context_parallel())(
                     _make_backend_fn(backend, strict))
         _installed = True
     backends.resolve("auto")  # "nki" means "auto": decided now, eagerly, never first inside a trace
@@ -336,3 +344,92 @@ def install_if_dispatch_imported() -> bool:
         after_dispatch_import()
         return True
     return False
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# context parallelism: diffusers' ContextParallelConfig internals and templated attention (diffusers_nki.parallel)
+# ----------------------------------------------------------------------------------------------------------
+CP_TEMPLATES = ("_templated_context_parallel_attention", "_native_attention_forward_op",
+                "_native_attention_backward_op")
+CP_CONFIG_FIELDS = ("ulysses_degree", "ring_degree", "_ulysses_mesh", "_ring_mesh", "_flattened_mesh",
+                    "_ulysses_local_rank", "_ring_local_rank", "_world_size")
+CP_HOOK_PREFIXES = ("cp_input---", "cp_output---")  # diffusers' context-parallel split / gather hook names
+
+
+def check_context_parallel() -> list:
+    """What diffusers' context parallelism lacks compared with what ``diffusers_nki.parallel`` uses (empty: the
+    "nki" backend registers with ``supports_context_parallel=True``)."""
+    import importlib
+
+    try:
+        ad = importlib.import_module(DISPATCH_MODULE)
+        mp = importlib.import_module("diffusers.models._modeling_parallel")
+    except Exception as exc:  # pragma: no cover - depends on the installed diffusers
+        return [f"diffusers has no context parallelism ({type(exc).__name__}: {exc})"]
+    problems = [f"{DISPATCH_MODULE}.{n} is missing" for n in CP_TEMPLATES if not hasattr(ad, n)]
+    cfg = getattr(mp, "ContextParallelConfig", None)
+    if cfg is None:
+        return problems + ["diffusers.models._modeling_parallel.ContextParallelConfig is missing"]
+    fields = set(getattr(cfg, "__dataclass_fields__", {}))
+    problems += [f"ContextParallelConfig.{n} is missing" for n in CP_CONFIG_FIELDS if n not in fields]
+    return problems
+
+
+def cp_config(parallel_config):
+    """The ContextParallelConfig inside diffusers' ParallelConfig (or the config itself), or None."""
+    if parallel_config is None:
+        return None
+    return getattr(parallel_config, "context_parallel_config", parallel_config)
+
+
+def cp_groups(cp) -> dict:
+    """Degrees, ranks and process groups of a set-up ContextParallelConfig (mesh ("ring", "ulysses"))."""
+    return {
+        "ulysses_degree": int(cp.ulysses_degree), "ring_degree": int(cp.ring_degree),
+        "world_size": int(cp._world_size), "ulysses_rank": int(cp._ulysses_local_rank),
+        "ring_rank": int(cp._ring_local_rank),
+        "ulysses_group": cp._ulysses_mesh.get_group(), "ring_group": cp._ring_mesh.get_group(),
+        "flat_group": cp._flattened_mesh.get_group(),
+        "ulysses_anything": bool(getattr(cp, "ulysses_anything", False)),
+        "ring_anything": bool(getattr(cp, "ring_anything", False)),
+        "convert_to_fp32": bool(getattr(cp, "convert_to_fp32", True)),
+    }
+
+
+def templated_cp_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                           forward_op, backward_op, parallel_config):
+    """diffusers' ``_templated_context_parallel_attention`` (Ulysses all-to-all, ring, or both) around our ops."""
+    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+    return _templated_context_parallel_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                 enable_gqa, return_lse, forward_op=forward_op,
+                                                 backward_op=backward_op, _parallel_config=parallel_config)
+
+
+def native_forward_op():
+    from diffusers.models.attention_dispatch import _native_attention_forward_op
+
+    return _native_attention_forward_op
+
+
+def native_backward_op():
+    from diffusers.models.attention_dispatch import _native_attention_backward_op
+
+    return _native_attention_backward_op
+
+
+def model_parallel_config(model):
+    """The ParallelConfig ``enable_parallelism`` recorded on a diffusers model (``model._parallel_config``), or None."""
+    return getattr(model, "_parallel_config", None)
+
+
+def cp_hooks(model) -> list:
+    """Names of diffusers' context-parallel split/gather hooks registered on ``model`` or its submodules."""
+    found = []
+    for name, m in model.named_modules():
+        reg = getattr(m, "_diffusers_hook", None)
+        for hook in getattr(reg, "_hook_order", ()) if reg is not None else ():
+            if str(hook).startswith(CP_HOOK_PREFIXES):
+                found.append(f"{name or '<model>'}:{hook}")
+    return found

@@ -1,4 +1,4 @@
-"""Command line: ``diffusers-nki demo | bench [kernels]`` (also ``python -m diffusers_nki``).
+"""Command line: ``diffusers-nki demo | bench [kernels|cache|scaling]`` (also ``python -m diffusers_nki``).
 
 Each subcommand lives in its own module and is imported lazily, so ``--help`` stays fast.
 
@@ -29,6 +29,8 @@ BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
     "cache": ("diffusers_nki.bench.cache", "stock vs static-cache rollouts: shapes, recompiles, time, memory"),
     "budget": ("diffusers_nki.bench.budget", "MODELED end-to-end time and fps per chunk of chunk-causal Wan on trn2/trn3"),
+    "scaling": ("diffusers_nki.bench.scaling", "modeled attention under context parallelism (Ulysses x ring), "
+                "per chip and multi-chip, collectives included"),
 }
 
 

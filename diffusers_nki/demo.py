@@ -122,7 +122,9 @@ def _modeled_per_chunk(args) -> dict:
         return {"available": False, "reason": why}
     probe = chunk_attention_calls(window=args.window, sink=args.sink, chunks=args.chunks, steps=args.steps,
                                   chunk_frames=args.frames_per_chunk)
-    per_chunk = [_modeled.model_calls(calls) for calls in probe["chunks"]]
+    from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
+
+    per_chunk = [add_chip_figures(_modeled.model_calls(calls), calls) for calls in probe["chunks"]]
     return {"available": True, "modeled": True, "geometry": probe["geometry"], "unrouted_calls": probe["unrouted"],
             "distinct_shapes_full_scale": probe["distinct_shapes"], "chunks": per_chunk,
             "method": per_chunk[0]["method"] if per_chunk else ""}
@@ -247,8 +249,8 @@ def _stream(args) -> dict:
         steady = modeled["chunks"][-2 if len(modeled["chunks"]) > 1 else -1]["targets"]
         line = ", ".join(f"{t} {1e3 * v['chip_s']:.0f} ms ({100 * v['efficiency']:.0f}% of PE peak)"
                          for t, v in steady.items())
-        print(f"MODELED attention per full-scale chunk (one chip, 12 heads spread over its cores): {line}; "
-              f"the end-to-end budget: diffusers-nki bench budget")
+        print(f"MODELED attention per full-scale chunk (one chip, its cores under context parallelism, collectives "
+              f"included): {line}; the end-to-end budget: diffusers-nki bench budget")
     print(f"video: {report['video']} ({report['frames']} frames)   report: {os.path.join(args.output, 'demo.json')}")
     return report
 

@@ -166,4 +166,60 @@ def cache_write(k_cache, v_cache, k, v, slot, backend: str = "torch") -> None:
     _cache_write_op(k_cache, v_cache, k, v, slot, backend)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# attention with log-sum-exp (context parallelism: diffusers' ring attention merges partial results with it)
+# ----------------------------------------------------------------------------------------------------------
+# ``torch.ops.diffusers_nki.attention_lse(...same arguments as attention...) -> (out, lse)``: out as
+# ``attention``; lse float32 [B, H, Sq], the natural log-sum-exp of the scaled logits over the visible keys
+# (-inf for a row with no visible key). Counted under ``counters()["attention_lse"]``.
+_counts["attention_lse"] = dict.fromkeys(_PATHS, 0)
+
+
+@torch.library.custom_op("diffusers_nki::attention_lse", mutates_args=())
+def _attention_lse_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: Optional[torch.Tensor],
+    v_cache: Optional[torch.Tensor],
+    cache_len: Optional[torch.Tensor],
+    kv_len: Optional[torch.Tensor],
+    scale: Optional[float],
+    causal_block: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = backends.require(backend)
+    _count("attention_lse", backend)
+    out, lse = impl.attention_lse(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    B, Sq, H, _ = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or tuple(lse.shape) != (B, H, Sq) or lse.dtype != torch.float32:
+        raise RuntimeError(f"diffusers_nki::attention_lse backend {backend!r} returned {tuple(out.shape)} {out.dtype} "
+                           f"and lse {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape)} {q.dtype} and "
+                           f"{(B, H, Sq)} torch.float32")
+    return out.contiguous(), lse.contiguous()
+
+
+@_attention_lse_op.register_fake
+def _attention_lse_fake(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend):
+    B, Sq, H, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((B, H, Sq), dtype=torch.float32))
+
+
+def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
+                  backend: str = "torch"):
+    """``attention`` that also returns the per-row log-sum-exp: ``(out, lse)``, lse float32 [B, H, Sq] (natural
+    log of the scaled logits over the visible keys; -inf where a row sees no key). Same checks as ``attention``."""
+    backend = backends.resolve(backend)
+    reasons = _att_ref.not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    if reasons:
+        raise ValueError("diffusers_nki.ops.attention_lse: " + "; ".join(reasons))
+    hw = _hardware_op("attention_lse", backend)
+    if hw is not None:
+        return hw(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
+                  int(causal_block))
+    return _attention_lse_op(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
+                             int(causal_block), backend)
+
+
 from diffusers_nki import autograd as _autograd  # noqa: E402,F401  (registers the attention op's backward)

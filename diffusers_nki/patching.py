@@ -533,8 +533,11 @@ def _install_cache(model, req: Request) -> bool:
         warnings.warn(f"diffusers_nki.patch: no default static cache on {type(model).__name__} ({exc}); its "
                       "attention is patched, its caching stays stock", RuntimeWarning, stacklevel=5)
         return False
+    hook = _cache_hook(model)
+    if req.cache.backend is None:  # a config without a backend follows the patch (installed right after this)
+        hook.backend = req.backend
     if req.cache_default:
-        _cache_hook(model).origin = cache_mod.DEFAULT_ORIGIN
+        hook.origin = cache_mod.DEFAULT_ORIGIN
     return True
 
 
@@ -1204,7 +1207,7 @@ def _explain_model(name, model) -> ModelReport:
     compiled = {}
     if model_ev is not None and (model_ev.calls or model_ev.fallback_calls):
         compiled = {"by_backend": model_ev.by_backend(), "fallbacks": dict(model_ev.fallbacks)}
-    notes = tuple(fam.notes) + _routing_notes(model, st)
+    notes = tuple(fam.notes) + _routing_notes(model, st) + _parallel_notes(model)
     if mp is not None and mp.copied_from:
         notes = (f"a deep copy of a patched model (patched by {mp.copied_from}): it carries its own independent "
                  "patch, counted on its own; unpatch() it on its own",) + notes
@@ -1213,6 +1216,14 @@ def _explain_model(name, model) -> ModelReport:
     owners = tuple("own patch()" if r.owner == "self" else r.label for r in mp.requests) if mp is not None else ()
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, notes, cache_be, compiled, owners)
+
+
+def _parallel_notes(model) -> tuple:
+    """The context-parallel layout (degrees, what this rank holds) as a note; () without parallelism."""
+    from diffusers_nki import parallel
+
+    text = parallel.describe(model)
+    return (text,) if text else ()
 
 
 def _routing_notes(model, st) -> tuple:

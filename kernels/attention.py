@@ -4,10 +4,13 @@ Twin: ``kernels/attention_ref.py`` (same signature and semantics; ``not_supporte
 twin's function, so the shape/dtype limits live in one place).
 
 Signature (positional, like the twin): ``attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len,
-scale, causal_block)``; q [B, Sq, H, D], k/v [B, Skv, Hkv, D], caches [B, C, Hkv, D] (BSHD, read in place
-with strided DMA), ``cache_len`` int32 [1], ``kv_len`` int32 [B] (None when absent), ``scale`` a float
-(None: 1/sqrt(D)), ``causal_block`` an int (0: no frame-causal mask). Returns o [B, Sq, H, D] in q's dtype
-(``nl.shared_hbm``).
+scale, causal_block, return_lse=False)``; q [B, Sq, H, D], k/v [B, Skv, Hkv, D], caches [B, C, Hkv, D]
+(BSHD, read in place with strided DMA), ``cache_len`` int32 [1], ``kv_len`` int32 [B] (None when absent),
+``scale`` a float (None: 1/sqrt(D)), ``causal_block`` an int (0: no frame-causal mask). Returns o
+[B, Sq, H, D] in q's dtype (``nl.shared_hbm``); with ``return_lse=True`` returns ``(o, lse)``, lse float32
+[B, H, Sq] = the natural log-sum-exp of the scaled logits over the visible keys (-inf for a row with no
+visible key), taken from the epilogue's running max m and row sum l: lse = m + log(l) (context
+parallelism's ring attention merges partial results with it).
 
 Semantics: keys = cache slots [0, cache_len) followed by chunk keys [0, kv_len[b]); with causal_block = cb
 > 0, query i sees chunk key j iff j // cb <= i // cb (cache keys always visible); a query that sees no key
@@ -39,6 +42,9 @@ Algorithm (FlashAttention-2 style online softmax, one softmax update per block o
     PE   O_aug = P V_aug accumulated over the block's sub-tiles in one PSUM bank
     ACT  evict O_aug; POOL O_acc = alpha * O_acc + O_aug (first block: plain copy)
   Epilogue: O = O_acc[:, :D] * 1/max(l, tiny) on ScalarE, cast to q's dtype, DMA to o (strided BSHD).
+  With return_lse: lse = log(l + 2^-64) - bias (ScalarE log; bias = -m, the last block's exp bias), then
+  min(lse, +-inf) with -inf where l < 1/2 (l >= 1 whenever a key is visible: the max key contributes
+  exp(0) = 1): five [P,1] GpSimd ops and one [nq, 1] DMA to lse[b, h, qs:qs+nq] per q tile.
   VectorE does only the row max (plus a few P^T evictions), which is the structural bound on trn2
   (COST_MODEL.md 3.3); the rest is spread over ScalarE, GpSimd, TensorE and the DMA queues.
 
@@ -81,6 +87,7 @@ P = 128            # partitions
 MM_N = 512         # moving free size of one QK^T matmul = one fp32 PSUM bank
 NB = 3072          # keys per softmax update: 6 PSUM banks of scores, one max / exp per block
 TINY = 1.0e-30     # epilogue guard: rows with no valid key have O = 0 and l = 0
+LOG_FLOOR = 2.0 ** -64   # lower end of the ScalarE log's valid input range (NKI_SUBSET.md); lse epilogue
 SBUF_BYTES = {2: 192 * 1024, 3: 224 * 1024, 4: 256 * 1024}   # per partition [ARCH2/3/4]
 RESERVE = 32 * 1024   # per-partition SBUF kept for the working tiles (P, P^T, staging, masks: ~20 KiB bf16)
 GROUP_R = 16          # q tiles per group when K/V need several SBUF segments
@@ -325,6 +332,7 @@ def _block(ctx, st, kT, vA, c, w):
         nisa.tensor_tensor(dst=oacc[0:nq, :], data1=oacc[0:nq, :], data2=oblk[0:nq, :], op=nl.add,
                            engine=nisa.engine.gpsimd)
     st["negm"] = negm
+    st["bias"] = bias
     st["n"] = st["n"] + 1
 
 
@@ -340,6 +348,43 @@ def _finish(ctx, st):
     nisa.activation(dst=out[0:nq, :], op=nl.copy, data=oacc[0:nq, 0:D], scale=rinv[0:nq, :])
     nisa.dma_copy(dst=_hbm_rows(ctx["o"], ctx["b"], st["qs"], nq, st["h"], ctx["Sq"], ctx["H"], D),
                   src=out[0:nq, :])
+    if ctx["lse"] != None:  # noqa: E711
+        _finish_lse(ctx, st)
+
+
+def _finish_lse(ctx, st):
+    """lse[b, h, qs:qs+nq] = m + log(l) in fp32, m = -bias (the scaled running max); -inf where l = 0.
+    One ScalarE log, the rest on GpSimd (otherwise idle here), one [nq, 1] DMA."""
+    D, nq = ctx["D"], st["nq"]
+    c = ctx["lse_consts"]
+    l_col = st["oacc"][0:nq, D:D + 1]
+    lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    # log(l + 2^-64) = log(l) in fp32 for l >= 1 (a visible key: the max key contributes exp(0) = 1)
+    nisa.activation(dst=lse[0:nq, :], op=nl.log, data=l_col, bias=c[0:nq, 0:1])
+    nisa.tensor_tensor(dst=lse[0:nq, :], data1=lse[0:nq, :], data2=st["bias"][0:nq, :], op=nl.subtract,
+                       engine=nisa.engine.gpsimd)
+    # bound = (flag - 1/2) * inf = +inf where a key was visible (l >= 1/2), -inf where none was (l = 0)
+    bound = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=bound[0:nq, :], data1=l_col, data2=c[0:nq, 1:2], op=nl.greater_equal,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=bound[0:nq, :], data1=bound[0:nq, :], data2=c[0:nq, 1:2], op=nl.subtract,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=bound[0:nq, :], data1=bound[0:nq, :], data2=c[0:nq, 2:3], op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=lse[0:nq, :], data1=lse[0:nq, :], data2=bound[0:nq, :], op=nl.minimum,
+                       engine=nisa.engine.gpsimd)
+    Sq = ctx["Sq"]
+    dst = ctx["lse"].ap(pattern=[[1, nq], [1, 1]], offset=(ctx["b"] * ctx["H"] + st["h"]) * Sq + st["qs"])
+    nisa.dma_copy(dst=dst, src=lse[0:nq, :])
+
+
+def _lse_consts():
+    """[P, 3] fp32 columns for the lse epilogue: 2^-64 (log floor), 1/2 (visible-key threshold), +inf."""
+    c = nl.ndarray((P, 3), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=c[:, 0:1], value=LOG_FLOOR, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=c[:, 1:2], value=0.5, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=c[:, 2:3], value=float("inf"), engine=nisa.engine.gpsimd)
+    return c
 
 
 def _tile_blocks(ctx, st, seg, res):
@@ -391,7 +436,7 @@ def _check_shapes(q, k, v, k_cache, v_cache):
 
 
 @nki.jit
-def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block):
+def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, return_lse=False):
     _check_shapes(q, k, v, k_cache, v_cache)
     B, Sq, H, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
@@ -408,6 +453,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     p_dt = mm_dt  # P in the matmul dtype (bf16 / fp16 / fp32)
     isz = 2 if p_is16 else 4
     o = nl.ndarray((B, Sq, H, D), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse_out = nl.ndarray((B, H, Sq), dtype=nl.float32, buffer=nl.shared_hbm) if return_lse else None
 
     # runtime lengths, broadcast to every partition (fp32, exact below 2^24)
     cl_f = _broadcast_lengths(cache_len, 1) if has_cache else None
@@ -424,7 +470,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
 
     ctx = {"q": q, "o": o, "Sq": Sq, "H": H, "D": D, "Hkv": Hkv, "gen": gen, "mm_dt": mm_dt, "p_dt": p_dt,
            "p_is16": p_is16, "out_dt": q.dtype, "scale": scale, "scale_col": scale_col, "tb": tb,
-           "s_ps": s_ps, "o_ps": o_ps, "t_ps": t_ps, "nb": nb,
+           "s_ps": s_ps, "o_ps": o_ps, "t_ps": t_ps, "nb": nb, "lse": lse_out,
+           "lse_consts": _lse_consts() if return_lse else None,
            "red_op": nl.maximum if scale >= 0 else nl.minimum,
            "run_op": nl.minimum if scale >= 0 else nl.maximum}
 
@@ -507,4 +554,6 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
                         res = None
                     for st in sts:
                         _finish(ctx, st)
+    if return_lse:
+        return o, lse_out
     return o

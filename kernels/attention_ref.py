@@ -9,7 +9,10 @@ Semantics (shared with the NKI kernel):
 - ``causal_block > 0``: frame-causal (block-causal) mask between the queries and the chunk's own keys:
   query i sees chunk key j iff ``j // causal_block <= i // causal_block``; cache keys are always visible;
 - a query that sees no key at all returns zeros (never NaN);
-- ``scale`` defaults to ``1/sqrt(D)``; the output has q's dtype.
+- ``scale`` defaults to ``1/sqrt(D)``; the output has q's dtype;
+- ``return_lse=True``: also the per-row log-sum-exp, float32 [B, H, Sq], natural log of the SCALED logits
+  over the visible keys (``logsumexp_j(scale * q.k_j)``); a row with no visible key has lse = -inf. Ring
+  attention merges partial results exactly with it (diffusers' context parallelism).
 No dense mask is ever taken as input; shapes never depend on ``cache_len`` or ``kv_len`` (runtime tensors),
 so one compiled graph serves every chunk.
 """
@@ -119,8 +122,11 @@ def key_mask(q, k, k_cache=None, cache_len=None, kv_len=None, causal_block=0) ->
     return torch.cat(parts, dim=-1)
 
 
-def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
-    """softmax(q k^T * scale) v over [valid cache slots | valid chunk keys], BSHD layout; see module doc."""
+def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
+                  return_lse=False):
+    """softmax(q k^T * scale) v over [valid cache slots | valid chunk keys], BSHD layout; see module doc.
+
+    ``return_lse=True`` returns ``(out, lse)`` with ``lse`` float32 [B, H, Sq] (see module doc)."""
     check_inputs(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     D = q.shape[-1]
     scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
@@ -137,12 +143,33 @@ def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     if mask is not None:  # rows with no visible key: zeros, never NaN
         o = torch.where(mask.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=o.device))
-    return o.transpose(1, 2).contiguous()
+    o = o.transpose(1, 2).contiguous()
+    if not return_lse:
+        return o
+    return o, _lse(qt, kt, mask, scale)
+
+
+LSE_ROWS = 1024  # query rows per block of the twin's LSE (bounds the fp32 score memory)
+
+
+def _lse(qt, kt, mask, scale) -> torch.Tensor:
+    """log-sum-exp over the visible keys of the scaled fp32 logits: [B, H, Sq] float32 (-inf: no key)."""
+    B, H, Sq, _ = qt.shape
+    out = torch.empty((B, H, Sq), dtype=torch.float32, device=qt.device)
+    kf = kt.float()
+    for r0 in range(0, Sq, LSE_ROWS):
+        r1 = min(Sq, r0 + LSE_ROWS)
+        s = (qt[:, :, r0:r1].float() @ kf.transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[:, :, r0:r1], float("-inf"))
+        out[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
+    return out
 
 
 def attention_oracle(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None,
-                     causal_block=0, dtype=torch.float64):
-    """The same math in high precision (float64 by default) with explicit softmax: the test oracle."""
+                     causal_block=0, dtype=torch.float64, return_lse=False):
+    """The same math in high precision (float64 by default) with explicit softmax: the test oracle
+    (``return_lse=True``: also the log-sum-exp [B, H, Sq] in ``dtype``)."""
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     check_inputs(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     D = q.shape[-1]
@@ -165,4 +192,7 @@ def attention_oracle(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)
     o = (p @ vt) / torch.where(l > 0, l, torch.ones_like(l))
-    return o.transpose(1, 2).contiguous()
+    o = o.transpose(1, 2).contiguous()
+    if not return_lse:
+        return o
+    return o, (m + torch.log(l)).squeeze(-1)

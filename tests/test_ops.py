@@ -57,7 +57,8 @@ def test_counters_and_reset():
     assert ops.counters() == {"attention": {"torch": 2, "sim": 0, "nki": 0, "stock": 0},
                               "cache_write": {"torch": 1, "sim": 0, "nki": 0, "stock": 0},
                               "attention_backward": {"torch": 0, "sim": 0, "nki": 0, "stock": 0},
-                              "qk_norm_rope": {"torch": 0, "sim": 0, "nki": 0, "stock": 0}}
+                              "qk_norm_rope": {"torch": 0, "sim": 0, "nki": 0, "stock": 0},
+                              "attention_lse": {"torch": 0, "sim": 0, "nki": 0, "stock": 0}}
     snapshot = ops.counters()
     snapshot["attention"]["torch"] = 99  # a copy
     assert ops.counters()["attention"]["torch"] == 2

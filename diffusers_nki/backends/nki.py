@@ -43,14 +43,15 @@ import importlib
 import os
 import re
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind
 
 __all__ = ["unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
-           "hardware_op", "prepare", "attention", "cache_write", "qk_norm_rope", "force_emulator", "HW_OP_NAMES"]
+           "hardware_op", "prepare", "attention", "attention_lse", "cache_write", "qk_norm_rope", "force_emulator",
+           "HW_OP_NAMES"]
 
 _TRUTHY = ("1", "true", "yes", "on")
 
@@ -66,6 +67,7 @@ HW_OP_NAMES = {
     "attention": ("diffusers_nki::attention_nki", ()),
     "cache_write": ("diffusers_nki::cache_write_nki", ("k_cache", "v_cache")),
     "qk_norm_rope": ("diffusers_nki::qk_norm_rope_nki", ()),
+    "attention_lse": ("diffusers_nki::attention_lse_nki", ()),
 }
 
 _jitted = {}
@@ -194,6 +196,17 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
                   None if scale is None else float(scale), int(causal_block))
 
 
+def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    """(out, lse float32 [B, H, Sq]): the attention kernel launched with ``return_lse=True``."""
+    if is_real(q):
+        importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+            q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    out, lse = launch("attention", contiguous(q), contiguous(k), contiguous(v), contiguous(k_cache),
+                      contiguous(v_cache), as_int32(cache_len), as_int32(kv_len),
+                      None if scale is None else float(scale), int(causal_block), True)
+    return out, lse
+
+
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
     """Write the chunk at ``slot``; the kernel returns the caches and they are rebound into the caller's."""
     if is_real(k):
@@ -240,7 +253,16 @@ def _qk_norm_rope_nki(x: torch.Tensor, weight: torch.Tensor, eps: Optional[float
     return qk_norm_rope(x, weight, eps, cos, sin, heads)
 
 
-_BODIES = {"attention": _attention_nki, "cache_write": _cache_write_nki, "qk_norm_rope": _qk_norm_rope_nki}
+def _attention_lse_nki(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Optional[torch.Tensor],
+                       v_cache: Optional[torch.Tensor], cache_len: Optional[torch.Tensor],
+                       kv_len: Optional[torch.Tensor], scale: Optional[float],
+                       causal_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    _count("attention_lse", q)
+    return attention_lse(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+
+
+_BODIES = {"attention": _attention_nki, "cache_write": _cache_write_nki, "qk_norm_rope": _qk_norm_rope_nki,
+           "attention_lse": _attention_lse_nki}
 
 
 def _define(nki_op) -> dict:

@@ -68,3 +68,13 @@ def qk_norm_rope(x, weight, eps, cos, sin, heads):
     out = simulate(qk_norm_rope_kernel)(_cpu(x).contiguous(), _cpu(weight).contiguous(), eps,
                                         _cpu(cos).contiguous(), _cpu(sin).contiguous(), int(heads))
     return out.to(device=x.device, dtype=x.dtype)
+
+
+def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    """(out, lse float32 [B, H, Sq]): the kernel's ``return_lse=True`` output, run in the emulator."""
+    simulate, attention_kernel, _, _ = _load()
+    importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+        q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    out, lse = simulate(attention_kernel)(_cpu(q), _cpu(k), _cpu(v), _cpu(k_cache), _cpu(v_cache), _i32(cache_len),
+                                          _i32(kv_len), scale, int(causal_block), True)
+    return out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)

@@ -20,3 +20,8 @@ def cache_write(k_cache, v_cache, k, v, slot) -> None:
 
 def qk_norm_rope(x, weight, eps, cos, sin, heads):
     return qk_norm_rope_ref(x, weight, eps, cos, sin, heads)
+
+
+def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
+    """(out, lse float32 [B, H, Sq]) from the twin (``return_lse=True``)."""
+    return attention_ref(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, return_lse=True)

@@ -318,6 +318,9 @@ def _modeled_row(family: str, args) -> dict:
               "patched_tokens_per_layer": cap,
               "note": "stock: the FAR pipeline's full + compressed allocation; patched: the static cache"}
     res = _modeled.model_calls(calls, _targets(args))
+    from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
+
+    add_chip_figures(res, calls, pub.tokens_per_latent_frame)
     res.update(status="ok", unit=pub.unit, published=pub.to_dict(), shapes_from=shapes_from, kv_cache=kv)
     return res
 
@@ -400,7 +403,10 @@ def build_matrix(args, log=print) -> dict:
         from diffusers_nki.bench._published import SELF_FORCING
 
         if _modeled.available():
-            reference = dict(_modeled.model_calls(SELF_FORCING.calls, _targets(args)),
+            from diffusers_nki.bench.scaling import add_chip_figures
+
+            reference = dict(add_chip_figures(_modeled.model_calls(SELF_FORCING.calls, _targets(args)),
+                                              SELF_FORCING.calls, SELF_FORCING.tokens_per_latent_frame),
                              published=SELF_FORCING.to_dict(), unit="chunk")
     import diffusers
 
@@ -486,8 +492,10 @@ def render_markdown(result: dict) -> str:
         f"{result['environment']['diffusers']}, {result['environment']['threads']} threads, backend "
         f"`{result['backend']}`, {result['chunks']}-chunk AR rollouts, {result['repeats']} timing repeats"
         f"{', --quick' if result['quick'] else ''}). MODELED columns: the attention kernel's emulator trace + "
-        "its dependency-aware schedule at each family's published full scale (one chip, heads spread over its "
-        "cores; the roofline ceiling beside the trn2 figure); never measured. Tiny models are dominated by Python overhead: the CPU ratios show the cost of "
+        "its dependency-aware schedule at each family's published full scale (one chip: all its NeuronCores under "
+        "diffusers' context parallelism, best Ulysses x ring layout, collectives included and not overlapped; "
+        "`diffusers-nki bench scaling`; the roofline ceiling beside the trn2 figure); never measured. Tiny models "
+        "are dominated by Python overhead: the CPU ratios show the cost of "
         "the routing layer, not Trainium speed.",
         "",
         "| " + " | ".join(HEADERS) + " |",

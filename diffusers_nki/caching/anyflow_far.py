@@ -67,7 +67,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from diffusers_nki import bridge
+from diffusers_nki import bridge, parallel
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write, round_up
 
@@ -131,41 +131,58 @@ class _Rope:
 # ------------------------------------------------------------------------------------------------------
 class _DenoiseStep:
     """Attention of one denoising step: the chunk's queries over [cache prefix | the chunk's keys], both read
-    in place (``cache_len`` covers the stock zero keys when emulated, ``kv_len`` masks the padded frames)."""
+    in place (``cache_len`` covers the stock zero keys when emulated, ``kv_len`` masks the padded frames).
+    Under context parallelism (``cp``, a ``diffusers_nki.parallel.CacheParallel``) q/k/v are this rank's tokens
+    of every frame (``groups``) and the cache this rank's shard; the plan holds this rank's lengths."""
 
-    def __init__(self, plan: Plan, backend):
-        self.plan, self.backend = plan, backend
+    def __init__(self, plan: Plan, backend, cp=None, groups=()):
+        self.plan, self.backend, self.cp, self.groups = plan, backend, cp, groups
 
     def attend(self, q, k, v, layer: LayerKV):
-        p = self.plan
-        return attention(q, k, v, layer.k, layer.v, p.scalar("cache_len"), p.per_batch("kv_len"), None, 0, self.backend)
+        p, cp = self.plan, self.cp
+        if cp is None:
+            return attention(q, k, v, layer.k, layer.v, p.scalar("cache_len"), p.per_batch("kv_len"), None, 0,
+                             self.backend)
+        q, k, v = (cp.to_heads(t, self.groups) for t in (q, k, v))
+        out = cp.attention(q, k, v, layer.k, layer.v, p.scalar("cache_len"), p.per_batch("kv_len"))
+        return cp.from_heads(out, self.groups)
 
 
 class _CacheStep:
     """Attention + cache writes of one cache step (fixed slot layout, see module doc)."""
 
     def __init__(self, plan: Plan, n: int, ctpf: int, ftpf: int, full_slots: int, zeros: Optional[torch.Tensor],
-                 backend):
+                 backend, cp=None, groups=()):
         self.plan, self.n, self.ctpf, self.ftpf, self.full_slots, self.backend = plan, n, ctpf, ftpf, full_slots, backend
-        self.zeros = zeros
+        self.zeros, self.cp, self.groups = zeros, cp, groups
 
     def attend(self, q, k, v, layer: LayerKV):
-        p, be = self.plan, self.backend
-        Sc, Sf = self.n * self.ctpf, self.n * self.ftpf
-        outs = [attention(q[:, :Sc], k[:, :Sc], v[:, :Sc], layer.k, layer.v, p.scalar("comp_cache_len"),
-                          p.per_batch("comp_kv_len"), None, 0, be)]
+        p, be, cp = self.plan, self.backend, self.cp
+        if cp is None:
+            ctpf, ftpf = self.ctpf, self.ftpf
+
+            def att(q_, k_, v_, cl, kvl):
+                return attention(q_, k_, v_, layer.k, layer.v, cl, kvl, None, 0, be)
+        else:  # this rank's heads of its ring row's tokens of every frame (see diffusers_nki.parallel)
+            q, k, v = (cp.to_heads(t, self.groups) for t in (q, k, v))
+            ctpf, ftpf = self.ctpf // cp.R, self.ftpf // cp.R
+
+            def att(q_, k_, v_, cl, kvl):
+                return cp.attention(q_, k_, v_, layer.k, layer.v, cl, kvl)
+        Sc, Sf = self.n * ctpf, self.n * ftpf
+        outs = [att(q[:, :Sc], k[:, :Sc], v[:, :Sc], p.scalar("comp_cache_len"), p.per_batch("comp_kv_len"))]
         for f in range(self.n):  # frame by frame: the ring may wrap inside a chunk
-            s = slice(f * self.ctpf, (f + 1) * self.ctpf)
+            s = slice(f * ctpf, (f + 1) * ctpf)
             cache_write(layer.k, layer.v, k[:, s], v[:, s], p.scalar(f"comp_slot{f}"), be)
         for i in range(self.full_slots):
             s = slice(Sc + i * Sf, Sc + (i + 1) * Sf)
             at = p.scalar(f"full_at{i}")
-            outs.append(attention(q[:, s], k[:, s], v[:, s], layer.k, layer.v, at, p.per_batch(f"full_kv_len{i}"),
-                                  None, 0, be))
+            outs.append(att(q[:, s], k[:, s], v[:, s], at, p.per_batch(f"full_kv_len{i}")))
             cache_write(layer.k, layer.v, k[:, s], v[:, s], at, be)
         if self.zeros is not None:  # the zero slots the next denoising steps count in (stock quirk)
             cache_write(layer.k, layer.v, self.zeros, self.zeros, p.scalar("zeros_at"), be)
-        return torch.cat(outs, dim=1)
+        out = torch.cat(outs, dim=1)
+        return out if cp is None else cp.from_heads(out, self.groups)
 
 
 class AnyFlowFARCacheProcessor:
@@ -268,20 +285,27 @@ class _Rollout:
                                    f"{given} minus {full_region_frames} full-resolution frames)")
         self.valid_end_max = comp_cap * self.ctpf + max(full_region_frames * self.ftpf, self.ctpf)
         pad_keys = hook.emulate_stock_key_padding
-        capacity_tokens = self.valid_end_max + (FLEX_BLOCK if pad_keys else 0)
         blk = module.blocks[0].attn1
         head_dim = blk.inner_dim // blk.heads
-        shape = (B, capacity_tokens, blk.heads, head_dim)
+        # context parallelism (enable_parallelism): this rank's shard of every buffer, see diffusers_nki.parallel
+        self.cp = cp = parallel.cache_parallel(module, hook.backend, "AnyFlow-FAR static cache")
+        hook.parallel = cp
+        heads, zero_slots = blk.heads, FLEX_BLOCK
+        capacity_tokens = self.valid_end_max
+        if cp is not None:
+            cp.check(blk.heads, (self.ftpf, self.ctpf), "AnyFlow-FAR static cache")
+            heads, zero_slots, capacity_tokens = blk.heads // cp.U, cp.slots(FLEX_BLOCK), cp.tokens(self.valid_end_max)
+        capacity_tokens += zero_slots if pad_keys else 0
+        shape = (B, capacity_tokens, heads, head_dim)
         if previous is not None and previous.buffers.shape == shape and previous.buffers.k[0].dtype == self.dtype \
                 and previous.buffers.k[0].device == self.device:
             self.buffers = previous.buffers  # same geometry: reuse; only the zero slots must be zero again
             for t in self.buffers.k + self.buffers.v if pad_keys else ():
-                t[:, :FLEX_BLOCK].zero_()
+                t[:, :zero_slots].zero_()
         else:
-            self.buffers = KVBuffers(len(module.blocks), B, capacity_tokens, blk.heads, head_dim, self.dtype,
-                                     self.device)
+            self.buffers = KVBuffers(len(module.blocks), B, capacity_tokens, heads, head_dim, self.dtype, self.device)
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
-        self.zeros = torch.zeros((B, FLEX_BLOCK, blk.heads, head_dim), dtype=self.dtype, device=self.device) \
+        self.zeros = torch.zeros((B, zero_slots, heads, head_dim), dtype=self.dtype, device=self.device) \
             if pad_keys else None
         self.rope = _Rope(module.rope, (self.hp, self.wp, self.hc, self.wc), self.device)
         self.full_tokens = 0
@@ -314,9 +338,11 @@ class _Rollout:
         needed = comp_frames_needed + full_region
         capacity = max(needed, self._pipeline_frames(a) or 2 * self.capacity_frames)
         comp_cap = capacity - full_region
-        pad = FLEX_BLOCK if self.zeros is not None else 0
+        pad = 0 if self.zeros is None else (FLEX_BLOCK if self.cp is None else self.cp.slots(FLEX_BLOCK))
         self.valid_end_max = comp_cap * self.ctpf + max(full_region * self.ftpf, self.ctpf)
-        bigger = self.buffers.grown(self.valid_end_max + pad, self.ring.valid * self.ctpf + self.full_tokens)
+        # this rank's shard under context parallelism, like the first allocation (every count is whole frames)
+        bigger = self.buffers.grown(self._t(self.valid_end_max) + pad,
+                                    self._t(self.ring.valid * self.ctpf + self.full_tokens))
         warnings.warn(
             f"AnyFlow-FAR static cache: this rollout needs more than capacity={self.capacity_frames} frames of "
             f"history; the buffers grow once to {capacity} frames (the output is unchanged; one new set of "
@@ -329,6 +355,14 @@ class _Rollout:
         self.stats["grown"] = self.stats.get("grown", 0) + 1
 
     # -- helpers ---------------------------------------------------------------------------------------
+    def _t(self, n: int) -> int:
+        """A token count of whole frames on this rank (context parallelism: / ring_degree)."""
+        return n if self.cp is None else self.cp.tokens(n)
+
+    def _z(self, n: int) -> int:
+        """This rank's share of ``n`` stock zero keys."""
+        return n if self.cp is None else self.cp.share(n)
+
     def check(self, a: dict, c: int):
         if _geometry(a) != self.geometry:
             raise ValueError(
@@ -368,6 +402,8 @@ class _Rollout:
         return tokens, temb, proj.unflatten(2, (6, -1)), ehs
 
     def _run_blocks(self, module, hidden, ehs, proj, freqs, step):
+        if self.cp is not None:  # this rank's tokens of every frame (per-token conditioning and RoPE alike)
+            hidden, proj, freqs = (self.cp.shard(t, step.groups) for t in (hidden, proj, freqs))
         rotary = {"query": freqs, "key": freqs}
         for block, layer in zip(module.blocks, self.layers):
             hidden = block(hidden, ehs, proj, rotary, None, layer, step)
@@ -387,11 +423,14 @@ class _Rollout:
         self.rope.ensure(F0 + n)
         freqs = self.rope.freqs(positions, compressed=False).view(1, n * ftpf, 1, -1)
         real = n_real * ftpf
-        cache_len = self.ring.valid * self.ctpf + self.full_tokens
+        cache_len = self._t(self.ring.valid * self.ctpf + self.full_tokens)
         if self.zeros is not None:  # stock's zero keys: the zero slots right after the valid prefix
-            cache_len += round_up(real, FLEX_BLOCK) - real
-        plan = Plan({"cache_len": cache_len, "kv_len": real}, self.geometry[0], self.device)
-        hidden = self._run_blocks(module, tokens, ehs, proj, freqs, _DenoiseStep(plan, hook.backend))
+            cache_len += self._z(round_up(real, FLEX_BLOCK) - real)
+        plan = Plan({"cache_len": cache_len, "kv_len": self._t(real)}, self.geometry[0], self.device)
+        groups = ((n, ftpf),)
+        hidden = self._run_blocks(module, tokens, ehs, proj, freqs, _DenoiseStep(plan, hook.backend, self.cp, groups))
+        if self.cp is not None:
+            hidden = self.cp.gather(hidden, groups)
         out = _head(module, hidden, temb)
         B, Cin, H, W = self.geometry
         out = bridge.unpack_latent_sequence(module, out, num_frames=n, height=H, width=W,
@@ -417,24 +456,26 @@ class _Rollout:
         freqs = torch.cat([self.rope.freqs(frames[:n], compressed=True),
                            self.rope.freqs(frames[n:], compressed=False)]).view(1, tokens.shape[1], 1, -1)
         # host-side plan: ring placement of the newly compressed chunk, then the full chunks behind it
-        values: Dict[str, int] = {"comp_cache_len": self.ring.valid * ctpf,
-                                  "comp_kv_len": cp[comp] * ctpf if comp is not None else 0}
+        t = self._t  # every value counts whole frames: this rank's share under context parallelism
+        values: Dict[str, int] = {"comp_cache_len": t(self.ring.valid * ctpf),
+                                  "comp_kv_len": t(cp[comp] * ctpf) if comp is not None else 0}
         if comp is not None and hook.config.grow and not hook.config.rolling \
                 and self.ring.valid + cp[comp] > self.ring.capacity:
             self.grow(hook, a, self.ring.valid + cp[comp])
         slots = self.ring.place(cp[comp]) if comp is not None else []
         trash = self.ring.valid * ctpf  # first slot after the compressed prefix: overwritten by the full chunks
         for f in range(n):
-            values[f"comp_slot{f}"] = slots[f] * ctpf if f < len(slots) else trash
+            values[f"comp_slot{f}"] = t(slots[f] * ctpf if f < len(slots) else trash)
         at = self.ring.valid * ctpf
         for i, j in enumerate(full):
             real = cp[j] * ftpf if j is not None else 0
-            values[f"full_at{i}"], values[f"full_kv_len{i}"] = at, real
+            values[f"full_at{i}"], values[f"full_kv_len{i}"] = t(at), t(real)
             at += real
         self.full_tokens = at - self.ring.valid * ctpf
-        values["zeros_at"] = at
+        values["zeros_at"] = t(at)
         plan = Plan(values, self.geometry[0], self.device)
-        step = _CacheStep(plan, n, ctpf, ftpf, self.full_slots, self.zeros, hook.backend)
+        step = _CacheStep(plan, n, ctpf, ftpf, self.full_slots, self.zeros, hook.backend, self.cp,
+                          ((n, ctpf), (self.full_slots * n, ftpf)))
         self._run_blocks(module, tokens, ehs, proj, freqs, step)
         self.cached_chunks += 1
         self.stats["cache_steps"] += 1
@@ -464,6 +505,7 @@ class AnyFlowFARStaticCache(StaticCacheHook):
 
     family = "anyflow_far"
     emulate_stock_key_padding = True
+    parallel = None  # the rollout's diffusers_nki.parallel.CacheParallel under context parallelism
 
     def initialize_hook(self, module):
         from diffusers.models.transformers.transformer_anyflow_far import AnyFlowTransformerBlock
@@ -534,7 +576,7 @@ class AnyFlowFARStaticCache(StaticCacheHook):
             f"{s.ring.evicted} evicted; {st['denoise_steps']} denoising steps, {st['cache_steps']} cache steps",
             f"cache-step tokens encoded: {st['cache_tokens']} vs {st['cache_tokens_stock']} stock "
             f"({100 * saved:.0f}% saved)",
-        ]
+        ] + ([s.cp.describe(s.buffers.shape)] if s.cp is not None else [])
 
 
 def _no_mask(*args, **kwargs):

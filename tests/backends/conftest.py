@@ -10,6 +10,7 @@ fake implementation is the body itself); ``nki_op=False`` is a torch-neuronx wit
 from __future__ import annotations
 
 import sys
+import importlib.machinery
 import types
 from dataclasses import dataclass, field
 from typing import List
@@ -90,6 +91,8 @@ def fake_neuron(monkeypatch):
         isa.nc_matmul = object()
         nki_mod.language, nki_mod.isa = lang, isa
         tnx = types.ModuleType("torch_neuronx")
+        for m in (nki_mod, lang, isa, tnx):  # importlib.util.find_spec (diffusers' availability checks) needs one
+            m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)
         if nki_op:
             def _nki_op(name, fn=None, mutates_args=()):
                 def dec(body):

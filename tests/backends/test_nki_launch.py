@@ -141,13 +141,14 @@ def test_nki_op_registration(fake_neuron):
 
     fake = fake_neuron()
     backends.require("nki")  # patch() resolves the backend this way: it registers the ops eagerly
-    assert len(fake.nki_op_calls) == 3
+    assert len(fake.nki_op_calls) == 4
     regs = hw.hardware_ops()
-    assert set(regs) == {"attention", "cache_write", "qk_norm_rope"}
+    assert set(regs) == {"attention", "cache_write", "qk_norm_rope", "attention_lse"}
     assert fake.nki_op_calls == [("diffusers_nki::attention_nki", ()),
                                  ("diffusers_nki::cache_write_nki", ("k_cache", "v_cache")),
-                                 ("diffusers_nki::qk_norm_rope_nki", ())]
-    assert hw.hardware_ops() is regs and len(fake.nki_op_calls) == 3  # registered once
+                                 ("diffusers_nki::qk_norm_rope_nki", ()),
+                                 ("diffusers_nki::attention_lse_nki", ())]
+    assert hw.hardware_ops() is regs and len(fake.nki_op_calls) == 4  # registered once
     schema = str(torch.ops.diffusers_nki.cache_write_nki.default._schema)
     assert re.search(r"Tensor\(a\d*!\) k_cache, Tensor\(a\d*!\) v_cache, Tensor k, Tensor v, Tensor slot\) -> \(\)$",
                      schema), schema

@@ -118,3 +118,15 @@ def test_a_model_the_default_cache_cannot_serve_keeps_stock_caching_visibly():
         assert find_hook(model) is None and diffusers_nki.explain(model).summary()["routed_share"] == 1.0
     finally:
         diffusers_nki.unpatch(model)
+
+
+def test_explicit_config_without_backend_follows_the_patch_backend():
+    # StaticCacheConfig(backend=None) follows the backend patch() installs on the model (the cache is installed
+    # while the attention patch is being installed, before patched_backend() can report it)
+    pipe = tiny_pipeline("anyflow_far")
+    diffusers_nki.patch(pipe, backend="sim", cache=StaticCacheConfig())
+    assert find_hook(pipe.transformer).backend == "sim"
+    diffusers_nki.unpatch(pipe)
+    diffusers_nki.patch(pipe, backend="torch")  # the default cache too
+    assert find_hook(pipe.transformer).backend == "torch"
+    diffusers_nki.unpatch(pipe)
