@@ -575,6 +575,12 @@ _SPECS: dict[str, _Spec] = {
         text_len=8,
     ),
 }
+
+# --- the video families of the video patches (configs and inputs in diffusers_nki/tiny_video.py) -----------
+from diffusers_nki import tiny_video as _tiny_video  # noqa: E402  (needs Family and _Spec above)
+
+FAMILIES.update(_tiny_video.FAMILIES)
+_SPECS.update(_tiny_video.SPECS)
 assert set(_SPECS) == set(FAMILIES)
 
 
