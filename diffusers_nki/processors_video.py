@@ -15,7 +15,8 @@ router (``route``: the kernel when it can represent the call exactly, else a vis
   tokens] and zero-pads the rest; a key-prefix prompt mask becomes ONE kernel call with ``kv_len = video +
   valid`` and zeroed padded rows (static shapes), any other mask the per-element gather of stock, each element
   one kernel call.
-- ``mochi_attention_pool_forward``: the caption attention pool of Mochi's time embedding (one query).
+- ``mochi_attention_pool_forward``: the caption attention pool of Mochi's time embedding (one query; its keys
+  are reordered so any prompt mask becomes ``kv_len``).
 - ``NKIKandinsky5AttnProcessor``: dense calls through the router; NABLA sparse calls (a flex ``BlockMask``) through
   ``block_sparse_attention``.
 - ``NKIKandinsky6SRAttnProcessor``: Kandinsky 6 SR's NABLA attention (stock: always flex) through
@@ -327,22 +328,30 @@ def _mochi_attention(attn, hidden_states, encoder_hidden_states, attention_mask,
 
 def mochi_attention_pool_forward(stock_module, backend: str, strict: bool):
     """A forward for ``MochiAttentionPool`` (the caption pooling of Mochi's time embedding: ONE query, the masked
-    mean token, attends [mean | prompt tokens]); its bool key-padding mask becomes ``kv_len``. At Mochi's full
-    scale its head_dim is 4096 / 8 = 512, beyond the kernel's limit: that call falls back visibly."""
+    mean token, attends [mean | prompt tokens] under the prompt's bool mask). Softmax does not depend on key
+    order, so each element's visible keys are moved to the front (a stable sort of the mask: tensor ops, no value
+    reads) and the mask becomes ``kv_len``, whatever its pattern. At Mochi's full scale its head_dim is 4096 / 8 =
+    512, beyond the kernel's limit: that call falls back visibly."""
+    stock_forward = type(stock_module).forward
 
     def forward(self, x, mask):
         D = x.size(2)
-        attn_mask = F.pad(mask[:, None, None, :].bool(), (1, 0), value=True)  # (B, 1, 1, 1 + L)
-        x = torch.cat([self.pool_tokens(x, mask, keepdim=True), x], dim=1)
-        kv = self.to_kv(x)
-        q = self.to_q(x[:, 0])
+        vis = F.pad(mask.bool(), (1, 0), value=True)  # (B, 1 + L): the mean token is always visible
+        x_all = torch.cat([self.pool_tokens(x, mask, keepdim=True), x], dim=1)
+        kv = self.to_kv(x_all)
+        q = self.to_q(x_all[:, 0])
         head_dim = D // self.num_attention_heads
-        kv = kv.unflatten(2, (2, self.num_attention_heads, head_dim)).transpose(1, 3)  # (B, H, 2, 1 + L, d)
-        k, v = kv.unbind(2)
-        q = q.unflatten(1, (self.num_attention_heads, head_dim)).unsqueeze(2)  # (B, H, 1, d)
-        qs, ks, vs = _bshd(q, k, v)
-        out = router.route(qs, ks, vs, attn_mask, backend=backend, strict=strict,
-                           stock=lambda: _sdpa_bhsd(q, k, v, attn_mask))
+        kv = kv.unflatten(2, (2, self.num_attention_heads, head_dim))  # (B, 1 + L, 2, H, d): BSHD per k / v
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        q = q.unflatten(1, (self.num_attention_heads, head_dim)).unsqueeze(1)  # (B, 1, H, d)
+        problems = ops.attention_not_supported_reasons(q, k, v)
+        if problems:
+            router.fallback("kernel limits: " + "; ".join(problems), strict, anchor=q)
+            return stock_forward(self, x, mask)
+        order = torch.argsort((~vis).to(torch.int8), dim=1, stable=True)[:, :, None, None].expand_as(k)
+        kv_len = vis.sum(-1).to(torch.int32)
+        out = ops.attention(q, k.gather(1, order), v.gather(1, order), kv_len=kv_len, backend=backend)
+        router.note_routed()
         return self.to_out(out.flatten(1, 3))
 
     return forward

@@ -579,8 +579,8 @@ _SPECS: dict[str, _Spec] = {
 # --- the video families of the video patches (configs and inputs in diffusers_nki/tiny_video.py) -----------
 from diffusers_nki import tiny_video as _tiny_video  # noqa: E402  (needs Family and _Spec above)
 
-FAMILIES.update(_tiny_video.FAMILIES)
-_SPECS.update(_tiny_video.SPECS)
+FAMILIES.update({name: Family(*fam) for name, fam in _tiny_video.FAMILIES.items()})
+_SPECS.update({name: _Spec(*spec) for name, spec in _tiny_video.SPECS.items()})
 assert set(_SPECS) == set(FAMILIES)
 
 

@@ -24,15 +24,13 @@ _T = "diffusers.models.transformers."
 
 
 def _family(path, note):
-    from diffusers_nki.tiny import Family
-
-    return Family(_T + path, note)
+    """(class path, note): ``diffusers_nki.tiny`` wraps it in its ``Family`` (this module never imports tiny)."""
+    return _T + path, note
 
 
 def _spec(config, inputs, geometry, text_len=12):
-    from diffusers_nki.tiny import _Spec
-
-    return _Spec(config, inputs, geometry, text_len)
+    """(config factory, input builder, default latent (F, H, W), text length) for ``diffusers_nki.tiny._Spec``."""
+    return config, inputs, geometry, text_len
 
 
 def _randn(g, shape, dtype):

@@ -9,6 +9,7 @@ PATCH = FamilyPatch(
     models=(_M + "Cosmos3OmniTransformer",),
     dispatch=(_M + "Cosmos3AttnProcessor",),
     notes=("GQA (enable_gqa=True): the kernel reads each kv head once for its query-head group",
-           "static KV cache: not applicable here; the understanding (text) K/V are step-invariant within one "
-           "generation, but the pipeline recomputes them with the generation pass"),
+           "static KV cache: not applicable (one-shot denoiser); note the understanding path attends only itself and "
+           "takes no timestep, so its K/V are identical at every denoising step: an exact prefix cache could skip "
+           "it (a cache family this release does not have; stock recomputes it each step)"),
 )
