@@ -298,6 +298,8 @@ def _mochi_attention(attn, hidden_states, encoder_hidden_states, attention_mask,
     if problems:
         router.fallback("kernel limits: " + "; ".join(problems), strict, anchor=q)
         return stock()
+    if attention_mask is None:  # (stock requires a mask) no mask: every prompt token is valid
+        attention_mask = torch.ones(q.shape[0], n_text, dtype=torch.bool, device=q.device)
     mask = attention_mask.reshape(attention_mask.shape[0], -1)
     counts = None if router._compiling() else _prefix_lengths(mask)
     if counts is not None:

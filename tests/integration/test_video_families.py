@@ -387,3 +387,28 @@ def test_cogvideox_block_compiles_fullgraph():
     finally:
         torch._dynamo.reset()
     assert _rel(out, ref) <= 1e-5 and ops.counters()["attention"]["torch"] == len(model.transformer_blocks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# modeled rows (cheap ones: the batched Latte temporal call and the Kandinsky 6 SR block-sparse rows)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["latte", "kandinsky6_sr"])
+def test_modeled_rows_of_batched_calls(family):
+    import argparse
+    import math
+
+    from diffusers_nki.bench import _modeled, matrix
+    from diffusers_nki.bench._published import published_for
+
+    if not _modeled.available():
+        pytest.skip(_modeled.unavailable_reason())
+    md = matrix._modeled_row(family, argparse.Namespace(quick=True))
+    assert md["status"] == "ok" and md["modeled"] is True and md["unit"] == "forward"
+    t2 = md["targets"]["trn2"]
+    assert math.isfinite(t2["chip_s"]) and 0 < t2["chip_s"] <= t2["core_s"] and 0 < t2["efficiency"] <= 1
+    pub = published_for(family)
+    batched = max(pub.calls, key=lambda c: c.batch)
+    assert batched.batch > 1  # per-frame / per-patch / per-query-block rows are batch iterations of the kernel
+    one = _modeled.model_call(batched, "trn2")
+    assert one["iters"] == batched.batch * batched.heads
+    assert one["core_s"] == pytest.approx(one["per_head_s"] * one["iters"])
