@@ -40,7 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from diffusers_nki import bridge as router  # route / plan / run_plan / fallback / note_routed / _compiling
+from diffusers_nki import bridge as router  # route, fallback, note_routed, _compiling, _IdCache
 from diffusers_nki import ops
 from diffusers_nki.processors import _Routed
 
@@ -242,13 +242,22 @@ def _mochi_rope(x, freqs_cos, freqs_sin):
     return torch.stack([cos, sin], dim=-1).flatten(-2)
 
 
+_prefix_cache = router._IdCache()  # per mask object (and version): every layer of a forward gets the same mask
+
+
 def _prefix_lengths(mask):
-    """Per-row valid-token counts when every row of the [B, N] prompt mask is a key prefix, else None (reads the
-    mask's values: eager only)."""
+    """Per-row valid-token counts when every row of the [B, N] prompt mask is a key prefix, else None. Reads the
+    mask's values (eager only), once per mask object."""
+    key = (getattr(mask, "_version", 0), tuple(mask.shape))
+    hit = _prefix_cache.get(mask, key)
+    if hit is not None:
+        return hit[0]
     m = mask.bool()
     count = m.sum(-1)
     prefix = torch.arange(m.shape[-1], device=m.device)[None, :] < count[:, None]
-    return count if bool((prefix == m).all()) else None
+    result = count if bool((prefix == m).all()) else None
+    _prefix_cache.put(mask, key, (result,))
+    return result
 
 
 def mochi_attention_forward(stock_module, backend: str, strict: bool):
@@ -301,7 +310,7 @@ def _mochi_attention(attn, hidden_states, encoder_hidden_states, attention_mask,
     if attention_mask is None:  # (stock requires a mask) no mask: every prompt token is valid
         attention_mask = torch.ones(q.shape[0], n_text, dtype=torch.bool, device=q.device)
     mask = attention_mask.reshape(attention_mask.shape[0], -1)
-    counts = None if router._compiling() else _prefix_lengths(mask)
+    counts = None if router._compiling() else _prefix_lengths(attention_mask if attention_mask.dim() == 2 else mask)
     if counts is not None:
         # one call: keys [video | first n_b prompt tokens]; query rows past them are zero, as stock pads them
         kv_len = (counts + n_video).to(torch.int32).contiguous()

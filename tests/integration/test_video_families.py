@@ -132,6 +132,21 @@ def test_mochi_non_prefix_prompt_mask_keeps_stock_valid_token_gather(spy, monkey
     assert spy.stock == 0 and ops.counters()["attention"]["stock"] == 0
 
 
+def test_mochi_mask_changed_in_place_is_not_stale():
+    """The prefix analysis is cached per mask object and version: an in-place edit between calls is seen."""
+    _require("mochi")
+    model, make_inputs = tiny.tiny_transformer("mochi")
+    stock, _ = tiny.tiny_transformer("mochi")
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    mask[0, 12:] = False
+    diffusers_nki.patch(model, backend="torch", strict=True)
+    for edit in (None, slice(4, 7)):
+        if edit is not None:
+            mask[0, edit] = False  # now not a prefix
+        ref = _run(stock, make_inputs(encoder_attention_mask=mask))
+        assert _rel(_run(model, make_inputs(encoder_attention_mask=mask)), ref) <= 1e-5
+
+
 # ----------------------------------------------------------------------------------------------------------
 # processors beyond the default ones
 # ----------------------------------------------------------------------------------------------------------
