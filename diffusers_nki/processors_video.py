@@ -24,12 +24,14 @@ router (``route``: the kernel when it can represent the call exactly, else a vis
 - ``perceiver_attention_forward`` / ``perceiver_cross_attention_forward``: ConsisID's ``PerceiverAttention`` and
   ``PerceiverCrossAttention`` (a hand-written softmax with the 1/sqrt(D) scale split over q and k).
 
-``block_sparse_attention`` serves a flex ``BlockMask`` made only of FULL blocks (what NABLA builds:
-``BlockMask.from_kv_blocks`` with zero partial blocks and no mask_mod): each query block attends the union of its
-key blocks, so gathering those key blocks into a dense row (padded to the longest row) and masking the padding
-with ``kv_len`` gives the same softmax (key order does not matter). Rows are (batch, head, query block); one
-kernel call per group of rows whose gathered K/V stay under ``BLOCK_SPARSE_BUDGET`` elements. Masks with
-partial blocks, a mask_mod, or a geometry that does not tile the sequence fall back visibly.
+``block_sparse_attention`` serves a flex ``BlockMask`` whose visible blocks are whole blocks: its full blocks,
+plus its partial blocks when the mask_mod is the no-op (NABLA: ``BlockMask.from_kv_blocks`` with only full
+blocks and ``mask_mod=None``). Each query block attends the union of its key blocks, so gathering those key
+blocks into a dense row (padded to the longest row) and masking the padding with ``kv_len`` gives the same
+softmax (key order does not matter). Rows are (batch, head, query block); one kernel call per group of rows
+whose gathered K/V stay under ``BLOCK_SPARSE_BUDGET`` elements. Partial blocks decided by a real mask_mod, or a
+geometry that does not tile the sequence, fall back visibly (``block_sparse_reason`` says why).
+Tested ranges: tiny models (sequences of 64-128 tokens, blocks of 16 and 64, 1-2 heads), fp32, torch and sim.
 
 The router is reached through the single ``router`` import below (it moves out of ``bridge`` into its own module).
 """

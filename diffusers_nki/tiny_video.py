@@ -325,27 +325,30 @@ FAMILIES = {
     "cogvideox": _family(
         "cogvideox_transformer_3d.CogVideoXTransformer3DModel",
         "CogVideoX: joint [text | video] attention, direct SDPA (routed processor); 3D RoPE on the video part; "
-        "tiny config of diffusers' test with head_dim 16 and rotary embeddings on (CogVideoX-5B / 1.5 style)"),
+        "tiny config of diffusers' test with head_dim 16 and rotary embeddings on (CogVideoX-5B style)"),
     "consisid": _family(
         "consisid_transformer_3d.ConsisIDTransformer3DModel",
         "ConsisID (CogVideoX-5B + identity): CogVideoX processors plus the parameterised softmax of its "
-        "Perceiver attentions (local facial extractor, per-block face cross-attention); rotary on; 2 layers so "
-        "the face cross-attention runs twice"),
+        "Perceiver attentions (local facial extractor, per-block face cross-attention); adapted from diffusers' "
+        "test: head_dim 16 with rotary on, 2 layers (the face cross-attention runs twice), face cross-attention "
+        "2 heads x 4 (test: 1 x 1), LFE_depth 2, LFE_output_dim 21 = int(inner_dim * 2 / 3) as the model needs"),
     "allegro": _family(
         "transformer_allegro.AllegroTransformer3DModel",
         "Allegro: self + text cross-attention, direct SDPA (routed); Allegro 3D RoPE from the pipeline; padded "
-        "prompt -> the model's -10000 bias"),
+        "prompt -> the model's -10000 bias; adapted from diffusers' test: head_dim 24 (the RoPE splits it in 3 "
+        "even parts), cross_attention_dim = inner dim 48"),
     "latte": _family(
         "latte_transformer_3d.LatteTransformer3DModel",
         "Latte: spatial (per frame) and temporal (per patch) blocks of diffusers' Attention + AttnProcessor2_0; "
-        "3 latent frames so the temporal attention has more than one key"),
+        "diffusers' test config with video_length 3 and 3 latent frames, so the temporal attention has more "
+        "than one key"),
     "easyanimate": _family(
         "transformer_easyanimate.EasyAnimateTransformer3DModel",
         "EasyAnimate: MMDiT joint attention (direct SDPA, routed) then single-stream layers; 3D RoPE"),
     "mochi": _family(
         "transformer_mochi.MochiTransformer3DModel",
         "Mochi: asymmetric joint attention over [video | valid prompt tokens] per batch element (direct SDPA, "
-        "routed); padded prompt in make_inputs"),
+        "routed) + the caption attention pool; diffusers' test config on a 2x8x8 latent, padded prompt"),
     "chronoedit": _family(
         "transformer_chronoedit.ChronoEditTransformer3DModel", "ChronoEdit (Wan 2.1 I2V derivative): dispatch"),
     "wan_animate": _family(
