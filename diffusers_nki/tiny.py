@@ -577,6 +577,12 @@ _SPECS: dict[str, _Spec] = {
         text_len=8,
     ),
 }
+
+# --- the video families of the video patches (configs and inputs in diffusers_nki/tiny_video.py) -----------
+from diffusers_nki import tiny_video as _tiny_video  # noqa: E402  (needs Family and _Spec above)
+
+FAMILIES.update({name: Family(*fam) for name, fam in _tiny_video.FAMILIES.items()})
+_SPECS.update({name: _Spec(*spec) for name, spec in _tiny_video.SPECS.items()})
 assert set(_SPECS) == set(FAMILIES)
 
 

@@ -10,6 +10,9 @@ import importlib
 MODULES = (
     "wan", "wan_animate2", "skyreels_v2", "anyflow", "hunyuan_video", "framepack", "hunyuan_video15", "helios",
     "ltx", "ltx2", "cosmos", "sana_video", "sana_wm", "sana_wm_refiner",
+    # the other video transformers of diffusers 0.42.1 (softmax attention)
+    "allegro", "chronoedit", "cogvideox", "consisid", "cosmos3", "easyanimate", "joyimage", "kandinsky5",
+    "kandinsky6", "kandinsky6_sr", "latte", "minimax_h3", "mochi", "motif_video", "wan_animate",
 )
 
 _families = None

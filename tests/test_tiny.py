@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from diffusers_nki import tiny
+from diffusers_nki import tiny, tiny_video
 
 FAMILY_PARAMS = [
     pytest.param(name, marks=pytest.mark.skip(reason=tiny.unavailable_families()[name]))
@@ -13,11 +13,15 @@ FAMILY_PARAMS = [
 
 
 def _sample(out):
+    if isinstance(out, torch.Tensor):  # Kandinsky 5 returns a bare tensor with return_dict=False
+        return out
     out = out[0]
     return out[0] if isinstance(out, list) else out
 
 
 def _expected_shape(family, model, inputs):
+    if family in tiny_video.FAMILIES:
+        return tiny_video.expected_output_shape(family, model, inputs)
     hs = inputs["hidden_states"]
     cfg = model.config
     if family == "wan_animate2":

@@ -519,3 +519,8 @@ def published_for(family: str) -> Optional[Published]:
     """The published configuration of ``family`` or None when the table has none (say so; never guess)."""
     return PUBLISHED.get(family)
 
+
+# --- the video families of the video patches (configurations in bench/_published_video.py) --------------------
+from diffusers_nki.bench._published_video import VIDEO_PUBLISHED as _VIDEO_PUBLISHED  # noqa: E402
+
+PUBLISHED.update(_VIDEO_PUBLISHED)

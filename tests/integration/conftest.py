@@ -11,7 +11,10 @@ from diffusers_nki import ops
 
 
 def sample(out):
-    """The sample tensor of a transformer's return_dict=False output (Wan-Animate-2 returns a list)."""
+    """The sample tensor of a transformer's return_dict=False output (Wan-Animate-2 returns a list, Kandinsky 5 a
+    bare tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out
     out = out[0]
     return out[0] if isinstance(out, list) else out
 

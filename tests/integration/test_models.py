@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import ops, tiny
+from diffusers_nki import ops, tiny, tiny_video
 from diffusers_nki.patches import coverage, family_for
 
 FAMILIES = [
@@ -15,7 +15,7 @@ FAMILIES = [
 ]
 
 # the family patch module covering each tiny family
-PATCH_FAMILY = {"anyflow_far": "anyflow"}
+PATCH_FAMILY = {"anyflow_far": "anyflow", "joyimage_edit": "joyimage", "joyimage_edit_plus": "joyimage"}
 
 
 def test_every_tiny_family_is_covered():
@@ -65,6 +65,7 @@ SIM_GEOMETRY = {  # the smallest latent shapes each tiny model accepts
     "cosmos": dict(frames=1, height=4, width=4), "sana_video": dict(frames=1, height=4, width=4),
     "sana_wm": dict(frames=2, height=4, width=4), "sana_wm_refiner": dict(frames=1, height=2, width=2),
 }
+SIM_GEOMETRY.update(tiny_video.SIM_GEOMETRY)  # the video families of diffusers_nki.tiny_video
 # fp32 models: the kernel keeps fp32 operands and fp32 statistics. SANA-WM's softmax modules run their
 # attention in bf16 (as stock): the kernel's bf16 P matrix rounds differently from SDPA's.
 SIM_TOL = {"sana_wm": 1e-3}
