@@ -42,8 +42,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from diffusers_nki import bridge as router  # route, fallback, note_routed, _compiling, _IdCache
-from diffusers_nki import ops
+from diffusers_nki import masks, ops
+from diffusers_nki import routing as router  # route, fallback, note_routed, compiling
 from diffusers_nki.processors import _Routed
 
 __all__ = [
@@ -244,21 +244,23 @@ def _mochi_rope(x, freqs_cos, freqs_sin):
     return torch.stack([cos, sin], dim=-1).flatten(-2)
 
 
-_prefix_cache = router._IdCache()  # per mask object (and version): every layer of a forward gets the same mask
+_prefix_cache = masks.IdCache()  # per mask object: every layer of a forward gets the same mask
 
 
 def _prefix_lengths(mask):
     """Per-row valid-token counts when every row of the [B, N] prompt mask is a key prefix, else None. Reads the
-    mask's values (eager only), once per mask object."""
-    key = (getattr(mask, "_version", 0), tuple(mask.shape))
+    mask's values (eager only); cached per mask object, every hit validated against a snapshot of the values
+    (in-place changes, ``.data`` included, are seen), as ``masks.analyse_mask`` does."""
+    key = (tuple(mask.shape), mask.dtype, mask.device)
     hit = _prefix_cache.get(mask, key)
-    if hit is not None:
-        return hit[0]
+    if hit is not None and torch.equal(hit[0], mask):
+        return hit[1]
     m = mask.bool()
     count = m.sum(-1)
     prefix = torch.arange(m.shape[-1], device=m.device)[None, :] < count[:, None]
     result = count if bool((prefix == m).all()) else None
-    _prefix_cache.put(mask, key, (result,))
+    if mask.numel() <= masks.SNAPSHOT_LIMIT:
+        _prefix_cache.put(mask, key, (mask.detach().clone(), result))
     return result
 
 
@@ -312,7 +314,7 @@ def _mochi_attention(attn, hidden_states, encoder_hidden_states, attention_mask,
     if attention_mask is None:  # (stock requires a mask) no mask: every prompt token is valid
         attention_mask = torch.ones(q.shape[0], n_text, dtype=torch.bool, device=q.device)
     mask = attention_mask.reshape(attention_mask.shape[0], -1)
-    counts = None if router._compiling() else _prefix_lengths(attention_mask if attention_mask.dim() == 2 else mask)
+    counts = None if router.compiling() else _prefix_lengths(attention_mask if attention_mask.dim() == 2 else mask)
     if counts is not None:
         # one call: keys [video | first n_b prompt tokens]; query rows past them are zero, as stock pads them
         kv_len = (counts + n_video).to(torch.int32).contiguous()
@@ -401,7 +403,7 @@ def block_sparse_reason(block_mask, q, k):
                               or t.shape[2] != S // bq):
             return f"BlockMask block counts of shape {tuple(t.shape)} for (B, H, query blocks)={(B, H, S // bq)}"
     if not _is_noop(block_mask.mask_mod):
-        if router._compiling():
+        if router.compiling():
             return "BlockMask with a mask_mod inside torch.compile (its partial blocks cannot be checked)"
         if bool((block_mask.kv_num_blocks != 0).any()):
             return "BlockMask with partial blocks under a mask_mod (the mask_mod decides some scores)"
@@ -439,7 +441,7 @@ def block_sparse_attention(q, k, v, block_mask, backend: str, budget: int = BLOC
     bq, bk = block_mask.BLOCK_SIZE
     nqb, nkb = S // bq, S // bk
     counts, idx = _visible_blocks(block_mask, B, H, nqb, nkb)
-    width = idx.shape[-1] if router._compiling() else max(1, int(counts.max()))
+    width = idx.shape[-1] if router.compiling() else max(1, int(counts.max()))
     rows = B * H * nqb
     flat_idx = idx[..., :width].long().reshape(rows, width).clamp_(0, nkb - 1)
     kv_len = (counts.reshape(rows) * bk).to(torch.int32)
