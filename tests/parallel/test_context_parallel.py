@@ -152,7 +152,9 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
         assert c["cache_write"]["torch"] == references["causal_wan_calls"]["cache_write"] == writes
         # each rank holds its shard [B, 9 history frames x 4 tokens / R, H / U, D]; 3 frames were evicted
         assert cw["buffers"] == (2, 9 * 4 // R, 2 // U, 12), cw["buffers"]
-        assert "12 frames committed, 9 held, 3 evicted" in cw["explain"]
+        assert "12 frames committed, 9 held, 3 evicted; 10 denoising calls, 4 cache passes" in cw["explain"]
+        # explain from what ran on this rank: every module's calls (the ring's lse calls included)
+        assert f"calls: {2 * layers * passes} routed, 0 fallback" in cw["explain"]
         assert f"ulysses_degree={U}, ring_degree={R}, {world} ranks; this process is rank {r}" in cw["explain"]
         assert f"cache shard of rank {r}" in cw["explain"] and f"per-layer K/V buffers {list(cw['buffers'])}" \
             in cw["explain"]
