@@ -53,15 +53,16 @@ class ModuleRecord:
 
     @property
     def calls(self) -> int:
-        """Attention kernel calls that ran (any backend)."""
-        return sum(self.ran["attention"].values())
+        """Attention kernel calls that ran (any backend; with the log-sum-exp op of ring attention too)."""
+        return sum(self.by_backend().values())
 
     @property
     def fallback_calls(self) -> int:
         return sum(self.fallbacks.values())
 
     def by_backend(self) -> Dict[str, int]:
-        return {b: n for b, n in sorted(self.ran["attention"].items()) if n}
+        both = Counter(self.ran["attention"]) + Counter(self.ran.get("attention_lse", {}))
+        return {b: n for b, n in sorted(both.items()) if n}
 
     def reset(self) -> None:
         with _lock:

@@ -35,8 +35,8 @@ unrepresentable mask falls back visibly to diffusers' native forward op (counted
 ring attention cannot fall back (native attention has no log-sum-exp) and raises; diffusers' ring passes the
 SAME mask for every rank's keys, so a mask under ring attention is refused with a clear error.
 
-Static caches under context parallelism (``CacheParallel``; AnyFlow-FAR in ``caching/anyflow_far.py``)
------------------------------------------------------------------------------------------------------
+Static caches under context parallelism (``CacheParallel``; ``caching/anyflow_far.py``, ``caching/causal_wan.py``)
+-------------------------------------------------------------------------------------------------------------
 The cache hooks run the transformer blocks themselves, so they shard their own tokens (the model's plan must
 not split anything: ``cp_plan(model)`` is ``{}`` for such a model and a diffusers split hook on it raises):
 - tokens: every FRAME's t tokens are split into W contiguous parts, rank f holds part f of every frame
@@ -51,9 +51,11 @@ not split anything: ``cp_plan(model)`` is ``{}`` for such a model and a diffuser
 - runtime lengths: every cache length, write slot and key-padding length is the single-process value / R
   (``tokens``); counts that are not whole frames (AnyFlow-FAR's stock zero keys) are spread over the ring
   rows (``share``). Shapes never depend on them: one compiled shape per call site on every rank.
-The same helpers serve any frame-structured cache (the causal Wan caches: shard the chunk's tokens per frame,
-allocate ``cache_shape(...)``, map lengths with ``tokens``, attend with ``to_heads`` / ``attention`` /
-``from_heads``, write the head-sharded keys with ``ops.cache_write`` at ``tokens(slot)``).
+The same helpers serve any frame-structured cache; the causal Wan cache (sinks + rolling window: every slot its
+FrameRing hands out is whole frames, so local slot = slot / R) shards the chunk's tokens per frame, allocates
+``cache_shape(...)``, maps lengths with ``tokens``, attends with ``to_heads`` / ``attention`` / ``from_heads`` and
+writes the head-sharded keys with ``ops.cache_write`` at ``tokens(slot)``; a call holding several causal blocks
+uses ``causal_block`` under Ulysses and one pass-Q call per block (``kv_len``) under ring.
 Limits (clear errors): heads % U == 0, tokens per frame % W == 0; the cached path is inference only.
 """
 from __future__ import annotations
@@ -404,13 +406,19 @@ class CacheParallel:
         return recv.permute(1, 2, 0, 3, 4).reshape(B, recv.shape[2], U * Hl, D)
 
     # -- attention over [this rank's cache shard | the chunk] ---------------------------------------------
-    def attention(self, q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None) -> torch.Tensor:
+    def attention(self, q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None,
+                  causal_block: int = 0) -> torch.Tensor:
         """Attention of head-sharded q/k/v (``to_heads``) over the cache shards of the ring (in place) and the
-        chunk's keys, with this rank's lengths (``tokens``/``share``). R == 1: one ``ops.attention`` call.
-        R > 1: queries all-gathered over the ring, ``ops.attention_lse`` against the local shard, partials
-        returned to their owners (one all-to-all each for out and lse) and merged with the log-sum-exp."""
+        chunk's keys, with this rank's lengths (``tokens``/``share``). R == 1: one ``ops.attention`` call
+        (``causal_block``, in this rank's tokens, as the kernel takes it). R > 1: queries all-gathered over the
+        ring, ``ops.attention_lse`` against the local shard, partials returned to their owners (one all-to-all
+        each for out and lse) and merged with the log-sum-exp; no ``causal_block`` there (the gathered queries
+        are ring-row-major: call block by block with ``kv_len`` instead)."""
         if self.R == 1:
-            return ops.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, 0, self.backend)
+            return ops.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, self.backend)
+        if causal_block:
+            raise ValueError(f"diffusers_nki context parallelism: causal_block={causal_block} with ring_degree="
+                             f"{self.R} (pass-Q ring); attend block by block with kv_len")
         R, g = self.R, self.layout.ring_group
         B, Sq, Hl, D = q.shape
         q_all = _all_gather(q, R, g).permute(1, 0, 2, 3, 4).reshape(B, R * Sq, Hl, D)
@@ -439,8 +447,8 @@ def cache_parallel(model, backend: str = "auto", what: str = "static cache") -> 
     hooks = bridge.cp_hooks(model)
     if hooks:
         raise ValueError(f"{what}: diffusers' context-parallel plan hooks are registered ({', '.join(hooks[:3])}); "
-                         f"the static cache shards its own tokens: call enable_parallelism(config=..., "
-                         f"cp_plan=diffusers_nki.parallel.cp_plan(model)) instead")
+                         f"the static cache shards its own tokens: install the cache first (diffusers_nki.patch), "
+                         f"then call enable_parallelism(config=..., cp_plan=diffusers_nki.parallel.cp_plan(model))")
     return CacheParallel(lay, backend)
 
 
@@ -450,9 +458,12 @@ SELF_SHARDED = ("diffusers.models.transformers.transformer_anyflow_far.AnyFlowFA
 
 def cp_plan(model) -> dict:
     """The ``cp_plan`` to pass to ``enable_parallelism`` for a patched model: ``{}`` for a model whose static cache
-    shards its own calls (AnyFlow-FAR), else the model's own ``_cp_plan`` (diffusers' default)."""
+    shards its own calls (AnyFlow-FAR; a ``WanTransformer3DModel`` carrying the causal Wan cache, so install that
+    cache FIRST: ``diffusers_nki.patch(pipe)``), else the model's own ``_cp_plan`` (diffusers' default)."""
+    from diffusers_nki.caching.core import find_hook
+
     path = f"{type(model).__module__}.{type(model).__qualname__}"
-    if path in SELF_SHARDED:
+    if path in SELF_SHARDED or getattr(find_hook(model), "shards_own_tokens", False):
         return {}
     plan = getattr(model, "_cp_plan", None)
     if plan is None:
@@ -480,7 +491,7 @@ def describe(model) -> Optional[str]:
     hook = find_hook(model)
     cp = getattr(hook, "parallel", None) if hook is not None else None
     if cp is not None:
-        state = getattr(hook, "state", None)
+        state = getattr(hook, "state", None) or getattr(hook, "last", None)  # causal Wan: the finished rollout
         buffers = getattr(getattr(state, "buffers", None), "shape", None)
         parts.append(cp.describe(buffers))
     return "; ".join(parts)

@@ -95,6 +95,12 @@ def test_invalid_layouts_are_reported():
     assert all("invalid" in r and "frame-causal" in r["invalid"] for r in rows if r["ring_degree"] > 1)
     with pytest.raises(ValueError, match="has 8 cores"):
         sc.model_layout(_work([CACHED]), fab, 4, 4, _fake_kernel)
+    # a descriptor covering the whole chunk (one block: what the causal Wan pipeline records) masks nothing: the
+    # ring layouts stay valid and cost what the unmasked call costs
+    one_block = AttnCall(CACHED.name, 4680, 4680, 12, 128, count=1, cache=28080, cache_len=28080, causal_block=4680)
+    for U, R in ((4, 2), (2, 4), (1, 8)):
+        a = sc.model_layout(_work([one_block]), fab, U, R, _fake_kernel)
+        assert a["serial_s"] == sc.model_layout(_work([CACHED]), fab, U, R, _fake_kernel)["serial_s"]
 
 
 def test_chip_figure_replaces_the_spread(monkeypatch):

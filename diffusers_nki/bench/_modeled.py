@@ -14,7 +14,9 @@ Two per-unit figures are reported per target (scheduled; ``core_ceiling_s`` / ``
 ``efficiency_ceiling`` the same from the ceiling):
 - ``core_s``: everything on one NeuronCore (lnc=1), the sum over calls of count x per-call time;
 - ``chip_s``: the (batch, kv head) iterations spread over the chip's cores (trn1 2, trn2/trn3 8):
-  ceil(B*Hkv / cores) iterations per core; no cross-core overheads are modeled.
+  ceil(B*Hkv / cores) iterations per core; no cross-core overheads are modeled. The published per-chip figures
+  (matrix, demo, ``bench budget``) replace it with ``bench/scaling.chip_figure``: diffusers' context
+  parallelism over the chip's cores, collectives included (the spread is kept as ``chip_spread_s``).
 Efficiency = useful matmul FLOPs (as the emulator counts them) / (time x PE bf16 peak of the cores used).
 The per-(batch, kv head) schedule is multiplied by the iterations: the overlap between consecutive
 iterations is not modeled (a small pessimism; tests/kernels/test_attention_bench.py bounds it).

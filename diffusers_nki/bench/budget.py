@@ -7,15 +7,20 @@ frames (4680 tokens), 4 denoising passes + 1 cache pass per chunk, a 21-latent-f
 cached frames = 28080 tokens + the chunk). LongLive: the same model with a 3-frame sink and a 12-frame window.
 The unit is a STEADY-STATE chunk (window full, with its cache pass), which yields 12 video frames.
 
-Per chunk, three terms, summed (serial: the VAE decode of a chunk does not overlap the next chunk's
+Per chunk, these terms, summed (serial: the VAE decode of a chunk does not overlap the next chunk's
 transformer passes):
-1. attention (self over [cache | chunk], text cross-attention), every call of the chunk: the attention kernel's
-   MODELED time from ``bench/_modeled.py`` (emulator trace + cost model; its ``chip_s``: heads spread over the
-   chip's cores). The call shapes are RECORDED from the patched ``CausalWanPipeline`` rollout at full geometry
-   (a one-layer narrow model under a stub recorder, re-headed to 12 x 128 and multiplied by 30 layers).
+1. attention (self over [cache | chunk], text cross-attention), every call of the chunk, on the chip's cores
+   under diffusers' context parallelism: ``bench/scaling.chip_figure``, the best Ulysses x ring layout over the
+   chip's 8 NeuronCores (or one core when that is faster), each rank's kernel calls from the attention kernel's
+   MODELED per-core time (``bench/_modeled.py``: emulator trace + dependency-aware schedule) plus the
+   collectives that layout makes (all-to-alls, pass-Q all-gather), not overlapped. The call shapes are RECORDED
+   from the patched ``CausalWanPipeline`` rollout at full geometry (a one-layer narrow model under a stub
+   recorder, re-headed to 12 x 128 and multiplied by 30 layers).
 2. every other transformer matmul (q/k/v/o projections, cross-attention q/o and text k/v, FFN, patch
    embedding, output head, text embedder, per pass) from its FLOPs at an achievable TensorE efficiency;
-   plus the elementwise work (norms, modulation, RoPE, GELU, residuals) as HBM traffic (ASSUMPTION below).
+   plus the elementwise work (norms, modulation, RoPE, GELU, residuals) as HBM traffic (ASSUMPTION below);
+   both under the SAME layout as the attention (``chip_seconds``, below), plus the one all-gather per pass
+   that layout adds outside the attention (the output head's tokens, before unpatchify).
 3. the Wan VAE decode of the chunk's 3 latent frames (streaming, the causal decode cache kept): FLOPs
    counted exactly by ``torch.utils.flop_counter`` on the full ``AutoencoderKLWan`` at 480x832 on the meta
    device (no compute), at the same TensorE efficiency (ASSUMPTION: its 3-D convolutions lower to matmuls as
@@ -26,10 +31,23 @@ Efficiencies (fraction of the bf16 TensorE peak the non-attention matmuls achiev
 NKIBench / AccelOpt, arXiv 2511.15915, report 59% on average after optimisation), trn3 0.90 (the same talk: >
 90% on trn3). These are published figures for other workloads, i.e. ASSUMPTIONS for this one.
 
-How the chip's 8 NeuronCores are used (ASSUMPTION, one function: ``chip_seconds``): every non-attention
-matmul and the VAE decode are split evenly over the 8 cores with no collective or synchronisation cost;
-attention is the kernel model's chip figure (ceil(12 heads / 8 cores) = 2 head rounds per core). A real
-tensor/context-parallel split pays collectives this ignores; the multi-core model replaces this function.
+How the chip's 8 NeuronCores are used (one function: ``chip_seconds``; the layout is the attention's best
+Ulysses x ring layout, W = U x R ranks, one NeuronCore each):
+- what the code does (``parallel.CacheParallel`` in ``caching/causal_wan.py``): the hidden states are split per
+  frame over the W ranks before the first block and stay split through every block (sequence parallelism);
+  every op but the self-attention is per token, so each rank runs the q/k/v/o projections, the cross-attention
+  q/o projections, the FFN, the norms/modulation/RoPE/residuals and the output head for ITS tokens only, with
+  no communication between them; the text keys/values of the cross-attention (every rank attends its queries
+  to all 512 text tokens), the text/time embedders and the patch embedding (run on the whole chunk, then
+  sharded) run in full on EVERY rank (replicated); the output head's tokens are all-gathered once per pass.
+- ASSUMPTION: the sharded matmul FLOPs split exactly evenly (1560 tokens per frame divide by 8) and each rank's
+  matmuls run at the same TensorE efficiency as one core's whole-chunk matmuls (its M dimension is 585 tokens
+  per pass instead of 4680: still >= 4 x 128 rows per tile); the elementwise traffic of a rank is its share of
+  the chip's, at its core's HBM share; the all-gather is costed as ``bench/scaling`` costs collectives (bytes at
+  the core-to-core bandwidth share + a latency), not overlapped.
+- ASSUMPTION (VAE): the decode is split evenly over the same W cores (e.g. a spatial split of the causal 3-D
+  convolutions, halo rows not counted). Neither diffusers nor this plugin splits the Wan VAE over cores today;
+  the JSON reports the one-core decode (``vae_decode_one_core_s``) and the fps with it beside the headline.
 """
 from __future__ import annotations
 
@@ -39,10 +57,10 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
-__all__ = ["SETUPS", "EFFICIENCY", "PUBLISHED_GPU", "chunk_attention_calls", "transformer_flops", "vae_decode_flops",
-           "chip_seconds", "budget", "add_arguments", "run"]
+__all__ = ["SETUPS", "EFFICIENCY", "PUBLISHED_GPU", "REPLICATED", "chunk_attention_calls", "transformer_flops",
+           "vae_decode_flops", "chip_seconds", "output_gather_seconds", "budget", "add_arguments", "run"]
 
 WAN13 = dict(layers=30, dim=1536, heads=12, head_dim=128, ffn=8960, text_dim=4096, text_len=512, in_channels=16,
              patch=(1, 2, 2), freq_dim=256)
@@ -152,10 +170,16 @@ def transformer_flops(tokens: int, passes: int, m: dict = WAN13) -> Dict[str, fl
         "cross-attention q/o projections": L * 2 * 2 * S * d * d,
         "cross-attention text k/v projections": L * 2 * 2 * T * d * d,
         "feed-forward": L * 2 * 2 * S * d * f,
-        "patch embedding + output head": 2 * S * patch * d + 2 * S * d * patch,
+        "patch embedding": 2 * S * patch * d,
+        "output head": 2 * S * d * patch,
         "text + time embedders": 2 * T * m["text_dim"] * d + 2 * T * d * d + 2 * (m["freq_dim"] * d + d * d + d * 6 * d),
     }
     return {k: float(v * passes) for k, v in per_pass.items()}
+
+
+# the terms of ``transformer_flops`` every rank runs in full under context parallelism (see the module doc); the
+# others are per token of the chunk and split over the ranks with the tokens
+REPLICATED = ("cross-attention text k/v projections", "patch embedding", "text + time embedders")
 
 
 def _elementwise_io(tokens: int, passes: int, m: dict = WAN13) -> float:
@@ -189,36 +213,61 @@ def vae_decode_flops(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
     return float(fc.get_total_flops())
 
 
-def chip_seconds(flops: float, target: str, efficiency: float) -> float:
-    """ASSUMPTION (the one place the chip's cores are modeled for non-attention work): ``flops`` split evenly
-    over every NeuronCore of one chip, each at ``efficiency`` of its bf16 TensorE peak, no collectives."""
+def chip_seconds(sharded_flops: float, target: str, efficiency: float, ranks: int,
+                 replicated_flops: float = 0.0) -> float:
+    """The one place the chip's cores are modeled for non-attention work (see the module doc): under the
+    context-parallel layout of ``ranks`` NeuronCores (the attention's), each rank runs ``sharded_flops / ranks``
+    (its token shard; ASSUMPTION: an exactly even split) plus all of ``replicated_flops`` (every rank needs
+    them), each core at ``efficiency`` of its bf16 TensorE peak; the ranks run in parallel."""
+    from diffusers_nki.sim import cost
+
+    if not isinstance(ranks, int) or not 1 <= ranks <= cost.get_spec(target).cores_per_chip:
+        raise ValueError(f"chip_seconds: ranks={ranks!r} must be an int in [1, cores per {target} chip]")
+    spec = cost.get_spec(target)
+    return (sharded_flops / ranks + replicated_flops) / (spec.pe_peak_flops * efficiency)
+
+
+def _hbm_seconds(nbytes: float, target: str, ranks: int) -> float:
+    """Per-token HBM traffic split over ``ranks`` cores, each at its core's HBM share."""
     from diffusers_nki.sim import cost
 
     spec = cost.get_spec(target)
-    return flops / (spec.cores_per_chip * spec.pe_peak_flops * efficiency)
+    return nbytes / ranks / (spec.hbm_per_core * 1e9)  # hbm_per_core: bytes per ns (GB/s)
 
 
-def _hbm_seconds(nbytes: float, target: str) -> float:
-    from diffusers_nki.sim import cost
+def output_gather_seconds(tokens: int, passes: int, target: str, ranks: int, m: dict = WAN13) -> dict:
+    """The all-gather of the output head's tokens (``CacheParallel.gather``: ``tokens / ranks`` x (patch volume x
+    out channels) bf16 values per rank, over all ``ranks``) once per pass, costed like every collective of
+    ``bench/scaling`` (not overlapped). ``{"seconds", "bytes_per_rank", "collectives"}``."""
+    from diffusers_nki.bench import scaling
 
-    spec = cost.get_spec(target)
-    return nbytes / (spec.hbm_per_core * 1e9 * spec.cores_per_chip)  # hbm_per_core: bytes per ns (GB/s)
+    comm = scaling._Comm()
+    if ranks > 1:
+        piece = -(-tokens // ranks) * math.prod(m["patch"]) * m["in_channels"] * scaling.E
+        for _ in range(passes):
+            scaling._collective(scaling.FABRICS[target], ranks, 1, ranks, piece, "all_gather", comm)
+    return {"seconds": comm.seconds, "bytes_per_rank": comm.bytes_intra + comm.bytes_inter,
+            "collectives": comm.collectives}
 
 
 # ------------------------------------------------------------------------------------------------------
 # the budget
 # ------------------------------------------------------------------------------------------------------
 def budget(setup: str = "self_forcing", targets=("trn2", "trn3"), efficiency: Optional[Dict[str, float]] = None,
-           attention_model=None, probe: Optional[dict] = None, vae_flops: Optional[float] = None) -> dict:
+           attention_model=None, probe: Optional[dict] = None, vae_flops: Optional[float] = None,
+           kernel_time: Optional[Callable] = None) -> dict:
     """The modeled per-chunk budget of ``setup`` on each target (see the module doc). ``attention_model``:
-    ``calls, targets -> _modeled.model_calls`` result (default: the kernel model); ``probe`` / ``vae_flops``:
-    precomputed inputs (shared between setups)."""
-    from diffusers_nki.bench import _modeled
+    ``calls, targets -> _modeled.model_calls`` result (default: the kernel model; its one-core figures are
+    reported beside the chip's); ``kernel_time(call, target)`` -> seconds of one kernel call on one core (default:
+    the kernel model's, what ``scaling.chip_figure`` uses); ``probe`` / ``vae_flops``: precomputed inputs
+    (shared between setups)."""
+    from diffusers_nki.bench import _modeled, scaling
 
     s = SETUPS[setup]
     probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"])
     calls = probe["chunks"][probe["steady"]]
-    tokens = CHUNK_FRAMES * probe["geometry"]["tokens_per_frame"]
+    tpf = probe["geometry"]["tokens_per_frame"]
+    tokens = CHUNK_FRAMES * tpf
     passes = STEPS + 1
     matmuls = transformer_flops(tokens, passes)
     vae = vae_decode_flops() if vae_flops is None else vae_flops
@@ -229,23 +278,48 @@ def budget(setup: str = "self_forcing", targets=("trn2", "trn3"), efficiency: Op
            f"latent frames = {frames} video frames at {HEIGHT}x{WIDTH}, {STEPS} denoising passes + 1 cache pass",
            "attention_calls": [c.to_dict() for c in calls], "attention_method": att.get("method", ""),
            "attention_flops": sum(c.flops() * c.count for c in calls), "matmul_flops": matmuls,
-           "vae_decode_flops": vae, "elementwise_hbm_bytes": elem_bytes, "targets": {}}
+           "vae_decode_flops": vae, "elementwise_hbm_bytes": elem_bytes, "replicated_terms": list(REPLICATED),
+           "chip_method": "attention: scaling.chip_figure (best Ulysses x ring layout over the chip's cores, "
+                          "collectives included, not overlapped); other work: budget.chip_seconds under that layout",
+           "targets": {}}
+    sharded = sum(v for k, v in matmuls.items() if k not in REPLICATED)
+    replicated = sum(v for k, v in matmuls.items() if k in REPLICATED)
     for t in targets:
         eff = (efficiency or {}).get(t, EFFICIENCY[t][0])
         a = att["targets"][t]
-        att_s = a["chip_s"]
-        mm_s = chip_seconds(sum(matmuls.values()), t, eff)
-        vae_s = chip_seconds(vae, t, eff)
-        el_s = _hbm_seconds(elem_bytes, t)
-        chunk = att_s + mm_s + el_s + vae_s
+        kt = (lambda c, _t=t: kernel_time(c, _t)) if kernel_time is not None else None
+        fig = scaling.chip_figure(calls, t, tpf, kernel_time=kt)
+        U, R = fig["layout"]
+        W = U * R
+        att_s = fig["chip_s"]
+        mm_s = chip_seconds(sharded, t, eff, W, replicated)
+        el_s = _hbm_seconds(elem_bytes, t, W)
+        gather = output_gather_seconds(tokens, passes, t, W)
+        vae_s = chip_seconds(vae, t, eff, W)
+        vae_one = chip_seconds(vae, t, eff, 1)
+        transformer = att_s + mm_s + el_s + gather["seconds"]
+        chunk = transformer + vae_s
+        useful = a.get("useful_flops")  # the attention's useful FLOPs (one core's kernel model)
         out["targets"][t] = {
-            "attention_s": att_s, "attention_efficiency": a.get("efficiency"), "attention_bottleneck": a.get("bottleneck"),
-            "matmul_s": mm_s, "elementwise_s": el_s, "vae_decode_s": vae_s, "chunk_s": chunk,
-            "fps": frames / chunk, "tensor_e_efficiency": eff,
-            "efficiency_source": EFFICIENCY[t][1] if t in EFFICIENCY else "given",
-            "transformer_s": att_s + mm_s + el_s,
+            "layout": {"ulysses_degree": U, "ring_degree": R, "ranks": W},
+            "attention_s": att_s, "attention_compute_s": fig["compute_s"], "attention_collective_s": fig["collective_s"],
+            "attention_uneven": fig["uneven"], "attention_one_core_s": a.get("core_s"),
+            "attention_spread_s": a.get("chip_s"),  # the old collective-free spread, for comparison only
+            "attention_efficiency": (useful / (att_s * _pe_peak(t) * W) if useful and att_s else None),
+            "attention_bottleneck": a.get("bottleneck"),
+            "matmul_s": mm_s, "elementwise_s": el_s, "output_gather_s": gather["seconds"],
+            "output_gather_bytes_per_rank": gather["bytes_per_rank"], "vae_decode_s": vae_s, "chunk_s": chunk,
+            "fps": frames / chunk, "vae_decode_one_core_s": vae_one, "fps_vae_one_core": frames / (transformer + vae_one),
+            "tensor_e_efficiency": eff, "efficiency_source": EFFICIENCY[t][1] if t in EFFICIENCY else "given",
+            "transformer_s": transformer,
         }
     return out
+
+
+def _pe_peak(target: str) -> float:
+    from diffusers_nki.sim import cost
+
+    return cost.get_spec(target).pe_peak_flops
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -281,14 +355,19 @@ def _parse(args):
 
 
 def render(results: List[dict]) -> str:
-    lines = ["MODELED (never measured) end-to-end time per steady-state chunk on ONE chip; 12 video frames per chunk",
-             "", "| setup | target | attention | other matmuls | elementwise | VAE decode | chunk | fps (modeled) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["MODELED (never measured) end-to-end time per steady-state chunk on ONE chip (all its NeuronCores under "
+             "context parallelism); 12 video frames per chunk",
+             "", "| setup | target | ranks (U x R) | attention (collectives) | other matmuls | elementwise | output "
+                 "all-gather | VAE decode | chunk | fps (modeled) | fps, VAE on one core |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for t, v in r["targets"].items():
-            lines.append(f"| {r['label']} | {t} | {1e3 * v['attention_s']:.0f} ms | {1e3 * v['matmul_s']:.0f} ms | "
-                         f"{1e3 * v['elementwise_s']:.0f} ms | {1e3 * v['vae_decode_s']:.0f} ms | "
-                         f"{1e3 * v['chunk_s']:.0f} ms | {v['fps']:.1f} |")
+            lay = v["layout"]
+            lines.append(f"| {r['label']} | {t} | {lay['ranks']} ({lay['ulysses_degree']} x {lay['ring_degree']}) | "
+                         f"{1e3 * v['attention_s']:.0f} ms ({1e3 * v['attention_collective_s']:.1f}) | "
+                         f"{1e3 * v['matmul_s']:.0f} ms | {1e3 * v['elementwise_s']:.0f} ms | "
+                         f"{1e3 * v['output_gather_s']:.2f} ms | {1e3 * v['vae_decode_s']:.0f} ms | "
+                         f"{1e3 * v['chunk_s']:.0f} ms | {v['fps']:.1f} | {v['fps_vae_one_core']:.1f} |")
     lines += ["", "Published GPU figures (" + PUBLISHED_SOURCE + "):"]
     lines += [f"- {a}: {b} on {c}" for a, b, c in PUBLISHED_GPU]
     r0 = results[0]
@@ -298,9 +377,13 @@ def render(results: List[dict]) -> str:
     for t, v in r0["targets"].items():
         lines.append(f"{t}: TensorE efficiency {v['tensor_e_efficiency']:.2f} for non-attention matmuls and the VAE "
                      f"({v['efficiency_source']})")
-    lines.append(f"Attention figure: bench/_modeled.py ({r0['attention_method'] or 'kernel model'})")
-    lines.append("Cores: non-attention work split evenly over the chip's 8 NeuronCores, no collectives "
-                 "(ASSUMPTION, budget.chip_seconds); attention: the kernel model's chip figure (heads over cores).")
+    lines.append(f"Attention figure: per-core kernel model bench/_modeled.py ({r0['attention_method'] or 'kernel model'}); "
+                 f"chip: bench/scaling.chip_figure, the best Ulysses x ring layout over the chip's cores, collectives "
+                 f"included and not overlapped.")
+    lines.append("Other work under the same layout (budget.chip_seconds): per-token matmuls and elementwise traffic "
+                 "split evenly over the ranks (sequence parallelism), text k/v projections, embedders and patch "
+                 "embedding replicated on every rank, one all-gather of the output per pass; VAE decode split over the "
+                 "same cores (ASSUMPTION: the plugin does not split it; last column: on one core).")
     return "\n".join(lines)
 
 

@@ -288,6 +288,9 @@ def _modeled_row(family: str, args) -> dict:
             return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls bypass diffusers_nki"}
         calls = probe["chunks"][probe["steady"]]
         res = _modeled.model_calls(calls, _targets(args))
+        from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
+
+        add_chip_figures(res, calls, probe["geometry"]["tokens_per_frame"])
         res.update(status="ok", unit="chunk", shapes_from=f"recorded from the patched CausalWanPipeline at 480x832 "
                    f"(chunk {probe['steady']}, Self-Forcing 21-frame window; {probe['distinct_shapes']} distinct "
                    f"shapes in the whole rollout); end-to-end budget: diffusers-nki bench budget")

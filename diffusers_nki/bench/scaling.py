@@ -242,7 +242,7 @@ def model_layout(work: Workload, fab: Fabric, U: int, R: int, kernel_time: Calla
                 flags.append(f"{c.name}: {work.tokens_per_frame} tokens per frame not divisible by {W} ranks")
             if kind == "self" and (S % W or Skv % W):
                 flags.append(f"{c.name}: {S} tokens not divisible by {W} ranks")
-            if c.causal_block and R > 1:
+            if 0 < c.causal_block < Skv and R > 1:  # a descriptor covering the whole chunk (one block) masks nothing
                 raise ValueError(f"{c.name}: a frame-causal mask cannot use ring attention (diffusers' ring has "
                                  f"no mask)")
             s_w, k_w = -(-S // W), -(-Skv // W)

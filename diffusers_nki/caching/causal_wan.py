@@ -46,6 +46,22 @@ the current chunk included, as the published configs count it; ``sink`` frames a
 ``chunk_frames``: the frames per call (``None``: the pipeline's ``block_frames``). ``unit="tokens"``: the
 window in tokens (floored to whole frames). Named configs: ``SELF_FORCING`` and ``LONGLIVE``.
 
+Context parallelism (``enable_parallelism`` with ``cp_plan=diffusers_nki.parallel.cp_plan(model)``, which is ``{}``
+once this cache is installed: install it FIRST, e.g. ``diffusers_nki.patch(pipe)``): the hook shards its own
+tokens with ``diffusers_nki.parallel.CacheParallel``. The patch-embedded tokens and the RoPE tables of the call
+are split per frame (rank f of W = U x R holds part f of every frame's tokens), the blocks run on that shard
+(the timestep conditioning is per batch row, the text is whole on every rank), the self-attention goes to H/U
+heads of the ring row's tokens (Ulysses all-to-all), attends over THIS rank's cache shard ``[B, C/R, H/U, D]``
+in place (ring: pass-Q, partials merged with the log-sum-exp), and the output head's tokens are all-gathered
+before unpatchify: every rank returns the full sample. Every runtime length (``cache_len``, the write slots) is
+the single-process value / R, exact because the FrameRing hands out whole frames (sinks and the rolling window
+unchanged); shapes never depend on them. A call holding several causal blocks: ``causal_block`` under Ulysses
+only, one pass-Q call per block (``kv_len``) under ring. Calls without a ``CausalChunk`` run the stock forward
+in full on every rank (no split hooks: the same result, replicated work). Limits: heads % ulysses_degree == 0,
+tokens per frame % (ulysses_degree x ring_degree) == 0 (clear errors).
+Tested (tests/parallel, gloo, 2 and 4 processes): ulysses 2, ring 2 and both, LongLive-style sink + rolling
+window with evictions, equal to the single-process patched rollout within 1e-5 (fp32).
+
 Limits: temporal patch size 1; 1-D timesteps (one per batch row, as every chunk of these models uses); a call
 holding several blocks must fit the window without evicting (split it otherwise; raises); the LoRA ``scale``
 attention kwarg raises; calls with gradients are refused (inference cache).
@@ -61,6 +77,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+
+from diffusers_nki import parallel
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
 from .skyreels_v2 import _rope as wan_rope  # Wan's interleaved RoPE arithmetic (SkyReels-V2 is Wan's)
@@ -185,19 +203,33 @@ class _LayerStep:
     mutated: torch.compile sees the same structure in every block)."""
 
     def __init__(self, cos, sin, kv: LayerKV, plan: Plan, causal_block: int, frames: int, tpf: int, commit: bool,
-                 backend: str):
+                 backend: str, cp=None):
         self.cos, self.sin, self.kv, self.plan = cos, sin, kv, plan
         self.causal_block, self.frames, self.tpf, self.commit, self.backend = causal_block, frames, tpf, commit, backend
+        self.cp, self.groups = cp, ((frames, tpf),)  # cp: a diffusers_nki.parallel.CacheParallel (or None)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        kv, p, be = self.kv, self.plan, self.backend
-        out = attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), None, None, self.causal_block, be)
+        kv, p, be, cp = self.kv, self.plan, self.backend, self.cp
+        tpf = self.tpf
+        if cp is None:
+            out = attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), None, None, self.causal_block, be)
+        else:  # this rank's heads of its ring row's tokens of every frame; the cache holds this rank's shard
+            q, k, v = (cp.to_heads(t, self.groups) for t in (q, k, v))
+            tpf = tpf // cp.R
+            blocks = self.frames * self.tpf // self.causal_block
+            if cp.R == 1:  # the ring row is every token: the single-process descriptor holds
+                out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), causal_block=self.causal_block)
+            elif blocks == 1:  # one block sees all of itself: no descriptor
+                out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"))
+            else:  # pass-Q ring: one call per block over the chunk keys of the blocks up to it
+                n = self.causal_block // cp.R
+                out = torch.cat([cp.attention(q[:, i * n:(i + 1) * n], k, v, kv.k, kv.v, p.scalar("cache_len"),
+                                              p.per_batch(f"kv_len{i}")) for i in range(blocks)], dim=1)
         if self.commit:  # after the attention: the slots it may overwrite belong to evicted frames
-            tpf = self.tpf
             for f in range(self.frames):
                 s = slice(f * tpf, (f + 1) * tpf)
                 cache_write(kv.k, kv.v, k[:, s], v[:, s], p.scalar(f"slot{f}"), be)
-        return out
+        return out if cp is None else cp.from_heads(out, self.groups)
 
 
 class CausalWanCacheProcessor:
@@ -271,13 +303,19 @@ class _Rollout:
                                    f"{n}-frame chunk)")
         blk = module.blocks[0].attn1
         heads, head_dim = blk.heads, blk.inner_dim // blk.heads
-        shape = (B, self.history * tpf, heads, head_dim)
+        # context parallelism (enable_parallelism): this rank's shard of every buffer, see diffusers_nki.parallel
+        self.cp = cp = parallel.cache_parallel(module, hook.backend, "causal Wan static cache")
+        hook.parallel = cp
+        if cp is not None:
+            cp.check(heads, (tpf,), "causal Wan static cache")
+            shape = cp.cache_shape(B, self.history * tpf, heads, head_dim)
+        else:
+            shape = (B, self.history * tpf, heads, head_dim)
         if previous is not None and previous.buffers.shape == shape and previous.dtype == self.dtype \
                 and previous.device == self.device:
             self.buffers = previous.buffers  # same geometry: reuse (stale slots are never read: valid prefix)
         else:
-            self.buffers = KVBuffers(len(module.blocks), B, self.history * tpf, heads, head_dim, self.dtype,
-                                     self.device)
+            self.buffers = KVBuffers(len(module.blocks), B, shape[1], shape[2], head_dim, self.dtype, self.device)
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
         self.rope = previous.rope if (previous is not None and previous.rope.hp == self.hp and
                                       previous.rope.wp == self.wp and previous.device == self.device) \
@@ -289,7 +327,7 @@ class _Rollout:
         whole rollout when its length is known (so it grows once), else to twice the window."""
         new_window = max(frames_needed, total_frames or 2 * self.window)
         new_history = new_window - self.n
-        bigger = self.buffers.grown(new_history * self.tpf, self.ring.valid * self.tpf)
+        bigger = self.buffers.grown(self._t(new_history * self.tpf), self._t(self.ring.valid * self.tpf))
         warnings.warn(
             f"causal Wan static cache: this rollout needs {frames_needed} frames of attention window, more than "
             f"capacity={self.window}; the buffers grow once to {new_window} frames (the output is unchanged; "
@@ -300,6 +338,10 @@ class _Rollout:
         self.ring.capacity = new_history
         hook.grown_window = new_window
         self.stats["grown"] += 1
+
+    def _t(self, n: int) -> int:
+        """A token count of whole frames on this rank (context parallelism: / ring_degree)."""
+        return n if self.cp is None else self.cp.tokens(n)
 
     def serve(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
         hs = a["hidden_states"]
@@ -333,15 +375,22 @@ class _Rollout:
                     self.ring.place(F)  # raises the ring's overflow error (names capacity and rolling)
                 self.grow(hook, self.ring.valid + F + self.n, chunk.total_frames)
             slots = self.ring.place(F)
-        values = {"cache_len": cache_len}
+        t = self._t  # every value counts whole frames: this rank's share under context parallelism
+        values = {"cache_len": t(cache_len)}
         for f in range(F):
-            values[f"slot{f}"] = slots[f] * tpf if slots else 0
+            values[f"slot{f}"] = t(slots[f] * tpf) if slots else 0
+        cp, groups = self.cp, ((F, tpf),)
+        if cp is not None and cp.R > 1 and F > b:  # per-block chunk-key lengths of the pass-Q ring
+            for i in range(F // b):
+                values[f"kv_len{i}"] = t((i + 1) * b * tpf)
         plan = Plan(values, B, self.device)
         self.rope.ensure(chunk.start_frame + F)
         positions = torch.arange(chunk.start_frame, chunk.start_frame + F, device=self.device)
         cos, sin = self.rope.freqs(positions)
-        steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend) for kv in self.layers]
-        out = _forward(module, a, steps, self.hp, self.wp)
+        if cp is not None:  # this rank's tokens of every frame
+            cos, sin = cp.shard(cos, groups), cp.shard(sin, groups)
+        steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend, cp) for kv in self.layers]
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
         self.stats["commit_calls" if chunk.commit else "denoise_calls"] += 1
         return out
 
@@ -351,11 +400,15 @@ def _geometry(hs: torch.Tensor):
     return (B, C, H, W)
 
 
-def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int) -> torch.Tensor:
-    """``WanTransformer3DModel.forward``'s math for a 1-D timestep, with our per-layer steps as ``rotary_emb``."""
+def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=()) -> torch.Tensor:
+    """``WanTransformer3DModel.forward``'s math for a 1-D timestep, with our per-layer steps as ``rotary_emb``.
+    Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
+    gathered before unpatchify (every op outside the self-attention is per token)."""
     hs = a["hidden_states"]
     B, _, F, _, _ = hs.shape
     x = module.patch_embedding(hs).flatten(2).transpose(1, 2).contiguous()
+    if cp is not None:
+        x = cp.shard(x, groups)
     temb, proj, ehs, ehs_img = module.condition_embedder(a["timestep"], a["encoder_hidden_states"],
                                                          a["encoder_hidden_states_image"], timestep_seq_len=None)
     proj = proj.unflatten(1, (6, -1))
@@ -366,6 +419,8 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int) -> torc
     shift, scale = (module.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
     shift, scale = shift.to(x.device), scale.to(x.device)
     x = module.proj_out((module.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
+    if cp is not None:  # the head's output is the narrowest per-token tensor: gather it
+        x = cp.gather(x, groups)
     p_t, p_h, p_w = module.config.patch_size
     x = x.reshape(B, F, hp, wp, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
     return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
@@ -376,6 +431,8 @@ class CausalWanStaticCache(StaticCacheHook):
     every other call runs the stock forward."""
 
     family = "causal_wan"
+    shards_own_tokens = True  # under context parallelism: parallel.cp_plan(model) is {} (no diffusers split hooks)
+    parallel = None  # the rollout's diffusers_nki.parallel.CacheParallel under context parallelism
 
     def __init__(self, config, model=None):
         super().__init__(config, model)
@@ -425,8 +482,12 @@ class CausalWanStaticCache(StaticCacheHook):
                 raise ValueError(f"causal Wan static cache: a rollout must start at start_frame=0, got "
                                  f"{chunk.start_frame}")
             previous = self.state or self.last
+            # every denoising pass of the first chunk comes at start_frame=0: the same rollout (nothing committed)
+            same = self.state is not None and self.state.ring.placed == 0
             self.state, self.last = None, None
             self.state = _Rollout(self, module, hs, chunk, previous=previous)
+            if same:
+                self.state.stats = previous.stats
         with torch.no_grad():
             sample = self.state.serve(self, module, a, chunk)
         if not a["return_dict"]:
@@ -452,4 +513,4 @@ class CausalWanStaticCache(StaticCacheHook):
             f"rollout: {s.ring.placed} frames committed, {s.ring.valid} held, {s.ring.evicted} evicted; "
             f"{st['denoise_calls']} denoising calls, {st['commit_calls']} cache passes"
             + (f"; grown {st['grown']}x" if st["grown"] else ""),
-        ]
+        ] + ([s.cp.describe(s.buffers.shape)] if s.cp is not None else [])

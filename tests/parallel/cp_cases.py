@@ -17,3 +17,44 @@ def anyflow_far_kwargs():
 
 def wan_inputs(make):
     return make(2)  # batch 2, 2 latent frames of 16x16: 128 tokens (divisible by 4 ranks), 12 text tokens
+
+
+# causal Wan (Self-Forcing / LongLive class): LongLive's sink + rolling window (3-frame sink, 12-frame window with
+# the chunk: 9 history slots), 5 chunks of 3 latent frames at 32x32 px (4 tokens per frame, divisible by 4 ranks),
+# 2 denoising steps; the 4th cache pass evicts 3 frames, so the last chunk attends without them. Two prompts.
+CAUSAL_WAN_CACHE = dict(capacity=12, sink=3, rolling=True, chunk_frames=3)
+CAUSAL_WAN_CHUNKS, CAUSAL_WAN_BLOCK = 5, 3
+
+
+def causal_wan_kwargs():
+    import torch
+
+    from diffusers_nki.tiny import TEXT_DIM
+
+    g = torch.Generator().manual_seed(11)
+    F = CAUSAL_WAN_CHUNKS * CAUSAL_WAN_BLOCK
+    latents = torch.randn(2, 16, F, 4, 4, generator=g)
+    pe = torch.randn(2, 7, TEXT_DIM, generator=g)
+    return dict(prompt_embeds=pe, latents=latents, height=32, width=32, num_frames=4 * (F - 1) + 1,
+                num_frame_per_block=CAUSAL_WAN_BLOCK, denoising_timesteps=[1000.0, 500.0],
+                generator=torch.Generator().manual_seed(3), output_type="latent")
+
+
+def causal_wan_direct(model):
+    """Transformer calls outside the pipeline: a 3-frame cache pass then a denoising call, both holding three
+    1-frame causal blocks (block-causal inside the call: ``causal_block`` under Ulysses, one pass-Q call per block
+    under ring), and a plain call without a CausalChunk (the stock forward). Returns the two samples."""
+    import torch
+
+    from diffusers_nki.caching.causal_wan import CHUNK_KEY, CausalChunk
+
+    kw = causal_wan_kwargs()
+    lat, pe = kw["latents"], kw["prompt_embeds"]
+    with torch.no_grad():
+        for start, commit in ((0, True), (3, False)):
+            chunk = CausalChunk(start_frame=start, commit=commit, block_frames=1)
+            out = model(hidden_states=lat[:, :, start:start + 3], timestep=torch.full((2,), 500.0),
+                        encoder_hidden_states=pe, attention_kwargs={CHUNK_KEY: chunk}, return_dict=False)[0]
+        stock = model(hidden_states=lat[:, :, :2], timestep=torch.full((2,), 250.0), encoder_hidden_states=pe,
+                      return_dict=False)[0]
+    return out, stock

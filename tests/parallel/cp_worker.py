@@ -106,6 +106,34 @@ def run_case(case, cfg, spy):
         hook = pipe.transformer._diffusers_hook.get_hook("diffusers_nki.static_cache")
         res["buffers"] = tuple(hook.state.buffers.shape)
         res["stats"] = dict(hook.state.stats)
+    elif case in ("causal_wan", "causal_wan_compiled"):
+        from cp_cases import CAUSAL_WAN_CACHE, causal_wan_direct, causal_wan_kwargs
+
+        pipe = tiny_pipeline("causal_wan")
+        diffusers_nki.patch(pipe, backend="torch", cache=StaticCacheConfig(**CAUSAL_WAN_CACHE))  # cache FIRST
+        plan = parallel.cp_plan(pipe.transformer)
+        pipe.transformer.enable_parallelism(config=cfg, cp_plan=plan)
+        if case == "causal_wan_compiled":  # regional compilation: the blocks (our collectives inside) compile once
+            from diffusers_nki.bench._measure import GraphCounter
+
+            counter, marks = GraphCounter(), []
+            pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
+            res["out"] = pipe(**causal_wan_kwargs(), callback_on_step_end=lambda p, i, t, kw: marks.append(
+                counter.graphs) or {}).frames
+            res["graphs_after_each_step"] = marks
+            return res
+        spy.watch(pipe.transformer)
+        c0, s0 = ops.counters(), spy.snapshot()
+        res["out"] = pipe(**causal_wan_kwargs()).frames
+        res["counters"], res["spy"] = _delta(c0, ops.counters()), _spy_delta(s0, spy.snapshot())
+        res["explain"] = str(diffusers_nki.explain(pipe))
+        res["plan"] = plan
+        hook = pipe.transformer._diffusers_hook.get_hook("diffusers_nki.static_cache")
+        res["buffers"] = tuple(hook.last.buffers.shape)
+        res["layers"] = len(pipe.transformer.blocks)
+        c0 = ops.counters()
+        res["direct"], res["stock"] = causal_wan_direct(pipe.transformer)
+        res["direct_counters"] = _delta(c0, ops.counters())
     elif case == "templates":
         res.update(templates_case(cfg))
     else:

@@ -1,8 +1,9 @@
 """Context parallelism over torch.distributed (gloo on 127.0.0.1, 2 and 4 processes spawned here, bounded in time):
-tiny Wan and the AnyFlow-FAR pipeline (static cache sharded per rank) with ulysses_degree 2, ring_degree 2 and
-both, equal to the single-process patched run within 1e-5 (fp32), every attention call through our ops on
-every rank (kernel-op counters; no stock SDPA or flex call anywhere); diffusers' own Ulysses/ring templates
-around our forward/backward ops (forward with the emulated NKI kernel's lse too, exact gradients)."""
+tiny Wan, the AnyFlow-FAR pipeline and the causal Wan pipeline (LongLive-style sink + rolling window that evicts
+frames; static caches sharded per rank) with ulysses_degree 2, ring_degree 2 and both, equal to the single-process
+patched run within 1e-5 (fp32), every attention call through our ops on every rank (kernel-op counters; no stock
+SDPA or flex call anywhere); diffusers' own Ulysses/ring templates around our forward/backward ops (forward with
+the emulated NKI kernel's lse too, exact gradients)."""
 from __future__ import annotations
 
 import os
@@ -16,10 +17,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from cp_cases import ANYFLOW_FAR_CACHE, anyflow_far_kwargs, wan_inputs  # noqa: E402
+from cp_cases import (ANYFLOW_FAR_CACHE, CAUSAL_WAN_CACHE, CAUSAL_WAN_BLOCK, CAUSAL_WAN_CHUNKS,  # noqa: E402
+                      anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs, wan_inputs)
 
 TIMEOUT_S = 600  # per spawn (all ranks); a hung collective fails the test instead of the suite
-CASES = "wan,anyflow_far,templates"
+CASES = "wan,anyflow_far,causal_wan,templates"
 LAYOUTS = [pytest.param(2, 1, id="ulysses2"), pytest.param(1, 2, id="ring2"), pytest.param(2, 2, id="ulysses2-ring2")]
 COMPILED = {(1, 2)}  # also run the pipeline with torch.compile'd blocks (regional), and with the sim backend
 
@@ -69,7 +71,19 @@ def references():
     c0 = ops.counters()
     far = pipe(**anyflow_far_kwargs()).frames
     calls = ops.counters()["attention"]["torch"] - c0["attention"]["torch"]
-    return {"wan": wan, "anyflow_far": far, "anyflow_far_calls": calls}
+    # causal Wan: the LongLive-style window (evicts), and the same rollout with a window holding the whole video
+    pipe = tiny_pipeline("causal_wan")
+    diffusers_nki.patch(pipe, backend="torch", cache=StaticCacheConfig(**CAUSAL_WAN_CACHE))
+    c0 = ops.counters()
+    causal = pipe(**causal_wan_kwargs()).frames
+    causal_calls = {op: ops.counters()[op]["torch"] - c0[op]["torch"] for op in ("attention", "cache_write")}
+    direct, stock = causal_wan_direct(pipe.transformer)
+    unbounded = tiny_pipeline("causal_wan")
+    diffusers_nki.patch(unbounded, backend="torch", cache=StaticCacheConfig(capacity=None, rolling=False))
+    causal_full = unbounded(**causal_wan_kwargs()).frames
+    return {"wan": wan, "anyflow_far": far, "anyflow_far_calls": calls, "causal_wan": causal,
+            "causal_wan_calls": causal_calls, "causal_wan_direct": direct, "causal_wan_stock": stock,
+            "causal_wan_full_window": causal_full}
 
 
 def _rel(a, b):
@@ -78,7 +92,8 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("U,R", LAYOUTS)
 def test_context_parallel_matches_single_process(U, R, tmp_path, references):
-    ranks = _spawn(U, R, tmp_path, CASES + (",anyflow_far_compiled,anyflow_far_sim" if (U, R) in COMPILED else ""))
+    ranks = _spawn(U, R, tmp_path, CASES + (",anyflow_far_compiled,anyflow_far_sim,causal_wan_compiled"
+                                            if (U, R) in COMPILED else ""))
     world = U * R
     for r, res in enumerate(ranks):
         # --- tiny Wan (diffusers' _cp_plan splits the sequence; our ops inside diffusers' templates)
@@ -118,6 +133,37 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
         B, C, H, D = far["buffers"]
         assert (B, H, D) == (2, 2 // U, 12) and C == (4 * 4 + 2 * 2 * 16) // R + -(-128 // R)
         assert "cache shard of rank" in far["explain"]
+        # --- the causal Wan pipeline: LongLive-style sink + rolling window, the static cache sharded per rank
+        cw = res["causal_wan"]
+        assert cw["plan"] == {}  # the cache shards its own tokens: no diffusers split hooks
+        assert _rel(cw["out"], references["causal_wan"]) <= 1e-5, (r, _rel(cw["out"], references["causal_wan"]))
+        c, layers = cw["counters"], cw["layers"]
+        for op in ("attention", "attention_lse", "cache_write"):
+            assert c[op]["stock"] == 0 and c[op]["sim"] == 0 and c[op]["nki"] == 0, (op, c[op])
+        assert cw["spy"]["stock"] == 0 and cw["spy"]["flex"] == 0
+        assert cw["spy"]["twin"] == c["attention"]["torch"] + c["attention_lse"]["torch"]
+        # 5 chunks x 2 denoising calls + 4 cache passes; per layer one self-attention over [cache shard | chunk]
+        # (R > 1: ONE pass-Q lse call) and one local text cross-attention, as in the single-process run
+        passes = CAUSAL_WAN_CHUNKS * 2 + CAUSAL_WAN_CHUNKS - 1
+        assert references["causal_wan_calls"]["attention"] == 2 * layers * passes
+        assert c["attention"]["torch"] == layers * passes * (1 if R > 1 else 2)
+        assert c["attention_lse"]["torch"] == (layers * passes if R > 1 else 0)
+        writes = layers * (CAUSAL_WAN_CHUNKS - 1) * CAUSAL_WAN_BLOCK  # one write per frame per cache pass
+        assert c["cache_write"]["torch"] == references["causal_wan_calls"]["cache_write"] == writes
+        # each rank holds its shard [B, 9 history frames x 4 tokens / R, H / U, D]; 3 frames were evicted
+        assert cw["buffers"] == (2, 9 * 4 // R, 2 // U, 12), cw["buffers"]
+        assert "12 frames committed, 9 held, 3 evicted; 10 denoising calls, 4 cache passes" in cw["explain"]
+        # explain from what ran on this rank: every module's calls (the ring's lse calls included)
+        assert f"calls: {2 * layers * passes} routed, 0 fallback" in cw["explain"]
+        assert f"ulysses_degree={U}, ring_degree={R}, {world} ranks; this process is rank {r}" in cw["explain"]
+        assert f"cache shard of rank {r}" in cw["explain"] and f"per-layer K/V buffers {list(cw['buffers'])}" \
+            in cw["explain"]
+        # calls holding three 1-frame causal blocks (R > 1: one pass-Q call per block) and a stock call
+        assert _rel(cw["direct"], references["causal_wan_direct"]) <= 1e-5
+        assert _rel(cw["stock"], references["causal_wan_stock"]) <= 1e-5
+        d = cw["direct_counters"]
+        assert d["attention_lse"]["torch"] == (layers * 2 * 3 if R > 1 else 0)
+        assert d["attention"]["torch"] == layers * (2 + 2 if R > 1 else 2 * 2 + 2)
         # --- diffusers' templates around our forward/backward ops
         t = res["templates"]
         assert t["torch_err"] <= 1e-5 and t["sim_err"] <= 1e-5, (t["torch_err"], t["sim_err"])
@@ -135,5 +181,15 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
             c = sim["counters"]
             assert c["attention_lse"]["sim"] == ops_calls and c["attention"]["sim"] == 0
             assert c["attention_lse"]["stock"] == 0 and c["attention_lse"]["torch"] == 0
-    outs = [res["anyflow_far"]["out"] for res in ranks]
-    assert all(torch.equal(o, outs[0]) for o in outs)  # every rank returns the same full output
+            # causal Wan with compiled blocks: same output; denoise and cache-pass graphs from chunks 0-1, then none
+            comp = res["causal_wan_compiled"]
+            assert _rel(comp["out"], references["causal_wan"]) <= 1e-5
+            marks = comp["graphs_after_each_step"]
+            assert len(marks) == 2 * CAUSAL_WAN_CHUNKS and marks[0] >= 1 and len(set(marks[2:])) == 1, marks
+    for case in ("anyflow_far", "causal_wan"):
+        outs = [res[case]["out"] for res in ranks]
+        assert all(torch.equal(o, outs[0]) for o in outs)  # every rank returns the same full output
+    # the window matters: with one holding the whole video the last chunk differs (eviction is tested, not moot)
+    F0 = (CAUSAL_WAN_CHUNKS - 1) * CAUSAL_WAN_BLOCK
+    assert _rel(references["causal_wan"][:, :, :F0], references["causal_wan_full_window"][:, :, :F0]) <= 1e-5
+    assert _rel(references["causal_wan"][:, :, F0:], references["causal_wan_full_window"][:, :, F0:]) > 1e-3

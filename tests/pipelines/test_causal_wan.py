@@ -144,7 +144,7 @@ def test_rollout_matches_dense_block_causal_reference_window_holds_video(pipe, r
     assert calls["attention"]["torch"] == layers * (4 * 2 + 3) and calls["attention"]["stock"] == 0
     assert calls["cache_write"]["torch"] == layers * 3 * 3  # one write per frame per cache pass
     text = describe_cache(pipe)
-    assert "9 frames committed, 9 held, 0 evicted" in text
+    assert "9 frames committed, 9 held, 0 evicted; 8 denoising calls, 3 cache passes" in text
 
 
 def test_longlive_sink_and_rolling_window_match_the_reference_dropping_the_same_frames(pipe, ref_model):
