@@ -2,7 +2,8 @@
 """Run diffusers' OWN model tests for the families diffusers_nki covers, with the plugin on, outside the repo.
 
     .venv/bin/python scripts/upstream_training_tests.py --diffusers-src /path/to/diffusers \
-        [--modes ...] [--files ...] [--select training|model|all|<pytest -k expression>] [--json F]
+        [--modes ...] [--files ...|new] [--select training|model|all|<pytest -k expression>]
+        [--cpu-accelerator-tests] [--pythonpath DIR] [--json F]
 
 ``--diffusers-src`` is a checkout of the diffusers repository (its ``tests/`` folder is copied into a scratch
 directory; nothing is vendored here). For each mode the upstream files ``tests/models/transformers/
@@ -16,6 +17,12 @@ test_models_transformer_<file>.py`` of every covered family that has one (``FILE
 ``--select`` picks the tests: ``training`` (default: test_training, test_training_with_ema,
 test_gradient_checkpointing_equivalence), ``model`` (every other test of the files: forward, outputs,
 save/load, attention backends, compile, memory, LoRA, ...), ``all``, or any pytest ``-k`` expression.
+
+``--cpu-accelerator-tests`` also runs, on the CPU, the tests upstream gates on an accelerator in its compile,
+memory/offloading, checkpoint and LoRA mixins (torch.compile fullgraph / recompilation / AOT / regional compile
+among them); the stock run of the same invocation has them too, so it stays the baseline (the offloading tests
+fail there: they need an accelerator). ``--pythonpath`` adds a folder to the test processes' path (e.g. one
+holding peft, for the LoRA tests: ``pip install --no-deps --target DIR peft``).
 
 Each mode prints pass/fail/skip counts per file, the tests whose outcome differs from stock (with the failure
 message), the ops counters of the run (attention / backward calls per backend, fallbacks to stock with their
@@ -35,8 +42,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-# upstream test file suffix -> our family (patches/<family>.py). Covered families without an upstream model
-# test file: kandinsky5 (pipeline tests only), kandinsky6, kandinsky6_sr, sana_wm, sana_wm_refiner.
+# upstream test file suffix -> our family (patches/<family>.py)
 FAMILY_OF = {
     "anyflow": "anyflow", "anyflow_far": "anyflow", "cosmos": "cosmos", "helios": "helios",
     "hunyuan_1_5": "hunyuan_video15", "hunyuan_video": "hunyuan_video", "hunyuan_video_framepack": "framepack",
@@ -48,6 +54,9 @@ FAMILY_OF = {
     "latte": "latte", "minimax_h3": "minimax_h3", "mochi": "mochi", "motif_video": "motif_video",
     "wan_animate": "wan_animate",
 }
+# covered families without an upstream model test file (tests/models/transformers/): Kandinsky 5 has pipeline
+# tests only
+NO_UPSTREAM_FILE = ("kandinsky5", "kandinsky6", "kandinsky6_sr", "sana_wm", "sana_wm_refiner")
 FILES = list(FAMILY_OF)
 NEW_FILES = FILES[14:]
 TRAINING = "test_training or test_gradient_checkpointing_equivalence"
@@ -281,7 +290,7 @@ def main(argv=None) -> int:
                    help="run upstream's accelerator-gated compile / memory / checkpoint / LoRA tests on the CPU "
                         "(in every mode, stock included)")
     p.add_argument("--pythonpath", default="", help="extra import path for the test processes (e.g. a folder "
-                   "holding torchvision, which the Cosmos tests need)")
+                   "holding peft, which the LoRA tests need)")
     a = p.parse_args(argv)
     files = [f for f in a.files if f != "new"] + (NEW_FILES if "new" in a.files else [])
     files = list(dict.fromkeys(files))
@@ -301,8 +310,9 @@ def main(argv=None) -> int:
         results[m] = run_mode(m, scratch, sys.executable, a.timeout, files, a.pythonpath, select,
                               a.cpu_accelerator_tests)
         if a.json:  # after every mode, so a long run leaves what it has
-            Path(a.json).write_text(json.dumps({"select": select, "files": files, "cpu_accelerator_tests":
-                                               a.cpu_accelerator_tests, "results": results}, indent=1))
+            meta = {"select": select, "files": files, "cpu_accelerator_tests": a.cpu_accelerator_tests,
+                    "pythonpath": a.pythonpath}
+            Path(a.json).write_text(json.dumps({**meta, "results": results}, indent=1))
     same = report(results, files)
     print(f"\nscratch directory: {scratch}")
     return 0 if same else 1
