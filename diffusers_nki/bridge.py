@@ -339,6 +339,16 @@ def set_active_backend(backend_member):
     return old
 
 
+def active_backend():
+    """diffusers' active dispatch backend (an AttentionBackendName member), or None when its dispatch module has
+    not been imported (nothing can have selected a backend then)."""
+    if DISPATCH_MODULE not in sys.modules:
+        return None
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    return _AttentionBackendRegistry._active_backend
+
+
 def install_if_dispatch_imported() -> bool:
     if DISPATCH_MODULE in sys.modules:
         after_dispatch_import()

@@ -1234,10 +1234,22 @@ def _routing_notes(model, st) -> tuple:
     if st is not None:
         notes.append(f"backward ({st.backend}): {autograd.backward_path(st.backend)}")
     missed = routing.unreached(model)
+    if st is None and missed is None and _dispatch_route_selected(model):
+        # selected, but no call of this model reached our dispatch backend yet (e.g. CogVideoX, Mochi: every
+        # softmax call is direct SDPA, so the route never runs and cannot warn): say what it leaves on stock
+        missed = routing.unreached_modules(model)
     if st is None and missed:
         notes.append(f"set_attention_backend / DIFFUSERS_ATTN_BACKEND does not reach {len(missed)} module(s) that "
                      "bypass dispatch (" + ", ".join(p for p, _ in missed[:4]) + "): diffusers_nki.patch(model)")
     return tuple(notes)
+
+
+def _dispatch_route_selected(model) -> bool:
+    """Whether DIFFUSERS_ATTN_BACKEND / set_attention_backend / attention_backend selects one of our backends for
+    ``model`` (diffusers' active backend, or a processor's own choice)."""
+    if bridge.is_ours(bridge.active_backend()):
+        return True
+    return any(bridge.is_ours(bridge.processor_backend(getattr(m, "processor", None))) for m in model.modules())
 
 
 def explain(pipe_or_model) -> Explanation:
