@@ -15,7 +15,8 @@ W_MAX = 1536       # keys per softmax update (an "item"): 3 PSUM banks of fp32 s
 GROUP_R = 8        # q tiles whose online-softmax state is live at once (j-major item order inside a group)
 LOAD_TILES = 2     # key tiles per K/V load step
 LOAD_LAG = 2       # ticks between a load step's DMAs and its masking / K^T transposes
-N_STAGE = 4        # K staging tiles (>= LOAD_LAG + 2)
+MASK_CHUNK = 16    # key tiles whose validity masks are computed at once
+N_STAGE = 8        # K staging tiles (>= LOAD_LAG + 2; a pair's first block is loaded at once)
 TINY = 1.0e-30     # epilogue guard: rows with no valid key have O = 0 and l = 0
 LOG_FLOOR = 2.0 ** -64   # lower end of the ScalarE log's valid input range (NKI_SUBSET.md); lse epilogue
 SB_ALIGN = 64      # byte alignment of every SBUF buffer (>= the 32 B nki-library aligns DMA-transpose targets to)
@@ -46,6 +47,25 @@ def plan_q_tiles(Sq, Skv, causal_block):
         for t in range(sp[0], sp[1], P):
             tiles.append((t, min(P, sp[1] - t), sp[2]))
     return tiles
+
+
+def _blocks(a, e):
+    """Keys [a, e) (a a multiple of 128) as the fewest blocks of at most W_MAX keys, balanced in whole
+    128-key tiles (no short tail block: a short item is latency-bound), [(start, width)]."""
+    out = []
+    if e <= a:
+        return out
+    nt = (e - a + P - 1) // P
+    nb = (e - a + W_MAX - 1) // W_MAX
+    base = nt // nb
+    extra = nt % nb
+    cur = a
+    for j in range(nb):
+        t = base + (1 if j < extra else 0)
+        w = min(t * P, e - cur)
+        out.append((cur, w))
+        cur = cur + w
+    return out
 
 
 def plan_segments(n_keys, D, isz, budget, w):
@@ -212,59 +232,56 @@ def _pe_transposes(ctx, jobs, k, kt=-1):
 # ----------------------------------------------------------------------------------------------------------
 # K/V residency: natural tiles -> (runtime mask) -> K^T [D, keys] and V_aug [P, tiles, D+1]
 # ----------------------------------------------------------------------------------------------------------
-def _load_dma(ctx, pair, t0, t1):
-    """Phase 1 of making key tiles [t0, t1) of the current segment resident: the K rows into a staging tile
-    and the V rows into V_aug (natural layout: key -> partition key % 128 of tile key // 128)."""
+def _load_new(ctx, pair, t0, t1):
+    si = ctx["stage_i"]
+    ctx["stage_i"] = si + 1
+    return {"t0": t0, "t1": t1, "st": ctx["stage"][si % N_STAGE], "si": si, "tick": ctx["tick"]}
+
+
+def _load_dma(ctx, pair, ent, which):
+    """DMA the K rows (which = 0) into a staging tile or the V rows (which = 1) into V_aug, natural layout:
+    key kappa -> partition kappa % 128 of tile kappa // 128."""
     D = ctx["D"]
     NK, C = pair["NK"], ctx["C"]
     seg0 = pair["seg_t0"]
+    t0, t1 = ent["t0"], ent["t1"]
     n = t1 - t0
     a, e = t0 * P, min(t1 * P, NK)
     b, g, Hkv = pair["b"], pair["g"], ctx["Hkv"]
-    st = ctx["stage"][ctx["stage_i"] % N_STAGE]
-    ctx["stage_i"] = ctx["stage_i"] + 1
-    vA = ctx["vA"]
-    vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
-    if e < t1 * P:  # the partial last tile: keep its unused rows defined (they are masked or never read)
-        nisa.memset(dst=st[:, n - 1, :], value=0.0, engine=nisa.engine.gpsimd)
-        nisa.memset(dst=vA[:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
+    if which == 0:
+        dst = ent["st"]
+        if e < t1 * P:  # the partial last tile: keep its unused rows defined (masked or never read)
+            nisa.memset(dst=dst[:, n - 1, :], value=0.0, engine=nisa.engine.gpsimd)
+        srcs = (ctx["k_cache"], ctx["k"])
+    else:
+        dst = ctx["vA"][:, t0 - seg0:t1 - seg0, 0:D]
+        if e < t1 * P:
+            nisa.memset(dst=ctx["vA"][:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
+        srcs = (ctx["v_cache"], ctx["v"])
     # rows from the cache [a, min(e, C)) and from the chunk [max(a, C), e)
     if a < C:
-        _rows_into_tiles(st, t0, ctx["k_cache"], b, a, min(e, C), a, g, C, Hkv, D)
-        _rows_into_tiles(vv, t0, ctx["v_cache"], b, a, min(e, C), a, g, C, Hkv, D)
+        _rows_into_tiles(dst, t0, srcs[0], b, a, min(e, C), a, g, C, Hkv, D)
     if e > C:
         lo = max(a, C)
-        _rows_into_tiles(st, t0, ctx["k"], b, lo, e, lo - C, g, ctx["Skv"], Hkv, D)
-        _rows_into_tiles(vv, t0, ctx["v"], b, lo, e, lo - C, g, ctx["Skv"], Hkv, D)
-    return {"t0": t0, "t1": t1, "st": st, "tick": ctx["tick"]}
+        _rows_into_tiles(dst, t0, srcs[1], b, lo, e, lo - C, g, ctx["Skv"], Hkv, D)
 
 
-def _load_finish(ctx, pair, ent):
-    """Phase 2 (a few ticks later, when the rows have arrived): the runtime mask (GpSimd) and K^T."""
+def _finish_k(ctx, pair, ent, eng):
+    """K select (invalid keys -> the substitute key) and K^T, once the rows have arrived."""
     D = ctx["D"]
-    NK, C = pair["NK"], ctx["C"]
+    C = ctx["C"]
     seg0 = pair["seg_t0"]
     t0, t1, st = ent["t0"], ent["t1"], ent["st"]
     n = t1 - t0
-    a, e = t0 * P, min(t1 * P, NK)
-    vA = ctx["vA"]
-    vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
-    masked = a < C or ctx["has_kvlen"]
-    if not masked:
-        nisa.memset(dst=vA[:, t0 - seg0:t1 - seg0, D], value=1.0, engine=nisa.engine.gpsimd)
-    else:
-        valid, invalid = _valid_masks(ctx, pair, t0, n, a, e)   # 1/0 in the matmul dtype (exact)
-        nisa.tensor_tensor(dst=vv, data1=vv, data2=valid.expand_dim(2).broadcast(2, D), op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=valid, engine=nisa.engine.gpsimd)
+    if t0 * P < C or ctx["has_kvlen"]:
+        _ensure_masks(ctx, pair, t1)
+        tmp = ctx["mask_tmp"][ent["si"] % 2]
         # key = key * valid + dup * invalid  (an exact select: one factor is 1, the other 0)
-        tmp = ctx["mask_tmp"]
         nisa.tensor_tensor(dst=tmp[:, 0:n, :], data1=pair["dup"].expand_dim(1).broadcast(1, n),
-                           data2=invalid.expand_dim(2).broadcast(2, D), op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=valid.expand_dim(2).broadcast(2, D),
-                           op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=tmp[:, 0:n, :], op=nl.add,
-                           engine=nisa.engine.gpsimd)
+                           data2=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
+        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :],
+                           data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
+        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=tmp[:, 0:n, :], op=nl.add, engine=eng)
     kT = ctx["kT"]
     c0 = (t0 - seg0) * P
     if ctx["dma_t"] and _kt_by_dma(ctx["gen"]):
@@ -272,44 +289,129 @@ def _load_finish(ctx, pair, ent):
         nisa.dma_transpose(dst=kT[0:D, c0:c0 + n * P].reshape((D, 1, n, P)),
                            src=st[:, 0:n, :].reshape((P, 1, n, D)), axes=(3, 1, 2, 0))
     else:
-        # PE transposes; their evictions are queued like an item's (emitted two ticks later)
+        # PE transposes; their evictions are queued like an item's
         jobs = []
         for t in range(n):
             jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], t % 2))
         _pe_transposes(ctx, jobs, ctx["tick"] - 1, t0 + 1)   # kt: first tile + 1
 
 
-def _valid_masks(ctx, pair, t0, n, a, e):
-    """(valid, invalid) fp32 1/0 [P, n] for keys t0*128 + t*128 + p against the runtime lengths."""
-    C = ctx["C"]
-    idx = ctx["mask_idx"]
-    nisa.iota(dst=idx[:, 0:n], pattern=[[P, n]], offset=t0 * P, channel_multiplier=1)
-    valid = ctx["mask_v"][:, 0:n]
-    invalid = ctx["mask_i"][:, 0:n]
-    cols = pair["cols"]   # [P, 3] fp32: cache_len, C + kv_len[b] (or C + Skv), C
-    if e <= C:
-        nisa.tensor_tensor(dst=valid, data1=idx[:, 0:n], data2=cols[:, 0:1].broadcast(1, n), op=nl.less,
-                           engine=nisa.engine.gpsimd)
-    elif a >= C:
-        nisa.tensor_tensor(dst=valid, data1=idx[:, 0:n], data2=cols[:, 1:2].broadcast(1, n), op=nl.less,
-                           engine=nisa.engine.gpsimd)
+def _finish_v(ctx, pair, ent, eng):
+    """V rows of invalid keys zeroed, and the validity column of V_aug (the row-sum column)."""
+    D = ctx["D"]
+    seg0 = pair["seg_t0"]
+    t0, t1 = ent["t0"], ent["t1"]
+    vA = ctx["vA"]
+    if t0 * P < ctx["C"] or ctx["has_kvlen"]:
+        _ensure_masks(ctx, pair, t1)
+        vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
+        nisa.tensor_tensor(dst=vv, data1=vv, data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D),
+                           op=nl.multiply, engine=eng)
+        nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
     else:
-        # mixed tiles: (kappa < cache_len) + (kappa >= C) * (kappa < C + kv_len)
-        tmp = ctx["mask_t2"][:, 0:n]
-        nisa.tensor_tensor(dst=valid, data1=idx[:, 0:n], data2=cols[:, 0:1].broadcast(1, n), op=nl.less,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=tmp, data1=idx[:, 0:n], data2=cols[:, 2:3].broadcast(1, n), op=nl.greater_equal,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=invalid, data1=idx[:, 0:n], data2=cols[:, 1:2].broadcast(1, n), op=nl.less,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=tmp, data1=tmp, data2=invalid, op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=valid, data1=valid, data2=tmp, op=nl.add, engine=nisa.engine.gpsimd)
-    vm = ctx["mask_vm"][:, 0:n]
-    im = ctx["mask_im"][:, 0:n]
-    nisa.tensor_copy(dst=vm, src=valid, engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=im, data1=valid, data2=ctx["consts"][:, 1:2].broadcast(1, n), op=nl.less,
-                       engine=nisa.engine.gpsimd)
-    return vm, im
+        nisa.memset(dst=vA[:, t0 - seg0:t1 - seg0, D], value=1.0, engine=eng)
+
+
+def _ensure_masks(ctx, pair, t1):
+    """valid / invalid (1/0 in the matmul dtype, exact) of key tiles up to t1, [P, tiles], computed in
+    chunks of MASK_CHUNK tiles: key kappa = t*128 + p is valid iff kappa < cache_len (cache slots) or
+    C <= kappa < C + kv_len[b]."""
+    nt = (pair["NK"] + P - 1) // P
+    while pair["mask_t"] < t1:
+        m0 = pair["mask_t"]
+        m1 = min(nt, m0 + MASK_CHUNK)
+        _masks_range(ctx, pair, m0, m1)
+        pair["mask_t"] = m1
+
+
+def _masks_range(ctx, pair, m0, m1):
+    n = m1 - m0
+    eng = nisa.engine.gpsimd
+    idx = ctx["mask_idx"][:, m0:m1]
+    valid = ctx["mask_v"][:, m0:m1]
+    tmp = ctx["mask_t2"][:, m0:m1]
+    tmp2 = ctx["mask_i"][:, m0:m1]
+    cols = pair["cols"]   # [P, 3] fp32: cache_len, C + kv_len[b] (or C + Skv), C
+    nisa.iota(dst=idx, pattern=[[P, n]], offset=m0 * P, channel_multiplier=1)
+    nisa.tensor_tensor(dst=valid, data1=idx, data2=cols[:, 0:1].broadcast(1, n), op=nl.less, engine=eng)
+    nisa.tensor_tensor(dst=tmp, data1=idx, data2=cols[:, 2:3].broadcast(1, n), op=nl.greater_equal, engine=eng)
+    nisa.tensor_tensor(dst=tmp2, data1=idx, data2=cols[:, 1:2].broadcast(1, n), op=nl.less, engine=eng)
+    nisa.tensor_tensor(dst=tmp, data1=tmp, data2=tmp2, op=nl.multiply, engine=eng)
+    nisa.tensor_tensor(dst=valid, data1=valid, data2=tmp, op=nl.add, engine=eng)
+    nisa.tensor_copy(dst=pair["vm"][:, m0:m1], src=valid, engine=eng)
+    nisa.tensor_tensor(dst=pair["im"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 1:2].broadcast(1, n),
+                       op=nl.less, engine=eng)
+
+
+# load control per segment: ``kq`` steps whose K awaits its finish, ``vq`` whose V does
+def _seg_start(ctx, pair, s0, s1):
+    pair["seg_t0"] = s0 // P
+    pair["next_t"] = s0 // P
+    pair["kready"] = s0 // P
+    pair["vready"] = s0 // P
+    pair["end_t"] = (s1 + P - 1) // P
+    pair["kq"] = []
+    pair["vq"] = []
+
+
+def _pop(q):
+    rest = []
+    for i in range(1, len(q)):
+        rest.append(q[i])
+    return rest
+
+
+def _issue_step(ctx, pair, with_v):
+    t0 = pair["next_t"]
+    t1 = min(t0 + LOAD_TILES, pair["end_t"])
+    ent = _load_new(ctx, pair, t0, t1)
+    _load_dma(ctx, pair, ent, 0)
+    if with_v:
+        _load_dma(ctx, pair, ent, 1)
+    ent["vdma"] = with_v
+    pair["kq"].append(ent)
+    pair["next_t"] = t1
+    return ent
+
+
+def _next_k(ctx, pair, eng):
+    ent = pair["kq"][0]
+    pair["kq"] = _pop(pair["kq"])
+    _finish_k(ctx, pair, ent, eng)
+    pair["kready"] = ent["t1"]
+    pair["vq"].append(ent)
+
+
+def _next_v(ctx, pair, eng):
+    ent = pair["vq"][0]
+    pair["vq"] = _pop(pair["vq"])
+    if not ent["vdma"]:
+        _load_dma(ctx, pair, ent, 1)
+    _finish_v(ctx, pair, ent, eng)
+    pair["vready"] = ent["t1"]
+
+
+def _force_k(ctx, pair, need, grp, qdone):
+    """A pair's first block (nothing loaded ahead yet): every K DMA first, then the Q tiles of the group,
+    then the K selects, alternating between GpSimd and VectorE (VectorE has nothing else to do yet)."""
+    while pair["next_t"] < need and len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 1:
+        _issue_step(ctx, pair, False)
+    if not qdone:
+        _load_q(ctx, pair, grp[0])
+    f = 0
+    while pair["kready"] < need:
+        if len(pair["kq"]) == 0:
+            _issue_step(ctx, pair, False)
+        _next_k(ctx, pair, nisa.engine.gpsimd if f % 2 == 0 else nisa.engine.vector)
+        f = f + 1
+    if not qdone:
+        for i in range(1, len(grp)):
+            _load_q(ctx, pair, grp[i])
+    # the V rows of the block (after the K rows and Q in DMA order)
+    for ent in pair["vq"]:
+        if not ent["vdma"]:
+            _load_dma(ctx, pair, ent, 1)
+            ent["vdma"] = True
 
 
 def _pair_setup(ctx, b, g):
@@ -557,6 +659,10 @@ def _run_pair(ctx, b, g, tiles):
         if tl["end"] > NK:
             NK = tl["end"]
     pair["NK"] = NK
+    pair["mask_t"] = 0
+    if ctx["has_cache"] or ctx["has_kvlen"]:
+        pair["vm"] = ctx["mask_vm"]
+        pair["im"] = ctx["mask_im"]
     segs = ctx["segs"]
     multi = len(segs) > 1
     R = ctx["R"]
@@ -570,9 +676,7 @@ def _run_pair(ctx, b, g, tiles):
             tl["b"] = b
             tl["nblk"] = 0
             for sg in segs:
-                e = min(tl["end"], sg[1])
-                if e > sg[0]:
-                    tl["nblk"] = tl["nblk"] + (e - sg[0] + W_MAX - 1) // W_MAX
+                tl["nblk"] = tl["nblk"] + len(_blocks(sg[0], min(tl["end"], sg[1])))
             grp.append(tl)
         groups.append(grp)
     q_loaded = []
@@ -580,7 +684,7 @@ def _run_pair(ctx, b, g, tiles):
         q_loaded.append(False)
     for gi in range(len(groups)):
         grp = groups[gi]
-        if not q_loaded[gi]:
+        if not q_loaded[gi] and gi > 0:
             for tl in grp:
                 _load_q(ctx, pair, tl)
             q_loaded[gi] = True
@@ -594,69 +698,73 @@ def _run_pair(ctx, b, g, tiles):
             load = gi == 0 or multi
             if load:
                 _drain(ctx)   # the K/V buffers are about to be overwritten
-                pair["seg_t0"] = s0 // P
-                pair["next_t"] = s0 // P
-                pair["ready_t"] = s0 // P
-                pair["end_t"] = (s1 + P - 1) // P
-                pair["inflight"] = []
+                _seg_start(ctx, pair, s0, s1)
             # items in j-major order: block j of every tile of the group, then block j + 1
             items = []
-            for j0 in range(s0, s1, W_MAX):
+            blks = []
+            nmax = 0
+            for r in range(len(grp)):
+                bl = _blocks(s0, min(grp[r]["end"], s1))
+                blks.append(bl)
+                if len(bl) > nmax:
+                    nmax = len(bl)
+            for j in range(nmax):
                 for r in range(len(grp)):
                     tl = grp[r]
-                    e = min(tl["end"], s1, j0 + W_MAX)
-                    if e > j0:
-                        items.append({"tile": tl, "c": j0 - s0, "w": e - j0, "n": nb[r],
+                    if j < len(blks[r]):
+                        items.append({"tile": tl, "c": blks[r][j][0] - s0, "w": blks[r][j][1], "n": nb[r],
                                       "last": nb[r] == tl["nblk"] - 1, "loading": load})
                         nb[r] = nb[r] + 1
-            # loads paced to the consumption (a step every ``every`` ticks, one block ahead), so the GpSimd
-            # masking work spreads over the group's ticks instead of delaying the softmax statistics
+            # loads paced to the consumption (a step every ``every`` ticks, one phase per tick), so the
+            # GpSimd masking work spreads over the group's ticks instead of delaying the softmax statistics
             every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
             for ii in range(len(items)):
                 it = items[ii]
                 if load:
                     need = (s0 + it["c"] + it["w"] + P - 1) // P
-                    if pair["ready_t"] < need:
-                        while pair["ready_t"] < need:
-                            if len(pair["inflight"]) == 0:
-                                _load_next(ctx, pair)
-                            _finish_next(ctx, pair)
+                    if pair["kready"] < need:
+                        _force_k(ctx, pair, need, grp, q_loaded[gi])
+                        q_loaded[gi] = True
                     kt_late = False
                     for ev in ctx["ev_queue"]:
                         if ev["kt"] > 0 and ev["kt"] - 1 < need:
                             kt_late = True
                     if kt_late:
                         _flush_evictions(ctx)   # K^T must be complete before this item's QK
+                    # V of the item whose PV this tick emits
+                    vneed = 0
+                    for q_it in ctx["pipe"]:
+                        if q_it["age"] == LAG_PV - 1 and s0 + q_it["c"] + q_it["w"] > vneed:
+                            vneed = s0 + q_it["c"] + q_it["w"]
+                    while pair["vready"] < (vneed + P - 1) // P:
+                        if len(pair["vq"]) == 0:
+                            _next_k(ctx, pair, nisa.engine.gpsimd)
+                        _next_v(ctx, pair, nisa.engine.gpsimd)
                 _tick(ctx, it)
                 if load:
-                    if len(pair["inflight"]) > 0 and ctx["tick"] - pair["inflight"][0]["tick"] >= LOAD_LAG:
-                        _finish_next(ctx, pair)
-                    if pair["next_t"] < pair["end_t"] and ii % every == 0 and len(pair["inflight"]) < N_STAGE - 1:
-                        _load_next(ctx, pair)
+                    kq, vq = pair["kq"], pair["vq"]
+                    if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
+                        _next_k(ctx, pair, nisa.engine.gpsimd)
+                    elif len(vq) > 0:
+                        _next_v(ctx, pair, nisa.engine.gpsimd)
+                    if pair["next_t"] < pair["end_t"] and ii % every == 0 and \
+                            len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 2:
+                        _issue_step(ctx, pair, True)
                 if gi + 1 < len(groups) and not q_loaded[gi + 1] and si == len(segs) - 1 and \
                         ii >= len(items) - 2 * R:
                     for tl in groups[gi + 1]:
                         _load_q(ctx, pair, tl)
                     q_loaded[gi + 1] = True
+            if load:
+                # the rest of the segment (items still in flight read its V)
+                while len(pair["kq"]) > 0 or len(pair["vq"]) > 0 or pair["next_t"] < pair["end_t"]:
+                    if len(pair["vq"]) > 0:
+                        _next_v(ctx, pair, nisa.engine.gpsimd)
+                    elif len(pair["kq"]) > 0:
+                        _next_k(ctx, pair, nisa.engine.gpsimd)
+                    else:
+                        _issue_step(ctx, pair, True)
     return pair
-
-
-def _load_next(ctx, pair):
-    t0 = pair["next_t"]
-    t1 = min(t0 + LOAD_TILES, pair["end_t"])
-    pair["inflight"].append(_load_dma(ctx, pair, t0, t1))
-    pair["next_t"] = t1
-
-
-def _finish_next(ctx, pair):
-    q = pair["inflight"]
-    ent = q[0]
-    rest = []
-    for i in range(1, len(q)):
-        rest.append(q[i])
-    pair["inflight"] = rest
-    _load_finish(ctx, pair, ent)
-    pair["ready_t"] = ent["t1"]
 
 
 def _check_shapes(q, k, v, k_cache, v_cache):
@@ -741,13 +849,14 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         if not has_cache:
             nisa.memset(dst=cols[:, 0:1], value=0.0, engine=nisa.engine.gpsimd)
         ctx["cols"] = cols
-        ctx["mask_idx"] = _sb(ctx, (P, LOAD_TILES), nl.float32, 4)
-        ctx["mask_v"] = _sb(ctx, (P, LOAD_TILES), nl.float32, 4)
-        ctx["mask_i"] = _sb(ctx, (P, LOAD_TILES), nl.float32, 4)
-        ctx["mask_t2"] = _sb(ctx, (P, LOAD_TILES), nl.float32, 4)
-        ctx["mask_tmp"] = _sb(ctx, (P, LOAD_TILES, D), mm_dt, isz)
-        ctx["mask_vm"] = _sb(ctx, (P, LOAD_TILES), mm_dt, isz)
-        ctx["mask_im"] = _sb(ctx, (P, LOAD_TILES), mm_dt, isz)
+        nkt = (nk_max + P - 1) // P
+        ctx["mask_idx"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_v"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_i"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_t2"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_tmp"] = _ring(ctx, 2, (P, LOAD_TILES, D), mm_dt, isz)
+        ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
+        ctx["mask_im"] = _sb(ctx, (P, nkt), mm_dt, isz)
     ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
