@@ -12,7 +12,8 @@ __all__ = ["attention_kernel", "not_supported_reasons", "plan_q_tiles", "plan_se
 P = 128            # partitions
 MM_N = 512         # moving free size of one QK^T matmul = one fp32 PSUM bank
 W_MAX = 1536       # keys per softmax update (an "item"): 3 PSUM banks of fp32 scores
-GROUP_R = 8        # q tiles whose online-softmax state is live at once (j-major item order inside a group)
+GROUP_R = 16       # q tiles whose online-softmax state is live at once (j-major item order inside a group)
+GROUP_R_MIN = 8    # ... when 16 would push K/V out of residency
 LOAD_TILES = 2     # key tiles per K/V load step
 LOAD_LAG = 2       # ticks between a load step's DMAs and its masking / K^T transposes
 MASK_CHUNK = 16    # key tiles whose validity masks are computed at once
@@ -86,22 +87,15 @@ def plan_segments(n_keys, D, isz, budget, w):
 
 def _split_table(gen, loading):
     """(DMA, PE+VectorE, PE+ScalarE) shares of the P^T sub-tiles of a full 12-sub-tile item, per generation;
-    ``loading``: items of the phase that also loads (and masks) K/V, where the DMA queues carry the K/V loads.
+    ``loading``: items of the phase that also loads K/V (the DMA queues carry the K/V rows then).
     Chosen by sweeping the SCHEDULED time (module docstring)."""
     if gen == nisa.nc_version.gen2:
-        return 0, 6, 6
+        return 0, 0, 12
     if gen == nisa.nc_version.gen3:
         if loading:
-            return 6, 3, 3
-        return 7, 2, 3
-    if loading:
+            return 7, 2, 3
         return 8, 2, 2
-    return 10, 2, 0
-
-
-def _kt_by_dma(gen):
-    """K^T made by SBUF->SBUF DMA transposes (else PE transposes) while loading."""
-    return False
+    return 9, 3, 0
 
 
 def _split(gen, n_full, has_partial, dma_ok, loading):
@@ -284,16 +278,12 @@ def _finish_k(ctx, pair, ent, eng):
         nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=tmp[:, 0:n, :], op=nl.add, engine=eng)
     kT = ctx["kT"]
     c0 = (t0 - seg0) * P
-    if ctx["dma_t"] and _kt_by_dma(ctx["gen"]):
-        # SBUF->SBUF DMA transpose in the 4-D form (src [keys, 1, tiles, D] -> dst [D, 1, tiles, keys])
-        nisa.dma_transpose(dst=kT[0:D, c0:c0 + n * P].reshape((D, 1, n, P)),
-                           src=st[:, 0:n, :].reshape((P, 1, n, D)), axes=(3, 1, 2, 0))
-    else:
-        # PE transposes; their evictions are queued like an item's
-        jobs = []
-        for t in range(n):
-            jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], t % 2))
-        _pe_transposes(ctx, jobs, ctx["tick"] - 1, t0 + 1)   # kt: first tile + 1
+    # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
+    # P^T and the K/V rows); their evictions are queued like an item's
+    jobs = []
+    for t in range(n):
+        jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], t % 2))
+    _pe_transposes(ctx, jobs, ctx["tick"] - 1, t0 + 1)   # kt: first tile + 1
 
 
 def _finish_v(ctx, pair, ent, eng):
@@ -817,8 +807,6 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     pid = nl.program_id(0)
     nprog = nl.num_programs(0)
     n_tiles_pair = (H // Hkv) * len(qtiles)
-    R = min(GROUP_R, n_tiles_pair)
-    ctx["R"] = R
 
     # -- SBUF: constants, lengths, rings, group state, then K/V residency with what is left -------------------
     consts = _sb(ctx, (P, 5), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf
@@ -871,8 +859,14 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     if return_lse:
         ctx["lse_t"] = _sb(ctx, (P, N_RING), nl.float32, 4)
         ctx["lse_b"] = _sb(ctx, (P, N_RING), nl.float32, 4)
+    # the group size: GROUP_R tiles unless their state would push the resident K/V into segments
+    R = min(GROUP_R, n_tiles_pair)
+    kv_need = ((nk_max + P - 1) // P) * (P + D + 1) * isz
+    if R > GROUP_R_MIN and ctx["sb_top"] + 2 * R * (P * isz + (D + 3) * 4) + kv_need > nl.tile_size.sbuf_fmax_bytes:
+        R = GROUP_R_MIN
+    ctx["R"] = R
     gsets = []
-    for s in range(2):
+    for gs_i in range(2):
         gsets.append({"qT": _sb(ctx, (D, R, P), mm_dt, isz), "oacc": _sb(ctx, (P, R, D + 1), nl.float32, 4),
                       "negm": _sb(ctx, (P, R, 2), nl.float32, 4)})
     ctx["gsets"] = gsets
