@@ -485,12 +485,12 @@ def _st_max(ctx, it):
     gs = ctx["gsets"][tl["set"]]
     nm = gs["negm"]
     r, n = tl["r"], it["n"]
-    cur = nm[0:nq, r, n % 2:n % 2 + 1]
+    cur = nm[0:nq, r, n % 3:n % 3 + 1]
     dst = cur if n == 0 else ctx["nmx"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
     nisa.tensor_scalar_reduce(dst=ssb[0:nq, 0:w], data=sps[0:nq, 0:w], op0=nl.multiply, operand0=-ctx["scale"],
                               reduce_op=nl.minimum, reduce_res=dst)
     if n > 0:
-        nisa.tensor_tensor(dst=cur, data1=nm[0:nq, r, (n - 1) % 2:(n - 1) % 2 + 1], data2=dst, op=nl.minimum,
+        nisa.tensor_tensor(dst=cur, data1=nm[0:nq, r, (n - 1) % 3:(n - 1) % 3 + 1], data2=dst, op=nl.minimum,
                            engine=nisa.engine.gpsimd)
 
 
@@ -504,10 +504,10 @@ def _st_exp(ctx, it):
     pT = ctx["pT"][it["k"] % N_PT]
     nm = ctx["gsets"][tl["set"]]["negm"]
     r, n = tl["r"], it["n"]
-    cur = nm[0:nq, r, n % 2:n % 2 + 1]
+    cur = nm[0:nq, r, n % 3:n % 3 + 1]
     if n > 0:
         nisa.activation(dst=ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1], op=nl.exp,
-                        data=nm[0:nq, r, (n - 1) % 2:(n - 1) % 2 + 1], bias=cur, scale=-1.0)
+                        data=nm[0:nq, r, (n - 1) % 3:(n - 1) % 3 + 1], bias=cur, scale=-1.0)
     nisa.activation(dst=psb[0:nq, 0:w], op=nl.exp, data=ssb[0:nq, 0:w], bias=cur, scale=-1.0)
     n_full = w // P
     nsub = (w + P - 1) // P
@@ -579,7 +579,7 @@ def _finish_lse(ctx, tl):
     c = ctx["consts"]
     gs = ctx["gsets"][tl["set"]]
     l_col = gs["oacc"][0:nq, tl["r"], D:D + 1]
-    negm = gs["negm"][0:nq, tl["r"], (tl["nblk"] - 1) % 2:(tl["nblk"] - 1) % 2 + 1]
+    negm = gs["negm"][0:nq, tl["r"], (tl["nblk"] - 1) % 3:(tl["nblk"] - 1) % 3 + 1]
     k = ctx["fin_i"] % N_RING
     lse = ctx["lse_t"][0:nq, k:k + 1]
     bound = ctx["lse_b"][0:nq, k:k + 1]
@@ -635,6 +635,19 @@ def _tick(ctx, new):
     ctx["pipe"] = keep
 
 
+def _wait_set(ctx, gset, gid):
+    """Before a group's first item: the older group that used the same state set must have left the
+    pipeline (its epilogue reads the set); empty ticks only when the group in between was tiny."""
+    busy = True
+    while busy:
+        busy = False
+        for it in ctx["pipe"]:
+            if it["tile"]["set"] == gset and it["tile"]["gid"] != gid:
+                busy = True
+        if busy:
+            _tick(ctx, None)
+
+
 def _drain(ctx):
     while len(ctx["pipe"]) > 0:
         _tick(ctx, None)
@@ -663,6 +676,7 @@ def _run_pair(ctx, b, g, tiles):
             tl = tiles[i]
             tl["r"] = i - i0
             tl["set"] = (i0 // R) % 2
+            tl["gid"] = i0 // R
             tl["b"] = b
             tl["nblk"] = 0
             for sg in segs:
@@ -710,6 +724,8 @@ def _run_pair(ctx, b, g, tiles):
             every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
             for ii in range(len(items)):
                 it = items[ii]
+                if ii == 0:
+                    _wait_set(ctx, grp[0]["set"], gi)
                 if load:
                     need = (s0 + it["c"] + it["w"] + P - 1) // P
                     if pair["kready"] < need:
@@ -862,13 +878,13 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     # the group size: GROUP_R tiles unless their state would push the resident K/V into segments
     R = min(GROUP_R, n_tiles_pair)
     kv_need = ((nk_max + P - 1) // P) * (P + D + 1) * isz
-    if R > GROUP_R_MIN and ctx["sb_top"] + 2 * R * (P * isz + (D + 3) * 4) + kv_need > nl.tile_size.sbuf_fmax_bytes:
+    if R > GROUP_R_MIN and ctx["sb_top"] + 2 * R * (P * isz + (D + 4) * 4) + kv_need > nl.tile_size.sbuf_fmax_bytes:
         R = GROUP_R_MIN
     ctx["R"] = R
     gsets = []
     for gs_i in range(2):
         gsets.append({"qT": _sb(ctx, (D, R, P), mm_dt, isz), "oacc": _sb(ctx, (P, R, D + 1), nl.float32, 4),
-                      "negm": _sb(ctx, (P, R, 2), nl.float32, 4)})
+                      "negm": _sb(ctx, (P, R, 3), nl.float32, 4)})
     ctx["gsets"] = gsets
     budget = nl.tile_size.sbuf_fmax_bytes - ctx["sb_top"]
     if kv_budget > 0:
