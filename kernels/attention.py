@@ -85,24 +85,25 @@ def plan_segments(n_keys, D, isz, budget, w):
     return out
 
 
-def _split_table(gen, loading):
+def _split_table(gen, loading, k):
     """(DMA, PE+VectorE, PE+ScalarE) shares of the P^T sub-tiles of a full 12-sub-tile item, per generation;
-    ``loading``: items of the phase that also loads K/V (the DMA queues carry the K/V rows then).
+    ``loading``: items of the phase that also loads K/V (the DMA queues carry the K/V rows then); ``k``: the
+    item's index (trn2 alternates two splits, balancing VectorE and ScalarE to within one eviction).
     Chosen by sweeping the SCHEDULED time (module docstring)."""
     if gen == nisa.nc_version.gen2:
         return 0, 0, 12
     if gen == nisa.nc_version.gen3:
         if loading:
-            return 7, 2, 3
-        return 8, 2, 2
+            return (7, 2, 3) if k % 2 == 0 else (7, 3, 2)
+        return (8, 2, 2) if k % 2 == 0 else (8, 1, 3)
     return 9, 3, 0
 
 
-def _split(gen, n_full, has_partial, dma_ok, loading):
+def _split(gen, n_full, has_partial, dma_ok, loading, k):
     """How the P^T sub-tiles of one item are made: (n_dma, n_pe_dve, n_pe_act); the DMA ones are the first
     n_dma full 128-key sub-tiles (one SBUF->SBUF dma_transpose), the rest PE transposes evicted by VectorE
     (first) or ScalarE."""
-    d, v, a = _split_table(gen, loading)
+    d, v, a = _split_table(gen, loading, k)
     if not dma_ok:
         v, a, d = v + (d + 1) // 2, a + d // 2, 0
     tot = d + v + a
@@ -511,7 +512,7 @@ def _st_exp(ctx, it):
     nisa.activation(dst=psb[0:nq, 0:w], op=nl.exp, data=ssb[0:nq, 0:w], bias=cur, scale=-1.0)
     n_full = w // P
     nsub = (w + P - 1) // P
-    nd, nv, na = _split(ctx["gen"], n_full, nsub > n_full, ctx["dma_t"], it["loading"])
+    nd, nv, na = _split(ctx["gen"], n_full, nsub > n_full, ctx["dma_t"], it["loading"], it["k"])
     if nd > 0:
         nisa.dma_transpose(dst=pT[:, 0:nd, 0:nq].reshape((P, 1, nd, nq)),
                            src=psb[0:nq, 0:nd * P].reshape((nq, 1, nd, P)), axes=(3, 1, 2, 0))
