@@ -26,6 +26,7 @@ PSUM_BANK = 2048   # bytes per PSUM bank per partition
 LAG_PV = 4
 LAG_UP = 6
 N_SSB, N_PSB, N_PT, N_OB, N_RING = 3, 4, 4, 2, 8   # ring depths (SBUF)
+N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + N_OPS must come after the eviction of item i)
 
 
@@ -69,19 +70,19 @@ def _blocks(a, e):
     return out
 
 
-def plan_segments(n_keys, D, isz, budget, w):
-    """Split the resident key space [0, n_keys) into SBUF segments of whole w-key blocks, each at most
-    ``budget`` bytes per partition of K^T + V_aug. Returns [(start, end)] in keys."""
+def plan_segments(n_keys, D, isz, budget):
+    """Split the resident key space [0, n_keys) into the fewest SBUF segments of whole 128-key tiles, each at
+    most ``budget`` bytes per partition of K^T + V_aug, balanced. Returns [(start, end)] in keys."""
     per_tile = P * isz + (D + 1) * isz
-    blk_tiles = w // P
-    tiles_fit = budget // per_tile
-    blocks_fit = tiles_fit // blk_tiles
-    if blocks_fit < 1:
-        blocks_fit = 1
-    seg = blocks_fit * w
+    n_tiles = (n_keys + P - 1) // P
+    fit = budget // per_tile
+    if fit < 1:
+        fit = 1
+    n_seg = (n_tiles + fit - 1) // fit
+    per = (n_tiles + n_seg - 1) // n_seg
     out = []
-    for s in range(0, n_keys, seg):
-        out.append((s, min(n_keys, s + seg)))
+    for t in range(0, n_tiles, per):
+        out.append((t * P, min(n_keys, (t + per) * P)))
     return out
 
 
@@ -501,7 +502,7 @@ def _st_exp(ctx, it):
     tl = it["tile"]
     nq, w = tl["nq"], it["w"]
     ssb = ctx["s_sb"][it["k"] % N_SSB]
-    psb = ctx["p_sb"][it["k"] % N_PSB]
+    psb = ctx["p_sb"][it["k"] % len(ctx["p_sb"])]
     pT = ctx["pT"][it["k"] % N_PT]
     nm = ctx["gsets"][tl["set"]]["negm"]
     r, n = tl["r"], it["n"]
@@ -866,7 +867,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
     ctx["s_sb"] = _ring(ctx, N_SSB, (P, W_MAX), nl.float32, 4)
-    ctx["p_sb"] = _ring(ctx, N_PSB, (P, W_MAX), mm_dt, isz)
+    ctx["p_sb"] = _ring(ctx, N_PSB if dma_t else N_PSB_PE, (P, W_MAX), mm_dt, isz)
     ctx["pT"] = _ring(ctx, N_PT, (P, W_MAX // P, P), mm_dt, isz)
     ctx["oblk"] = _ring(ctx, N_OB, (P, D + 1), nl.float32, 4)
     ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
@@ -890,7 +891,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     budget = nl.tile_size.sbuf_fmax_bytes - ctx["sb_top"]
     if kv_budget > 0:
         budget = min(budget, kv_budget)
-    segs = plan_segments(nk_max, D, isz, budget, W_MAX)
+    segs = plan_segments(nk_max, D, isz, budget)
     ctx["segs"] = segs
     seg_tiles = 0
     for sg in segs:

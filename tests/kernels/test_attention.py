@@ -200,7 +200,7 @@ def test_multi_segment_groups():
     args = make_case(1023, 4000, 64, torch.bfloat16, "partial", cb=0, inputs="30randn", B=1, H=3, Hkv=1,
                      kv_len=[3900], seed=13)
     hbm_read = {}
-    segs = attn.plan_segments(300 + 4000, 64, 2, 12_000, attn.W_MAX)
+    segs = attn.plan_segments(300 + 4000, 64, 2, 12_000)
     assert len(segs) == 2  # [cache | first chunk keys], [the rest of the chunk]
     for budget in (0, 12_000):
         out, rec = run_kernel(tuple(args) + (False, budget))

@@ -115,7 +115,7 @@ def test_lse_multi_segment():
     persist across segments; lse still exact."""
     args = make_case(300, 4000, 64, torch.bfloat16, "partial", 0, "30randn", B=1, H=2, Hkv=1, kv_len=[3900],
                      seed=13)
-    assert len(attn.plan_segments(300 + 4000, 64, 2, 12_000, attn.W_MAX)) == 2
+    assert len(attn.plan_segments(300 + 4000, 64, 2, 12_000)) == 2
     (_, lse), _ = _run(args, kv_budget=12_000)
     _check_lse(args, lse)
 
