@@ -889,6 +889,9 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
                       "negm": _sb(ctx, (P, R, 3), nl.float32, 4)})
     ctx["gsets"] = gsets
     budget = nl.tile_size.sbuf_fmax_bytes - ctx["sb_top"]
+    assert budget >= (W_MAX // P) * (P + D + 1) * isz, (
+        f"attention_kernel: the working buffers take {ctx['sb_top']} bytes per partition, leaving {budget} of "
+        f"nl.tile_size.sbuf_fmax_bytes={nl.tile_size.sbuf_fmax_bytes} for one block of resident K/V")
     if kv_budget > 0:
         budget = min(budget, kv_budget)
     segs = plan_segments(nk_max, D, isz, budget)
