@@ -22,12 +22,14 @@ TINY = 1.0e-30     # epilogue guard: rows with no valid key have O = 0 and l = 0
 LOG_FLOOR = 2.0 ** -64   # lower end of the ScalarE log's valid input range (NKI_SUBSET.md); lse epilogue
 SB_ALIGN = 64      # byte alignment of every SBUF buffer (>= the 32 B nki-library aligns DMA-transpose targets to)
 PSUM_BANK = 2048   # bytes per PSUM bank per partition
-# pipeline: stage lags (ticks after an item enters) -- QK 0, max 1, exp/transposes 2, PV LAG_PV, update LAG_UP
-LAG_PV = 4
-LAG_UP = 6
-N_SSB, N_PSB, N_PT, N_OB, N_RING = 3, 4, 4, 2, 8   # ring depths (SBUF)
+# pipeline: stage lags (ticks after an item enters) -- QK 0, max 1, exp/transposes 2, PV, update (PV + 2);
+# PV waits one tick more when P^T comes by DMA transpose (its ~1.3 us fixed latency), and the P^T ring is as
+# deep as the PV lag
+LAG_PV_DMA = 5
+LAG_PV_PE = 4
+N_SSB, N_PSB, N_OB, N_RING = 3, 4, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
-N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + N_OPS must come after the eviction of item i)
+N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
 
 def plan_q_tiles(Sq, Skv, causal_block):
@@ -503,7 +505,7 @@ def _st_exp(ctx, it):
     nq, w = tl["nq"], it["w"]
     ssb = ctx["s_sb"][it["k"] % N_SSB]
     psb = ctx["p_sb"][it["k"] % len(ctx["p_sb"])]
-    pT = ctx["pT"][it["k"] % N_PT]
+    pT = ctx["pT"][it["k"] % len(ctx["pT"])]
     nm = ctx["gsets"][tl["set"]]["negm"]
     r, n = tl["r"], it["n"]
     cur = nm[0:nq, r, n % 3:n % 3 + 1]
@@ -530,7 +532,7 @@ def _st_pv(ctx, it):
     """TensorE: O_aug = P V_aug over the item's sub-tiles (last column: the row sum of P over valid keys)."""
     tl = it["tile"]
     nq, w = tl["nq"], it["w"]
-    pT = ctx["pT"][it["k"] % N_PT]
+    pT = ctx["pT"][it["k"] % len(ctx["pT"])]
     ops = ctx["o_ps"][0:nq, it["k"] % N_OPS, 0:ctx["D"] + 1]
     vA = ctx["vA"]
     tb = it["c"] // P
@@ -616,7 +618,7 @@ def _tick(ctx, new):
         if it["age"] == 0:
             _st_qk(ctx, it)
     for it in pipe:
-        if it["age"] == LAG_PV:
+        if it["age"] == ctx["lag_pv"]:
             _st_pv(ctx, it)
     for it in pipe:
         if it["age"] == 1:
@@ -630,7 +632,7 @@ def _tick(ctx, new):
         _flush_evictions(ctx)   # the queued P^T evictions of an item with no successor
     keep = []
     for it in pipe:
-        if it["age"] == LAG_UP:
+        if it["age"] == ctx["lag_pv"] + 2:
             _st_update(ctx, it)
         else:
             keep.append(it)
@@ -742,7 +744,7 @@ def _run_pair(ctx, b, g, tiles):
                     # V of the item whose PV this tick emits
                     vneed = 0
                     for q_it in ctx["pipe"]:
-                        if q_it["age"] == LAG_PV - 1 and s0 + q_it["c"] + q_it["w"] > vneed:
+                        if q_it["age"] == ctx["lag_pv"] - 1 and s0 + q_it["c"] + q_it["w"] > vneed:
                             vneed = s0 + q_it["c"] + q_it["w"]
                     while pair["vready"] < (vneed + P - 1) // P:
                         if len(pair["vq"]) == 0:
@@ -868,7 +870,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
     ctx["s_sb"] = _ring(ctx, N_SSB, (P, W_MAX), nl.float32, 4)
     ctx["p_sb"] = _ring(ctx, N_PSB if dma_t else N_PSB_PE, (P, W_MAX), mm_dt, isz)
-    ctx["pT"] = _ring(ctx, N_PT, (P, W_MAX // P, P), mm_dt, isz)
+    ctx["lag_pv"] = LAG_PV_DMA if dma_t else LAG_PV_PE
+    ctx["pT"] = _ring(ctx, ctx["lag_pv"], (P, W_MAX // P, P), mm_dt, isz)
     ctx["oblk"] = _ring(ctx, N_OB, (P, D + 1), nl.float32, 4)
     ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["alpha"] = _sb(ctx, (P, N_RING), nl.float32, 4)
