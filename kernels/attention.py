@@ -1,142 +1,151 @@
 """NKI flash-attention forward for autoregressive video: [static KV cache | chunk], frame-causal, padding.
 
-Twin: ``kernels/attention_ref.py`` (same signature and semantics; ``not_supported_reasons`` below IS the
-twin's function, so the shape/dtype limits live in one place).
-
-Signature (positional, like the twin): ``attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len,
-scale, causal_block, return_lse=False)``; q [B, Sq, H, D], k/v [B, Skv, Hkv, D], caches [B, C, Hkv, D]
-(BSHD, read in place with strided DMA), ``cache_len`` int32 [1], ``kv_len`` int32 [B] (None when absent),
-``scale`` a float (None: 1/sqrt(D)), ``causal_block`` an int (0: no frame-causal mask). Returns o
-[B, Sq, H, D] in q's dtype (``nl.shared_hbm``); with ``return_lse=True`` returns ``(o, lse)``, lse float32
-[B, H, Sq] = the natural log-sum-exp of the scaled logits over the visible keys (-inf for a row with no
-visible key), taken from the epilogue's running max m and row sum l: lse = m + log(l) (context
-parallelism's ring attention merges partial results with it).
-
-Semantics: keys = cache slots [0, cache_len) followed by chunk keys [0, kv_len[b]); with causal_block = cb
-> 0, query i sees chunk key j iff j // cb <= i // cb (cache keys always visible); a query that sees no key
-gets zeros. Softmax statistics in fp32; matmul operands in the input dtype (bf16/fp16/fp32).
-
-Algorithm (FlashAttention-2 style online softmax, one softmax update per block of up to NB = 3072 keys):
-- Runtime lengths, no Python branch on them. ``cache_len``/``kv_len`` are DMA-broadcast to all partitions.
-  Invalid keys (slot >= cache_len, chunk key >= kv_len[b]) are neutralised ONCE per (batch, kv head) in
-  the SBUF-resident K/V, never per score tile: the key is replaced by a copy of a key every query sees
-  (chunk key 0 when kv_len[b] >= 1, else cache slot 0), so its score never exceeds the true row max and
-  the max stays exact; its V row and its "ones" column are zeroed, so it contributes nothing to O or to
-  the row sum. V is stored augmented, V_aug = [V | valid], so the PV matmul also produces the row sum l
-  (moving free size D+1 <= 129, ~free on TensorE) and the runtime mask costs no per-tile work at all.
-  If no key is valid, O = 0 and l = 0, and the epilogue's max(l, tiny) makes the output exactly 0.
-- Frame-causal: queries are tiled so that no 128-row tile straddles a query block; query block c then
-  sees the chunk-key PREFIX [0, min((c+1)*cb, Skv)), a compile-time range: fully masked key tiles are
-  never loaded or computed and no mask is materialised (work ~ sum_c (c+1)/nblk^2 of dense).
-- Per (b, kv head): K^T [D, keys] and V_aug [128, key tiles, D+1] stay resident in SBUF (K^T made by PE
-  transposes once per head, amortised over all q tiles of the GQA group). If they do not fit (very long
-  fp32 sequences), keys are split into segments and q tiles are processed in groups of R whose online
-  softmax state (O, l, running max, Q^T) persists in SBUF across segments.
-- Per q tile (128 rows), per key block (w <= 3072 keys):
-    PE   S = Q K^T into 6 PSUM banks (w/512 matmuls, moving N = 512)
-    DVE  nm = -max_j S (one tensor_reduce over up to 6 banks; negate folded in)
-    POOL running -max and the exp bias = scale * (-max) (two [P,1] ops, GpSimd is otherwise idle)
-    ACT  alpha = exp(scale*(m_old - m_new)); P = exp(scale*S + bias) -> SBUF in the input dtype
-    P^T  per 128-key sub-tile, split between engines: PE transposes evicted by ScalarE or VectorE, and
-         (trn2/trn3, 16-bit) one SBUF->SBUF ``dma_transpose`` for the rest of the block
-    PE   O_aug = P V_aug accumulated over the block's sub-tiles in one PSUM bank
-    ACT  evict O_aug; POOL O_acc = alpha * O_acc + O_aug (first block: plain copy)
-  Epilogue: O = O_acc[:, :D] * 1/max(l, tiny) on ScalarE, cast to q's dtype, DMA to o (strided BSHD).
-  With return_lse: lse = log(l + 2^-64) - bias (ScalarE log; bias = -m, the last block's exp bias), then
-  min(lse, +-inf) with -inf where l < 1/2 (l >= 1 whenever a key is visible: the max key contributes
-  exp(0) = 1): five [P,1] GpSimd ops and one [nq, 1] DMA to lse[b, h, qs:qs+nq] per q tile.
-  VectorE does only the row max (plus a few P^T evictions), which is the structural bound on trn2
-  (COST_MODEL.md 3.3); the rest is spread over ScalarE, GpSimd, TensorE and the DMA queues.
-
-Engine budget per full block (128 q x 3072 keys, D=128, bf16), trn2 cycles: PE 6144 (QK^T + PV; ideal
-2560 ns) + 8 P^T transposes x 128; DVE 3072 (max: 3200 ns = the 80% ceiling) + 2 evictions x 64;
-ACT 3072 (exp) + 64 (alpha) + 129 (O evict) + 6 evictions x 128; DMA 16 SBUF->SBUF transposes
-(~2.9 us at 50% of 368 GB/s); GpSimd ~600 (bookkeeping, O update). ``TRANSPOSE_SPLIT`` holds this split
-per generation; it was chosen by sweeping splits through the cost model (trn2: (3,2,11) per 2048-key
-block gave 72.7% / 74.7% on self_forcing_chunk / wan_bidirectional_81f; (6,2,16) per 3072 keys 74.4% /
-76.2%; trn3 (1,3,20) ~90%). All numbers MODELED (``diffusers-nki bench kernels``), never measured.
-
-Loop structure: for b: for kv head g: [load + mask K^T, V_aug] for q tile (heads of group g x q tiles):
-load Q, PE-transpose to Q^T; for key block (cache blocks, then the visible chunk prefix): QK^T, max, exp,
-P^T, PV, O update; epilogue, store. Under ``kernel[2]`` the (b, g) pairs are split over the two logical
-cores when B*Hkv is even (K/V read once in total), else the q tiles of each pair are interleaved.
-
-Limits: D in 1..128; any B, Sq, Skv >= 1, C >= 0, H % Hkv == 0; fp32/bf16/fp16 (P kept in the input dtype);
-``cache_len``/``kv_len`` int32 (the host wrapper casts int64); invalid cache slots must hold finite
-values (the twin's SDPA has the same requirement; zero-initialised caches satisfy it).
-
-Tested ranges (tests/kernels/test_attention.py, emulator with numerics, trn2 unless noted): pairwise grid
-over Sq, Skv in {1, 113, 128, 1023, 1560, 4680}, D in {8, 12, 64, 128}, fp32/bf16, cache absent or
-capacity 300 with cache_len in {0, 161, 300}, causal_block 0 or ceil(Sq/3) (1..1560), inputs randn, rand,
-30*randn; plus fp16 with scale 0.3 and -0.2; causal_block 8, 64, 113; kv_len padding incl. 0 (rows with no
-key); B, H in 1..2 with GQA (H=2, Hkv=1); trn1 and trn3; kernel[2]; the multi-segment path (forced small
-SBUF budget); identical instruction streams for different cache_len / kv_len values.
-Full scale (trace mode, ``diffusers-nki bench kernels``): Sq, Skv up to 32760, H=12, D=128, bf16; the
-12-head trace equals 12 x the 1-head trace (compared once by hand on trn2/trn3: within 0.01%; tests check 3 heads = 3 x 1 head).
+(The full docstring is written once the figures are measured.)
 """
 from __future__ import annotations
-
-import math
 
 from diffusers_nki.nki import nki, nl, nisa
 from diffusers_nki.kernels.attention_ref import not_supported_reasons  # noqa: F401  (the twin's checks)
 
-__all__ = ["attention_kernel", "not_supported_reasons", "plan_q_tiles", "NB", "TRANSPOSE_SPLIT"]
+__all__ = ["attention_kernel", "not_supported_reasons", "plan_q_tiles", "plan_segments", "W_MAX", "GROUP_R"]
 
 P = 128            # partitions
 MM_N = 512         # moving free size of one QK^T matmul = one fp32 PSUM bank
-NB = 3072          # keys per softmax update: 6 PSUM banks of scores, one max / exp per block
+W_MAX = 1536       # keys per softmax update (an "item"): 3 PSUM banks of fp32 scores
+GROUP_R = 16       # q tiles whose online-softmax state is live at once (j-major item order inside a group)
+GROUP_R_MIN = 8    # ... when 16 would push K/V out of residency
+LOAD_TILES = 2     # key tiles per K/V load step
+LOAD_LAG = 2       # ticks between a load step's DMAs and its masking / K^T transposes
+MASK_CHUNK = 16    # key tiles whose validity masks are computed at once
+N_STAGE = 8        # K staging tiles (>= LOAD_LAG + 2; a pair's first block is loaded at once)
 TINY = 1.0e-30     # epilogue guard: rows with no valid key have O = 0 and l = 0
 LOG_FLOOR = 2.0 ** -64   # lower end of the ScalarE log's valid input range (NKI_SUBSET.md); lse epilogue
-SBUF_BYTES = {2: 192 * 1024, 3: 224 * 1024, 4: 256 * 1024}   # per partition [ARCH2/3/4]
-RESERVE = 32 * 1024   # per-partition SBUF kept for the working tiles (P, P^T, staging, masks: ~20 KiB bf16)
-GROUP_R = 16          # q tiles per group when K/V need several SBUF segments
-
-KV_BUDGET = None      # override of the per-partition SBUF bytes for resident K/V (tests force segments)
-
-# How the P^T sub-tiles of a full NB-key block (24 x [128, 128]) are made, per generation, for 16-bit P:
-# (PE transposes evicted by ScalarE, PE transposes evicted by VectorE, SBUF->SBUF DMA transposes).
-# Chosen with the cost model (``diffusers-nki bench kernels``; sweep in the module docstring); fp32 P
-# and gen2 (no DMA transpose) use PE transposes only.
-TRANSPOSE_SPLIT = {2: (14, 10, 0), 3: (6, 2, 16), 4: (1, 3, 20)}
+SB_ALIGN = 64      # byte alignment of every SBUF buffer (>= the 32 B nki-library aligns DMA-transpose targets to)
+PSUM_BANK = 2048   # bytes per PSUM bank per partition
+# pipeline: stage lags (ticks after an item enters) -- QK 0, max 1, exp/transposes 2, PV, update (PV + 2);
+# PV waits one tick more when P^T comes by DMA transpose (its ~1.3 us fixed latency), and the P^T ring is as
+# deep as the PV lag
+LAG_PV_DMA = 5
+LAG_PV_PE = 4
+N_SSB, N_PSB, N_OB, N_RING = 3, 4, 2, 8   # ring depths (SBUF)
+N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
+N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
 
 def plan_q_tiles(Sq, Skv, causal_block):
     """Query tiles [(start, rows, visible_chunk_keys)] with rows <= 128 and no tile straddling a query block
     of a different visible key prefix (compile-time)."""
+    spans = []
     if causal_block > 0:
-        spans = []
         for s in range(0, Sq, causal_block):
             e = min(s + causal_block, Sq)
             vis = min(Skv, s + causal_block)
-            if spans and spans[-1][2] == vis and spans[-1][1] == s:
-                spans[-1] = (spans[-1][0], e, vis)   # same visible prefix: merge the query blocks
+            if len(spans) > 0 and spans[len(spans) - 1][2] == vis and spans[len(spans) - 1][1] == s:
+                spans[len(spans) - 1] = (spans[len(spans) - 1][0], e, vis)   # same visible prefix: merge
             else:
                 spans.append((s, e, vis))
     else:
-        spans = [(0, Sq, Skv)]
+        spans.append((0, Sq, Skv))
     tiles = []
-    for s, e, vis in spans:
-        for t in range(s, e, P):
-            tiles.append((t, min(P, e - t), vis))
+    for sp in spans:
+        for t in range(sp[0], sp[1], P):
+            tiles.append((t, min(P, sp[1] - t), sp[2]))
     return tiles
 
 
-def _split_transposes(gen, n_full, p_is16):
-    """(n_pe_act, n_pe_dve, n_dma) for a block with ``n_full`` full 128-key sub-tiles."""
-    a, v, d = TRANSPOSE_SPLIT.get(gen, TRANSPOSE_SPLIT[3])
-    if not p_is16 or gen < 3:
-        d = 0
-    tot = a + v + d
-    n_dma = (n_full * d) // tot
-    rest = n_full - n_dma
-    n_act = (rest * a + (a + v) // 2) // max(a + v, 1) if a + v > 0 else 0
-    n_act = min(n_act, rest)
-    return n_act, rest - n_act, n_dma
+def _blocks(a, e):
+    """Keys [a, e) (a a multiple of 128) as the fewest blocks of at most W_MAX keys, balanced in whole
+    128-key tiles (no short tail block: a short item is latency-bound), [(start, width)]."""
+    out = []
+    if e <= a:
+        return out
+    nt = (e - a + P - 1) // P
+    nb = (e - a + W_MAX - 1) // W_MAX
+    base = nt // nb
+    extra = nt % nb
+    cur = a
+    for j in range(nb):
+        t = base + (1 if j < extra else 0)
+        w = min(t * P, e - cur)
+        out.append((cur, w))
+        cur = cur + w
+    return out
 
 
+def plan_segments(n_keys, D, isz, budget):
+    """Split the resident key space [0, n_keys) into the fewest SBUF segments of whole 128-key tiles, each at
+    most ``budget`` bytes per partition of K^T + V_aug, balanced. Returns [(start, end)] in keys."""
+    per_tile = P * isz + (D + 1) * isz
+    n_tiles = (n_keys + P - 1) // P
+    fit = budget // per_tile
+    if fit < 1:
+        fit = 1
+    n_seg = (n_tiles + fit - 1) // fit
+    per = (n_tiles + n_seg - 1) // n_seg
+    out = []
+    for t in range(0, n_tiles, per):
+        out.append((t * P, min(n_keys, (t + per) * P)))
+    return out
+
+
+def _split_table(gen, loading, k):
+    """(DMA, PE+VectorE, PE+ScalarE) shares of the P^T sub-tiles of a full 12-sub-tile item, per generation;
+    ``loading``: items of the phase that also loads K/V (the DMA queues carry the K/V rows then); ``k``: the
+    item's index (trn2 alternates two splits, balancing VectorE and ScalarE to within one eviction).
+    Chosen by sweeping the SCHEDULED time (module docstring)."""
+    if gen == nisa.nc_version.gen2:
+        return 0, 0, 12
+    if gen == nisa.nc_version.gen3:
+        if loading:
+            return (7, 2, 3) if k % 2 == 0 else (7, 3, 2)
+        return (8, 2, 2) if k % 2 == 0 else (8, 1, 3)
+    return 9, 3, 0
+
+
+def _split(gen, n_full, has_partial, dma_ok, loading, k):
+    """How the P^T sub-tiles of one item are made: (n_dma, n_pe_dve, n_pe_act); the DMA ones are the first
+    n_dma full 128-key sub-tiles (one SBUF->SBUF dma_transpose), the rest PE transposes evicted by VectorE
+    (first) or ScalarE."""
+    d, v, a = _split_table(gen, loading, k)
+    if not dma_ok:
+        v, a, d = v + (d + 1) // 2, a + d // 2, 0
+    tot = d + v + a
+    nd = (n_full * d + tot // 2) // tot
+    rest = n_full - nd + (1 if has_partial else 0)
+    nv = (rest * v + (v + a) // 2) // (v + a) if v + a > 0 else rest
+    if nv > rest:
+        nv = rest
+    return nd, nv, rest - nv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SBUF / PSUM placement: a bump allocator handing out explicit addresses (rotating buffers are lists of them)
+# ----------------------------------------------------------------------------------------------------------
+def _sb(ctx, shape, dtype, isz):
+    n = isz
+    for i in range(1, len(shape)):
+        n = n * shape[i]
+    off = ctx["sb_top"]
+    ctx["sb_top"] = off + ((n + SB_ALIGN - 1) // SB_ALIGN) * SB_ALIGN
+    return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, address=(0, off))
+
+
+def _ring(ctx, n, shape, dtype, isz):
+    out = []
+    for i in range(n):
+        out.append(_sb(ctx, shape, dtype, isz))
+    return out
+
+
+def _ps(shape, dtype, bank):
+    return nl.ndarray(shape, dtype=dtype, buffer=nl.psum, address=(0, bank * PSUM_BANK))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HBM access patterns (BSHD)
+# ----------------------------------------------------------------------------------------------------------
 def _hbm_rows(t, b, s0, n, head, ntok, nheads, D):
-    """View of t[b, s0:s0+n, head, :] as [n, D] (HBM access pattern, BSHD)."""
+    """View of t[b, s0:s0+n, head, :] as [n, D]."""
     return t.ap(pattern=[[nheads * D, n], [1, D]], offset=((b * ntok + s0) * nheads + head) * D)
 
 
@@ -146,414 +155,785 @@ def _hbm_tiles(t, b, s0, ntiles, head, ntok, nheads, D):
                 offset=((b * ntok + s0) * nheads + head) * D)
 
 
-def _broadcast_lengths(src, n):
-    """DMA an int32 [n] HBM tensor to every partition and convert it to fp32: [P, n]."""
-    li = nl.ndarray((P, n), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=li, src=src.ap(pattern=[[0, P], [1, n]], offset=0))
-    lf = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=lf, src=li, engine=nisa.engine.gpsimd)
-    return lf
-
-
-def _key_rows(t, b, g, ntok, Hkv, D, dt):
-    """Key row 0 of t[b, :, g, :] broadcast to every partition: [P, D]."""
-    r = nl.ndarray((P, D), dtype=dt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=r, src=t.ap(pattern=[[0, P], [1, D]], offset=(b * ntok * Hkv + g) * D))
-    return r
-
-
-def _valid_masks(nt, key0, length_col):
-    """Validity of keys key0 + t*128 + p (p = partition, t < nt) against the runtime length [P,1]:
-    (valid, invalid) as fp32 1/0 tiles [P, nt]."""
-    idx = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=idx, pattern=[[P, nt]], offset=key0, channel_multiplier=1)
-    lb = length_col.broadcast(1, nt) if nt > 1 else length_col
-    valid = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=valid, data1=idx, data2=lb, op=nl.less, engine=nisa.engine.gpsimd)
-    invalid = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=invalid, data1=idx, data2=lb, op=nl.greater_equal, engine=nisa.engine.gpsimd)
-    return valid, invalid
-
-
-def _load_part(ctx, part, a, e, masked, valid_len, dup):
-    """Make keys [a, e) of one part (cache or chunk) of (b, g) resident: K^T [D, e-a] and
-    V_aug [P, ntiles, D+1]; if ``masked``, neutralise keys >= ``valid_len`` (runtime [P,1] fp32)."""
-    D, mm_dt = ctx["D"], ctx["mm_dt"]
-    b, g, Hkv = ctx["b"], ctx["g"], ctx["Hkv"]
-    src_k, src_v, ntok = part
-    n = e - a
-    nf, rem = n // P, n % P
-    nt = nf + (1 if rem else 0)
-    kT = nl.ndarray((D, n), dtype=mm_dt, buffer=nl.sbuf)
-    vA = nl.ndarray((P, nt, D + 1), dtype=mm_dt, buffer=nl.sbuf)
-    if rem:
-        # the partial last tile: rows rem..127 are never used by a matmul, but keep them defined
-        nisa.memset(dst=vA[:, nf, :], value=0.0, engine=nisa.engine.gpsimd)
-    if nf:
-        nisa.dma_copy(dst=vA[:, 0:nf, 0:D], src=_hbm_tiles(src_v, b, a, nf, g, ntok, Hkv, D))
-    if rem:
-        nisa.dma_copy(dst=vA[0:rem, nf, 0:D], src=_hbm_rows(src_v, b, a + nf * P, rem, g, ntok, Hkv, D))
-    if not masked:
-        nisa.memset(dst=vA[:, :, D], value=1.0, engine=nisa.engine.gpsimd)
-    else:
-        valid, invalid = _valid_masks(nt, a, valid_len)
-        nisa.tensor_tensor(dst=vA[:, :, 0:D], data1=vA[:, :, 0:D],
-                           data2=valid.expand_dim(2).broadcast(2, D), op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=vA[:, :, D], src=valid, engine=nisa.engine.gpsimd)
-    # K: natural tiles [128 keys, D] -> (mask) -> PE transpose -> K^T columns
-    tb = ctx["tb"]
-    stage = nl.ndarray((P, tb, D), dtype=mm_dt, buffer=nl.sbuf)
-    tps = ctx["t_ps"]
-    for t0 in range(0, nt, tb):
-        t1 = min(t0 + tb, nt)
-        full1 = min(t1, nf)
-        if full1 > t0:
-            nisa.dma_copy(dst=stage[:, 0:full1 - t0, :],
-                          src=_hbm_tiles(src_k, b, a + t0 * P, full1 - t0, g, ntok, Hkv, D))
-        if t1 > nf:  # the partial tile is the last one
-            nisa.memset(dst=stage[:, nf - t0, :], value=0.0, engine=nisa.engine.gpsimd)
-            nisa.dma_copy(dst=stage[0:rem, nf - t0, :],
-                          src=_hbm_rows(src_k, b, a + nf * P, rem, g, ntok, Hkv, D))
-        if masked:
-            # key = key * valid + dup * invalid  (exact select: one factor is 1, the other 0)
-            sl = stage[:, 0:t1 - t0, :]
-            vb = valid[:, t0:t1].expand_dim(2).broadcast(2, D)
-            ib = invalid[:, t0:t1].expand_dim(2).broadcast(2, D)
-            tmp = nl.ndarray((P, t1 - t0, D), dtype=mm_dt, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=tmp, data1=dup.expand_dim(1).broadcast(1, t1 - t0), data2=ib,
-                               op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=sl, data1=sl, data2=vb, op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=sl, data1=sl, data2=tmp, op=nl.add, engine=nisa.engine.gpsimd)
-        for t in range(t0, t1):
-            kw = P if t < nf else rem
-            nisa.nc_transpose(dst=tps[0:D, t - t0, 0:kw], data=stage[0:kw, t - t0, :], engine=nisa.engine.tensor)
-        c0, c1 = t0 * P, min(t1 * P, n)
-        if c1 - c0 == (t1 - t0) * P:
-            nisa.tensor_copy(dst=kT[:, c0:c1], src=tps[0:D, 0:t1 - t0, :], engine=nisa.engine.vector)
+def _rows_into_tiles(dst, t0, src, b, a, e, src0, g, ntok, Hkv, D):
+    """DMA keys [a, e) of the key space (rows src0 + (key - a) of source ``src``) into ``dst`` [P, n, D] whose
+    tile 0 is key tile t0 (key kappa -> partition kappa % 128 of tile kappa // 128 - t0)."""
+    cur = a
+    while cur < e:
+        t = cur // P
+        p0 = cur % P
+        if p0 == 0 and e - cur >= P:
+            n = (e - cur) // P
+            nisa.dma_copy(dst=dst[:, t - t0:t - t0 + n, :], src=_hbm_tiles(src, b, src0 + cur - a, n, g, ntok, Hkv, D))
+            cur = cur + n * P
         else:
-            if t1 - 1 > t0:
-                nisa.tensor_copy(dst=kT[:, c0:c0 + (t1 - 1 - t0) * P], src=tps[0:D, 0:t1 - 1 - t0, :],
-                                 engine=nisa.engine.vector)
-            nisa.tensor_copy(dst=kT[:, (t1 - 1) * P:c1], src=tps[0:D, t1 - 1 - t0, 0:rem],
-                             engine=nisa.engine.vector)
-    return kT, vA
+            cnt = min(P - p0, e - cur)
+            nisa.dma_copy(dst=dst[p0:p0 + cnt, t - t0, :], src=_hbm_rows(src, b, src0 + cur - a, cnt, g, ntok, Hkv, D))
+            cur = cur + cnt
 
 
-def _load_q(ctx, h, qs, nq):
-    """Q^T [D, nq] of q[b, qs:qs+nq, h, :] (DMA natural rows, PE transpose, evict)."""
-    D, mm_dt = ctx["D"], ctx["mm_dt"]
-    qn = nl.ndarray((P, D), dtype=mm_dt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=qn[0:nq, :], src=_hbm_rows(ctx["q"], ctx["b"], qs, nq, h, ctx["Sq"], ctx["H"], D))
-    tps = ctx["t_ps"]
-    nisa.nc_transpose(dst=tps[0:D, 0, 0:nq], data=qn[0:nq, :], engine=nisa.engine.tensor)
-    qT = nl.ndarray((D, P), dtype=mm_dt, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=qT[:, 0:nq], src=tps[0:D, 0, 0:nq], engine=nisa.engine.vector)
-    return qT
+# ----------------------------------------------------------------------------------------------------------
+# PE transposes through the PSUM transpose bank (a ring of slots). Their evictions are queued and emitted one
+# item later (after the next item's PE transposes), or earlier when a slot is needed again, so TensorE and
+# the evicting engines never wait for each other inside an item.
+# ----------------------------------------------------------------------------------------------------------
+def _emit_eviction(ctx, ev):
+    ctx["slot_busy"][ev["slot"]] = False
+    if ev["eng"] == 1:
+        if ctx["gen2"]:
+            nisa.activation(dst=ev["dst"], op=nl.copy, data=ev["src"])
+        else:
+            nisa.tensor_copy(dst=ev["dst"], src=ev["src"], engine=nisa.engine.scalar)
+    else:
+        nisa.tensor_copy(dst=ev["dst"], src=ev["src"], engine=nisa.engine.vector)
 
 
-def _tile_state(ctx, h, qs, nq, vis):
-    return {"h": h, "qs": qs, "nq": nq, "vis": vis, "qT": _load_q(ctx, h, qs, nq), "n": 0}
+def _flush_evictions(ctx, before=None):
+    """Emit the queued evictions (only those of items ticked before ``before``, when given)."""
+    q = ctx["ev_queue"]
+    keep = []
+    for ev in q:
+        if before is None or ev["k"] < before:
+            _emit_eviction(ctx, ev)
+        else:
+            keep.append(ev)
+    ctx["ev_queue"] = keep
 
 
-def _block(ctx, st, kT, vA, c, w):
-    """One online-softmax update of q tile ``st`` with the w resident keys starting at column c of kT
-    (tile c // 128 of vA; c is a multiple of 128)."""
-    D, nq, p_dt = ctx["D"], st["nq"], ctx["p_dt"]
-    s_ps, o_ps, t_ps = ctx["s_ps"], ctx["o_ps"], ctx["t_ps"]
-    scale = ctx["scale"]
-    qT = st["qT"]
-    # S = Q K^T, w/512 matmuls into consecutive PSUM banks
+def _free_slot(ctx, slot):
+    """Emit queued evictions in order until ``slot`` is free."""
+    while ctx["slot_busy"][slot]:
+        q = ctx["ev_queue"]
+        ev = q[0]
+        rest = []
+        for i in range(1, len(q)):
+            rest.append(q[i])
+        ctx["ev_queue"] = rest
+        _emit_eviction(ctx, ev)
+
+
+def _pe_transposes(ctx, jobs, k, kt=-1):
+    """jobs: (src [rows, cols] SBUF view, rows, cols, dst view [cols, rows], engine 0=DVE 1=ACT); k: the
+    item (tick) they belong to, -1 for loads (evicted at once)."""
+    for job in jobs:
+        slot = ctx["slot_next"]
+        ctx["slot_next"] = (slot + 1) % ctx["tslots"]
+        _free_slot(ctx, slot)
+        view = ctx["t_ps"][0:job[2], slot, 0:job[1]]
+        nisa.nc_transpose(dst=view, data=job[0], engine=nisa.engine.tensor)
+        ctx["slot_busy"][slot] = True
+        ctx["ev_queue"].append({"slot": slot, "dst": job[3], "src": view, "eng": job[4], "k": k, "kt": kt})
+    if k < 0:
+        _flush_evictions(ctx)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# K/V residency: natural tiles -> (runtime mask) -> K^T [D, keys] and V_aug [P, tiles, D+1]
+# ----------------------------------------------------------------------------------------------------------
+def _load_new(ctx, pair, t0, t1):
+    si = ctx["stage_i"]
+    ctx["stage_i"] = si + 1
+    return {"t0": t0, "t1": t1, "st": ctx["stage"][si % N_STAGE], "si": si, "tick": ctx["tick"]}
+
+
+def _load_dma(ctx, pair, ent, which):
+    """DMA the K rows (which = 0) into a staging tile or the V rows (which = 1) into V_aug, natural layout:
+    key kappa -> partition kappa % 128 of tile kappa // 128."""
+    D = ctx["D"]
+    NK, C = pair["NK"], ctx["C"]
+    seg0 = pair["seg_t0"]
+    t0, t1 = ent["t0"], ent["t1"]
+    n = t1 - t0
+    a, e = t0 * P, min(t1 * P, NK)
+    b, g, Hkv = pair["b"], pair["g"], ctx["Hkv"]
+    if which == 0:
+        dst = ent["st"]
+        if e < t1 * P:  # the partial last tile: keep its unused rows defined (masked or never read)
+            nisa.memset(dst=dst[:, n - 1, :], value=0.0, engine=nisa.engine.gpsimd)
+        srcs = (ctx["k_cache"], ctx["k"])
+    else:
+        dst = ctx["vA"][:, t0 - seg0:t1 - seg0, 0:D]
+        if e < t1 * P:
+            nisa.memset(dst=ctx["vA"][:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
+        srcs = (ctx["v_cache"], ctx["v"])
+    # rows from the cache [a, min(e, C)) and from the chunk [max(a, C), e)
+    if a < C:
+        _rows_into_tiles(dst, t0, srcs[0], b, a, min(e, C), a, g, C, Hkv, D)
+    if e > C:
+        lo = max(a, C)
+        _rows_into_tiles(dst, t0, srcs[1], b, lo, e, lo - C, g, ctx["Skv"], Hkv, D)
+
+
+def _finish_k(ctx, pair, ent, eng):
+    """K select (invalid keys -> the substitute key) and K^T, once the rows have arrived."""
+    D = ctx["D"]
+    C = ctx["C"]
+    seg0 = pair["seg_t0"]
+    t0, t1, st = ent["t0"], ent["t1"], ent["st"]
+    n = t1 - t0
+    if t0 * P < C or ctx["has_kvlen"]:
+        _ensure_masks(ctx, pair, t1)
+        tmp = ctx["mask_tmp"][ent["si"] % 2]
+        # key = key * valid + dup * invalid  (an exact select: one factor is 1, the other 0)
+        nisa.tensor_tensor(dst=tmp[:, 0:n, :], data1=pair["dup"].expand_dim(1).broadcast(1, n),
+                           data2=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
+        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :],
+                           data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
+        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=tmp[:, 0:n, :], op=nl.add, engine=eng)
+    kT = ctx["kT"]
+    c0 = (t0 - seg0) * P
+    # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
+    # P^T and the K/V rows); their evictions are queued like an item's
+    jobs = []
+    for t in range(n):
+        jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], t % 2))
+    _pe_transposes(ctx, jobs, ctx["tick"] - 1, t0 + 1)   # kt: first tile + 1
+
+
+def _finish_v(ctx, pair, ent, eng):
+    """V rows of invalid keys zeroed, and the validity column of V_aug (the row-sum column)."""
+    D = ctx["D"]
+    seg0 = pair["seg_t0"]
+    t0, t1 = ent["t0"], ent["t1"]
+    vA = ctx["vA"]
+    if t0 * P < ctx["C"] or ctx["has_kvlen"]:
+        _ensure_masks(ctx, pair, t1)
+        vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
+        nisa.tensor_tensor(dst=vv, data1=vv, data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D),
+                           op=nl.multiply, engine=eng)
+        nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
+    else:
+        nisa.memset(dst=vA[:, t0 - seg0:t1 - seg0, D], value=1.0, engine=eng)
+
+
+def _ensure_masks(ctx, pair, t1):
+    """valid / invalid (1/0 in the matmul dtype, exact) of key tiles up to t1, [P, tiles], computed in
+    chunks of MASK_CHUNK tiles: key kappa = t*128 + p is valid iff kappa < cache_len (cache slots) or
+    C <= kappa < C + kv_len[b]."""
+    nt = (pair["NK"] + P - 1) // P
+    while pair["mask_t"] < t1:
+        m0 = pair["mask_t"]
+        m1 = min(nt, m0 + MASK_CHUNK)
+        _masks_range(ctx, pair, m0, m1)
+        pair["mask_t"] = m1
+
+
+def _masks_range(ctx, pair, m0, m1):
+    n = m1 - m0
+    eng = nisa.engine.gpsimd
+    idx = ctx["mask_idx"][:, m0:m1]
+    valid = ctx["mask_v"][:, m0:m1]
+    tmp = ctx["mask_t2"][:, m0:m1]
+    tmp2 = ctx["mask_i"][:, m0:m1]
+    cols = pair["cols"]   # [P, 3] fp32: cache_len, C + kv_len[b] (or C + Skv), C
+    nisa.iota(dst=idx, pattern=[[P, n]], offset=m0 * P, channel_multiplier=1)
+    nisa.tensor_tensor(dst=valid, data1=idx, data2=cols[:, 0:1].broadcast(1, n), op=nl.less, engine=eng)
+    nisa.tensor_tensor(dst=tmp, data1=idx, data2=cols[:, 2:3].broadcast(1, n), op=nl.greater_equal, engine=eng)
+    nisa.tensor_tensor(dst=tmp2, data1=idx, data2=cols[:, 1:2].broadcast(1, n), op=nl.less, engine=eng)
+    nisa.tensor_tensor(dst=tmp, data1=tmp, data2=tmp2, op=nl.multiply, engine=eng)
+    nisa.tensor_tensor(dst=valid, data1=valid, data2=tmp, op=nl.add, engine=eng)
+    nisa.tensor_copy(dst=pair["vm"][:, m0:m1], src=valid, engine=eng)
+    nisa.tensor_tensor(dst=pair["im"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 1:2].broadcast(1, n),
+                       op=nl.less, engine=eng)
+
+
+# load control per segment: ``kq`` steps whose K awaits its finish, ``vq`` whose V does
+def _seg_start(ctx, pair, s0, s1):
+    pair["seg_t0"] = s0 // P
+    pair["next_t"] = s0 // P
+    pair["kready"] = s0 // P
+    pair["vready"] = s0 // P
+    pair["end_t"] = (s1 + P - 1) // P
+    pair["kq"] = []
+    pair["vq"] = []
+
+
+def _pop(q):
+    rest = []
+    for i in range(1, len(q)):
+        rest.append(q[i])
+    return rest
+
+
+def _issue_step(ctx, pair, with_v):
+    t0 = pair["next_t"]
+    t1 = min(t0 + LOAD_TILES, pair["end_t"])
+    ent = _load_new(ctx, pair, t0, t1)
+    _load_dma(ctx, pair, ent, 0)
+    if with_v:
+        _load_dma(ctx, pair, ent, 1)
+    ent["vdma"] = with_v
+    pair["kq"].append(ent)
+    pair["next_t"] = t1
+    return ent
+
+
+def _next_k(ctx, pair, eng):
+    ent = pair["kq"][0]
+    pair["kq"] = _pop(pair["kq"])
+    _finish_k(ctx, pair, ent, eng)
+    pair["kready"] = ent["t1"]
+    pair["vq"].append(ent)
+
+
+def _next_v(ctx, pair, eng):
+    ent = pair["vq"][0]
+    pair["vq"] = _pop(pair["vq"])
+    if not ent["vdma"]:
+        _load_dma(ctx, pair, ent, 1)
+    _finish_v(ctx, pair, ent, eng)
+    pair["vready"] = ent["t1"]
+
+
+def _force_k(ctx, pair, need, grp, qdone):
+    """A pair's first block (nothing loaded ahead yet): every K DMA first, then the Q tiles of the group,
+    then the K selects, alternating between GpSimd and VectorE (VectorE has nothing else to do yet)."""
+    while pair["next_t"] < need and len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 1:
+        _issue_step(ctx, pair, False)
+    if not qdone:
+        _load_q(ctx, pair, grp[0])
+    f = 0
+    while pair["kready"] < need:
+        if len(pair["kq"]) == 0:
+            _issue_step(ctx, pair, False)
+        _next_k(ctx, pair, nisa.engine.gpsimd if f % 2 == 0 else nisa.engine.vector)
+        f = f + 1
+    if not qdone:
+        for i in range(1, len(grp)):
+            _load_q(ctx, pair, grp[i])
+    # the V rows of the block (after the K rows and Q in DMA order)
+    for ent in pair["vq"]:
+        if not ent["vdma"]:
+            _load_dma(ctx, pair, ent, 1)
+            ent["vdma"] = True
+
+
+def _pair_setup(ctx, b, g):
+    """Per (batch, kv head): the substitute key for invalid keys and the length columns of the masks."""
+    D, Hkv, C = ctx["D"], ctx["Hkv"], ctx["C"]
+    pair = {"b": b, "g": g, "dup": None, "cols": None}
+    if not (ctx["has_cache"] or ctx["has_kvlen"]):
+        return pair
+    # the substitute: chunk key 0 if kv_len[b] >= 1 (always when there is no kv_len), else cache slot 0
+    dup = ctx["dup"]
+    nisa.dma_copy(dst=dup, src=ctx["k"].ap(pattern=[[0, P], [1, D]], offset=(b * ctx["Skv"] * Hkv + g) * D))
+    cols = ctx["cols"]
+    if ctx["has_cache"]:
+        nisa.tensor_copy(dst=cols[:, 0:1], src=ctx["cl_f"], engine=nisa.engine.gpsimd)
+    if ctx["has_kvlen"]:
+        nisa.tensor_tensor(dst=cols[:, 1:2], data1=ctx["kl_f"][:, b:b + 1], data2=cols[:, 2:3], op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        if ctx["has_cache"]:
+            sel = ctx["sel"]
+            nisa.tensor_tensor(dst=sel[:, 0:1], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
+                               op=nl.greater_equal, engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=sel[:, 1:2], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
+                               op=nl.less, engine=nisa.engine.gpsimd)
+            dc = ctx["dup_c"]
+            nisa.dma_copy(dst=dc, src=ctx["k_cache"].ap(pattern=[[0, P], [1, D]], offset=(b * C * Hkv + g) * D))
+            nisa.tensor_tensor(dst=dup, data1=dup, data2=sel[:, 0:1].broadcast(1, D), op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=dc, data1=dc, data2=sel[:, 1:2].broadcast(1, D), op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=dup, data1=dup, data2=dc, op=nl.add, engine=nisa.engine.gpsimd)
+    pair["dup"] = dup
+    pair["cols"] = cols
+    return pair
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Q tiles of a group: Q^T [D, nq] per tile, and the per-tile online-softmax state
+# ----------------------------------------------------------------------------------------------------------
+def _load_q(ctx, pair, tl):
+    D = ctx["D"]
+    gs = ctx["gsets"][tl["set"]]
+    qT = gs["qT"]
+    r, nq = tl["r"], tl["nq"]
+    src = _hbm_rows(ctx["q"], pair["b"], tl["qs"], nq, tl["h"], ctx["Sq"], ctx["H"], D)
+    if ctx["dma_t"]:
+        # HBM->SBUF DMA transpose, 4-D form: [nq, 1, 1, D] -> [D, 1, 1, nq]
+        nisa.dma_transpose(dst=qT[0:D, r, 0:nq].reshape((D, 1, 1, nq)),
+                           src=ctx["q"].ap(pattern=[[ctx["H"] * D, nq], [1, 1], [1, 1], [1, D]],
+                                           offset=((pair["b"] * ctx["Sq"] + tl["qs"]) * ctx["H"] + tl["h"]) * D),
+                           axes=(3, 1, 2, 0))
+    else:
+        qn = ctx["q_nat"][ctx["qn_i"] % 2]
+        ctx["qn_i"] = ctx["qn_i"] + 1
+        nisa.dma_copy(dst=qn[0:nq, :], src=src)
+        _flush_evictions(ctx)
+        _pe_transposes(ctx, [(qn[0:nq, :], nq, D, qT[0:D, r, 0:nq], 0)], -1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The item stages (one item = one q tile x one block of up to W_MAX resident keys)
+# ----------------------------------------------------------------------------------------------------------
+def _st_qk(ctx, it):
+    tl = it["tile"]
+    nq, w, c = tl["nq"], it["w"], it["c"]
+    sps = ctx["s_ps"][it["k"] % 2]
+    qT = ctx["gsets"][tl["set"]]["qT"]
+    kT = ctx["kT"]
     for j in range(0, w, MM_N):
         jw = min(MM_N, w - j)
-        nisa.nc_matmul(dst=s_ps[0:nq, j:j + jw], stationary=qT[:, 0:nq], moving=kT[:, c + j:c + j + jw],
+        nisa.nc_matmul(dst=sps[0:nq, j:j + jw], stationary=qT[:, tl["r"], 0:nq], moving=kT[:, c + j:c + j + jw],
                        accumulate=False)
-    # nm = -max_j S (VectorE); for scale < 0 the row max of scale*S is scale*min S
-    nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=nm[0:nq, :], op=ctx["red_op"], data=s_ps[0:nq, 0:w], axis=1, negate=True)
-    bias = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    first = st["n"] == 0
-    if first:
-        negm = nm
-    else:
-        negm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=negm[0:nq, :], data1=nm[0:nq, :], data2=st["negm"][0:nq, :],
-                           op=ctx["run_op"], engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=bias[0:nq, :], data1=negm[0:nq, :], data2=ctx["scale_col"][0:nq, :],
-                       op=nl.multiply, engine=nisa.engine.gpsimd)
-    if not first:
-        # alpha = exp(scale * (negm_new - negm_old)) = exp(m_old - m_new) in scaled units
-        alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=alpha[0:nq, :], op=nl.exp, data=st["negm"][0:nq, :], bias=bias[0:nq, :],
-                        scale=-scale)
-    # P = exp(scale * S + bias), written in the matmul dtype (bf16 for 16-bit inputs)
-    p_sb = nl.ndarray((P, ctx["nb"]), dtype=p_dt, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb[0:nq, 0:w], op=nl.exp, data=s_ps[0:nq, 0:w], bias=bias[0:nq, :], scale=scale)
-    # P^T sub-tiles [kw, nq]
-    nt = (w + P - 1) // P
-    n_full = w // P
-    pT = nl.ndarray((P, ctx["nb"] // P, P), dtype=p_dt, buffer=nl.sbuf)
-    n_act, n_dve, n_dma = _split_transposes(ctx["gen"], n_full, ctx["p_is16"])
-    if n_dma:
-        src = p_sb[0:nq, 0:n_dma * P].reshape((nq, n_dma, P))
-        nisa.dma_transpose(dst=pT[:, 0:n_dma, 0:nq], src=src, axes=(2, 1, 0))
-    pe_tiles = list(range(n_dma, nt))
-    tb = ctx["tb"]
-    for i0 in range(0, len(pe_tiles), tb):
-        grp = pe_tiles[i0:i0 + tb]
-        for j, t in enumerate(grp):
-            kw = min(P, w - t * P)
-            nisa.nc_transpose(dst=t_ps[0:kw, j, 0:nq], data=p_sb[0:nq, t * P:t * P + kw],
-                              engine=nisa.engine.tensor)
-        # evict: the first n_act PE tiles (over the block) on ScalarE, the rest on VectorE
-        for j, t in enumerate(grp):
-            kw = min(P, w - t * P)
-            eng = nisa.engine.scalar if (t - n_dma) < n_act else nisa.engine.vector
-            if ctx["gen"] < 3 and eng == nisa.engine.scalar:
-                nisa.activation(dst=pT[0:kw, t, 0:nq], op=nl.copy, data=t_ps[0:kw, j, 0:nq])
-            else:
-                nisa.tensor_copy(dst=pT[0:kw, t, 0:nq], src=t_ps[0:kw, j, 0:nq], engine=eng)
-    # O_aug = P V_aug over the block's sub-tiles (last column: the row sum of P over valid keys)
-    t_base = c // P
-    for t in range(nt):
-        kw = min(P, w - t * P)
-        nisa.nc_matmul(dst=o_ps[0:nq, 0:D + 1], stationary=pT[0:kw, t, 0:nq], moving=vA[0:kw, t_base + t, :],
-                       accumulate=(t > 0))
-    if first:
-        oacc = nl.ndarray((P, D + 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=oacc[0:nq, :], op=nl.copy, data=o_ps[0:nq, 0:D + 1])
-        st["oacc"] = oacc
-    else:
-        oblk = nl.ndarray((P, D + 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=oblk[0:nq, :], op=nl.copy, data=o_ps[0:nq, 0:D + 1])
-        oacc = st["oacc"]
-        nisa.tensor_tensor(dst=oacc[0:nq, :], data1=oacc[0:nq, :], data2=alpha[0:nq, :].broadcast(1, D + 1),
-                           op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=oacc[0:nq, :], data1=oacc[0:nq, :], data2=oblk[0:nq, :], op=nl.add,
+
+
+def _st_max(ctx, it):
+    """VectorE: the scaled scores -scale*S into SBUF (frees the PSUM bank) and their row min = -max(scale*S);
+    GpSimd: the running -max."""
+    tl = it["tile"]
+    nq, w = tl["nq"], it["w"]
+    sps = ctx["s_ps"][it["k"] % 2]
+    ssb = ctx["s_sb"][it["k"] % N_SSB]
+    gs = ctx["gsets"][tl["set"]]
+    nm = gs["negm"]
+    r, n = tl["r"], it["n"]
+    cur = nm[0:nq, r, n % 3:n % 3 + 1]
+    dst = cur if n == 0 else ctx["nmx"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
+    nisa.tensor_scalar_reduce(dst=ssb[0:nq, 0:w], data=sps[0:nq, 0:w], op0=nl.multiply, operand0=-ctx["scale"],
+                              reduce_op=nl.minimum, reduce_res=dst)
+    if n > 0:
+        nisa.tensor_tensor(dst=cur, data1=nm[0:nq, r, (n - 1) % 3:(n - 1) % 3 + 1], data2=dst, op=nl.minimum,
                            engine=nisa.engine.gpsimd)
-    st["negm"] = negm
-    st["bias"] = bias
-    st["n"] = st["n"] + 1
 
 
-def _finish(ctx, st):
-    """o[b, qs:qs+nq, h, :] = O_acc[:, :D] / max(l, tiny), cast to q's dtype."""
-    D, nq = ctx["D"], st["nq"]
-    oacc = st["oacc"]
-    rinv = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=rinv[0:nq, :], data=oacc[0:nq, D:D + 1], op0=nl.maximum, operand0=TINY,
-                       engine=nisa.engine.vector)
-    nisa.reciprocal(dst=rinv[0:nq, :], data=rinv[0:nq, :])
-    out = nl.ndarray((P, D), dtype=ctx["out_dt"], buffer=nl.sbuf)
-    nisa.activation(dst=out[0:nq, :], op=nl.copy, data=oacc[0:nq, 0:D], scale=rinv[0:nq, :])
-    nisa.dma_copy(dst=_hbm_rows(ctx["o"], ctx["b"], st["qs"], nq, st["h"], ctx["Sq"], ctx["H"], D),
-                  src=out[0:nq, :])
-    if ctx["lse"] != None:  # noqa: E711
-        _finish_lse(ctx, st)
+def _st_exp(ctx, it):
+    """ScalarE: alpha = exp(m_old - m_new) and P = exp(scale*S - m) in the matmul dtype; P^T sub-tiles by one
+    SBUF->SBUF DMA transpose and PE transposes (evicted by VectorE / ScalarE)."""
+    tl = it["tile"]
+    nq, w = tl["nq"], it["w"]
+    ssb = ctx["s_sb"][it["k"] % N_SSB]
+    psb = ctx["p_sb"][it["k"] % len(ctx["p_sb"])]
+    pT = ctx["pT"][it["k"] % len(ctx["pT"])]
+    nm = ctx["gsets"][tl["set"]]["negm"]
+    r, n = tl["r"], it["n"]
+    cur = nm[0:nq, r, n % 3:n % 3 + 1]
+    if n > 0:
+        nisa.activation(dst=ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1], op=nl.exp,
+                        data=nm[0:nq, r, (n - 1) % 3:(n - 1) % 3 + 1], bias=cur, scale=-1.0)
+    nisa.activation(dst=psb[0:nq, 0:w], op=nl.exp, data=ssb[0:nq, 0:w], bias=cur, scale=-1.0)
+    n_full = w // P
+    nsub = (w + P - 1) // P
+    nd, nv, na = _split(ctx["gen"], n_full, nsub > n_full, ctx["dma_t"], it["loading"], it["k"])
+    if nd > 0:
+        nisa.dma_transpose(dst=pT[:, 0:nd, 0:nq].reshape((P, 1, nd, nq)),
+                           src=psb[0:nq, 0:nd * P].reshape((nq, 1, nd, P)), axes=(3, 1, 2, 0))
+    jobs = []
+    for t in range(nd, nsub):
+        kw = min(P, w - t * P)
+        eng = 0 if t - nd < nv else 1
+        jobs.append((psb[0:nq, t * P:t * P + kw], nq, kw, pT[0:kw, t, 0:nq], eng))
+    _pe_transposes(ctx, jobs, it["k"])
+    _flush_evictions(ctx, it["k"])   # the previous items' evictions, after this item's PE transposes
 
 
-def _finish_lse(ctx, st):
-    """lse[b, h, qs:qs+nq] = m + log(l) in fp32, m = -bias (the scaled running max); -inf where l = 0.
-    One ScalarE log, the rest on GpSimd (otherwise idle here), one [nq, 1] DMA."""
-    D, nq = ctx["D"], st["nq"]
-    c = ctx["lse_consts"]
-    l_col = st["oacc"][0:nq, D:D + 1]
-    lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+def _st_pv(ctx, it):
+    """TensorE: O_aug = P V_aug over the item's sub-tiles (last column: the row sum of P over valid keys)."""
+    tl = it["tile"]
+    nq, w = tl["nq"], it["w"]
+    pT = ctx["pT"][it["k"] % len(ctx["pT"])]
+    ops = ctx["o_ps"][0:nq, it["k"] % N_OPS, 0:ctx["D"] + 1]
+    vA = ctx["vA"]
+    tb = it["c"] // P
+    nsub = (w + P - 1) // P
+    for t in range(nsub):
+        kw = min(P, w - t * P)
+        nisa.nc_matmul(dst=ops, stationary=pT[0:kw, t, 0:nq], moving=vA[0:kw, tb + t, :], accumulate=(t > 0))
+
+
+def _st_update(ctx, it):
+    """ScalarE evicts O_aug; GpSimd: O_acc = alpha * O_acc + O_aug (first item: the eviction is O_acc)."""
+    tl = it["tile"]
+    nq, D1 = tl["nq"], ctx["D"] + 1
+    ops = ctx["o_ps"][0:nq, it["k"] % N_OPS, 0:D1]
+    oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
+    if it["n"] == 0:
+        nisa.activation(dst=oacc, op=nl.copy, data=ops)
+    else:
+        ob = ctx["oblk"][it["k"] % N_OB]
+        nisa.activation(dst=ob[0:nq, :], op=nl.copy, data=ops)
+        al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
+        nisa.tensor_tensor(dst=oacc, data1=oacc, data2=al.broadcast(1, D1), op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=oacc, data1=oacc, data2=ob[0:nq, :], op=nl.add, engine=nisa.engine.gpsimd)
+    if it["last"]:
+        _finish(ctx, tl)
+
+
+def _finish(ctx, tl):
+    """o[b, qs:qs+nq, h, :] = O_acc[:, :D] / max(l, tiny) in q's dtype (GpSimd), one DMA."""
+    D, nq = ctx["D"], tl["nq"]
+    oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
+    lcl = ctx["lcl"][0:nq, ctx["fin_i"] % N_RING:ctx["fin_i"] % N_RING + 1]
+    out = ctx["out_sb"][ctx["fin_i"] % 2]
+    ctx["fin_i"] = ctx["fin_i"] + 1
+    nisa.tensor_tensor(dst=lcl, data1=oacc[:, D:D + 1], data2=ctx["consts"][0:nq, 0:1], op=nl.maximum,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=out[0:nq, :], data1=oacc[:, 0:D], data2=lcl.broadcast(1, D), op=nl.divide,
+                       engine=nisa.engine.gpsimd)
+    nisa.dma_copy(dst=_hbm_rows(ctx["o"], tl["b"], tl["qs"], nq, tl["h"], ctx["Sq"], ctx["H"], D), src=out[0:nq, :])
+    if ctx["lse"] is not None:
+        _finish_lse(ctx, tl)
+
+
+def _finish_lse(ctx, tl):
+    """lse[b, h, qs:qs+nq] = m + log(l) in fp32 (m the scaled running max); -inf where l = 0.
+    One ScalarE log, the rest on GpSimd, one [nq, 1] DMA."""
+    D, nq = ctx["D"], tl["nq"]
+    c = ctx["consts"]
+    gs = ctx["gsets"][tl["set"]]
+    l_col = gs["oacc"][0:nq, tl["r"], D:D + 1]
+    negm = gs["negm"][0:nq, tl["r"], (tl["nblk"] - 1) % 3:(tl["nblk"] - 1) % 3 + 1]
+    k = ctx["fin_i"] % N_RING
+    lse = ctx["lse_t"][0:nq, k:k + 1]
+    bound = ctx["lse_b"][0:nq, k:k + 1]
     # log(l + 2^-64) = log(l) in fp32 for l >= 1 (a visible key: the max key contributes exp(0) = 1)
-    nisa.activation(dst=lse[0:nq, :], op=nl.log, data=l_col, bias=c[0:nq, 0:1])
-    nisa.tensor_tensor(dst=lse[0:nq, :], data1=lse[0:nq, :], data2=st["bias"][0:nq, :], op=nl.subtract,
-                       engine=nisa.engine.gpsimd)
+    nisa.activation(dst=lse, op=nl.log, data=l_col, bias=c[0:nq, 3:4])
+    nisa.tensor_tensor(dst=lse, data1=lse, data2=negm, op=nl.subtract, engine=nisa.engine.gpsimd)
     # bound = (flag - 1/2) * inf = +inf where a key was visible (l >= 1/2), -inf where none was (l = 0)
-    bound = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=bound[0:nq, :], data1=l_col, data2=c[0:nq, 1:2], op=nl.greater_equal,
-                       engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=bound[0:nq, :], data1=bound[0:nq, :], data2=c[0:nq, 1:2], op=nl.subtract,
-                       engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=bound[0:nq, :], data1=bound[0:nq, :], data2=c[0:nq, 2:3], op=nl.multiply,
-                       engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=lse[0:nq, :], data1=lse[0:nq, :], data2=bound[0:nq, :], op=nl.minimum,
-                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=bound, data1=l_col, data2=c[0:nq, 1:2], op=nl.greater_equal, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=bound, data1=bound, data2=c[0:nq, 1:2], op=nl.subtract, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=bound, data1=bound, data2=c[0:nq, 4:5], op=nl.multiply, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=lse, data1=lse, data2=bound, op=nl.minimum, engine=nisa.engine.gpsimd)
     Sq = ctx["Sq"]
-    dst = ctx["lse"].ap(pattern=[[1, nq], [1, 1]], offset=(ctx["b"] * ctx["H"] + st["h"]) * Sq + st["qs"])
-    nisa.dma_copy(dst=dst, src=lse[0:nq, :])
+    dst = ctx["lse"].ap(pattern=[[1, nq], [1, 1]], offset=(tl["b"] * ctx["H"] + tl["h"]) * Sq + tl["qs"])
+    nisa.dma_copy(dst=dst, src=lse)
 
 
-def _lse_consts():
-    """[P, 3] fp32 columns for the lse epilogue: 2^-64 (log floor), 1/2 (visible-key threshold), +inf."""
-    c = nl.ndarray((P, 3), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=c[:, 0:1], value=LOG_FLOOR, engine=nisa.engine.gpsimd)
-    nisa.memset(dst=c[:, 1:2], value=0.5, engine=nisa.engine.gpsimd)
-    nisa.memset(dst=c[:, 2:3], value=float("inf"), engine=nisa.engine.gpsimd)
-    return c
+# ----------------------------------------------------------------------------------------------------------
+# The software pipeline: every tick admits one item and advances the in-flight ones by one stage
+# ----------------------------------------------------------------------------------------------------------
+def _tick(ctx, new):
+    pipe = ctx["pipe"]
+    if new is not None:
+        new["k"] = ctx["tick"]
+        ctx["tick"] = ctx["tick"] + 1
+        new["age"] = -1
+        pipe.append(new)
+    for it in pipe:
+        it["age"] = it["age"] + 1
+    # program order inside a tick, per engine: PE QK(k), PV(k-4), PE^T(k-2); DVE max(k-1), evict(k-3);
+    # ScalarE alpha/exp(k-2), evict(k-3), O(k-4); GpSimd stats(k-1), update(k-4)
+    for it in pipe:
+        if it["age"] == 0:
+            _st_qk(ctx, it)
+    for it in pipe:
+        if it["age"] == ctx["lag_pv"]:
+            _st_pv(ctx, it)
+    for it in pipe:
+        if it["age"] == 1:
+            _st_max(ctx, it)
+    ran = False
+    for it in pipe:
+        if it["age"] == 2:
+            _st_exp(ctx, it)
+            ran = True
+    if not ran:
+        _flush_evictions(ctx)   # the queued P^T evictions of an item with no successor
+    keep = []
+    for it in pipe:
+        if it["age"] == ctx["lag_pv"] + 2:
+            _st_update(ctx, it)
+        else:
+            keep.append(it)
+    ctx["pipe"] = keep
 
 
-def _tile_blocks(ctx, st, seg, res):
-    """Run every block of segment ``seg`` that q tile ``st`` can see."""
-    for (pi, a, e), (kT, vA, col0) in zip(seg, res):
-        if pi == ctx["chunk_idx"]:
-            e = min(e, st["vis"])
-        nb = ctx["nb"]
-        for s0 in range(a, e, nb):
-            _block(ctx, st, kT, vA, s0 - col0, min(nb, e - s0))
+def _wait_set(ctx, gset, gid):
+    """Before a group's first item: the older group that used the same state set must have left the
+    pipeline (its epilogue reads the set); empty ticks only when the group in between was tiny."""
+    busy = True
+    while busy:
+        busy = False
+        for it in ctx["pipe"]:
+            if it["tile"]["set"] == gset and it["tile"]["gid"] != gid:
+                busy = True
+        if busy:
+            _tick(ctx, None)
 
 
-def _plan_segments(ranges, D, isz, budget, nb):
-    """Split the resident key ranges [(part, a, e)] (nb-aligned blocks) into SBUF segments."""
-    segs, cur, used = [], [], 0
-    for pi, a, e in ranges:
-        for s0 in range(a, e, nb):
-            s1 = min(s0 + nb, e)
-            need = (s1 - s0) * isz + ((s1 - s0 + P - 1) // P) * (D + 1) * isz
-            if cur and used + need > budget:
-                segs.append(cur)
-                cur, used = [], 0
-            if cur and cur[-1][0] == pi and cur[-1][2] == s0:
-                cur[-1] = (pi, cur[-1][1], s1)
-            else:
-                cur.append((pi, s0, s1))
-            used += need
-    if cur:
-        segs.append(cur)
-    return segs
+def _drain(ctx):
+    while len(ctx["pipe"]) > 0:
+        _tick(ctx, None)
+    _flush_evictions(ctx)
+
+
+def _run_pair(ctx, b, g, tiles):
+    """All q tiles of (b, kv head g) on this core: groups of R tiles, segments of resident keys."""
+    pair = _pair_setup(ctx, b, g)
+    NK = 0
+    for tl in tiles:
+        if tl["end"] > NK:
+            NK = tl["end"]
+    pair["NK"] = NK
+    pair["mask_t"] = 0
+    if ctx["has_cache"] or ctx["has_kvlen"]:
+        pair["vm"] = ctx["mask_vm"]
+        pair["im"] = ctx["mask_im"]
+    segs = ctx["segs"]
+    multi = len(segs) > 1
+    R = ctx["R"]
+    groups = []
+    for i0 in range(0, len(tiles), R):
+        grp = []
+        for i in range(i0, min(i0 + R, len(tiles))):
+            tl = tiles[i]
+            tl["r"] = i - i0
+            tl["set"] = (i0 // R) % 2
+            tl["gid"] = i0 // R
+            tl["b"] = b
+            tl["nblk"] = 0
+            for sg in segs:
+                tl["nblk"] = tl["nblk"] + len(_blocks(sg[0], min(tl["end"], sg[1])))
+            grp.append(tl)
+        groups.append(grp)
+    q_loaded = []
+    for gi in range(len(groups)):
+        q_loaded.append(False)
+    for gi in range(len(groups)):
+        grp = groups[gi]
+        if not q_loaded[gi] and gi > 0:
+            for tl in grp:
+                _load_q(ctx, pair, tl)
+            q_loaded[gi] = True
+        nb = []
+        for tl in grp:
+            nb.append(0)
+        for si in range(len(segs)):
+            s0, s1 = segs[si][0], min(segs[si][1], NK)
+            if s0 >= s1:
+                continue
+            load = gi == 0 or multi
+            if load:
+                _drain(ctx)   # the K/V buffers are about to be overwritten
+                _seg_start(ctx, pair, s0, s1)
+            # items in j-major order: block j of every tile of the group, then block j + 1
+            items = []
+            blks = []
+            nmax = 0
+            for r in range(len(grp)):
+                bl = _blocks(s0, min(grp[r]["end"], s1))
+                blks.append(bl)
+                if len(bl) > nmax:
+                    nmax = len(bl)
+            for j in range(nmax):
+                for r in range(len(grp)):
+                    tl = grp[r]
+                    if j < len(blks[r]):
+                        items.append({"tile": tl, "c": blks[r][j][0] - s0, "w": blks[r][j][1], "n": nb[r],
+                                      "last": nb[r] == tl["nblk"] - 1, "loading": load})
+                        nb[r] = nb[r] + 1
+            # loads paced to the consumption (a step every ``every`` ticks, one phase per tick), so the
+            # GpSimd masking work spreads over the group's ticks instead of delaying the softmax statistics
+            every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
+            for ii in range(len(items)):
+                it = items[ii]
+                if ii == 0:
+                    _wait_set(ctx, grp[0]["set"], gi)
+                if load:
+                    need = (s0 + it["c"] + it["w"] + P - 1) // P
+                    if pair["kready"] < need:
+                        _force_k(ctx, pair, need, grp, q_loaded[gi])
+                        q_loaded[gi] = True
+                    kt_late = False
+                    for ev in ctx["ev_queue"]:
+                        if ev["kt"] > 0 and ev["kt"] - 1 < need:
+                            kt_late = True
+                    if kt_late:
+                        _flush_evictions(ctx)   # K^T must be complete before this item's QK
+                    # V of the item whose PV this tick emits
+                    vneed = 0
+                    for q_it in ctx["pipe"]:
+                        if q_it["age"] == ctx["lag_pv"] - 1 and s0 + q_it["c"] + q_it["w"] > vneed:
+                            vneed = s0 + q_it["c"] + q_it["w"]
+                    while pair["vready"] < (vneed + P - 1) // P:
+                        if len(pair["vq"]) == 0:
+                            _next_k(ctx, pair, nisa.engine.gpsimd)
+                        _next_v(ctx, pair, nisa.engine.gpsimd)
+                _tick(ctx, it)
+                if load:
+                    kq, vq = pair["kq"], pair["vq"]
+                    if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
+                        _next_k(ctx, pair, nisa.engine.gpsimd)
+                    elif len(vq) > 0:
+                        _next_v(ctx, pair, nisa.engine.gpsimd)
+                    if pair["next_t"] < pair["end_t"] and ii % every == 0 and \
+                            len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 2:
+                        _issue_step(ctx, pair, True)
+                if gi + 1 < len(groups) and not q_loaded[gi + 1] and si == len(segs) - 1 and \
+                        ii >= len(items) - 2 * R:
+                    for tl in groups[gi + 1]:
+                        _load_q(ctx, pair, tl)
+                    q_loaded[gi + 1] = True
+            if load:
+                # the rest of the segment (items still in flight read its V)
+                while len(pair["kq"]) > 0 or len(pair["vq"]) > 0 or pair["next_t"] < pair["end_t"]:
+                    if len(pair["vq"]) > 0:
+                        _next_v(ctx, pair, nisa.engine.gpsimd)
+                    elif len(pair["kq"]) > 0:
+                        _next_k(ctx, pair, nisa.engine.gpsimd)
+                    else:
+                        _issue_step(ctx, pair, True)
+    return pair
 
 
 def _check_shapes(q, k, v, k_cache, v_cache):
     """Trace-time shape checks (shapes are compile-time constants), so a direct launch that bypasses the
     op layer's ``not_supported_reasons`` still fails clearly instead of leaving heads uncomputed."""
     B, Sq, H, D = q.shape
-    if D < 1 or D > P:
-        raise ValueError(f"attention_kernel: head_dim D={D} is outside the supported range 1..{P}")
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"attention_kernel: k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D or k.shape[2] < 1 or H % k.shape[2] != 0:
-        raise ValueError(f"attention_kernel: k shape {tuple(k.shape)} must be [B={B}, Skv, Hkv, D={D}] with "
-                         f"H={H} a multiple of Hkv")
-    if k_cache != None:  # noqa: E711
+    assert D >= 1 and D <= P, f"attention_kernel: head_dim D={D} is outside the supported range 1..{P}"
+    assert tuple(k.shape) == tuple(v.shape), (
+        f"attention_kernel: k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    assert k.shape[0] == B and k.shape[3] == D and k.shape[2] >= 1 and H % k.shape[2] == 0, (
+        f"attention_kernel: k shape {tuple(k.shape)} must be [B={B}, Skv, Hkv, D={D}] with H={H} a multiple of Hkv")
+    if k_cache is not None:
         want = (B, k_cache.shape[1], k.shape[2], D)
-        if tuple(k_cache.shape) != want or tuple(v_cache.shape) != want:
-            raise ValueError(f"attention_kernel: cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
-                             f"must both be [B={B}, C, Hkv={k.shape[2]}, D={D}]")
+        assert tuple(k_cache.shape) == want and tuple(v_cache.shape) == want, (
+            f"attention_kernel: cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must both be "
+            f"[B={B}, C, Hkv={k.shape[2]}, D={D}]")
 
 
 @nki.jit
-def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, return_lse=False):
+def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, return_lse=False,
+                     kv_budget=0):
     _check_shapes(q, k, v, k_cache, v_cache)
     B, Sq, H, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
-    has_cache = k_cache != None  # noqa: E711  (NKI rejects `is`; a tensor never equals None)
-    has_kvlen = kv_len != None  # noqa: E711
-    if scale == None:  # noqa: E711
-        scale = 1.0 / math.sqrt(D)
-    scale = float(scale)
-    cb = int(causal_block)
+    has_cache = k_cache is not None
+    has_kvlen = kv_len is not None
+    C = k_cache.shape[1] if has_cache else 0
+    if scale is None:
+        scale = D ** -0.5
+    scale = scale * 1.0
     gen = nisa.get_nc_version()
-    gen = int(getattr(gen, "value", gen))
-    p_is16 = q.dtype != nl.float32
+    is16 = q.dtype != nl.float32
+    isz = 2 if is16 else 4
     mm_dt = q.dtype
-    p_dt = mm_dt  # P in the matmul dtype (bf16 / fp16 / fp32)
-    isz = 2 if p_is16 else 4
     o = nl.ndarray((B, Sq, H, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse_out = nl.ndarray((B, H, Sq), dtype=nl.float32, buffer=nl.shared_hbm) if return_lse else None
+    dma_t = is16 and gen != nisa.nc_version.gen2
+    ctx = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lse": lse_out,
+           "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
+           "gen2": gen == nisa.nc_version.gen2, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
+           "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
+           "stage_i": 0, "qn_i": 0, "fin_i": 0}
 
-    # runtime lengths, broadcast to every partition (fp32, exact below 2^24)
-    cl_f = _broadcast_lengths(cache_len, 1) if has_cache else None
-    kl_f = _broadcast_lengths(kv_len, B) if has_kvlen else None
-    scale_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=scale_col, value=scale, engine=nisa.engine.gpsimd)
-
-    # PSUM: scores (6 banks), O_aug (1 bank), transposes (1 bank)
-    nb = min(NB, (nl.tile_size.psum_num_banks - 2) * MM_N)
-    s_ps = nl.ndarray((P, nb), dtype=nl.float32, buffer=nl.psum)
-    o_ps = nl.ndarray((P, MM_N), dtype=nl.float32, buffer=nl.psum)
-    tb = 2048 // (P * isz)
-    t_ps = nl.ndarray((P, tb, P), dtype=mm_dt, buffer=nl.psum)
-
-    ctx = {"q": q, "o": o, "Sq": Sq, "H": H, "D": D, "Hkv": Hkv, "gen": gen, "mm_dt": mm_dt, "p_dt": p_dt,
-           "p_is16": p_is16, "out_dt": q.dtype, "scale": scale, "scale_col": scale_col, "tb": tb,
-           "s_ps": s_ps, "o_ps": o_ps, "t_ps": t_ps, "nb": nb, "lse": lse_out,
-           "lse_consts": _lse_consts() if return_lse else None,
-           "red_op": nl.maximum if scale >= 0 else nl.minimum,
-           "run_op": nl.minimum if scale >= 0 else nl.maximum}
-
-    parts, ranges = [], []
-    if has_cache:
-        C = k_cache.shape[1]
-        parts.append((k_cache, v_cache, C))
-        ranges.append((0, 0, C))
-    ctx["chunk_idx"] = len(parts)
-    parts.append((k, v, Skv))
-    qtiles = plan_q_tiles(Sq, Skv, cb)
-    max_vis = max(t[2] for t in qtiles)
-    ranges.append((ctx["chunk_idx"], 0, max_vis))
-    sbuf = SBUF_BYTES.get(gen, SBUF_BYTES[3])
-    budget = sbuf - RESERVE if KV_BUDGET == None else KV_BUDGET  # noqa: E711
-    segs = _plan_segments(ranges, D, isz, budget, nb)
-    if len(segs) > 1:  # q tiles go in groups whose online-softmax state stays in SBUF across segments
-        budget = budget - GROUP_R * ((D + 2) * 4 + P * isz)
-        segs = _plan_segments(ranges, D, isz, budget, nb)
-
+    # -- tiles and the key space ----------------------------------------------------------------------------
+    qtiles = plan_q_tiles(Sq, Skv, causal_block)
+    nk_max = 0
+    for qt in qtiles:
+        if C + qt[2] > nk_max:
+            nk_max = C + qt[2]
     pid = nl.program_id(0)
     nprog = nl.num_programs(0)
-    # LNC2: whole (batch, kv head) pairs per core when they split evenly (K/V loaded once in total),
+    n_tiles_pair = (H // Hkv) * len(qtiles)
+
+    # -- SBUF: constants, lengths, rings, group state, then K/V residency with what is left -------------------
+    consts = _sb(ctx, (P, 5), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf
+    nisa.memset(dst=consts[:, 0:1], value=TINY, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=consts[:, 1:2], value=0.5, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=consts[:, 2:3], value=1.0, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=consts[:, 3:4], value=LOG_FLOOR, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=consts[:, 4:5], value=float("inf"), engine=nisa.engine.gpsimd)
+    ctx["consts"] = consts
+    if has_cache:
+        li = _sb(ctx, (P, 1), cache_len.dtype, 4)
+        nisa.dma_copy(dst=li, src=cache_len.ap(pattern=[[0, P], [1, 1]], offset=0))
+        ctx["cl_f"] = _sb(ctx, (P, 1), nl.float32, 4)
+        nisa.tensor_copy(dst=ctx["cl_f"], src=li, engine=nisa.engine.gpsimd)
+    if has_kvlen:
+        li2 = _sb(ctx, (P, B), kv_len.dtype, 4)
+        nisa.dma_copy(dst=li2, src=kv_len.ap(pattern=[[0, P], [1, B]], offset=0))
+        ctx["kl_f"] = _sb(ctx, (P, B), nl.float32, 4)
+        nisa.tensor_copy(dst=ctx["kl_f"], src=li2, engine=nisa.engine.gpsimd)
+    if has_cache or has_kvlen:
+        ctx["dup"] = _sb(ctx, (P, D), mm_dt, isz)
+        ctx["dup_c"] = _sb(ctx, (P, D), mm_dt, isz)
+        ctx["sel"] = _sb(ctx, (P, 2), nl.float32, 4)
+        cols = _sb(ctx, (P, 3), nl.float32, 4)
+        nisa.memset(dst=cols[:, 2:3], value=C * 1.0, engine=nisa.engine.gpsimd)
+        if not has_kvlen:
+            nisa.memset(dst=cols[:, 1:2], value=(C + Skv) * 1.0, engine=nisa.engine.gpsimd)
+        if not has_cache:
+            nisa.memset(dst=cols[:, 0:1], value=0.0, engine=nisa.engine.gpsimd)
+        ctx["cols"] = cols
+        nkt = (nk_max + P - 1) // P
+        ctx["mask_idx"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_v"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_i"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_t2"] = _sb(ctx, (P, nkt), nl.float32, 4)
+        ctx["mask_tmp"] = _ring(ctx, 2, (P, LOAD_TILES, D), mm_dt, isz)
+        ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
+        ctx["mask_im"] = _sb(ctx, (P, nkt), mm_dt, isz)
+    ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
+    if not dma_t:
+        ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
+    ctx["s_sb"] = _ring(ctx, N_SSB, (P, W_MAX), nl.float32, 4)
+    ctx["p_sb"] = _ring(ctx, N_PSB if dma_t else N_PSB_PE, (P, W_MAX), mm_dt, isz)
+    ctx["lag_pv"] = LAG_PV_DMA if dma_t else LAG_PV_PE
+    ctx["pT"] = _ring(ctx, ctx["lag_pv"], (P, W_MAX // P, P), mm_dt, isz)
+    ctx["oblk"] = _ring(ctx, N_OB, (P, D + 1), nl.float32, 4)
+    ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
+    ctx["alpha"] = _sb(ctx, (P, N_RING), nl.float32, 4)
+    ctx["lcl"] = _sb(ctx, (P, N_RING), nl.float32, 4)
+    ctx["out_sb"] = _ring(ctx, 2, (P, D), q.dtype, isz)
+    if return_lse:
+        ctx["lse_t"] = _sb(ctx, (P, N_RING), nl.float32, 4)
+        ctx["lse_b"] = _sb(ctx, (P, N_RING), nl.float32, 4)
+    # the group size: GROUP_R tiles unless their state would push the resident K/V into segments
+    R = min(GROUP_R, n_tiles_pair)
+    kv_need = ((nk_max + P - 1) // P) * (P + D + 1) * isz
+    if R > GROUP_R_MIN and ctx["sb_top"] + 2 * R * (P * isz + (D + 4) * 4) + kv_need > nl.tile_size.sbuf_fmax_bytes:
+        R = GROUP_R_MIN
+    ctx["R"] = R
+    gsets = []
+    for gs_i in range(2):
+        gsets.append({"qT": _sb(ctx, (D, R, P), mm_dt, isz), "oacc": _sb(ctx, (P, R, D + 1), nl.float32, 4),
+                      "negm": _sb(ctx, (P, R, 3), nl.float32, 4)})
+    ctx["gsets"] = gsets
+    budget = nl.tile_size.sbuf_fmax_bytes - ctx["sb_top"]
+    assert budget >= (W_MAX // P) * (P + D + 1) * isz, (
+        f"attention_kernel: the working buffers take {ctx['sb_top']} bytes per partition, leaving {budget} of "
+        f"nl.tile_size.sbuf_fmax_bytes={nl.tile_size.sbuf_fmax_bytes} for one block of resident K/V")
+    if kv_budget > 0:
+        budget = min(budget, kv_budget)
+    segs = plan_segments(nk_max, D, isz, budget)
+    ctx["segs"] = segs
+    seg_tiles = 0
+    for sg in segs:
+        if (sg[1] - sg[0] + P - 1) // P > seg_tiles:
+            seg_tiles = (sg[1] - sg[0] + P - 1) // P
+    ctx["kT"] = _sb(ctx, (D, seg_tiles * P), mm_dt, isz)
+    ctx["vA"] = _sb(ctx, (P, seg_tiles, D + 1), mm_dt, isz)
+
+    # -- PSUM: two score buffers of 3 banks, the O_aug slots (bank 6), the transpose bank (bank 7) ----------
+    ctx["s_ps"] = [_ps((P, W_MAX), nl.float32, 0), _ps((P, W_MAX), nl.float32, 3)]
+    ctx["o_ps"] = _ps((P, N_OPS, 160), nl.float32, 6)
+    ctx["tslots"] = PSUM_BANK // (P * isz)
+    ctx["t_ps"] = _ps((P, ctx["tslots"], P), mm_dt, 7)
+    busy = []
+    for i in range(ctx["tslots"]):
+        busy.append(False)
+    ctx["slot_busy"] = busy
+
+    # -- LNC2: whole (batch, kv head) pairs per core when they split evenly (K/V loaded once in total),
     # else the q tiles of every pair are interleaved over the cores
     split_pairs = (B * Hkv) % nprog == 0
     for b in range(B):
         for g in range(Hkv):
             if split_pairs and (b * Hkv + g) % nprog != pid:
                 continue
-            ctx["b"], ctx["g"] = b, g
-            tiles = [(h, qs, nq, vis) for h in range(g * (H // Hkv), (g + 1) * (H // Hkv))
-                     for (qs, nq, vis) in qtiles]
-            if not split_pairs:
-                tiles = tiles[pid::nprog]
+            tiles = []
+            cnt = 0
+            for h in range(g * (H // Hkv), (g + 1) * (H // Hkv)):
+                for qt in qtiles:
+                    if split_pairs or cnt % nprog == pid:
+                        tiles.append({"h": h, "qs": qt[0], "nq": qt[1], "end": C + qt[2]})
+                    cnt = cnt + 1
             if len(tiles) == 0:
                 continue
-            # the substitute for invalid keys: chunk key 0 if kv_len[b] >= 1, else cache slot 0
-            dup = None
-            if has_cache or has_kvlen:
-                dup = _key_rows(k, b, g, Skv, Hkv, D, mm_dt)
-                if has_cache and has_kvlen:
-                    sel = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=sel, data=kl_f[:, b:b + 1], op0=nl.greater_equal, operand0=1.0,
-                                       engine=nisa.engine.vector)
-                    nsel = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=nsel, data=kl_f[:, b:b + 1], op0=nl.less, operand0=1.0,
-                                       engine=nisa.engine.vector)
-                    dc = _key_rows(k_cache, b, g, parts[0][2], Hkv, D, mm_dt)
-                    nisa.tensor_tensor(dst=dup, data1=dup, data2=sel.broadcast(1, D), op=nl.multiply,
-                                       engine=nisa.engine.gpsimd)
-                    nisa.tensor_tensor(dst=dc, data1=dc, data2=nsel.broadcast(1, D), op=nl.multiply,
-                                       engine=nisa.engine.gpsimd)
-                    nisa.tensor_tensor(dst=dup, data1=dup, data2=dc, op=nl.add, engine=nisa.engine.gpsimd)
-
-            def load(seg):
-                res = []
-                for pi, a, e in seg:
-                    if pi == ctx["chunk_idx"]:
-                        kT, vA = _load_part(ctx, parts[pi], a, e, has_kvlen,
-                                            kl_f[:, b:b + 1] if has_kvlen else None, dup)
-                    else:
-                        kT, vA = _load_part(ctx, parts[pi], a, e, True, cl_f, dup)
-                    res.append((kT, vA, a))
-                return res
-
-            if len(segs) == 1:
-                res = load(segs[0])
-                for h, qs, nq, vis in tiles:
-                    st = _tile_state(ctx, h, qs, nq, vis)
-                    _tile_blocks(ctx, st, segs[0], res)
-                    _finish(ctx, st)
-                res = None
-            else:
-                for i0 in range(0, len(tiles), GROUP_R):
-                    sts = [_tile_state(ctx, h, qs, nq, vis) for h, qs, nq, vis in tiles[i0:i0 + GROUP_R]]
-                    for seg in segs:
-                        res = load(seg)
-                        for st in sts:
-                            _tile_blocks(ctx, st, seg, res)
-                        res = None
-                    for st in sts:
-                        _finish(ctx, st)
+            _run_pair(ctx, b, g, tiles)
+    _drain(ctx)
     if return_lse:
         return o, lse_out
     return o

@@ -123,8 +123,10 @@ def key_mask(q, k, k_cache=None, cache_len=None, kv_len=None, causal_block=0) ->
 
 
 def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
-                  return_lse=False):
+                  return_lse=False, kv_budget=0):
     """softmax(q k^T * scale) v over [valid cache slots | valid chunk keys], BSHD layout; see module doc.
+    ``kv_budget`` is the NKI kernel's SBUF knob (bytes per partition for resident K/V, 0 = automatic); it
+    never changes the result and is accepted here so the twin keeps the kernel's signature.
 
     ``return_lse=True`` returns ``(out, lse)`` with ``lse`` float32 [B, H, Sq] (see module doc)."""
     check_inputs(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)

@@ -1364,12 +1364,30 @@ _DT_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
 def dma_transpose(dst, src, axes=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
-    """Transpose by DMA (trn2+): HBM->SBUF or SBUF->SBUF; 2-D (1,0), 3-D (2,1,0), 4-D (3,1,2,0)."""
+    """Transpose by DMA (trn2+): HBM->SBUF or SBUF->SBUF; 2-D (1,0), 3-D (2,1,0), 4-D (3,1,2,0).
+
+    Limits, as the API documents them [API-isa ``dma_transpose``, aws-neuron-sdk nki/api/nki/isa]:
+    - direct transpose: dge_mode unknown or hwdge; hwdge additionally src.shape[0] == 16,
+      src.shape[-1] % 128 == 0 and a 2-byte dtype. Element size 2 or 4 bytes ("bit-accurate transposition for
+      both 2-byte and 4-byte data types" [ARCH3 "DMA Transpose"]);
+    - indirect transpose (``src = hbm.ap(..., vector_offset=idx, indirect_dim=0)``): dge_mode unknown or
+      swdge; a 4-D src has src.shape[1] == 1 or src.shape[2] == 1; src.shape[-1] <= 128; a 2-byte dtype; src
+      in HBM; src.shape[0] divisible by 16; indices uint32 in SBUF with 16..128 rows, a multiple of 16;
+      semantics ``dst = src_base[indices.T.flatten()[:src.shape[0]], ...]`` transposed;
+    - every form: dst in SBUF, src.dtype == dst.dtype, the transposed partition dimension
+      (src.shape[-1]) at most 128; no scalar_offset (not documented for dma_transpose)."""
     op = "nisa.dma_transpose"
     prog = _dma_check(dst, src, op, dge_mode, engine.unknown)
     if prog.gen < 3:
         raise NkiValidationError(f"{op}: DMA transpose needs trn2 or later (target {prog.launch.target})")
     _buf(dst, op, "dst", _SBUF)
+    _enum(oob_mode, _OOB, op, "oob_mode")
+    if dst._dyn is not None:
+        raise NkiValidationError(f"{op}: dst cannot carry a dynamic offset (only src may be indirect)")
+    if src._dyn is not None and src._dyn[0] == "scalar":
+        raise NkiValidationError(f"{op}: src has a scalar_offset; dma_transpose documents only the vector_offset "
+                                 "(indirect) form")
+    indirect = src._dyn is not None
     nd = len(src.shape)
     if axes is None:
         if nd not in _DT_AXES:
@@ -1378,26 +1396,95 @@ def dma_transpose(dst, src, axes=None, dge_mode=dge_mode.unknown, oob_mode=oob_m
     axes = tuple(int(a) for a in axes)
     if axes not in _DT_AXES.values() or len(axes) != nd:
         raise NkiShapeError(f"{op}: axes={axes} must be (1, 0), (2, 1, 0) or (3, 1, 2, 0) matching src rank {nd}")
+    if src.shape[-1] > _PMAX:
+        raise NkiLimitError(f"{op}: src.shape[-1]={src.shape[-1]} becomes the partition dimension of dst; the limit "
+                            f"is src.shape[-1] <= {_PMAX}")
     out_shape = tuple(src.shape[a] for a in axes)
     if tuple(dst.shape) != out_shape:
         raise NkiShapeError(f"{op}: dst shape {list(dst.shape)} must be {list(out_shape)} (src {list(src.shape)} "
                             f"permuted by {axes})")
     if dst.dtype is not src.dtype:
         raise NkiDtypeError(f"{op}: dst dtype {dst.dtype!r} must equal src dtype {src.dtype!r}")
-    if dge_mode not in (_DGE.unknown, _DGE.hwdge):
-        raise NkiValidationError(f"{op}: dge_mode must be unknown or hwdge, got {dge_mode!r}")
-    if dge_mode is _DGE.hwdge:
-        if src.shape[0] != 16 or src.shape[-1] % 128 or src.dtype.itemsize != 2:
-            raise NkiValidationError(f"{op}: hwdge transpose needs src.shape[0] == 16, src.shape[-1] % 128 == 0 "
-                                     f"and a 2-byte dtype; got {list(src.shape)} {src.dtype!r}")
+    isz = src.dtype.itemsize
+    if indirect:
+        if dge_mode not in (_DGE.unknown, _DGE.swdge):
+            raise NkiValidationError(f"{op}: an indirect (vector_offset) transpose needs dge_mode unknown or swdge, "
+                                     f"got {dge_mode!r}")
+        if nd == 4 and src.shape[1] != 1 and src.shape[2] != 1:
+            raise NkiShapeError(f"{op}: an indirect 4-D src needs src.shape[1] == 1 or src.shape[2] == 1, got "
+                                f"{list(src.shape)}")
+        if isz != 2:
+            raise NkiDtypeError(f"{op}: an indirect transpose needs a 2-byte dtype, got {src.dtype!r}")
+        if src.shape[0] % 16:
+            raise NkiShapeError(f"{op}: an indirect transpose needs src.shape[0] divisible by 16, got {src.shape[0]}")
+        vo = src._dyn[1]
+        if vo.dtype.name != "uint32":
+            raise NkiDtypeError(f"{op}: the indices (vector_offset) must be uint32, got {vo.dtype!r}")
+        if not (16 <= vo.P <= 128) or vo.P % 16:
+            raise NkiShapeError(f"{op}: the indices need 16..128 rows, a multiple of 16; got {vo.P}")
+    else:
+        if dge_mode not in (_DGE.unknown, _DGE.hwdge):
+            raise NkiValidationError(f"{op}: a direct transpose needs dge_mode unknown or hwdge, got {dge_mode!r} "
+                                     "(swdge is the indirect, vector_offset form)")
+        if dge_mode is _DGE.hwdge:
+            if src.shape[0] != 16 or src.shape[-1] % 128 or isz != 2:
+                raise NkiValidationError(f"{op}: hwdge transpose needs src.shape[0] == 16, src.shape[-1] % 128 == 0 "
+                                         f"and a 2-byte dtype; got {list(src.shape)} {src.dtype!r}")
+        if isz not in (2, 4):
+            raise NkiDtypeError(f"{op}: DMA transpose moves 2-byte or 4-byte elements, got {src.dtype!r} "
+                                f"({isz} byte)")
     if dst.P > _PMAX:
         raise NkiLimitError(f"{op}: dst has {dst.P} partitions; the limit is {_PMAX}")
+    if oob_mode is _OOB.skip and not indirect:
+        raise NkiValidationError(f"{op}: oob_mode=skip is only valid when src uses indirect indexing")
+    fp_r = None
     if prog.numerics:
-        _write(dst, np.transpose(_read(src, op, "src"), axes))
+        if indirect:
+            val, ok, fp_r = _gather_rows(src, oob_mode, op)
+            t = np.transpose(val, axes)
+            if ok.all():
+                _write(dst, t)
+            else:  # skipped rows leave their dst column (the last dst axis is src axis 0) untouched
+                dv = dst._npv()
+                dv[..., ok] = t[..., ok].astype(dst.dtype.np)
+                m = dst._maskv()   # on chip: one entry per byte, shape + (itemsize,)
+                if m is not None:
+                    m[..., ok, :] = 1
+                dst._st.dirty = True
+        else:
+            _write(dst, np.transpose(_read(src, op, "src"), axes))
+    elif indirect:
+        fp_r = dyn_footprint(src)
     nbytes, contig, parts, free, direction = _dma_geometry(dst, src)
+    xt = {"dynamic": "vector"} if indirect else None
     _emit(prog, "dma", "dma_transpose", dst, (src,), parts, free, nbytes=nbytes, contig_bytes=contig,
-          dma_partitions=parts, direction=direction, dge=dge_mode.name, transpose=True)
+          dma_partitions=parts, direction=direction, dge=dge_mode.name, transpose=True,
+          fp_reads=(fp_r,) if fp_r is not None else None, extra=xt)
     return _HANDLE
+
+
+def _gather_rows(src, oob, op):
+    """The rows of an indirect src view: row i of the pattern is base row idx[i] (numerics)."""
+    kind, vo, _, rowstride, nrows = src._dyn
+    idx = _readn(vo, op, "vector_offset").reshape(-1).astype(np.int64)[:src.shape[0]]
+    ok = (idx >= 0) & (idx < nrows)
+    if not ok.all() and oob is _OOB.error:
+        bad = idx[~ok][0]
+        raise NkiOutOfBoundsError(f"{op}: vector_offset row index {int(bad)} is out of bounds for {nrows} rows of "
+                                  f"{src.name or ''}{src._st.shape}; pass oob_mode=nisa.oob_mode.skip to drop it")
+    idx = np.where(ok, idx, 0)
+    st = src._st
+    total = st.nelem * st.dtype.itemsize // src.dtype.itemsize
+    flat = np.ndarray((total,), src.dtype.np, buffer=st.raw)
+    inner = np.zeros((1,), np.int64)
+    for n, s_ in zip(src.shape[1:], src.strides[1:]):
+        inner = (inner[:, None] + s_ * np.arange(n, dtype=np.int64)[None, :]).reshape(-1)
+    addr = src.offset + idx[:, None] * rowstride + inner[None, :]
+    if addr.size and (addr.min() < 0 or addr.max() >= total):
+        raise NkiOutOfBoundsError(f"{op}: vector-indirect access leaves the storage of {src.name or ''}")
+    isz = src.dtype.itemsize
+    fp = (f"hbm{st.serial}", 0, 1, int(addr.min()) * isz, (int(addr.max()) + 1) * isz) if addr.size else None
+    return flat[addr].reshape(src.shape), ok, fp
 
 
 # ----------------------------------------------------------------------------------------------------

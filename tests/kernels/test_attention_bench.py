@@ -1,11 +1,13 @@
 """``diffusers-nki bench kernels``: the command runs, writes the documented JSON rows (the scheduled time first,
 the roofline ceiling and floor beside it, attention_cte side by side when nki-library is there). Modeled, not
 measured: these are deterministic functions of the kernels' instruction streams and the cost model. The
-kernel's old roofline target (>= 70% of TensorE peak at the ceiling) is kept as a ceiling check; the
-scheduled figures are published as they are (issue 10 restructures the kernel against the schedule)."""
+issue-10 target is guarded on the SCHEDULED time: trn2 bf16 D=128 self_forcing_chunk and frame_causal_21f at
+>= 70% of TensorE peak, and faster than attention_cte at the same shape."""
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from diffusers_nki.bench import kernels as bench
 from diffusers_nki.cli import main
@@ -42,7 +44,9 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
         assert "ours vs attention_cte" in text
     else:
         assert cte == [] and "attention_cte rows skipped" in text
-    assert att["modeled_efficiency"]["optimistic"] >= 0.70, att["modeled_efficiency"]
+    assert att["modeled_efficiency"]["scheduled"] >= 0.70, att["modeled_efficiency"]
+    if production.unavailable_reason() is None:
+        assert att["peer"][0]["ratio"] < 1.0  # faster than attention_cte, same shape, same run
     assert att["hbm_bytes"] <= 1.01 * att["hbm_bytes_min"]  # q, k, v read once, o written once
     d = bench.SHAPES["cache_write_chunk"]
     assert cw["dma_bytes_moved"] == 2 * d["B"] * d["Skv"] * d["Hkv"] * d["D"] * 2 + 4
@@ -52,7 +56,7 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
 def test_frame_causal_dense_share_near_block_minimum():
     r = bench.bench_shape("frame_causal_21f", "trn2", heads=1)
     assert 28 / 49 <= r["dense_work_share"] <= 28 / 49 + 0.01
-    assert r["modeled_efficiency"]["ceiling"] >= 0.70
+    assert r["modeled_efficiency"]["scheduled"] >= 0.70
 
 
 def test_modeled_time_scales_linearly_with_heads():
@@ -74,3 +78,29 @@ def test_modeled_time_scales_linearly_with_heads():
     assert abs(three / (3 * one) - 1) < 0.01, (one, three)
     # the schedule of 3 heads overlaps consecutive heads a little: at most 3 x one head, not much less
     assert 0.85 * 3 * s_one <= s_three <= 3 * s_one * 1.001, (s_one, s_three)
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+def test_sbuf_budget_is_the_usable_size_tile_size_reports(target, monkeypatch):
+    """The kernel sizes its buffers from ``nl.tile_size.sbuf_fmax_bytes`` of the target (no table of physical
+    sizes): at full Wan key length (32760 keys, one q tile) everything it places stays within that size
+    (strict mode: exceeding it is an error) with K/V resident (read from HBM once); when the emulator reports
+    a smaller usable size, the kernel adapts (key segments) and still fits."""
+    import ml_dtypes
+    import numpy as np
+
+    from diffusers_nki.kernels.attention import attention_kernel
+    from diffusers_nki.sim import runtime, simulate
+
+    q = np.zeros((1, 128, 1, 128), dtype=ml_dtypes.bfloat16)
+    k = np.zeros((1, 32760, 1, 128), dtype=q.dtype)
+    gen = runtime.parse_target(target)
+    for usable in (runtime.SBUF_BYTES_PER_PARTITION[gen], 160 * 1024):
+        monkeypatch.setitem(runtime.SBUF_BYTES_PER_PARTITION, gen, usable)
+        sim = simulate(attention_kernel, target=target, numerics=False, strict=True)
+        sim(q, k, k, None, None, None, None, None, 0)
+        rec = sim.last_record
+        assert rec.peak_sbuf_bytes_per_partition <= usable
+        read = sum(i.nbytes for i in rec.instrs if i.engine == "dma" and i.direction == "hbm->sbuf")
+        assert read <= 2 * 32760 * 128 * 2 + 128 * 128 * 2 + 4096  # K/V once (one q group), Q, lengths
+        assert (rec.peak_sbuf_bytes_per_partition > 150 * 1024) == (usable > 160 * 1024)

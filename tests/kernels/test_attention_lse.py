@@ -29,10 +29,10 @@ from .test_attention import make_case
 LSE_FLOOR = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
-def _run(args, target="trn2", lnc=1):
+def _run(args, target="trn2", lnc=1, kv_budget=0):
     kern = attn.attention_kernel[lnc] if lnc > 1 else attn.attention_kernel
     sim = simulate(kern, target=target)
-    out = sim(*args[:9], True)
+    out = sim(*args[:9], True, kv_budget)
     return out, sim.last_record
 
 
@@ -110,13 +110,13 @@ def test_lse_other_targets_and_lnc2(target, lnc):
     _check_lse(args, lse)
 
 
-def test_lse_multi_segment(monkeypatch):
-    """K/V that do not fit SBUF: the running max and row sum persist across segments; lse still exact."""
-    monkeypatch.setattr(attn, "KV_BUDGET", 12_000)
-    monkeypatch.setattr(attn, "GROUP_R", 3)
+def test_lse_multi_segment():
+    """K/V that do not fit SBUF (forced by the kernel's kv_budget argument): the running max and row sum
+    persist across segments; lse still exact."""
     args = make_case(300, 4000, 64, torch.bfloat16, "partial", 0, "30randn", B=1, H=2, Hkv=1, kv_len=[3900],
                      seed=13)
-    (_, lse), _ = _run(args)
+    assert len(attn.plan_segments(300 + 4000, 64, 2, 12_000)) == 2
+    (_, lse), _ = _run(args, kv_budget=12_000)
     _check_lse(args, lse)
 
 

@@ -1,4 +1,5 @@
-"""The audit of Python outside the NKI language, applied to ``kernels/cache_write.py`` and ``kernels/qk_norm_rope.py``.
+"""The audit of Python outside the NKI language, applied to ``kernels/attention.py``, ``kernels/cache_write.py`` and
+``kernels/qk_norm_rope.py``.
 
 The kernel code (the ``@nki.jit`` function and every module-level helper it calls, transitively) must stay
 inside the Python production kernels use: no comprehensions or generator expressions, no ``zip`` /
@@ -20,7 +21,7 @@ import types
 import numpy as np
 import pytest
 
-KERNELS = {"cache_write": "cache_write_kernel", "qk_norm_rope": "qk_norm_rope_kernel"}
+KERNELS = {"attention": "attention_kernel", "cache_write": "cache_write_kernel", "qk_norm_rope": "qk_norm_rope_kernel"}
 _IMMUTABLE = (int, float, str, bool, type(None), bytes, frozenset)
 _NKI_MODULE_NAMES = ("nki", "nl", "nisa")
 
