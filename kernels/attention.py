@@ -1,6 +1,66 @@
 """NKI flash-attention forward for autoregressive video: [static KV cache | chunk], frame-causal, padding.
 
-(The full docstring is written once the figures are measured.)
+Signature (the twin ``attention_ref.attention_ref`` has the same one and is the oracle / portable backend):
+    attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, return_lse=False,
+                     kv_budget=0) -> o  (or (o, lse) with return_lse)
+    q [B, Sq, H, D]; k, v [B, Skv, Hkv, D] (the chunk); k_cache, v_cache [B, C, Hkv, D] or None (a static cache
+    of capacity C, of which the first ``cache_len[0]`` slots are valid: int32 [1], read at RUN time, so one
+    compiled kernel serves every fill level); kv_len int32 [B] or None (valid chunk keys per batch entry);
+    causal_block: 0 (none) or the frame-causal block in tokens (query block i sees the cache and chunk keys
+    [0, (i + 1) * causal_block)); o in q's dtype, lse [B, H, Sq] fp32 (m + log l, -inf for rows without keys).
+    Key space per (batch, kv head): [cache slots 0..C) ++ [chunk keys 0..Skv); a key is valid iff it is a cache
+    slot < cache_len or a chunk key < kv_len[b]. Rows with no valid key return zeros.
+
+Algorithm (online softmax, flash-attention 2 style, exact; one pass over the keys):
+    per q tile (<= 128 rows, never straddling a frame-causal block) and key block of <= W_MAX = 1536 keys:
+        S = Q K^T (TensorE, fp32 PSUM, 3 banks)  ->  m_new = max(m, rowmax(scale * S))  (VectorE reduce
+        while copying -scale*S out of PSUM; GpSimd running max)  ->  P = exp(scale*S - m_new) and
+        alpha = exp(m - m_new) (ScalarE)  ->  P^T (DMA transpose and/or PE transposes evicted by VectorE /
+        ScalarE)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the same
+        matmul)  ->  O = alpha * O + O_aug (ScalarE eviction, GpSimd update)
+    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
+    Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair (an exact
+    select) and their V rows and validity column are zeroed, so no -inf arithmetic, no NaN, and the
+    instruction stream is independent of the runtime lengths.
+
+Loop structure (everything unrolled at trace time; shapes are compile-time constants):
+    for each (batch, kv head) pair on this core (LNC2: whole pairs per core when B*Hkv splits evenly, else
+    the pair's q tiles interleaved over the cores):
+        K/V of the pair made resident in SBUF (K^T [D, keys] by PE transposes, V_aug [128, tiles, D+1]), loaded
+        in steps of LOAD_TILES tiles paced to consumption; when K/V do not fit (``plan_segments``), the key
+        space is split into balanced segments and every group sweeps them in turn (the multi-segment path)
+        for each group of GROUP_R (16; 8 when 16 would push K/V into segments) q tiles of the pair's heads:
+            items = (q tile, key block) in j-major order (block j of every tile, then block j + 1)
+            a software pipeline: each tick admits one item and advances the in-flight ones one stage:
+                QK (tick 0) | max (1) | exp + P^T (2) | PV (4, or 5 when P^T comes by DMA) | update (PV + 2)
+    Buffers rotate through explicit addresses (``nl.ndarray(..., address=...)``): scores 2 x 3 PSUM banks,
+    O_aug 3 slots in bank 6, a transpose-slot ring in bank 7; SBUF rings for scaled scores (3), P (4, or 2
+    with PE transposes only), P^T (as deep as the PV lag), O blocks (2), the softmax state of two groups
+    (the next group's Q^T loads while the current one drains). Frame-causal: a tile's blocks end at its
+    block's last visible key (tiles above the diagonal are never computed: the dense work share is the
+    block-causal minimum at 128-row tile granularity).
+    Engine assignment per generation (``_split_table``): the P^T sub-tiles of an item are shared between one
+    SBUF->SBUF DMA transpose, PE transposes evicted by VectorE and PE transposes evicted by ScalarE, chosen
+    by sweeping the SCHEDULED modeled time (``diffusers_nki.sim.schedule``), never the roofline ceiling.
+    Per 12-sub-tile item: trn1 (no DMA transpose) all 12 by PE transposes evicted by ScalarE; trn2 7-8 by DMA,
+    the rest alternating VectorE / ScalarE; trn3 9 by DMA and 3 evicted by VectorE.
+
+Limits (checked by the twin's ``not_supported_reasons`` in the op layer and by trace-time asserts here):
+    1 <= D <= 128; H a multiple of Hkv (GQA / MQA); dtypes fp32, bf16, fp16 (matmuls in q's dtype, softmax
+    statistics and accumulators in fp32); SBUF working set sized from ``nl.tile_size.sbuf_fmax_bytes`` of the
+    target (usable bytes, not physical); ``kv_budget`` > 0 caps the resident K/V bytes per partition (tests
+    force the multi-segment path with it); lengths must be int32.
+
+Tested (tests/kernels/test_attention.py, emulator vs the fp64 oracle, flash-attention tolerance rule):
+    pairwise grid over Sq, Skv in {1, 113, 128, 1023, 1560, 4680}, D in {8, 12, 64, 128}, fp32 / bf16, cache
+    absent / empty / partial / full, frame-causal or none, randn / rand / 30*randn; plus fp16 and custom
+    scales, per-batch kv_len with rows without keys, GQA, LNC2 (both work splits), the multi-segment path,
+    trn1 / trn3, one instruction stream for every runtime length, return_lse (tests/kernels/test_attention_lse.py).
+
+Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled headline, roofline ceiling beside):
+    trn2 bf16 D=128: self_forcing_chunk ~71% scheduled PE efficiency, wan_bidirectional_81f ~74%; trn3 84% /
+    88%; trn1 37% / 38%; 0.53-0.72x the scheduled time of nki-library's attention_cte at the shapes both
+    express. The bench prints the current figures; this note is not the source of truth.
 """
 from __future__ import annotations
 
