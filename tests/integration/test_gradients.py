@@ -2,6 +2,8 @@
 family takes a text mask): d input and d every parameter within float32 rounding of stock, and, against a
 float64 stock run, within twice stock's own float32 error. Each row is the line of the parity table that
 ``python -m diffusers_nki.bench.gradients`` prints for the README."""
+import json
+
 import pytest
 
 from diffusers_nki import tiny
@@ -16,9 +18,11 @@ FAMILIES = [
 
 @pytest.mark.parametrize("backend", ["torch", "sim"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gradient_parity(family, backend):
+def test_gradient_parity(family, backend, record_property):
     row = gradients.gradient_parity(family, backend)
     print("\n" + gradients.table([row]).splitlines()[-1])
+    # the suite's terminal summary prints every row as one table (tests/conftest.py; also under xdist)
+    record_property("gradient_parity_row", json.dumps(row, default=str))
     assert row["routed"] > 0 and row["fallback"] == 0 and row["backward_calls"] > 0, row
     assert row["forward"] <= row["tolerance"] and row["param_grad"] <= row["tolerance"], row
     assert row["input_grad"] is None or row["input_grad"] <= row["tolerance"], row
