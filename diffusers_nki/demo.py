@@ -165,7 +165,7 @@ def _stream(args) -> dict:
     t_all = time.perf_counter()
     modeled = {"available": False, "reason": "--no-modeled"}
     if not args.no_modeled:
-        print("modeling the same chunks at full scale (Wan2.1-1.3B, 480x832; emulator trace + cost model) ...")
+        print("modeling the same chunks at full scale (Wan2.1-1.3B, 480x832; emulator trace + scheduled cost model) ...")
         t0 = time.perf_counter()
         modeled = _modeled_per_chunk(args)
         modeled["seconds"] = time.perf_counter() - t0
@@ -247,7 +247,7 @@ def _stream(args) -> dict:
     print(f"CPU latency per chunk (median after chunk 0; measured, tiny model): {1e3 * _median(lat):.1f} ms")
     if modeled.get("available") and modeled["chunks"]:
         steady = modeled["chunks"][-2 if len(modeled["chunks"]) > 1 else -1]["targets"]
-        line = ", ".join(f"{t} {1e3 * v['chip_s']:.0f} ms ({100 * v['efficiency']:.0f}% of PE peak)"
+        line = ", ".join(f"{t} {1e3 * v['chip_s']:.0f} ms (kernel at {100 * v['efficiency']:.0f}% of one core's PE peak)"
                          for t, v in steady.items())
         print(f"MODELED attention per full-scale chunk (one chip, its cores under context parallelism, collectives "
               f"included): {line}; the end-to-end budget: diffusers-nki bench budget")

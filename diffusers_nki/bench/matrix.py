@@ -484,7 +484,7 @@ def _cells(row) -> List[str]:
 HEADERS = ["family", "diffusers class (model / pipeline)", "routed to NKI op", "parity (max rel err)",
            "pipeline PSNR", "attn shapes stock->patched", "compiled graphs stock->patched",
            "CPU ms/forward stock / patched (ratio)", "pipeline CPU ms stock / patched",
-           "trn2 MODELED attention (eff.)", "trn1 / trn3 MODELED ms", "KV cache at full scale, computed from the config: stock->patched"]
+           "trn2 MODELED attention per chip (kernel eff. per core)", "trn1 / trn3 MODELED ms", "KV cache at full scale, computed from the config: stock->patched"]
 
 
 def render_markdown(result: dict) -> str:
