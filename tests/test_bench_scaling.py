@@ -110,13 +110,24 @@ def test_chip_figure_replaces_the_spread(monkeypatch):
     assert fig["layout"] in ((4, 2), (2, 4), (1, 8)) and fig["chip_s"] < one / 7
     gqa = AttnCall("self", 256, 256, 8, 64, count=1, kv_heads=2)
     assert sc.chip_figure([gqa], "trn2", kernel_time=_fake_kernel)["layout"] == (1, 1)
-    monkeypatch.setattr(sc, "_kernel_time_fn", lambda target, dtype="bfloat16": _fake_kernel)
+    monkeypatch.setattr(sc, "_kernel_time_fn", lambda target, dtype="bfloat16", ceiling=False: _fake_kernel)
     res = {"targets": {"trn2": {"chip_s": 123.0, "core_s": one}, "trn9": {"chip_s": 1.0}}}
     sc.add_chip_figures(res, calls, 1560)
     t2 = res["targets"]["trn2"]
     assert t2["chip_spread_s"] == 123.0 and t2["chip_s"] == pytest.approx(fig["chip_s"])
     assert t2["chip_layout"]["ulysses_degree"] * t2["chip_layout"]["ring_degree"] == 8
     assert res["targets"]["trn9"] == {"chip_s": 1.0} and "collectives included" in res["chip_method"]
+
+
+def test_chip_figure_uses_fewer_cores_when_the_ring_is_ruled_out():
+    """A frame-causal call with several blocks cannot use ring attention; with 12 heads no Ulysses-only layout
+    fills trn2's 8 cores, so the best layout is Ulysses 4 on 4 cores (the rest idle), never one core."""
+    blocks = AttnCall("self (frame-causal)", 4 * 4680, 4 * 4680, 12, 128, count=1, causal_block=4680)
+    fig = sc.chip_figure([blocks], "trn2", 1560, kernel_time=_fake_kernel)
+    one = sc.model_layout(_work([blocks]), sc.FABRICS["trn2"], 1, 1, _fake_kernel)["serial_s"]
+    assert fig["layout"] == (4, 1) and fig["chip_s"] < one / 3
+    with pytest.raises(ValueError, match="ring"):
+        sc.model_layout(_work([blocks]), sc.FABRICS["trn2"], 4, 2, _fake_kernel)
 
 
 def test_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys):

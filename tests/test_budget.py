@@ -160,9 +160,11 @@ def test_matrix_causal_wan_row_uses_the_context_parallel_chip_figure(monkeypatch
     monkeypatch.setattr(_modeled, "unavailable_reason", lambda: None)
     monkeypatch.setattr(_modeled, "model_calls", _fake_attention)
     monkeypatch.setattr(_modeled, "model_call", lambda call, target="trn2", dtype="bfloat16": {
-        "core_s": _fake_kernel(call, target)})
+        "core_s": _fake_kernel(call, target), "core_ceiling_s": 0.5 * _fake_kernel(call, target)})
     md = matrix._modeled_row("causal_wan", argparse.Namespace(quick=True))
     t2 = md["targets"]["trn2"]
     assert t2["chip_spread_s"] == SPREAD_S and t2["chip_s"] != SPREAD_S
+    # the ceiling is the same layout with ceiling kernel times and hidden collectives: below the headline
+    assert 0 < t2["chip_ceiling_s"] < t2["chip_s"]
     assert t2["chip_layout"]["ulysses_degree"] * t2["chip_layout"]["ring_degree"] == 8
     assert t2["chip_layout"]["collective_s"] > 0

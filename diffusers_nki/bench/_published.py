@@ -164,11 +164,10 @@ PUBLISHED: Dict[str, Published] = {
          "diffusers pipelines/skyreels_v2/pipeline_skyreels_v2_diffusion_forcing.py (defaults 544x960, 97 "
          "frames; documented example causal_block_size=5, ar_step=5, 30 steps, guidance 6.0)"),
         "544x960, 97 frames (25 latent frames x 2040 = 51000 tokens), block-causal 5 latent frames",
-        notes="diffusion forcing processes the whole window each step; cond + uncond forwards per step. Modeled "
-              "efficiency ~64%: 51000 keys do not fit SBUF-resident (K^T + V_aug ~205 KiB/partition > the 192 KiB "
-              "budget), so the kernel re-streams K/V per group of 16 q tiles and DMA becomes the bound (~72% "
-              "dense); the 5-block causal prefixes (10200 keys, not a multiple of the 3072-key block) cut PE work "
-              "more than DMA work"),
+        notes="diffusion forcing processes the whole window each step; cond + uncond forwards per step. 51000 keys "
+              "do not fit SBUF-resident, so the kernel sweeps K/V in segments (the multi-segment path); the frame-"
+              "causal mask rules out ring attention, so the chip figure uses the Ulysses layouts that divide the "
+              "heads"),
     "anyflow_far": _ar_chunk(
         "anyflow_far", "nvidia/AnyFlow-FAR-Wan2.1-1.3B-Diffusers", _FAR_CAPACITY, _FAR_STEADY_CACHE, 4,
         (_SRC_WAN13 + " (FAR is the causal Wan2.1-1.3B)",
@@ -195,9 +194,8 @@ PUBLISHED["ltx"] = Published(
              "diffusers pipelines/ltx/pipeline_ltx.py defaults (512x704, 161 frames, max_sequence_length 128; VAE "
              "32x spatial, 8x temporal compression)"),
     setting="512x704, 161 frames (21 latent frames x 352 = 7392 tokens), one-shot", temporal_compression=8,
-    notes="Modeled efficiency ~35%: head_dim 64 halves the QK^T/PV FLOPs per score while the per-score softmax "
-          "work (VectorE row max, ScalarE exp) stays, so VectorE bounds the kernel at about half the D=128 PE "
-          "efficiency")
+    notes="head_dim 64 halves the QK^T/PV FLOPs per score while the per-score softmax work (VectorE row max, "
+          "ScalarE exp) stays, so the kernel's PE efficiency is about half its D=128 figure")
 
 # --- the other families ---------------------------------------------------------------------------------
 # Conventions for every entry below (as for the entries above):
@@ -440,8 +438,8 @@ PUBLISHED["sana_video"] = Published(
     setting="480x832, 81 frames (21 latent frames x 1560 = 32760 tokens), one-shot; 50 steps x (cond + uncond); "
             "ONLY the softmax text cross-attention is modeled",
     notes="self-attention is linear attention (ReLU kernel, no softmax): it stays stock and is not modeled. "
-          "Modeled efficiency ~24%: with only 300 keys per 128-query tile the fixed per-tile DMA work (Q load, "
-          "O store descriptors) outweighs the matmuls, so descriptor generation (DGE) is the bound",
+          "With only 300 keys per 128-query tile the fixed per-tile work (Q load, O store, pipeline fill) "
+          "outweighs the matmuls: low PE efficiency",
     extra={"steps": 50, "linear_self_attention_layers_not_modeled": 20})
 
 # SANA-WM stage 1 (bidirectional world model). 20 blocks; every 4th (5 blocks) runs softmax attention, the other

@@ -124,8 +124,9 @@ VIDEO_PUBLISHED["latte"] = Published(
     ),
     setting="512x512, 16 frames: 16 x 1024 spatial tokens, 1024 x 16 temporal sequences, one-shot; 50 steps x "
             "(cond + uncond)",
-    notes="modeled efficiency ~5%: the temporal attention is 1024 x 16 sequences of 16 keys, where the per-"
-          "iteration overhead (descriptor generation), not the matmuls, bounds the kernel",
+    notes="the temporal attention is 1024 x 16 sequences of 16 keys: one item per (sequence, head) whose "
+          "pipeline latency, not the matmuls, bounds the kernel (very low PE efficiency; a kernel packing several "
+          "short sequences per tile would fix it)",
     extra={"steps": 50})
 
 # --- EasyAnimate V5.1 (12B): class defaults (48 MMDiT layers, 48 heads x 64); 512x512, 49 frames (pipeline
@@ -290,7 +291,7 @@ VIDEO_PUBLISHED["kandinsky6_sr"] = Published(
     setting="one 512x512 tile, 121 frames (31 latent frames x 1024 = 31744 tokens), NABLA sparse; 2 distilled "
             "steps",
     notes="modeled as the patched block-sparse path runs it (496 x 28 rows of 64 queries over 11264 gathered "
-          "keys); the K/V gather itself is not modeled. Modeled efficiency ~6%: every 64-query block is its own "
+          "keys); the K/V gather itself is not modeled. Low PE efficiency: every 64-query block is its own "
           "(batch, head) iteration of the kernel, whose tiles hold 128 queries, so per-iteration DMA and "
           "descriptor work dominate; a kernel reading per-tile key-block lists would remove the gather and the "
           "half-empty tiles",

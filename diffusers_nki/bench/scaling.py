@@ -141,9 +141,12 @@ WORKLOADS: Dict[str, Workload] = {
 # the layout model
 # ------------------------------------------------------------------------------------------------------
 def _kind(call: AttnCall) -> str:
+    """"cached" (a static cache), "cross" (queries split over the ranks, the keys whole on every rank: a call
+    named cross-attention, or one with fewer keys than queries, e.g. Wan-Animate's face block over 5 motion
+    tokens) or "self" (queries and keys split)."""
     if call.cache:
         return "cached"
-    if call.name.startswith("cross"):
+    if "cross" in call.name or call.skv < call.sq:
         return "cross"
     return "self"
 
@@ -282,11 +285,13 @@ def model_layout(work: Workload, fab: Fabric, U: int, R: int, kernel_time: Calla
             "collectives": comm_total.collectives, "uneven": sorted(set(flags)), "calls": calls_out}
 
 
-def _kernel_time_fn(target: str, dtype: str = "bfloat16") -> Callable[[AttnCall], float]:
-    """Seconds of one kernel call on one core: ``bench/_modeled.model_call``'s per-core figure (all its heads)."""
+def _kernel_time_fn(target: str, dtype: str = "bfloat16", ceiling: bool = False) -> Callable[[AttnCall], float]:
+    """Seconds of one kernel call on one core: ``bench/_modeled.model_call``'s per-core figure (all its heads), the
+    scheduled time (the headline) or, with ``ceiling``, the roofline ceiling of the same trace."""
     from diffusers_nki.bench import _modeled
 
-    return lambda call: float(_modeled.model_call(call, target, dtype)["core_s"])
+    key = "core_ceiling_s" if ceiling else "core_s"
+    return lambda call: float(_modeled.model_call(call, target, dtype)[key])
 
 
 def _peak(target: str) -> float:
@@ -334,10 +339,12 @@ def best(rows: Sequence[dict], ranks: Optional[int] = None) -> Optional[dict]:
 # the per-chip figure of the matrix and the demo (replaces the collective-free "spread over the cores")
 # ------------------------------------------------------------------------------------------------------
 def chip_figure(calls: Sequence[AttnCall], target: str, tokens_per_frame: Optional[int] = None,
-                kernel_time=None) -> dict:
-    """The best layout of ``calls`` over ALL of one chip's cores under context parallelism (U x R = cores per chip),
-    collectives included and not overlapped; one core when that is faster or when a call has GQA (diffusers'
-    templates have none). Even splits are preferred over uneven ones."""
+                kernel_time=None, ceiling_kernel_time=None) -> dict:
+    """The best layout of ``calls`` over one chip's cores under context parallelism (U x R = any divisor of the
+    cores per chip: a layout that cannot use every core, e.g. Ulysses alone when a frame-causal mask rules out the
+    ring, leaves the rest idle), collectives included and not overlapped; one core when that is faster or when a
+    call has GQA (diffusers' templates have none). Even splits are preferred over uneven ones; an uneven layout is
+    taken (and flagged ``uneven``) only when no even one uses more than one core."""
     fab = FABRICS[target]
     heads = max(c.heads for c in calls)
     tpf = tokens_per_frame or math.gcd(*[c.sq for c in calls])
@@ -345,17 +352,28 @@ def chip_figure(calls: Sequence[AttnCall], target: str, tokens_per_frame: Option
     kt = kernel_time or _kernel_time_fn(target)
     cand = [(1, 1)]  # one core stays a candidate: a tiny workload may not pay for its collectives
     if all((c.kv_heads or c.heads) == c.heads for c in calls):
-        cand += layouts(heads, fab.cores_per_chip)
+        for world in range(2, fab.cores_per_chip + 1):
+            if fab.cores_per_chip % world == 0:
+                cand += layouts(heads, world)
     results = []
     for U, R in cand:
         try:
             results.append(model_layout(work, fab, U, R, kt))
         except ValueError:
             continue
-    results = [r for r in results if not r["uneven"]] or results
+    # even splits first; an uneven layout (diffusers' *_anything sharders, flagged) only when no even layout
+    # over more than one core exists (e.g. an odd joint sequence length)
+    even = [r for r in results if not r["uneven"]]
+    if any(r["ulysses_degree"] * r["ring_degree"] > 1 for r in even):
+        results = even
     b = min(results, key=lambda r: r["serial_s"])
-    return {"chip_s": b["serial_s"], "layout": (b["ulysses_degree"], b["ring_degree"]),
-            "collective_s": b["collective_s"], "compute_s": b["compute_s"], "uneven": b["uneven"]}
+    out = {"chip_s": b["serial_s"], "layout": (b["ulysses_degree"], b["ring_degree"]),
+           "collective_s": b["collective_s"], "compute_s": b["compute_s"], "uneven": b["uneven"]}
+    if ceiling_kernel_time is not None:
+        # the same layout with every kernel at its roofline ceiling and every collective hidden behind compute
+        out["chip_ceiling_s"] = model_layout(work, fab, b["ulysses_degree"], b["ring_degree"],
+                                             ceiling_kernel_time)["overlap_s"]
+    return out
 
 
 def add_chip_figures(res: dict, calls: Sequence[AttnCall], tokens_per_frame: Optional[int] = None) -> dict:
@@ -364,9 +382,11 @@ def add_chip_figures(res: dict, calls: Sequence[AttnCall], tokens_per_frame: Opt
     for t, v in res.get("targets", {}).items():
         if t not in FABRICS:
             continue
-        fig = chip_figure(calls, t, tokens_per_frame)
+        fig = chip_figure(calls, t, tokens_per_frame, ceiling_kernel_time=_kernel_time_fn(t, ceiling=True))
         v["chip_spread_s"] = v.get("chip_s")
+        v["chip_spread_ceiling_s"] = v.get("chip_ceiling_s")
         v["chip_s"] = fig["chip_s"]
+        v["chip_ceiling_s"] = fig["chip_ceiling_s"]
         v["chip_layout"] = {"ulysses_degree": fig["layout"][0], "ring_degree": fig["layout"][1],
                             "collective_s": fig["collective_s"], "uneven": fig["uneven"]}
     res["chip_method"] = ("one chip under diffusers' context parallelism: the best Ulysses x ring layout over its "
