@@ -35,10 +35,9 @@ S <= 65535, Hkv*D <= 65535); dtypes any (cache and chunk must match; fp32/bf16/f
 direct launch with mismatched inputs fails clearly.
 
 Modeled cost (``diffusers-nki bench kernels --shapes cache_write_chunk [--lnc 2]``, 4680-token chunk into a
-32760-slot cache, 12 heads x 128, bf16, B=1; MODELED, never measured; the cost model's optimistic figure
-at the time of writing, the dependency-aware schedule may differ): HBM-bound at the roof, 54.8 MiB moved
-(exactly the chunk's K and V read and written): trn2 0.159 ms (LNC1) / 0.079 ms (LNC2: K and V on the two
-cores), trn3 0.094 / 0.047 ms, trn1 0.140 ms. The cost model treats an HBM->HBM copy with one contiguous
+32760-slot cache, 12 heads x 128, bf16, B=1; MODELED, never measured; the dependency-aware schedule, the
+roofline ceiling within 2% of it): HBM-bound, 54.8 MiB moved (exactly the chunk's K and V read and written):
+trn2 0.160 ms (LNC1) / 0.081 ms (LNC2: K and V on the two cores), trn3 0.095 / 0.048 ms, trn1 0.142 ms. The cost model treats an HBM->HBM copy with one contiguous
 run per row as one DMA queue (an ASSUMPTION of sim/cost.py).
 
 Tested ranges (tests/kernels/test_cache_write.py, emulator, bit-exact against the twin): B in {1, 2, 3},

@@ -37,18 +37,19 @@ Loop structure: weight -> SBUF once (DMA with partition stride 0); for token til
 rsqrt; for chunk: scale, weight, rotate; DMA the [n, H*D] output rows. Under ``kernel[2]`` the (tile, batch)
 pairs are dealt round-robin to the two logical cores.
 
-Cost (MODELED by ``diffusers_nki.sim.cost`` from the trace of ``model_full_scale``, also the row
-``qk_norm_rope_chunk`` of ``diffusers-nki bench kernels``; never measured).
+Cost (MODELED, never measured; the row ``qk_norm_rope_chunk`` of ``diffusers-nki bench kernels``: the
+dependency-aware schedule of the trace is the headline, the roofline of ``diffusers_nki.sim.cost`` its ceiling).
 HBM traffic is the minimum: x read once, o written once, cos/sin once per tile, the weight once per
 partition (18.66 MiB read, 13.71 MiB written). Wan2.1-1.3B, one of q/k, 4680 tokens x 12 x 128, bf16:
-    target  lnc  optimistic  pessimistic  bottleneck   HBM roof   VectorE / GpSimd / ScalarE busy
-    trn2     1     215 us      829 us      GpSimd       94 us     210 / 215 / 97 us
-    trn2     2     111 us      427 us      GpSimd       48 us
-    trn3     1     191 us      754 us      VectorE      55 us     191 / 191 / 97 us
-    trn1     1     369 us      796 us      SBUF port    83 us     (VectorE and GpSimd share it on gen2)
-i.e. 2.3x (trn2) to 3.5x (trn3) the HBM roof: bound by the fp32 elementwise work (two-input ops at 0.5
-element/cycle), the price of the single rounding. ``y_pool_pct`` sweep, trn2 lnc=1: 0% 239 us, 10% 229,
-17% 220, 25% 215, 34% 223, 50% 239 (trn3: 0% is best).
+    target  lnc  scheduled  ceiling  bound (ceiling)  HBM roof
+    trn2     1     470 us    215 us   GpSimd           94 us
+    trn2     2     245 us    110 us   GpSimd           48 us
+    trn3     1     449 us    191 us   VectorE          55 us
+    trn1     1     434 us    369 us   SBUF port        83 us
+The schedule is about twice the ceiling on trn2/trn3 (its largest wait: ScalarE on GpSimd results): the
+per-tile chain is not software-pipelined like the attention kernel's. ``y_pool_pct`` (the GpSimd share of the
+elementwise work) was chosen on the roofline before the schedule existed (trn2 25%, trn3 0%); it is a
+candidate for the same restructuring, not a tuned result.
 
 Limits (``not_supported_reasons``): D = H*D / heads even and <= 128; H*D <= 8192 (x row and weight resident in
 SBUF); x fp32/bf16/fp16 with a weight of the same dtype; cos/sin [1 or B, S, 1, D], fp32/bf16/fp16; eps >= 0.
