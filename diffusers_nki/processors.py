@@ -52,6 +52,13 @@ class NKIAttnProcessor2_0(_Routed):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,
                  **kwargs):
+        return self._forward(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+
+    def _rotate(self, attn, query, key, rotary):
+        """Hook for processors that add rotary embeddings to q/k (BHSD) after the norms: none here."""
+        return query, key
+
+    def _forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb, rotary=None):
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)
@@ -83,6 +90,7 @@ class NKIAttnProcessor2_0(_Routed):
             query = attn.norm_q(query)
         if attn.norm_k is not None:
             key = attn.norm_k(key)
+        query, key = self._rotate(attn, query, key, rotary)
 
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views, no copies
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from diffusers_nki import masks, ops
 from diffusers_nki import routing as router  # route, fallback, note_routed, compiling
-from diffusers_nki.processors import _Routed
+from diffusers_nki.processors import NKIAttnProcessor2_0, _Routed
 
 __all__ = [
     "NKICogVideoXAttnProcessor2_0",
@@ -131,52 +131,22 @@ class NKIFusedCogVideoXAttnProcessor2_0(NKICogVideoXAttnProcessor2_0):
 # ----------------------------------------------------------------------------------------------------------
 # Allegro
 # ----------------------------------------------------------------------------------------------------------
-class NKIAllegroAttnProcessor2_0(_Routed):
-    """``AllegroAttnProcessor2_0``: self/cross attention with Allegro's 3D RoPE on self-attention."""
+class NKIAllegroAttnProcessor2_0(NKIAttnProcessor2_0):
+    """``AllegroAttnProcessor2_0``: ``AttnProcessor2_0`` plus Allegro's 3D RoPE on self-attention (the shared body
+    of ``NKIAttnProcessor2_0``; ``image_rotary_emb`` is an explicit parameter because diffusers' ``Attention``
+    passes only the keyword arguments a processor names)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  image_rotary_emb=None):
-        residual = hidden_states
-        if attn.spatial_norm is not None:
-            hidden_states = attn.spatial_norm(hidden_states, temb)
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-        batch_size, sequence_length, _ = (
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-        if attn.group_norm is not None:
-            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-        query = attn.to_q(hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-        elif attn.norm_cross:
-            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        if image_rotary_emb is not None and not attn.is_cross_attention:
+        return self._forward(attn, hidden_states, encoder_hidden_states, attention_mask, temb, image_rotary_emb)
+
+    def _rotate(self, attn, query, key, rotary):
+        if rotary is not None and not attn.is_cross_attention:
             from diffusers.models.embeddings import apply_rotary_emb_allegro
 
-            query = apply_rotary_emb_allegro(query, image_rotary_emb[0], image_rotary_emb[1])
-            key = apply_rotary_emb_allegro(key, image_rotary_emb[0], image_rotary_emb[1])
-        q, k, v = _bshd(query, key, value)
-        out = router.route(q, k, v, attention_mask, backend=self.backend, strict=self.strict,
-                           stock=lambda: _sdpa_bhsd(query, key, value, attention_mask))
-        hidden_states = out.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        return hidden_states / attn.rescale_output_factor
+            query = apply_rotary_emb_allegro(query, rotary[0], rotary[1])
+            key = apply_rotary_emb_allegro(key, rotary[0], rotary[1])
+        return query, key
 
 
 # ----------------------------------------------------------------------------------------------------------
