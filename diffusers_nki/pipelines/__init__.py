@@ -6,8 +6,9 @@
 - ``convert_causal_wan_checkpoint``: the published causal checkpoints (original Wan key names inside
   ``generator`` / ``generator_ema``) -> a diffusers ``WanTransformer3DModel`` state dict.
 """
-from .causal_wan import CausalWanPipeline, CausalWanStreamChunk, WanStreamingDecoder
+from .causal_wan import (CausalWanPipeline, CausalWanSession, CausalWanStreamChunk, WanStreamingDecoder, lookup_sigmas,
+                         original_step_noise)
 from .convert import CheckpointKeyError, convert_causal_wan_checkpoint, to_original_wan_state_dict
 
-__all__ = ["CausalWanPipeline", "CausalWanStreamChunk", "WanStreamingDecoder", "convert_causal_wan_checkpoint",
+__all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "lookup_sigmas", "original_step_noise", "WanStreamingDecoder", "convert_causal_wan_checkpoint",
            "to_original_wan_state_dict", "CheckpointKeyError"]
