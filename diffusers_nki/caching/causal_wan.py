@@ -471,7 +471,7 @@ class _Rollout:
         return (self.hook() is hook and _geometry(hs) == self.geometry and hs.device == self.device
                 and module.patch_embedding.weight.dtype == self.dtype and chunk.positions == self.positions
                 and self.rope.matches(module.rope, self.hp, self.wp, self.device)
-                and parallel.cache_parallel(module, hook.backend, "causal Wan static cache") is self.cp
+                and _cp_key(parallel.cache_parallel(module, hook.backend, "causal Wan static cache")) == _cp_key(self.cp)
                 and (hook.config.chunk_frames or chunk.block_frames) == self.n)
 
     def reset(self) -> None:
@@ -648,6 +648,11 @@ class _Rollout:
         out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
         self.stats["recache_calls"] += 1
         return out
+
+
+def _cp_key(cp) -> Optional[tuple]:
+    """What a context-parallel layout is, for comparing two (a new CacheParallel is made per rollout)."""
+    return None if cp is None else (cp.layout, cp.backend)
 
 
 def _check_timestep(ts: torch.Tensor) -> None:
