@@ -38,6 +38,24 @@ CausalChunk(start_frame=..., commit=..., block_frames=...)}``. Calls without it 
 forward's math (patch embedding, condition embedder, blocks, output head, unpatchify) with RoPE at absolute
 positions (the model's own tables; rebuilt longer with the same formula beyond ``rope_max_seq_len``).
 
+Ownership: a call's ``CausalChunk.rollout`` (a ``RolloutHandle``) owns the rollout's state (ring, slot map,
+buffers, RoPE tables); calls without one use the hook's own. Sessions, streams and pipeline calls each hold one,
+so interleaved rollouts never share a cache. The state is rebuilt when what it derives from changed (geometry,
+dtype, device, the RoPE module and its tables, the context-parallel layout); a change mid-rollout raises.
+
+Re-cache (LongLive's KV re-cache after a prompt switch): ``RolloutHandle.recache_span()`` says which committed
+frames to re-encode (the last min(window, P); once the window has rolled, the sinks keep their K/V and the last
+window - sink frames are re-encoded); the call (``CausalChunk(recache_frames=n)``) always holds ``window`` frames
+(valid ones first, ``kv_len`` masks the padding), attends with no causal order over [kept sinks | its frames],
+and writes the re-encoded K/V of the frames the ring holds back into their slots in place (a gather from
+[cache | call] by a runtime slot map, then one ``cache_write`` of the history per layer): one shape per switch.
+
+Positions: ``"absolute"`` rotates every frame at its index in the video (the published default; past the model's
+table the tables are extended with the same formula). ``"window"`` is LongLive's ``use_infinite_attention``:
+positions re-based inside the window [sinks | latest frames | chunk]. Non-sink frames keep their cached keys
+(their distances to the queries are unchanged by the re-basing); the sinks' keys are rewritten per call, rotated
+along the time axis to ``sink index + shift`` from a copy rotated back to time 0 (``_SinkRotation``).
+
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
 ``rolling=True`` evicts the oldest non-sink frame once the window is full (the published semantics),

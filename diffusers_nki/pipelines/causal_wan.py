@@ -11,6 +11,8 @@
     for chunk in pipe.stream("a red fox in the snow", num_frames=81):     # the same video, chunk by chunk
         send(chunk.frames)                                                # 9 frames first, then 12 per chunk
     diffusers_nki.patch(pipe)                                             # NKI attention + the static cache
+    s = pipe.session("a red fox", num_frames=None)                        # endless, interactive
+    s.next_chunk(); s.set_prompt("the fox jumps"); s.next_chunk(); s.reset()   # switch: LongLive's KV re-cache
 
 Why a ``DiffusionPipeline`` subclass (not modular blocks): the rollout is one loop with a fixed order (per chunk:
 denoise in a few steps, then one cache pass) and one piece of state (the transformer's static cache), which
@@ -34,6 +36,17 @@ The attention window is part of the model (how it was trained): ``window_frames`
 the current chunk (Self-Forcing: 21; LongLive: 12) and ``sink_frames`` never evicted (LongLive: 3);
 ``window_frames=None`` attends to the whole video. The pipeline installs that cache on its transformer when
 none is installed (``default_cache_config()``); ``diffusers_nki.patch(pipe)`` installs the same one.
+
+Sessions (``pipe.session``, ``CausalWanSession``): the same loop as an object that a server keeps: ``next_chunk``,
+``set_prompt`` (at the next chunk boundary, LongLive's KV re-cache: the window's frames re-encoded under the new
+text in one static-shape call, written back in place), ``reset`` (frame 0, cache zeroed, nothing reloaded),
+``warmup``. Every session, ``stream`` generator and ``__call__`` owns its cache state (a ``RolloutHandle``): they
+may interleave on one pipeline without reading each other's cache.
+
+Fidelity to the published loops (docs/CAUSAL_WAN.md has the table per original): user ``prompt_embeds`` are
+zero-padded to ``max_sequence_length`` (512, what the models attend to); explicit ``timesteps`` / ``sigmas``
+are used exactly (CausVid's ``lookup_sigmas``); ``step_noise`` takes the re-noising noise (``original_step_noise``
+draws it as they do); ``rope_positions="window"`` is LongLive's infinite attention.
 
 Not supported: classifier-free guidance (these models are distilled without it); image/video conditioning
 (the first chunk is generated from noise); per-frame timesteps (every chunk uses one timestep).
