@@ -803,13 +803,19 @@ class CausalWanStaticCache(StaticCacheHook):
 
         return Transformer2DModelOutput(sample=sample)
 
+    @property
+    def current(self) -> Optional[_Rollout]:
+        """The state of the latest served call's rollout (whoever owns it), else the hook's own or the last
+        released one: what introspection (``describe``, the demo's cache fill) reports."""
+        recent = self._recent() if self._recent is not None else None
+        return recent or self.state or self.last
+
     def describe(self) -> List[str]:
         c = self.config
         lines = [f"self-attention processors swapped: {len(self._saved_processors)}",
                  f"window: {c.capacity if c.capacity is not None else 'the whole rollout'} "
                  f"{c.unit}, sink {c.sink}, rolling={c.rolling}, grow={c.grow}"]
-        recent = self._recent() if self._recent is not None else None
-        s = recent or self.state or self.last
+        s = self.current
         if s is None:
             return lines + ["no rollout yet (buffers are allocated on the first call)"]
         B, Cin, H, W = s.geometry
