@@ -489,7 +489,8 @@ class _Rollout:
         return (self.hook() is hook and _geometry(hs) == self.geometry and hs.device == self.device
                 and module.patch_embedding.weight.dtype == self.dtype and chunk.positions == self.positions
                 and self.rope.matches(module.rope, self.hp, self.wp, self.device)
-                and _cp_key(parallel.cache_parallel(module, hook.backend, "causal Wan static cache")) == _cp_key(self.cp)
+                and _cp_key(parallel.cache_parallel(module, hook.backend, "causal Wan static cache"))
+                == _cp_key(self.cp)
                 and (hook.config.chunk_frames or chunk.block_frames) == self.n)
 
     def reset(self) -> None:

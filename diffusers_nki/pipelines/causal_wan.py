@@ -65,8 +65,8 @@ from diffusers.video_processor import VideoProcessor
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "WanStreamingDecoder", "denormalize_latents",
-           "lookup_sigmas", "original_step_noise"]
+__all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "WanStreamingDecoder",
+           "denormalize_latents", "lookup_sigmas", "original_step_noise"]
 
 DEFAULT_TIMESTEPS = (1000, 750, 500, 250)
 

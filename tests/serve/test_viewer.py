@@ -93,7 +93,8 @@ def test_viewer_in_a_real_browser(server, browser):
     _wait(drv, "return viewer.frames >= 6 && viewer.chunks.length >= 2", "the first frames to render")
     pixels = drv.execute_script("""const c = document.getElementById('screen');
         const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }
+        let lo = 255, hi = 0;
+        for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }
         return [c.width, c.height, lo, hi];""")
     assert pixels[:2] == [64, 64] and pixels[3] - pixels[2] > 10, pixels
     assert "ms" in drv.find_element("id", "s_latency").text and "frames/s" in drv.find_element("id", "s_fps").text
