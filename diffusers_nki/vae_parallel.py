@@ -190,6 +190,7 @@ class Disaggregation:
     w_vae: int
     dit_group: Any = field(default=None, repr=False)
     vae_group: Any = field(default=None, repr=False)
+    device: Any = "cpu"  # where a VAE rank receives latents when the backend is not gloo
 
     def __post_init__(self):
         if not dist.is_available() or not dist.is_initialized():
@@ -235,13 +236,16 @@ class Disaggregation:
             return
         leader = self.rank == self.dit_ranks[0]
         pending: List[Any] = []
+        dev = self._device(torch.device(self.device))
         try:
             for chunk in chunks:
                 if leader:
                     for w in pending:
                         w.wait()
-                    lat = chunk.latents.detach().to("cpu", torch.float32).contiguous()
-                    header = torch.tensor([1, chunk.index, chunk.start_frame, *lat.shape], dtype=torch.int64)
+                    dev = self._device(chunk.latents.device)
+                    lat = chunk.latents.detach().to(dev, torch.float32).contiguous()
+                    header = torch.tensor([1, chunk.index, chunk.start_frame, *lat.shape], dtype=torch.int64,
+                                          device=lat.device)
                     pending = self._send(header, lat)
                     self.stats["sent"] += 1
                 yield chunk
@@ -249,9 +253,13 @@ class Disaggregation:
             if leader:
                 for w in pending:
                     w.wait()
-                end = torch.zeros(_HEADER, dtype=torch.int64)
+                end = torch.zeros(_HEADER, dtype=torch.int64, device=dev)
                 for w in self._send(end, None):
                     w.wait()
+
+    def _device(self, device):
+        """Where the transport's tensors live: CPU for gloo, else the tensors' own device."""
+        return torch.device("cpu") if dist.get_backend() == "gloo" else device
 
     def _send(self, header: torch.Tensor, lat: Optional[torch.Tensor]) -> List[Any]:
         self._keep = (header, lat)  # the buffers stay alive until the sends complete
@@ -265,11 +273,12 @@ class Disaggregation:
     def _receive(self) -> Iterator[ReceivedChunk]:
         src = self.dit_ranks[0]
         while True:
-            header = torch.empty(_HEADER, dtype=torch.int64)
+            dev = self._device(self.device)
+            header = torch.empty(_HEADER, dtype=torch.int64, device=dev)
             dist.recv(header, src, tag=_TAG_HEADER)
             if int(header[0]) == 0:
                 return
-            lat = torch.empty([int(v) for v in header[3:]], dtype=torch.float32)
+            lat = torch.empty([int(v) for v in header[3:]], dtype=torch.float32, device=dev)
             dist.recv(lat, src, tag=_TAG_LATENTS)
             self.stats["received"] += 1
             yield ReceivedChunk(int(header[1]), int(header[2]), lat)

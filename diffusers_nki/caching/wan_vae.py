@@ -39,6 +39,10 @@ The convolution of a call with ``n`` input frames ``x`` [B, C_in, n, h_loc, W]::
     buffers[i][:, :, :] <- the last 2 frames of [buffers[i] | xp]   (n >= 2: xp[:, :, -2:];
                                              n == 1: slot 0 <- slot 1, then slot 1 <- xp[:, :, 0])
 
+With the gemm-conv stream's kernel (``kernels/causal_conv3d.py``: ``causal_conv3d_kernel(x, w, bias, cache,
+pad_top, pad_bottom)``, cache ``[B, Cin, kt - 1, Hin, W]`` newest frame last, the same rows as ``x``) this conv is
+``causal_conv3d_kernel(xp, w, bias, cache=buffers[i], pad_top=0, pad_bottom=0)``: the buffer is read in place as
+it lies; the write above stays a separate in-place copy (the kernel only reads the cache).
 ``h_loc`` at a conv is the rank's latent rows times the stage's upsampling factor (1, 2, 4, 8 for Wan2.1);
 ``conv_plan(vae, ...)`` lists every conv with its per-rank input shape (the budget schedules the kernel there).
 The temporal upsamplers' ``time_conv`` is skipped on the stream's first call (stock ``"Rep"``), and its buffer

@@ -139,6 +139,7 @@ def test_patch_installs_it_on_the_streaming_pipeline_and_unpatch_restores_exactl
     streamed = torch.cat([c.frames for c in pipe.stream(latents=lat, **kw)], dim=1)
     assert hook.stats["streams"] == 1 and hook.stats["frames"] == 6 and hook.stats["calls"] == 6
     assert torch.equal(streamed, one_shot) and torch.equal(streamed, stock_stream)
+    assert "static streaming decode cache installed by patch" in str(diffusers_nki.explain(pipe))
     diffusers_nki.unpatch(pipe)
     assert wan_vae.find_wan_vae_cache(pipe.vae) is None
     assert (set(dec.__dict__), dec.forward.__func__) == before
