@@ -11,9 +11,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from gloo_spawn import spawn  # noqa: E402
 from vae_cases import SHARD_CASES, pipe_cache, pipe_kwargs, reference_decode, shard_inputs  # noqa: E402
 
 TIMEOUT_S = 300  # per spawn (all ranks): a hung collective fails the test instead of the suite
@@ -28,26 +27,8 @@ TOL = 1e-5
 
 
 def _spawn(world: int, tmp_path, cases: str):
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "vae_worker.py"), str(r), str(world),
-                               str(tmp_path / "store"), str(tmp_path), cases],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-             for r in range(world)]
-    deadline = time.monotonic() + TIMEOUT_S
-    logs, failed = [], False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            failed, out = True, f"TIMEOUT after {TIMEOUT_S} s\n{out}"
-        logs.append(out)
-        failed = failed or p.returncode != 0
-    if failed:
-        pytest.fail("VAE workers failed:\n" + "\n".join(f"--- rank {r}\n{log[-3000:]}" for r, log in enumerate(logs)))
+    spawn(os.path.join(HERE, "vae_worker.py"), world, lambda r: (r, world, tmp_path / "store", tmp_path, cases),
+          TIMEOUT_S, "VAE workers")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
