@@ -86,7 +86,8 @@ import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 
 __all__ = ["HOOK_NAME", "WanVAECacheConfig", "WanVAECacheHook", "WanVAEStream", "ConvSpec", "apply_wan_vae_cache",
-           "remove_wan_vae_cache", "find_wan_vae_cache", "not_supported_reasons", "conv_plan", "STREAMING_PIPELINES",
+           "remove_wan_vae_cache", "find_wan_vae_cache", "not_supported_reasons", "conv_plan", "decode_collectives",
+           "STREAMING_PIPELINES",
            "install_for_patch", "release_for_patch"]
 
 HOOK_NAME = "diffusers_nki.wan_vae_cache"
@@ -318,6 +319,51 @@ def conv_plan(vae, batch: int, height: int, width: int, rows: Optional[int] = No
         specs.append(ConvSpec(name, conv.in_channels, conv.out_channels, tuple(conv.kernel_size), s, rows * s,
                               width * s, (batch, conv.in_channels, t, rows * s + 2 * ph, width * s)))
     return specs
+
+
+def decode_collectives(vae, batch: int, height: int, width: int, ranks: int, frames: int = 1,
+                       first: bool = False) -> List[dict]:
+    """The collectives of ONE decoder call of the height-sharded decode over ``ranks`` ranks (``frames`` latent
+    frames; ``first``: the stream's first call, whose temporal upsamplers do not double the frames), in order:
+    ``{"what", "kind": "all_gather", "elements_per_rank"}`` with the elements each rank contributes (the
+    longest shard's): one halo exchange per 3x3x3 conv and per upsampler conv2d (2 rows each), the mid
+    attention's keys + values, the decoded rows at the end. Shapes only (what the budget costs)."""
+    from diffusers_nki.vae_parallel import split_rows
+
+    m = _wan()
+    dec = vae.decoder
+    rows = max(split_rows(height, ranks))
+    out = []
+
+    def halo(what, c, s, t):
+        out.append({"what": what, "kind": "all_gather", "elements_per_rank": batch * c * t * 2 * width * s})
+
+    def resnets(prefix, rs, s, t, first_index=0):
+        for i, r in enumerate(rs, first_index):
+            halo(f"{prefix}.{i}.conv1", r.conv1.in_channels, s, t)
+            halo(f"{prefix}.{i}.conv2", r.conv2.in_channels, s, t)
+
+    t, s = frames, 1
+    halo("conv_in", dec.conv_in.in_channels, s, t)
+    mid = dec.mid_block
+    resnets("mid_block.resnets", mid.resnets[:1], s, t)
+    for i, (a, r) in enumerate(zip(mid.attentions, mid.resnets[1:])):
+        if a is not None:
+            out.append({"what": f"mid_block.attentions.{i} keys+values", "kind": "all_gather",
+                        "elements_per_rank": batch * t * 2 * a.dim * rows * width})
+        resnets("mid_block.resnets", [r], s, t, i + 1)
+    for b, ub in enumerate(dec.up_blocks):
+        resnets(f"up_blocks.{b}.resnets", ub.resnets, s, t)
+        up = (ub.upsamplers[0] if ub.upsamplers is not None else None) if type(ub) is m.WanUpBlock else ub.upsampler
+        if up is not None:
+            if up.mode == "upsample3d" and not first:
+                t *= 2
+            s *= 2
+            halo(f"up_blocks.{b}.upsampler conv2d", up.resample[1].in_channels, s, t)
+    ch = dec.conv_out.out_channels
+    halo("conv_out", dec.conv_out.in_channels, s, t)
+    out.append({"what": "decoded rows", "kind": "all_gather", "elements_per_rank": batch * ch * t * rows * s * width * s})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The Wan VAE decode over ranks (gloo on 127.0.0.1, 2 and 4 processes spawned here, bounded in time):
 - the streamed, height-sharded decode (odd latent heights: uneven shards; through every upsampling stage's
   halo; Wan2.1 and a Wan2.2-style VAE; 1 and 3 latent frames per decoder call) equals the one-process stock
-  ``vae.decode`` of the whole video within 1e-5 relative (fp32), and breaks without the halo rows or without the
-  other ranks' attention keys (the test can fail);
+  ``vae.decode`` of the whole video within 1e-5 relative (fp32), and breaks without the halo rows, without the
+  upsampling stages' halo rows alone, or without the other ranks' attention keys (the test can fail);
 - the "shared" layout (2 processes): the causal Wan pipeline's DiT context-parallel (Ulysses 2) and the VAE
   height-sharded over the same ranks: ``stream()`` equals the one-process ``stream()``;
 - disaggregation: 1 DiT + 1 VAE rank (2 processes), 2 DiT ranks (context-parallel over their own mesh) + 2 VAE
@@ -65,10 +65,19 @@ def _check_shards(results, decodes, world):
             worst = max(worst, err)
         ref = decodes[SHARD_CASES[0]]
         assert _rel(res["shard"]["no_halo"], ref) > 1e-2  # the halos carry real rows
+        assert _rel(res["shard"]["no_upsample_halo"], ref) > 1e-3  # the upsampling stages' halos too
         assert _rel(res["shard"]["local_attention"], ref) > 1e-3  # the attention needs every rank's keys
     assert max(r["shard"][SHARD_CASES[0]]["rows"][0] for r in results) > min(
         r["shard"][SHARD_CASES[0]]["rows"][-1] for r in results)  # uneven shards were exercised
     print(f"sharded decode over {world} ranks vs one-process stock decode: max rel err {worst:.2e}")
+    # the budget's interface: the collectives wan_vae.decode_collectives lists are those a decoder call makes
+    from diffusers_nki.caching.wan_vae import decode_collectives
+
+    vae, lat, _, _ = shard_inputs(SHARD_CASES[0])
+    h, w = lat.shape[3], lat.shape[4]
+    for first, seen in zip((True, False), results[0]["shard"]["collectives"]):
+        listed = decode_collectives(vae, 1, h, w, world, frames=1, first=first)
+        assert seen == [c["elements_per_rank"] for c in listed], (first, seen, listed)
 
 
 def _check_disagg(results, frames, latents, w_dit):

@@ -5,8 +5,9 @@
 Joins a gloo process group over 127.0.0.1 (file rendezvous), runs each case and saves what it saw to
 OUT_DIR/rank<RANK>.pt. The single-process references are computed by the test itself, in the same run.
 Cases:
-- shard: the streamed, height-sharded decode of vae_cases.SHARD_CASES over all ranks; plus two controls that
-  must break it (halo rows replaced by zeros; the mid attention over this rank's keys only);
+- shard: the streamed, height-sharded decode of vae_cases.SHARD_CASES over all ranks; plus three controls that
+  must break it (every halo row replaced by zeros; only the upsamplers' halo rows zeroed; the mid attention over
+  this rank's keys only);
 - shared: the causal Wan pipeline, DiT context-parallel (Ulysses over all ranks) and the VAE height-sharded over
   the same ranks, ``stream()``;
 - disagg: ``Disaggregation(w_dit=W/2, w_vae=W/2)``: the DiT ranks (context-parallel among themselves when 2) denoise,
@@ -27,7 +28,7 @@ torch.set_num_threads(1)
 
 def shard_case():
     from diffusers_nki.caching import wan_vae
-    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
+    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder, denormalize_latents
     from diffusers_nki.vae_parallel import HeightShards
 
     from vae_cases import SHARD_CASES, shard_inputs
@@ -47,6 +48,25 @@ def shard_case():
         vae, lat, chunk, fpc = shard_inputs(case)
         out, stream = streamed(vae, lat, chunk, fpc)
         res[case] = {"out": out, "rows": stream.shards.rows, "buffers": [tuple(b.shape) for b in stream.buffers]}
+    # the collectives one decoder call makes (first call, then a steady one): what decode_collectives says
+    from diffusers_nki import vae_parallel
+
+    vae, lat, chunk, fpc = shard_inputs(SHARD_CASES[0])
+    gather, seen = vae_parallel._all_gather, []
+    vae_parallel._all_gather = lambda x, n, g: seen.append(x.numel()) or gather(x, n, g)
+    try:
+        wan_vae.apply_wan_vae_cache(vae, wan_vae.WanVAECacheConfig(process_group=dist.group.WORLD))
+        stream = wan_vae.find_wan_vae_cache(vae).new_stream(vae, 1, lat.shape[3], lat.shape[4])
+        with torch.no_grad():
+            calls = []
+            for i in range(2):
+                seen.clear()
+                stream.decode(denormalize_latents(vae, lat[:, :, i:i + 1]))
+                calls.append(list(seen))
+        wan_vae.remove_wan_vae_cache(vae)
+    finally:
+        vae_parallel._all_gather = gather
+    res["collectives"] = calls
     # controls: without the halo rows / without the other ranks' keys, the decode must differ
     vae, lat, chunk, fpc = shard_inputs(SHARD_CASES[0])
     halo = HeightShards.halo
@@ -57,6 +77,20 @@ def shard_case():
         HeightShards.halo = halo
     from diffusers_nki.caching.wan_vae import _Run
 
+    resample = _Run.resample
+
+    def no_upsample_halo(self, m, x):  # the upsamplers' 3x3 conv2d without its halo rows (the rest intact)
+        self.shards.halo = lambda y, p: torch.nn.functional.pad(y, (0, 0, p, p))
+        try:
+            return resample(self, m, x)
+        finally:
+            del self.shards.halo
+
+    _Run.resample = no_upsample_halo
+    try:
+        res["no_upsample_halo"] = streamed(vae, lat, chunk, fpc)[0]
+    finally:
+        _Run.resample = resample
     attention = _Run.attention
     _Run.attention = lambda self, a, x: a(x)  # the stock block over this rank's rows only
     try:
