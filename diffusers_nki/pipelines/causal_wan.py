@@ -375,35 +375,16 @@ class CausalWanPipeline(DiffusionPipeline):
         args = self._prepare(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
                              context_timestep, num_frame_per_block, generator, latents, prompt_embeds,
                              max_sequence_length)
-        if output_type != "latent" and self.vae is None:
-            raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-        chunks = self._rollout(*args, generator, callback_on_step_end, list(callback_on_step_end_tensor_inputs))
-        yield from self._decode_stream(chunks, output_type)
-        self.maybe_free_model_hooks()
-
-    def _decode_stream(self, chunks: Iterator[CausalWanStreamChunk], output_type: str
-                       ) -> Iterator[CausalWanStreamChunk]:
-        """The streamed decode of the rollout's chunks (one ``WanStreamingDecoder`` per stream). Under
-        ``diffusers_nki.vae_parallel.disaggregate(pipe, layout)``: on the DiT ranks the chunks pass through
-        (latents sent to the VAE ranks; ``frames`` stay None), on the VAE ranks the received chunks are decoded,
-        height-sharded over the VAE ranks (the rollout never runs there)."""
-        from diffusers_nki.vae_parallel import disaggregation_of
-
-        split = disaggregation_of(self)
-        if split is not None:
-            chunks = split.route(chunks)
-            if not split.decodes:
-                yield from chunks
-                return
         decoder = None
         if output_type != "latent":
-            decoder = WanStreamingDecoder(self.vae, None if split is None else split.vae_group)
-        for chunk in chunks:
-            if not isinstance(chunk, CausalWanStreamChunk):  # received by a VAE rank
-                chunk = CausalWanStreamChunk(index=chunk.index, start_frame=chunk.start_frame, latents=chunk.latents)
+            if self.vae is None:
+                raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
+            decoder = WanStreamingDecoder(self.vae)
+        for chunk in self._rollout(*args, generator, callback_on_step_end, list(callback_on_step_end_tensor_inputs)):
             if decoder is not None:
                 chunk.frames = self._postprocess(decoder.decode(chunk.latents), output_type)
             yield chunk
+        self.maybe_free_model_hooks()
 
     @torch.no_grad()
     def __call__(self, prompt: Union[str, List[str], None] = None, height: int = 480, width: int = 832,
