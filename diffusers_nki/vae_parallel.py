@@ -34,7 +34,9 @@ Layouts (``DecodeLayout``; ``implemented_layouts(cores)``)
   ``frames=None`` as soon as it is denoised. Per chunk the slower side sets the pace:
   ``max(t_dit(w_dit), t_vae(w_vae))`` after the pipeline fills, plus one latent transfer.
 Every layout listed has ``implemented=True`` and is run by the tests (tests/parallel/test_vae_parallel.py);
-anything else is not a layout of this code.
+anything else is not a layout of this code. ``bench budget`` reads ``implemented_layouts(cores)`` and, per
+layout, the per-rank conv shapes (``caching.wan_vae.conv_plan``) and collectives (``caching.wan_vae.
+decode_collectives``) of the decode.
 """
 from __future__ import annotations
 
