@@ -99,14 +99,27 @@ class WanStreamingDecoder:
 
     ``decode(latents)`` takes normalized latents (as the transformer produces them) ``[B, z, f, h, w]`` and
     returns pixels in [-1, 1] ``[B, 3, T, H, W]`` (T = 1 + 4 (f - 1) for the first chunk, 4 f after).
+    With the static cache installed on the VAE (``diffusers_nki.patch(pipe)`` or
+    ``diffusers_nki.caching.wan_vae.apply_wan_vae_cache``) the feature cache is that module's preallocated,
+    in-place buffers (one compiled graph per call shape; ``process_group``: the decode split over the height,
+    every rank returns the whole frames); without it, the stock list cache (diffusers' own ``feat_cache``).
     Tiled decoding is not streamed (raises): disable ``vae.use_tiling``."""
 
-    def __init__(self, vae):
-        from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    def __init__(self, vae, process_group=None):
+        from diffusers_nki.caching.wan_vae import find_wan_vae_cache
 
         self.vae = vae
-        self.cache: List[Optional[torch.Tensor]] = [None] * sum(
-            isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        self.hook = find_wan_vae_cache(vae)
+        self.process_group = process_group
+        if self.hook is None and process_group is not None:
+            raise ValueError("WanStreamingDecoder: a process_group (height-sharded decode) needs the static VAE cache: "
+                             "diffusers_nki.caching.wan_vae.apply_wan_vae_cache(vae) or diffusers_nki.patch(pipe)")
+        self.stream = None  # the static path's WanVAEStream, made on the first chunk (its geometry)
+        self.cache: List[Optional[torch.Tensor]] = []  # the stock path's list cache
+        if self.hook is None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+            self.cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         self.first = True
         self.frames_in = 0
 
@@ -115,6 +128,16 @@ class WanStreamingDecoder:
         if getattr(vae, "use_tiling", False):
             raise NotImplementedError("WanStreamingDecoder: tiled VAE decoding cannot be streamed; call "
                                       "vae.disable_tiling() first")
+        if self.hook is not None:
+            z = denormalize_latents(vae, latents)
+            if self.stream is None:
+                B, _, _, h, w = z.shape
+                group = "config" if self.process_group is None else self.process_group
+                self.stream = self.hook.new_stream(vae, B, h, w, process_group=group)
+            out = self.stream.decode(z)
+            self.first = False
+            self.frames_in += z.shape[2]
+            return out
         cfg = vae.config
         x = vae.post_quant_conv(denormalize_latents(vae, latents))
         outs = []
