@@ -132,6 +132,38 @@ class GenSpec:
     dma_transpose_hbm_factor: float
     dma_transpose_sbuf_factor: float
     hbm_per_core: float
+    # -- documented costs the schedule charges (docs/COST_MODEL_SCHEDULE.md "Documented costs") -------------
+    # SBUF/PSUM tensor access start ~60 cycles, "compute engines can typically hide some of this latency
+    # through instruction level parallelism" [ARCH2 "Tensor access overhead"]: exposed on a RAW edge (the
+    # consumer cannot start its access before the producer's output is committed), hidden between
+    # independent back-to-back instructions (the MIN_II covers them).
+    access_ovh: int = 60
+    # What a dependent issue costs beyond DEP_OVH + access: ASSUMPTION, the remainder of [PERF] Opt #5's
+    # measurement (dependent 1-element ScalarE instructions issue every 189 ns = 264 ScalarE cycles on NC-v2:
+    # 264 = MIN_II 64 + DEP_OVH 100 + access 60 + 40).
+    dep_residual: int = 40
+    # v3+: VectorE's performance modes (2x / 4x) use a memory bus shared with GpSimd, "arbitrating between
+    # GpsimdE and relevant VectorE instructions" [ARCH3 "Data Movement Updates" 1b]
+    dve_pool_shared_bus: bool = False
+    # v3+: VectorE and ScalarE "can access PSUM at full bandwidth in parallel, as long as their accesses do not
+    # collide on the same PSUM bank" [ARCH3 "Data Movement Updates" 2b]
+    psum_bank_conflicts: bool = False
+    # -- calibrated corrections (bench calibrate; each names the anchors it rests on) -----------------------
+    # Per-core ceiling on DMA throughput, B/ns (None = the engines x per-engine rate only). trn1: MEASURED,
+    # AWS's trn1 matmul tutorial's three DMA-bound versions move 5.44 / 4.43 / 2.28 GB in 51.80 / 42.96 /
+    # 22.07 ms = 105 / 103 / 103 GB/s ([TUT1]; the engine model gives ~200).
+    dma_core_cap: Optional[float] = None
+    # VectorE tensor_tensor with one input in SBUF and the other in PSUM, elements/partition/cycle (None = the
+    # 2N rule [ARCH2]). trn2: MEASURED, AWS's kernel-optimization tutorial version 5 (VectorE active 2.99 ms for
+    # 4096 fp32 [128, 512] SBUF+PSUM adds and 1024 memsets/copies, [TUT2]) implies ~1 element per cycle, not
+    # the 2N rule's 0.5 (1.65x). Mechanism ASSUMPTION: the two inputs stream from two memories at once.
+    dve_tt_split_rate: Optional[float] = None
+
+    @property
+    def raw_latency_cycles(self) -> int:
+        """Cycles (of the consumer's clock) between a producer's end and a RAW-dependent instruction's start:
+        DEP_OVH + SBUF/PSUM access + the measured remainder (COST_MODEL_SCHEDULE.md)."""
+        return self.dep_ovh + self.access_ovh + self.dep_residual
 
     @property
     def pe_peak_flops(self) -> float:
@@ -190,6 +222,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dma_transpose_hbm_factor=0.9,   # ASSUMPTION: [ARCH3]'s v3 figure
         dma_transpose_sbuf_factor=0.5,  # ASSUMPTION: [ARCH3]'s v3 figure
         hbm_per_core=410.0,          # 820 GB/s / 2 cores, derived [ARCH2, TRN1]
+        access_ovh=60,               # [ARCH2 "Tensor access overhead"]
+        dep_residual=40,             # ASSUMPTION: remainder of [PERF]'s measured 264-cycle dependent issue
+        dve_pool_shared_bus=False,   # v2: the stricter shared SBUF port (port_conflicts) [ARCH2]
+        psum_bank_conflicts=False,   # v2: the stricter shared PSUM port (port_conflicts) [ARCH2]
+        dma_core_cap=104.0,          # MEASURED: [TUT1] DMA-bound versions, 103-105 GB/s per core
+        dve_tt_split_rate=None,      # v2: 2N rule [ARCH2] (no measurement)
     ),
     "trn2": GenSpec(
         name="trn2", nc="NC-v3", nc_version=3,  # [ARCH3]
@@ -236,6 +274,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dma_transpose_hbm_factor=0.9,   # HBM->SBUF dma_transpose up to 90% [ARCH3]
         dma_transpose_sbuf_factor=0.5,  # SBUF->SBUF dma_transpose up to 50% [ARCH3]
         hbm_per_core=362.0,          # 2.9 TB/s / 8 cores, derived [TRN2]
+        access_ovh=60,               # ASSUMPTION: [ARCH2]'s NC-v2 figure, equal in cycles
+        dep_residual=40,             # ASSUMPTION: as v2 ([PERF] measured on NC-v2)
+        dve_pool_shared_bus=True,    # [ARCH3 "Data Movement Updates" 1b]
+        psum_bank_conflicts=True,    # [ARCH3 "Data Movement Updates" 2b]
+        dma_core_cap=None,           # none: the engine model [DMA]; [TUT2] version 2 (DMA-bound) checks it
+        dve_tt_split_rate=1.0,       # MEASURED: [TUT2] version 5 VectorE time
     ),
     "trn3": GenSpec(
         name="trn3", nc="NC-v4", nc_version=4,  # [ARCH4]
@@ -282,6 +326,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dma_transpose_hbm_factor=0.9,   # ASSUMPTION: v3's [ARCH3] figure
         dma_transpose_sbuf_factor=0.5,  # ASSUMPTION: v3's [ARCH3] figure
         hbm_per_core=612.0,          # 4.9 TB/s / 8 cores, derived [TRN3]
+        access_ovh=60,               # ASSUMPTION: [ARCH2]'s NC-v2 figure, equal in cycles
+        dep_residual=40,             # ASSUMPTION: as v2
+        dve_pool_shared_bus=True,    # ASSUMPTION: as v3 [ARCH3]
+        psum_bank_conflicts=True,    # ASSUMPTION: as v3 [ARCH3]
+        dma_core_cap=None,           # ASSUMPTION: none (the engine model [DMA]); no measurement
+        dve_tt_split_rate=1.0,       # ASSUMPTION: as v3 ([TUT2] measured on trn2)
     ),
 }
 
@@ -498,6 +548,7 @@ class InstrCost:
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
     descriptors: int = 0
+    dve_perf: bool = False  # a VectorE instruction in a 2x/4x performance mode (shares the GpSimd bus on v3+)
 
 
 def _pe_cost(i: Instr, s: GenSpec, chain_start: bool) -> InstrCost:
@@ -582,6 +633,10 @@ def _vec_rate(i: Instr, s: GenSpec, notes: List[str]) -> float:
     if two_input:
         if all16 and not in_psum and op == "tensor_tensor":
             return s.dve_tt_rate16_sbuf
+        n_psum = sum(1 for b in in_bufs if b == "psum")
+        if s.dve_tt_split_rate is not None and op == "tensor_tensor" and n_psum == 1 and len(in_bufs) == 2:
+            # one input in SBUF, the other in PSUM: measured ~N cycles on trn2 (GenSpec.dve_tt_split_rate)
+            return s.dve_tt_split_rate * (s.dve_fp32_rate if not all16 else 1.0)
         return s.dve_tt_rate_other * (s.dve_fp32_rate if not all16 else 1.0)
     if op not in _KNOWN_VEC_OPS:
         _note_once(notes, f"op {op!r} on VectorE has no published rate; charged at rate {base}")
@@ -595,6 +650,12 @@ def _vec_cost(i: Instr, s: GenSpec, notes: List[str]) -> InstrCost:
         rate = 1.0
     else:
         rate = _vec_rate(i, s, notes)
+    perf = False
+    if i.engine == "dve" and i.op in ("tensor_copy", "tensor_scalar", "tensor_tensor", "scalar_tensor_tensor"):
+        if i.op in ("tensor_tensor", "scalar_tensor_tensor"):
+            perf = rate > s.dve_tt_rate_other and "psum" not in [str(x) for x in i.in_buffers[:2]]
+        else:
+            perf = rate > 1.0
     cycles = max(s.min_ii, math.ceil(n / rate))
     if i.inner_stride_bytes > s.stride_limit_bytes:
         cycles *= s.stride_penalty                                  # [ARCH2]
@@ -602,11 +663,12 @@ def _vec_cost(i: Instr, s: GenSpec, notes: List[str]) -> InstrCost:
         cycles += s.act_read_accumulator                            # ActReadAccumulator [ARCH2]
     cycles_opt = cycles_pess = cycles
     if i.dep_prev:
-        cycles_pess += s.dep_ovh                                    # [ARCH2; PERF]
-        if n < 128:
-            cycles_opt += s.dep_ovh
+        # the static overhead of a dependent instruction [ARCH2; PERF]: serialised in the floor; the schedule
+        # charges it (with the access overhead) as the latency of the RAW edge (GenSpec.raw_latency_cycles),
+        # so the per-instruction busy time the ceiling sums no longer includes it
+        cycles_pess += s.dep_ovh
     return InstrCost(lane=i.engine, cycles_opt=cycles_opt, cycles_pess=cycles_pess,
-                     opt_ns=cycles_opt / f, pess_ns=cycles_pess / f)
+                     opt_ns=cycles_opt / f, pess_ns=cycles_pess / f, dve_perf=perf)
 
 
 def _is_hbm(buf: str) -> bool:
@@ -621,6 +683,8 @@ def _dma_cost(i: Instr, s: GenSpec, hyp: "Hypotheses" = None) -> InstrCost:
         parts = max(1, math.ceil(nbytes / max(contig, 1)))
     engines = min(s.dma_engines, math.ceil(parts / s.dma_parts_per_engine))          # [DMA]
     bw = engines * s.dma_bw_engine * dma_efficiency(contig, s.dma_eff_half_bytes)
+    if s.dma_core_cap is not None:
+        bw = min(bw, s.dma_core_cap)                                                   # GenSpec.dma_core_cap
     direction = str(i.direction)
     src, _, dst = direction.partition("->")
     transpose = i.transpose or i.op == "dma_transpose"
@@ -693,7 +757,19 @@ def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
 # Kernel-level report
 # --------------------------------------------------------------------------------------------------
 
-_TERM_ORDER = ("pe", "pe_bg", "act", "dve", "pool", "dma", "dge", "hbm", "sbuf_port", "psum_port")
+_TERM_ORDER = ("pe", "pe_bg", "act", "dve", "pool", "dma", "dge", "hbm", "sbuf_port", "psum_port", "dve_pool_bus",
+               "psum_bank")
+
+
+def _psum_banks(i: Instr) -> List[int]:
+    """The PSUM banks (0..7) an instruction's footprints touch."""
+    out = set()
+    for fp in tuple(i.reads) + tuple(i.writes):
+        if fp[0] == "psum":
+            lo, hi = fp[3], max(fp[4], fp[3] + 1)
+            for bk in range(max(0, lo // 2048), min(8, (hi - 1) // 2048 + 1)):
+                out.add(bk)
+    return sorted(out)
 _BUSY_ORDER = ("pe", "act", "dve", "pool", "dma", "dge", "hbm")
 
 
@@ -791,7 +867,7 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
     a = {"opt": {lane: 0.0 for lane in ("pe", "pe_bg", "act", "dve", "pool", "dma")},
          "dge": 0.0, "flops": 0, "pe_t": 0.0, "sbuf_port": 0.0, "psum_port": 0.0, "hbm_r": 0, "hbm_w": 0,
          "n_dma": 0, "n_desc": 0, "peak_factor": 1, "counts": {e: 0 for e in ("pe", "act", "dve", "pool", "dma")},
-         "act_switches": 0}
+         "act_switches": 0, "bus": 0.0, "banks": [0.0] * 8}
     a["pess"] = dict(a["opt"])
     prev_engine = None
     last_func = None
@@ -825,12 +901,20 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
             a["n_desc"] += c.descriptors
             a["hbm_r"] += c.hbm_read_bytes
             a["hbm_w"] += c.hbm_write_bytes
-        if s.port_conflicts and i.engine in ("dve", "pool", "act"):
+        if i.engine in ("dve", "pool", "act") and (s.port_conflicts or s.dve_pool_shared_bus or
+                                                   s.psum_bank_conflicts):
             bufs = [str(b) for b in tuple(i.in_buffers) + (i.out_buffer,) if b]
-            if i.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
-                a["sbuf_port"] += c.opt_ns
-            if i.engine in ("dve", "act") and "psum" in bufs:
-                a["psum_port"] += c.opt_ns
+            if s.port_conflicts:
+                if i.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
+                    a["sbuf_port"] += c.opt_ns
+                if i.engine in ("dve", "act") and "psum" in bufs:
+                    a["psum_port"] += c.opt_ns
+            if s.dve_pool_shared_bus and ((i.engine == "dve" and c.dve_perf) or
+                                          (i.engine == "pool" and ("sbuf" in bufs or not bufs))):
+                a["bus"] += c.opt_ns                              # [ARCH3] VectorE perf mode / GpSimd bus
+            if s.psum_bank_conflicts and i.engine in ("dve", "act") and "psum" in bufs:
+                for bk in _psum_banks(i):
+                    a["banks"][bk] += c.opt_ns                    # [ARCH3] same-bank PSUM accesses
     opt = a["opt"]
     terms = {"pe": opt["pe"], "act": opt["act"], "dve": opt["dve"], "pool": opt["pool"],
              "dma": opt["dma"], "dge": a["dge"], "hbm": (a["hbm_r"] + a["hbm_w"]) / s.hbm_per_core}
@@ -839,6 +923,10 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
     if s.port_conflicts:
         terms["sbuf_port"] = a["sbuf_port"]
         terms["psum_port"] = a["psum_port"]
+    if s.dve_pool_shared_bus:
+        terms["dve_pool_bus"] = a["bus"]
+    if s.psum_bank_conflicts:
+        terms["psum_bank"] = max(a["banks"])
     a["terms"] = {key: terms[key] for key in _TERM_ORDER if key in terms}
     a["bottleneck"] = max(a["terms"], key=lambda key: a["terms"][key])  # first maximum on ties
     a["t_opt"] = a["terms"][a["bottleneck"]]

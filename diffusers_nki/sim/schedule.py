@@ -58,8 +58,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from diffusers_nki.sim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, act_function,
-                                    fits_sbuf, instr_cost_cached, model, resolve_target)
+from diffusers_nki.sim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, _psum_banks,
+                                    act_function, fits_sbuf, instr_cost_cached, model, resolve_target)
 from diffusers_nki.sim.records import RunRecord
 
 __all__ = ["DMA_QUEUES", "ScheduleReport", "schedule", "sensitivity", "hypothesis_sensitivity", "format_schedule",
@@ -323,7 +323,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     if int(dma_queues) < 1:
         raise ValueError(f"dma_queues={dma_queues!r} must be >= 1")
     nq = int(dma_queues)
-    sem_c = float(s.dep_ovh if sem_cycles is None else sem_cycles)
+    sem_c = float(s.raw_latency_cycles if sem_cycles is None else sem_cycles)
     lat = float(s.dma_lat_ns if dma_lat_ns is None else dma_lat_ns)
     dge_t = s.dge_issue_ns if dge_ns is None else float(dge_ns)
     clock = {"pe": s.f_pe, "pe_bg": s.f_pe, "act": s.f_act, "dve": s.f_dve, "pool": s.f_pool}
@@ -359,6 +359,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     dma_lane = [_Lane() for _ in range(cores)]
     dge_lanes = [[_Lane() for _ in range(s.dge_instances)] for _ in range(cores)]
     ports = [{"sbuf_port": _Lane(), "psum_port": _Lane()} for _ in range(cores)] if s.port_conflicts else None
+    buses = [_Lane() for _ in range(cores)] if s.dve_pool_shared_bus else None
+    banks = [[_Lane() for _ in range(8)] for _ in range(cores)] if s.psum_bank_conflicts else None
     hbm_lanes = [_Lane() for _ in range(cores)]
     dma_busy = [0.0] * cores   # sum of the transfers' engine time (the lanes also hold HBM-bound waits)
     hbm_busy = [0.0] * cores
@@ -397,8 +399,11 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             mx = float(v.max()) if v.size else 0.0
             if mx > 0.0 and mx + (0.0 if is_dma else sem_ns[lane]) > dep_t:
                 t, eng, idx = _argmax_at(m.w_end, m.w_eng, m.w_idx, sl)
+                # the RAW latency of a compute consumer (GenSpec.raw_latency_cycles): ScalarE / VectorE / GpSimd
+                # pay it on every RAW edge, same engine or not; TensorE only across engines (a chain of
+                # accumulating matmuls into one PSUM tile is the array's own pipelined accumulation)
                 l_ = 0.0
-                if not is_dma and _ENGINE_OF_LANE[_NAME[eng]] != _ENGINE_OF_LANE[lane]:
+                if not is_dma and (_ENGINE_OF_LANE[lane] != "pe" or _ENGINE_OF_LANE[_NAME[eng]] != "pe"):
                     l_ = sem_ns[lane]
                 if t + l_ > dep_t:
                     dep_t, dep_on, dep_kind, dep_idx, dep_lat = t + l_, _NAME[eng], "RAW", idx, l_
@@ -487,13 +492,21 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                         lane_busy[c][lane] += reload_ns
                 act_func[c] = func
             t0 = max(own, dep_t)
-            if ports is not None and ins.engine in ("dve", "pool", "act"):
+            need = []
+            if ins.engine in ("dve", "pool", "act") and (ports is not None or buses is not None or banks is not None):
                 bufs = [str(b) for b in tuple(ins.in_buffers) + (ins.out_buffer,) if b]
-                need = []
-                if ins.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
-                    need.append(ports[c]["sbuf_port"])
-                if ins.engine in ("dve", "act") and "psum" in bufs:
-                    need.append(ports[c]["psum_port"])
+                if ports is not None:
+                    if ins.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
+                        need.append(ports[c]["sbuf_port"])
+                    if ins.engine in ("dve", "act") and "psum" in bufs:
+                        need.append(ports[c]["psum_port"])
+                if buses is not None and ((ins.engine == "dve" and cost.dve_perf) or
+                                          (ins.engine == "pool" and ("sbuf" in bufs or not bufs))):
+                    need.append(buses[c])                      # [ARCH3] VectorE perf mode / GpSimd bus
+                if banks is not None and ins.engine in ("dve", "act") and "psum" in bufs:
+                    for bk in _psum_banks(ins):
+                        need.append(banks[c][bk])              # [ARCH3] same-bank PSUM accesses serialise
+            if need:
                 tt = t0
                 while need:
                     moved = False
@@ -504,7 +517,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                     if not moved:
                         break
                 if tt > t0:
-                    charge(ins.engine, "port", "shared port", tt - t0)
+                    charge(ins.engine, "port", "shared port / bus / PSUM bank", tt - t0)
                 t0 = tt
                 for L in need:
                     L.reserve(t0, t0 + dur)
@@ -552,6 +565,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     if ports is not None:
         busy["sbuf_port"] = ports[slow]["sbuf_port"].busy
         busy["psum_port"] = ports[slow]["psum_port"].busy
+    if buses is not None:
+        busy["dve_pool_bus"] = buses[slow].busy
     util = {k: (v / T if T > 0 else 0.0) for k, v in busy.items()}
     wl = sorted(({"waiter": k[0], "on": k[1], "kind": k[2], "seconds": v[0] * 1e-9, "count": v[1]}
                  for k, v in waits.items()), key=lambda w: -w["seconds"])[:top]
@@ -599,7 +614,7 @@ def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[
     """Headline change when each ASSUMPTION constant of the schedule is doubled (queues also halved)."""
     b = base or schedule(record, target)
     s = GENERATIONS[b.target]
-    cases = {"sem_cycles x2": dict(sem_cycles=2 * s.dep_ovh), "dma_lat_ns x2": dict(dma_lat_ns=2 * s.dma_lat_ns),
+    cases = {"sem_cycles x2": dict(sem_cycles=2 * s.raw_latency_cycles), "dma_lat_ns x2": dict(dma_lat_ns=2 * s.dma_lat_ns),
              "dma_queues x2": dict(dma_queues=2 * DMA_QUEUES), "dma_queues /2": dict(dma_queues=DMA_QUEUES // 2)}
     if s.dge_issue_ns is not None:
         cases["dge_ns x2"] = dict(dge_ns=2 * s.dge_issue_ns)
