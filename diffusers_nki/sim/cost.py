@@ -312,6 +312,9 @@ _BITS = {
 }
 _SIXTEEN_BIT_FLOAT = {"bfloat16", "float16"}
 _VEC_ONE_RATE_OPS = {"iota", "affine_select", "memset"}        # ASSUMPTION: rate 1 on their engine
+# Engine-sequencer register instructions (sim/isa_control.py, recorded on GpSimd with free=1): charged the
+# engine's fixed instruction cost MIN_II. ASSUMPTION: no published figure for register traffic.
+_VEC_ONE_RATE_OPS |= {"register_move", "register_load", "register_store"}
 _TWO_INPUT_OPS = {"tensor_tensor", "scalar_tensor_tensor"}      # 2N rule [ARCH2]
 _KNOWN_VEC_OPS = {
     "activation", "activation_reduce", "tensor_tensor", "scalar_tensor_tensor", "tensor_scalar",

@@ -56,11 +56,11 @@ class AddressSpace:
         self.pitch = int(pitch)
         self.program = program
         self.usable_bytes = usable_banks * PSUM_BANK_BYTES if kind == "psum" else self.pitch
-        if numerics:
-            self.raw = np.zeros((PMAX, self.pitch), np.uint8)
-            self.mask = np.zeros((PMAX, self.pitch), np.uint8)
-        else:
-            self.raw = self.mask = None
+        # The bytes and written-state exist in trace mode too (numerics=False): integer values (loop bounds,
+        # offsets) are still computed there (isa_common "Trace mode"); float data is never filled in.
+        self.numerics = numerics
+        self.raw = np.zeros((PMAX, self.pitch), np.uint8)
+        self.mask = np.zeros((PMAX, self.pitch), np.uint8)
         self._auto = []            # sorted [lo, hi) of live allocator-placed tensors
         self._auto_bytes = 0       # exact (unaligned) bytes per partition of live allocator tensors
         self._explicit = {}        # (lo, hi) -> live tensor count, explicitly placed
@@ -161,9 +161,8 @@ class AddressSpace:
         weakref.finalize(st, self._release_auto, (lo, lo + size), nbytes)
         if self.raw is not None:  # fresh memory: sentinel-filled and never written
             p1 = st.shape[0]
-            region = self.raw[0:p1, lo:lo + nbytes]
-            if nbytes % st.dtype.itemsize == 0 and nbytes:
-                region.view(st.dtype.np)[...] = st.sentinel
+            if self.numerics and nbytes % st.dtype.itemsize == 0 and nbytes:
+                self.raw[0:p1, lo:lo + nbytes].view(st.dtype.np)[...] = st.sentinel
             self.mask[0:p1, lo:lo + nbytes] = 0
         self._bump_peaks()
 
@@ -175,13 +174,10 @@ class AddressSpace:
         st.vbase = lo
         st.pitch = max(st.row_bytes, 1)
         st.overflow = True
-        if self.raw is not None:
-            st.raw2d = np.zeros((st.shape[0], st.pitch), np.uint8)
-            st.mask2d = np.zeros((st.shape[0], st.pitch), np.uint8)
-            if st.row_bytes % st.dtype.itemsize == 0 and st.row_bytes:
-                st.raw2d.view(st.dtype.np)[...] = st.sentinel
-        else:
-            st.raw2d = st.mask2d = None
+        st.raw2d = np.zeros((st.shape[0], st.pitch), np.uint8)
+        st.mask2d = np.zeros((st.shape[0], st.pitch), np.uint8)
+        if self.numerics and st.row_bytes % st.dtype.itemsize == 0 and st.row_bytes:
+            st.raw2d.view(st.dtype.np)[...] = st.sentinel
         self._auto_bytes += st.row_bytes
         weakref.finalize(st, self._release_overflow, st.row_bytes)
         self._bump_peaks()

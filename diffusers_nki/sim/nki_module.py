@@ -200,7 +200,8 @@ class Simulated:
             arr, dt, is_t = h
             any_torch |= is_t
             shape = tuple(int(s) for s in arr.shape) or (1,)
-            if self.numerics:
+            keep = self.numerics or dt.is_int or dt.is_bool  # trace mode keeps integer inputs (loop bounds)
+            if keep:
                 raw = np.empty(int(np.prod(shape)) * dt.itemsize, np.uint8)
                 view = raw.view(dt.np).reshape(shape)
                 view[...] = arr.reshape(shape)

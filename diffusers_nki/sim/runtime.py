@@ -94,6 +94,8 @@ class Program:
         self.act_regs = None  # np.float32[128] once reset (True in trace mode)
         self.dve_regs = None  # VectorE accumulators (tensor_scalar_reduce / range_select): (op name, np.float32[128])
         self.last_dst = {}  # engine -> (space, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
+        self.live = False  # trace mode: the instruction being issued computes its (integer) values
+        self.loop_stack = []  # the runtime (register-bounded) loops being executed, outermost first
         self.sbuf_budget = SBUF_BYTES_PER_PARTITION[self.gen]
         self.psum_banks = psum_num_banks(self.gen)
         self.sbuf = AddressSpace("sbuf", self.sbuf_budget, self.numerics, self)

@@ -186,7 +186,21 @@ def test_dynamic_dma_footprint_resolved_in_numerics_whole_range_in_trace():
     assert w[3:] == (3 * 64, 5 * 64)                 # rows 3..4 of the cache
     _, rec = _run(body, cache, np.array([[3]], np.int32), numerics=False)
     w = rec.instrs[-1].writes[0]
-    assert w[3:] == (0, 10 * 64)                     # any row the offset can reach
+    assert w[3:] == (3 * 64, 5 * 64)                 # trace mode computes integer data: resolved too
+
+    def body_float_offset(_, c_h, i_h):               # the offset comes from float data: unknown in trace mode
+        f = nl.ndarray((1, 1), nl.float32)
+        nisa.dma_copy(dst=f, src=i_h)
+        idx = nl.ndarray((1, 1), nl.int32)
+        nisa.tensor_copy(idx, f)
+        t = nl.ndarray((2, 16), nl.float32)
+        nisa.memset(t, 1.0)
+        nisa.dma_copy(dst=c_h.ap([[16, 2], [1, 16]], offset=0, scalar_offset=idx, indirect_dim=0), src=t)
+
+    _, rec = _run(body_float_offset, cache, np.array([[3.0]], np.float32))
+    assert rec.instrs[-1].writes[0][3:] == (3 * 64, 5 * 64)
+    _, rec = _run(body_float_offset, cache, np.array([[3.0]], np.float32), numerics=False)
+    assert rec.instrs[-1].writes[0][3:] == (0, 10 * 64)   # any row the offset can reach
 
 
 def test_accumulating_matmul_reads_its_destination_and_reduce_res_is_a_write():

@@ -273,8 +273,13 @@ def test_tensor_scalar_engine_and_operand_rules():
     with pytest.raises(NkiValidationError, match=r"GpSimd tensor_scalar is only allowed for op0=nl.rsqrt"):
         _run(lambda: nisa.tensor_scalar(_sb((8, 8), init=False), _sb((8, 8)), nl.add, 1.0,
                                         engine=nisa.engine.gpsimd))
-    with pytest.raises(NkiValidationError, match=r"engine=1 must be a nisa.engine member"):
+    # production kernels pass enum values as plain ints (nki-library: dma_copy(dge_mode=3)): an int selects the
+    # member with that value, which is then checked like the member itself; other values are rejected
+    _run(lambda: nisa.tensor_copy(_sb((8, 8), init=False), _sb((8, 8)), engine=5))   # engine.vector
+    with pytest.raises(NkiValidationError, match=r"engine=<engine.tensor: 1> is not allowed here"):
         _run(lambda: nisa.tensor_copy(_sb((8, 8), init=False), _sb((8, 8)), engine=1))
+    with pytest.raises(NkiValidationError, match=r"engine=9 must be a nisa.engine member or its integer value"):
+        _run(lambda: nisa.tensor_copy(_sb((8, 8), init=False), _sb((8, 8)), engine=9))
 
 
 def test_memset_value_must_match_dtype_and_dtypes_must_be_nl_objects():
