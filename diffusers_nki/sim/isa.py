@@ -8,6 +8,7 @@ reads no never-written on-chip element, and (3) appends one ``records.Instr`` to
 from __future__ import annotations
 
 import enum
+import sys
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from .isa_common import (_has_bytes, _int_like, _known, _live, _mark_storage_unk
                          _dve_accumulate, _emit, _enum, _footprint, _free_limit, _Handle, _inner_stride_bytes,
                          _no_psum_on_pool, _operand_col, _overlaps, _pick_engine, _read, _readf, _readn, _red_op,
                          _same_pf, _scalar_number, _start_ok, _tensor, _write, dge_mode, dma_engine, engine,
-                         get_nc_version, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd,
+                         get_nc_sub_version, get_nc_version, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd,
                          scalar_engine, sync_engine, tensor_engine, unknown_engine, vector_engine)
 
 
@@ -1180,7 +1181,7 @@ for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative
             "bn_stats", "bn_aggr", "local_gather", "nc_n_gather",
             "select_reduce", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
             "dropout", "quantize_mx",
-            "core_barrier", "sendrecv", "dma_compute", "tensor_copy_predicated", "exponential", "activate2",
+            "dma_compute", "tensor_copy_predicated", "exponential", "activate2",
             "tensor_tensor_scan"):
     globals()[_nm] = _not_emulated(_nm)
 del _nm
@@ -1232,5 +1233,8 @@ def _select(dst, cond, x, y, opn):
 # ----------------------------------------------------------------------------------------------------
 # The other instruction modules (they import isa_common only)
 # ----------------------------------------------------------------------------------------------------
-from .isa_control import (VirtualRegister, register_alloc, register_load, register_move,  # noqa: E402,F401
-                          register_store)
+constants = sys.modules[__name__]  # ``nki.isa.constants``: the enums, reachable as ``from nki.isa import constants``
+NkiInstruction = _Handle  # the opaque instruction handle nisa ops return (``.depends_on`` is accepted)
+
+from .isa_control import (VirtualRegister, core_barrier, register_alloc, register_load,  # noqa: E402,F401
+                          register_move, register_store, sendrecv)

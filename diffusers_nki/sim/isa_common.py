@@ -38,7 +38,6 @@ tensor_engine = engine.tensor
 scalar_engine = engine.scalar
 gpsimd_engine = engine.gpsimd
 vector_engine = engine.vector
-dma_engine = engine.dma
 sync_engine = engine.sync
 unknown_engine = engine.unknown
 
@@ -69,13 +68,44 @@ class matmul_perf_mode(enum.Enum):
 
 
 class nc_version(enum.Enum):
+    """NeuronCore generation; members are ordered (production kernels test ``get_nc_version() >= gen3``)."""
+
     gen2 = 2
     gen3 = 3
     gen4 = 4
 
+    def _cmp(self, other, op):
+        if not isinstance(other, nc_version):
+            return NotImplemented
+        return op(self.value, other.value)
+
+    def __lt__(self, other):
+        return self._cmp(other, int.__lt__)
+
+    def __le__(self, other):
+        return self._cmp(other, int.__le__)
+
+    def __gt__(self, other):
+        return self._cmp(other, int.__gt__)
+
+    def __ge__(self, other):
+        return self._cmp(other, int.__ge__)
+
+
+class dma_engine(enum.Enum):
+    """The transfer engine of ``sendrecv`` [API-isa ``dma_engine``]: the shared DMA (default) or GpSimd's own."""
+
+    dma = 1
+    gpsimd_dma = 2
+
 
 _E, _RC, _OOB, _DGE = engine, reduce_cmd, oob_mode, dge_mode
 NkiValidationError = NkiValidationError  # re-export: nki.isa.NkiValidationError
+
+
+def get_nc_sub_version():
+    """The silicon revision within the generation: 0 (the emulator models first revisions)."""
+    return 0
 
 
 def get_nc_version():

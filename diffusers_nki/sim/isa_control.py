@@ -27,7 +27,8 @@ from .isa_common import _HANDLE, _emit, _known, _live, _read, _tensor, _write
 from .registers import VirtualRegister, _wrap32, register_value
 from .tensor import NkiTensor, hbm, sbuf, shared_hbm
 
-__all__ = ["VirtualRegister", "register_alloc", "register_move", "register_load", "register_store"]
+__all__ = ["VirtualRegister", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
+           "sendrecv"]
 
 _SCALAR_BUFS = (sbuf, hbm, shared_hbm)
 
@@ -128,4 +129,111 @@ def register_store(dst, src):
     if src.value is not None and _live(prog, (dst,), ()):
         _write(dst, np.asarray([src.value], dtype=np.int64))
     _emit(prog, "pool", "register_store", dst, (), 1, 1, extra={"register": src.name, "value": src.value})
+    return _HANDLE
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cross-core instructions of an LNC2 launch: core_barrier, sendrecv (the programs run concurrently: cores.py)
+# ----------------------------------------------------------------------------------------------------
+# Records: the instruction of each program carries ``extra["sync"]`` -- the same hashable key on every
+# participant's record (``("core_barrier", k)``: the k-th barrier; ``("sendrecv", pipe_id, k)``: the k-th
+# sendrecv on that pipe) -- and ``extra["peers"]``, the participating programs. Their footprints are the
+# issuing core's own memory (a barrier reads and writes its ``data``; a sendrecv reads its ``src`` and writes its
+# ``dst``, which receives the peer's data). The schedule's rendezvous rule (none of a group's instructions
+# completes before every member has started) makes the cross-core order visible; within a core the
+# footprints order the barrier after the writes it guards and before the reads it releases.
+def _lnc2_only(prog, op):
+    if prog.gen < 3:
+        raise NkiValidationError(f"{op}: needs NeuronCore-v3 or newer (trn2/trn3), target {prog.launch.target}")
+    if prog.launch.lnc < 2:
+        raise NkiValidationError(f"{op}: only allowed when LNC is enabled; launch the kernel as kernel[2]")
+
+
+def core_barrier(data, cores, engine=None, name=None):
+    """Every core in ``cores`` (only (0, 1)) reaches this point before any continues [API-isa core_barrier]."""
+    from .isa_common import _ENGINE_NAME, _enum, engine as _engine
+    from . import cores as _cores
+
+    op = "nisa.core_barrier"
+    prog = _rt.current()
+    _lnc2_only(prog, op)
+    _tensor(data, op, "data")
+    try:
+        cs = tuple(int(c) for c in cores)
+    except TypeError:
+        raise NkiValidationError(f"{op}: cores={cores!r} must be a tuple of core indices, (0, 1)")
+    if cs != (0, 1):
+        raise NkiValidationError(f"{op}: cores={cores!r}; only (0, 1) is supported")
+    eng = _enum(_engine.gpsimd if engine is None else engine, _engine, op, "engine")
+    if eng not in _ENGINE_NAME or eng is _engine.dma:
+        raise NkiValidationError(f"{op}: engine={eng!r} must be a compute engine (gpsimd by default)")
+    k = _cores.next_seq(prog, "core_barrier")
+    key = ("core_barrier", k)
+    peers = tuple((prog.rank, c) for c in cs)
+    _cores.meet(key, peers, None, f"{op} #{k}")
+    _emit(prog, _ENGINE_NAME[eng], "core_barrier", None, (data,), 1, 1, extra_reads=(), fp_writes=(_fp(data),),
+          extra={"sync": key, "peers": cs})
+    return _HANDLE
+
+
+def _fp(t):
+    from .tensor import footprint
+    return footprint(t)
+
+
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=None, name=None):
+    """Send ``src`` to core ``send_to_rank``'s ``dst`` while receiving core ``recv_from_rank``'s ``src`` into this
+    core's ``dst`` [API-isa sendrecv]. Calls with the same ``pipe_id`` rendezvous (the k-th call of each core
+    meets the k-th of the others)."""
+    from . import cores as _cores
+    from .isa_common import _dma_geometry, _enum, _has_bytes, _int_like, dma_engine as _dma_engine
+    from .tensor import psum as _psum
+
+    op = "nisa.sendrecv"
+    prog = _rt.current()
+    _lnc2_only(prog, op)
+    for t, a in ((src, "src"), (dst, "dst")):
+        _tensor(t, op, a)
+        if t._st.buffer is not sbuf:
+            raise NkiValidationError(f"{op}: {a} {t.name or ''}{list(t.shape)} is in {t._st.buffer.name}; src and dst "
+                                     "must both be in SBUF" + (" (not PSUM)" if t._st.buffer is _psum else ""))
+    if src.dtype is not dst.dtype:
+        raise NkiDtypeError(f"{op}: src dtype {src.dtype!r} and dst dtype {dst.dtype!r} must be equal")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise NkiShapeError(f"{op}: src shape {list(src.shape)} and dst shape {list(dst.shape)} must be equal")
+    de = _enum(_dma_engine.dma if dma_engine is None else dma_engine, _dma_engine, op, "dma_engine")
+    if de is _dma_engine.gpsimd_dma and src.F * src.dtype.itemsize > 256 * src.dtype.itemsize:
+        raise NkiValidationError(f"{op}: dma_engine=gpsimd_dma moves at most 256 elements per partition "
+                                 f"({256 * src.dtype.itemsize} bytes of {src.dtype!r}); src has {src.F}")
+    ranks = []
+    for v, a in ((send_to_rank, "send_to_rank"), (recv_from_rank, "recv_from_rank")):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) not in (0, 1):
+            raise NkiValidationError(f"{op}: {a}={v!r} must be 0 or 1 (the cores of the LNC2 pair)")
+        ranks.append(int(v))
+    to, frm = ranks
+    if isinstance(pipe_id, bool) or not isinstance(pipe_id, (int, np.integer)):
+        raise NkiValidationError(f"{op}: pipe_id={pipe_id!r} must be a compile-time int")
+    k = _cores.next_seq(prog, ("sendrecv", int(pipe_id)))
+    key = ("sendrecv", int(pipe_id), k)
+    me = prog.pid
+    payload = {"to": to, "from": frm, "shape": tuple(src.shape), "dtype": src.dtype, "data": None}
+    if prog.numerics or (_int_like(src) and _known(src)):
+        payload["data"] = np.array(_read(src, op, "src"))
+    peers = tuple(sorted({me, to, frm}))
+    got = _cores.meet(key, tuple((prog.rank, p) for p in peers), payload, f"{op} pipe {pipe_id} #{k}")
+    sender = got[(prog.rank, frm)]
+    if sender["to"] != me:
+        raise NkiValidationError(f"{op} pipe {pipe_id} #{k}: core {me} receives from core {frm}, but core {frm} sends "
+                                 f"to core {sender['to']}")
+    if sender["dtype"] is not dst.dtype or int(np.prod(sender["shape"])) != dst.size:
+        raise NkiShapeError(f"{op} pipe {pipe_id} #{k}: core {frm} sends {list(sender['shape'])} {sender['dtype']!r}; "
+                            f"core {me} receives into {list(dst.shape)} {dst.dtype!r}")
+    if sender["data"] is not None and _has_bytes(dst) and _live(prog, (dst,), ()):
+        _write(dst, sender["data"])
+    nbytes, contig, parts, free, direction = _dma_geometry(dst, src)
+    xt = {"sync": key, "peers": peers, "send_to": to, "recv_from": frm, "dma_engine": de.name}
+    if de is _dma_engine.gpsimd_dma:
+        xt["trigger"] = "pool"
+    _emit(prog, "dma", "sendrecv", dst, (src,), parts, free, nbytes=nbytes, contig_bytes=contig, dma_partitions=parts,
+          direction=direction, dge="swdge", extra=xt)
     return _HANDLE

@@ -66,6 +66,7 @@ class Launch:
         self.record.kernel = kernel_name
         self.record.numerics = numerics
         self.shared_allocs = []  # shared_hbm tensors allocated by the kernel, in allocation order
+        self.rank, self.nranks = 0, 1  # set by a multi-rank launch (Simulated.ranks)
         self.warned = set()
 
     def warn_once(self, key, msg, category=NkiEmulatorWarning):
@@ -95,6 +96,10 @@ class Program:
         self.dve_regs = None  # VectorE accumulators (tensor_scalar_reduce / range_select): (op name, np.float32[128])
         self.last_dst = {}  # engine -> (space, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
         self.live = False  # trace mode: the instruction being issued computes its (integer) values
+        self.rank = getattr(launch, "rank", 0)  # multi-rank launches (collectives): this program's rank
+        self.world = None  # the cores.World running this program
+        self.task = None
+        self.sync_seq = {}  # per-kind sequence numbers of this program's rendezvous (cores.next_seq)
         self.loop_stack = []  # the runtime (register-bounded) loops being executed, outermost first
         self.sbuf_budget = SBUF_BYTES_PER_PARTITION[self.gen]
         self.psum_banks = psum_num_banks(self.gen)

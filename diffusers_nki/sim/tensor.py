@@ -24,7 +24,8 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import runtime as _rt
-from .errors import NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiValidationError
+from .errors import (NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiUninitializedReadWarning,
+                     NkiValidationError)
 from .registers import VirtualRegister, register_value
 
 ASSIGN_HOOK = None  # set by language.py: callable(target_view, value) implementing ``t[...] = value``
@@ -753,9 +754,16 @@ def read(t, op, arg):
     m = t._maskv()
     if m is not None and not m.all():
         n_bad = int(np.count_nonzero(t._state() == 0))
-        raise NkiUninitializedReadError(
-            f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {t.P * t.F} elements "
-            "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
+        msg = (f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {t.P * t.F} elements "
+               "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
+        prog = _rt.current()
+        if prog.strict:
+            raise NkiUninitializedReadError(msg)
+        # Hardware reads whatever the bytes hold, and production kernels do this on purpose (nki-library's
+        # attention_tkg computes on a half-written tile whose other half is overwritten before use): a warning,
+        # once per operation and operand; an error under strict=True.
+        prog.launch.warn_once(("uninit", op, arg), msg + " (warning; an error under strict=True)",
+                              NkiUninitializedReadWarning)
     st = t._st
     if st.buffer is psum:
         st.consumed = True

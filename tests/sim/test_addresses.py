@@ -66,7 +66,7 @@ def test_explicit_placement_keeps_contents_allocator_placement_is_fresh():
         return o
 
     with pytest.raises(NkiUninitializedReadError, match="never written"):
-        _run(fresh, x)
+        _run(fresh, x, strict=True)
 
     def unwritten_alias(_):
         a = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf, address=(0, 4096))
@@ -75,7 +75,7 @@ def test_explicit_placement_keeps_contents_allocator_placement_is_fresh():
         nisa.tensor_copy(dst=nl.ndarray((128, 8), nl.float32), src=b)  # half of b's bytes never written
 
     with pytest.raises(NkiUninitializedReadError, match="reads 512 of 1024 elements"):
-        _run(unwritten_alias)
+        _run(unwritten_alias, strict=True)
 
 
 @pytest.mark.parametrize("address, buffer, target, match", [
