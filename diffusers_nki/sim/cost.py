@@ -327,6 +327,10 @@ _KNOWN_VEC_OPS = {
     # "at a small additional performance cost" [API-isa tensor_scalar_reduce]; the cross-partition shuffle
     # streams its elements once)
     "tensor_scalar_reduce", "range_select", "nc_stream_shuffle",
+    # sim/isa_extra.py (same ASSUMPTION: one streamed input at the engine's dtype rate; the scan, the top-8
+    # search and the gathers stream their data once)
+    "tensor_tensor_scan", "max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "tensor_copy_predicated",
+    "tensor_partition_reduce", "nonzero_with_count", "local_gather", "bn_stats", "bn_aggr", "select_reduce",
 }
 _WARNED: set = set()
 

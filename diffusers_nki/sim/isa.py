@@ -585,10 +585,14 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     return _HANDLE
 
 
-def tensor_copy(dst, src, engine=engine.unknown, name=None):
-    """Copy ``src`` to ``dst`` on VectorE (default), ScalarE or GpSimd (bit-exact when dtypes match)."""
+def tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None):
+    """Copy ``src`` to ``dst`` on VectorE (default), ScalarE or GpSimd (bit-exact when dtypes match).
+    ``dtype=`` (AWS's tutorials pass the output dtype) must name ``dst.dtype``: the copy converts to dst's dtype."""
     opn = "nisa.tensor_copy"
     prog = _rt.current()
+    if dtype is not None and _dt.to_dtype(dtype, "dtype", opn) is not getattr(dst, "dtype", None):
+        raise NkiDtypeError(f"{opn}: dtype={dtype!r} differs from dst dtype {getattr(dst, 'dtype', None)!r}; the "
+                            "copy writes dst's dtype")
     for t, a in ((dst, "dst"), (src, "src")):
         _tensor(t, opn, a)
         _buf(t, opn, a, _ONCHIP)
@@ -1177,12 +1181,10 @@ def _not_emulated(nm):
     return f
 
 
-for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative",
-            "bn_stats", "bn_aggr", "local_gather", "nc_n_gather",
-            "select_reduce", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
+for _nm in ("nc_matmul_mx", "tensor_scalar_cumulative",
+            "topk", "rng", "rand2",
             "dropout", "quantize_mx",
-            "dma_compute", "tensor_copy_predicated", "exponential", "activate2",
-            "tensor_tensor_scan"):
+            "dma_compute", "exponential", "activate2"):
     globals()[_nm] = _not_emulated(_nm)
 del _nm
 
@@ -1238,3 +1240,6 @@ NkiInstruction = _Handle  # the opaque instruction handle nisa ops return (``.de
 
 from .isa_control import (VirtualRegister, core_barrier, register_alloc, register_load,  # noqa: E402,F401
                           register_move, register_store, sendrecv)
+from .isa_extra import (bn_aggr, bn_stats, local_gather, max8, nc_find_index8, nc_match_replace8,  # noqa: E402,F401
+                        nc_n_gather, nonzero_with_count, select_reduce, tensor_copy_predicated,
+                        tensor_partition_reduce, tensor_tensor_scan)
