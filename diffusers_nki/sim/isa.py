@@ -20,7 +20,7 @@ from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiOutOfBound
 from .records import Instr
 from .tensor import NkiTensor, dyn_footprint, footprint, psum, read, sbuf, write
 
-from .isa_common import (_has_bytes, _int_like, _known, _live, _mark_storage_unknown,  # noqa: F401
+from .isa_common import (_uninit, _has_bytes, _int_like, _known, _live, _mark_storage_unknown,  # noqa: F401
                          _BANK, _DGE, _E, _ENGINE_NAME, _HANDLE, _OOB, _ONCHIP, _PMAX, _PSUM, _RC,  # noqa: F401
                          _RED_IDENTITY, _SBUF, F32, _buf, _colval, _contig_elems, _dma_check, _dma_geometry,
                          _dve_accumulate, _emit, _enum, _footprint, _free_limit, _Handle, _inner_stride_bytes,
@@ -887,7 +887,7 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
             dv[j] = sv[r]
         keep = [j for j in range(dst.P) if mask[j % 32] == 255]
         if keep and st_m is not None and not (st_m[keep] != 0).all():
-            raise NkiUninitializedReadError(f"{opn}: dst partitions kept by mask 255 were never written")
+            _uninit(prog, f"{opn}: dst partitions kept by mask 255 were never written", (opn, "kept"))
         _write(dst, dv)
     _emit(prog, "dve", "nc_stream_shuffle", dst, (src,), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(src, dst),
           extra={"mask": tuple(mask)})

@@ -477,3 +477,13 @@ def _mark_storage_unknown(t):
             st.mask2d[p0:p1, lo - st.vbase + st.base:hi - st.vbase + st.base] = UNKNOWN
     elif st.mask is not None:
         st.mask[...] = UNKNOWN
+
+
+def _uninit(prog, msg, key):
+    """A never-written read: an error under strict=True, else a warning once per key (tensor.read's policy)."""
+    from .errors import NkiUninitializedReadError, NkiUninitializedReadWarning
+
+    if prog.strict:
+        raise NkiUninitializedReadError(msg)
+    prog.launch.warn_once(("uninit",) + tuple(key), msg + " (warning; an error under strict=True)",
+                          NkiUninitializedReadWarning)

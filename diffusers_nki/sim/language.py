@@ -118,8 +118,20 @@ def full_like(x, fill_value, dtype=None, buffer=None, name=""):
 
 
 def shared_constant(constant, dtype=None):
-    """A constant placed in shared HBM."""
-    arr = np.asarray(constant)
+    """A constant placed in shared HBM: a NumPy array, or the path of a ``.npy`` file [API-nl shared_constant];
+    both cores of an LNC2 launch share it."""
+    if isinstance(constant, (str, bytes)) or hasattr(constant, "__fspath__"):
+        import os
+
+        path = os.fspath(constant)
+        if not str(path).endswith(".npy"):
+            raise NkiValidationError(f"nl.shared_constant: {path!r} is not a .npy file")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except OSError as e:
+            raise NkiValidationError(f"nl.shared_constant: cannot read {path!r}: {e}")
+    else:
+        arr = np.asarray(constant)
     dt = _dt.to_dtype(dtype, "dtype", "nl.shared_constant") if dtype is not None else \
         _dt.from_numpy_dtype(arr.dtype if arr.dtype != np.float64 else np.float32, "nl.shared_constant")
     t = new_tensor(arr.shape if arr.ndim else (1,), dt, shared_hbm, "shared_constant", op="nl.shared_constant")
@@ -131,12 +143,14 @@ def shared_constant(constant, dtype=None):
 
 
 def shared_identity_matrix(n, dtype=uint8, dst=None):
-    """An n x n identity matrix constant in shared HBM (copied into ``dst`` by DMA when given)."""
-    t = shared_constant(np.eye(int(n), dtype=np.float32), dtype=dtype)
-    if dst is not None:
-        _isa.dma_copy(dst, t)
-        return dst
-    return t
+    """An n x n identity matrix in SBUF [API-nl shared_identity_matrix: "Create an identity matrix in SBUF"],
+    or written into ``dst``. Recorded as the DMA that brings the constant (a shared-HBM constant loaded with
+    the model, as ``shared_constant``) into SBUF."""
+    src = shared_constant(np.eye(int(n), dtype=np.float32), dtype=dtype)
+    if dst is None:
+        dst = new_tensor((int(n), int(n)), src.dtype, sbuf, name="identity", op="nl.shared_identity_matrix")
+    _isa.dma_copy(dst, src)
+    return dst
 
 
 # ----------------------------------------------------------------------------------------------------
