@@ -221,6 +221,29 @@ def _default_compare(outs, refs, case):
     return tensors_close(outs, refs, case.atol, case.rtol)
 
 
+def flash_rule_compare(outs, refs, case):
+    """``refs`` = [same-precision outputs..., float64 outputs...] (two halves). Within the kernel's own test
+    tolerance of the same-precision twin, or -- the flash-attention rule -- its error against the float64
+    twin within K_TOL x the twin's own same-precision error plus a floor (2^-22 relative, fp32)."""
+    from ...testing import K_TOL
+
+    n = len(refs) // 2
+    ok, err, note = tensors_close(outs, refs[:n], case.atol, case.rtol)
+    if ok:
+        return ok, err, note
+    worst = 0.0
+    for o, r32, r64 in zip(outs, refs[:n], refs[n:]):
+        o = np.asarray(_to_np(o), np.float64).reshape(np.shape(r64))
+        e_k = float(np.max(np.abs(o - r64)))
+        e_t = float(np.max(np.abs(np.asarray(r32, np.float64).reshape(np.shape(r64)) - r64)))
+        floor = 2.0 ** -22 * float(np.max(np.abs(r64)) + 1.0)
+        worst = max(worst, e_k)
+        if e_k > K_TOL * e_t + floor:
+            return False, e_k, (f"outside the test tolerance ({note}) and the flash-attention rule: |kernel - fp64| "
+                                f"{e_k:.3g} > {K_TOL} x |fp32 twin - fp64| {e_t:.3g} + {floor:.3g}")
+    return True, worst, "within the flash-attention rule (fp64 twin), not the test's fp32 tolerance"
+
+
 def run_all(only=None, progress=False) -> List[dict]:
     rows = []
     cases = [c for c in all_cases() if only is None or only in c.kernel]

@@ -11,7 +11,7 @@ def randn(rng, shape, dtype=np.float32, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(np.float32).astype(dtype)
 
 
-def torch_call(fn, kw, *, keep=None):
+def torch_call(fn, kw, *, keep=None, f64=False):
     """Call a torch twin with the kernel's keyword arguments (arrays as float32 torch tensors, ints kept);
     its outputs as float64/int NumPy arrays in order."""
     import torch
@@ -22,7 +22,7 @@ def torch_call(fn, kw, *, keep=None):
             continue
         if isinstance(v, np.ndarray):
             if v.dtype.kind == "f" or v.dtype == BF16 or str(v.dtype).startswith("float8"):
-                args[k] = torch.from_numpy(np.asarray(v, np.float32).copy())
+                args[k] = torch.from_numpy(np.asarray(v, np.float64 if f64 else np.float32).copy())
             else:
                 args[k] = torch.from_numpy(v.copy())
         else:
