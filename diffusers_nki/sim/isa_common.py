@@ -15,7 +15,7 @@ from . import opdefs as _ops
 from . import runtime as _rt
 from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiShapeError, NkiValidationError)
 from .records import Instr
-from .tensor import NkiTensor, footprint, psum, read, sbuf, write
+from .tensor import _USES, NkiTensor, footprint, psum, read, sbuf, write
 
 F32 = np.float32
 _PMAX = _rt.PMAX
@@ -135,6 +135,12 @@ def _tensor(t, op, arg):
         raise NkiValidationError(f"{op}: {arg} must be an NKI tensor, got {type(t).__name__} {t!r}")
     if t._bad is not None:
         t.check_bounds(op, arg)
+    st = t._st
+    if st.reclaimed:
+        raise NkiLimitError(f"{op}: {arg} {t.name or ''}{list(t.shape)} is a PSUM tile whose bank(s) a later PSUM "
+                            "allocation took after what looked like its last use; it is still used here, so more "
+                            "PSUM banks are live at once than exist (8 x 2 KiB per partition)")
+    st.last_use = next(_USES)
     if t._dyn is not None and not op.startswith("nisa.dma"):
         raise NkiValidationError(f"{op}: {arg} is a dynamically offset view; only dma_copy accepts those")
     return t

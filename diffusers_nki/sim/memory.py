@@ -66,6 +66,7 @@ class AddressSpace:
         self._explicit = {}        # (lo, hi) -> live tensor count, explicitly placed
         self._explicit_union = 0   # bytes per partition covered by live explicit ranges
         self._overflow_top = self.pitch
+        self._psum_live = []       # weakrefs to allocator-placed PSUM storages (reclaimed by last use)
 
     # -- queries ----------------------------------------------------------------------------------
     def _occupied(self):
@@ -125,6 +126,8 @@ class AddressSpace:
                     f"is {nb} banks x {PSUM_BANK_BYTES} bytes per partition")
             size = banks * PSUM_BANK_BYTES
             lo = self._best_fit(size, PSUM_BANK_BYTES)
+            while lo is None and self._reclaim_psum():
+                lo = self._best_fit(size, PSUM_BANK_BYTES)
             if lo is None:
                 live = self.banks_live()
                 if live + banks > nb:
@@ -158,7 +161,10 @@ class AddressSpace:
         self._attach(st)
         bisect.insort(self._auto, (lo, lo + size))
         self._auto_bytes += nbytes
+        st.interval = (lo, lo + size)
         weakref.finalize(st, self._release_auto, (lo, lo + size), nbytes)
+        if self.kind == "psum":
+            self._psum_live.append(weakref.ref(st))
         if self.raw is not None:  # fresh memory: sentinel-filled and never written
             p1 = st.shape[0]
             if self.numerics and nbytes % st.dtype.itemsize == 0 and nbytes:
@@ -243,11 +249,30 @@ class AddressSpace:
         self._explicit_union = tot
 
     # -- release (weakref finalizers) -----------------------------------------------------------------
-    def _release_auto(self, iv, nbytes):
+    def _release_auto(self, iv, nbytes, st=None):
         i = bisect.bisect_left(self._auto, iv)
         if i < len(self._auto) and self._auto[i] == iv:
             del self._auto[i]
-        self._auto_bytes -= nbytes
+            self._auto_bytes -= nbytes
+
+    def _reclaim_psum(self):
+        """PSUM liveness by LAST USE, as the compiler allocates: when no bank is free, the allocator-placed PSUM
+        tensor used least recently gives its bank(s) back although the kernel still holds a reference. Using it
+        again afterwards is an error (its real lifetime then overlaps the new tile: more banks live than exist)."""
+        best = None
+        for ref in list(self._psum_live):
+            st = ref()
+            if st is None or st.reclaimed:
+                self._psum_live.remove(ref)
+                continue
+            if best is None or st.last_use < best.last_use:
+                best = st
+        if best is None:
+            return False
+        best.reclaimed = True
+        self._psum_live = [r for r in self._psum_live if r() is not None and r() is not best]
+        self._release_auto(best.interval, best.row_bytes)
+        return True
 
     def _release_overflow(self, nbytes):
         self._auto_bytes -= nbytes

@@ -30,6 +30,7 @@ from .registers import VirtualRegister, register_value
 
 ASSIGN_HOOK = None  # set by language.py: callable(target_view, value) implementing ``t[...] = value``
 _SERIAL = itertools.count(1)
+_USES = itertools.count(1)
 
 
 class MemoryRegion:
@@ -66,7 +67,7 @@ class Storage:
 
     __slots__ = ("raw", "mask", "dtype", "buffer", "shape", "nelem", "row", "row_bytes", "name", "dirty", "serial",
                  "p0", "base", "vbase", "pitch", "raw2d", "mask2d", "overflow", "sentinel", "mm", "consumed",
-                 "__weakref__")
+                 "interval", "last_use", "reclaimed", "__weakref__")
 
     def __init__(self, shape, dtype, buffer, name, numerics, track=True, raw=None):
         self.shape = shape
@@ -85,6 +86,9 @@ class Storage:
         self.overflow = False
         self.mm = None          # PSUM, numerics: per-element "written by a matmul through THIS tensor" (accumulate=None)
         self.consumed = False   # PSUM: read by a non-matmul instruction since the last matmul write
+        self.interval = None    # allocator-placed: the [lo, hi) byte range it occupies
+        self.last_use = next(_USES)  # the instruction counter of its latest use (PSUM reclaim by last use)
+        self.reclaimed = False  # PSUM: its bank(s) went to a later tile after its last use
         self.raw = self.mask = None
         if buffer.on_chip:
             return  # bytes live in the address space (memory.AddressSpace.place / place_at)

@@ -169,13 +169,24 @@ def test_sbuf_capacity_warns_by_default_and_raises_under_strict():
 
 
 def test_psum_bank_budget():
+    """PSUM tiles are live until their LAST USE (the compiler's liveness), not while Python holds them: a 9th
+    bank is taken from the least recently used tile; using that tile again is the over-budget error."""
     def body():
         keep = [_ps((128, 512)) for _ in range(7)]  # 7 banks
         small = _ps((1, 4))  # rounds up to a whole bank -> 8
-        _ps((1, 4))          # a 9th bank
+        for t in keep[1:] + [small]:
+            nisa.memset(t, 0.0)
+        _ps((1, 4))          # a 9th bank: keep[0] (never used since) gives its bank
+        return keep
 
-    with pytest.raises(NkiLimitError, match=r"would make 9 PSUM banks live; the limit is 8 banks"):
-        _run(body)
+    _run(body)
+
+    def reuse():
+        keep = body()
+        nisa.memset(keep[0], 1.0)   # its real lifetime overlaps the 9th tile: 9 banks live
+
+    with pytest.raises(NkiLimitError, match=r"more PSUM banks are live at once than exist"):
+        _run(reuse)
 
     with pytest.raises(NkiLimitError, match=r"needs 16384 bytes per partition = 8 banks|needs 16388 bytes"):
         _run(lambda: _ps((128, 4097)))  # one tensor above 8 banks
