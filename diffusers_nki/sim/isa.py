@@ -1045,6 +1045,87 @@ def _dma_vector(dst, src, dyn_t, oob, op):
     return not valid.all(), fp
 
 
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=oob_mode.error, name=None):
+    """DMA-engine arithmetic: ``dst = srcs[0] + srcs[1] + ...`` in fp32 [API-isa dma_compute]; with a
+    ``vector_offset`` on one source (gather read-modify-write: ``dst(SB) = dst + src(HBM)[indices]``) or on
+    ``dst`` (scatter: ``dst(HBM)[indices] += src(SB)``). Only ``nl.add`` and unit scales, as documented."""
+    op = "nisa.dma_compute"
+    prog = _rt.current()
+    srcs = list(srcs) if isinstance(srcs, (list, tuple)) else [srcs]
+    if not 1 <= len(srcs) <= 16:
+        raise NkiValidationError(f"{op}: srcs holds {len(srcs)} tensors; 1 to 16 are allowed")
+    for i, t in enumerate([dst] + srcs):
+        _tensor(t, "nisa.dma_compute", "dst" if i == 0 else f"srcs[{i - 1}]")
+        if t._st.buffer is psum:
+            raise NkiBufferError(f"{op}: DMA cannot access PSUM")
+    if getattr(reduce_op, "name", None) != "add":
+        raise NkiValidationError(f"{op}: reduce_op={reduce_op!r}; only nl.add is supported")
+    if scales is not None and any(float(x) != 1.0 for x in scales):
+        raise NkiValidationError(f"{op}: scales={scales!r}; every scale must be 1.0")
+    oob_mode = _enum(oob_mode, _OOB, op, "oob_mode")
+    dyn = [t for t in [dst] + srcs if t._dyn is not None]
+    if dyn and (len(srcs) != 2 or not unique_indices or dyn[0]._dyn[0] != "vector" or len(dyn) > 2):
+        raise NkiValidationError(f"{op}: read-modify-write with vector_offset needs exactly 2 sources, "
+                                 "unique_indices=True and one vector-offset operand")
+    for t in srcs:
+        if t._dyn is None and t.size != dst.size:
+            raise NkiShapeError(f"{op}: every source must have dst's {dst.size} elements; {list(t.shape)} has {t.size}")
+    fp_r = []
+    fp_w = None
+    if prog.numerics:
+        if dst._dyn is not None:   # scatter RMW: dst(HBM)[indices] += the SBUF source
+            other = [t for t in srcs if t._dyn is None][0]
+            kind, vo, _, rowstride, nrows = dst._dyn
+            idx = _readn(vo, op, "vector_offset").reshape(-1).astype(np.int64)
+            ok = (idx >= 0) & (idx < nrows)
+            if not ok.all() and oob_mode is _OOB.error:
+                raise NkiOutOfBoundsError(f"{op}: vector_offset row index {int(idx[~ok][0])} is out of bounds for "
+                                          f"{nrows} rows")
+            st = dst._st
+            flat = np.ndarray((st.nelem * st.dtype.itemsize // dst.dtype.itemsize,), dst.dtype.np, buffer=st.raw)
+            inner = np.zeros((1,), np.int64)
+            for n_, s_ in zip(dst.shape[1:], dst.strides[1:]):
+                inner = (inner[:, None] + s_ * np.arange(n_, dtype=np.int64)[None, :]).reshape(-1)
+            addr = dst.offset + idx[:, None] * rowstride + inner[None, :]
+            vals = _readf(other, op, "src").reshape(len(idx), -1)
+            flat[addr[ok]] = (flat[addr[ok]].astype(F32) + vals[ok]).astype(dst.dtype.np)
+            st.dirty = True
+            isz = dst.dtype.itemsize
+            if ok.any():
+                fp_w = (f"hbm{st.serial}", 0, 1, int(addr[ok].min()) * isz, (int(addr[ok].max()) + 1) * isz)
+        else:
+            acc = None
+            keep = None
+            for t in srcs:
+                if t._dyn is not None:   # gather RMW: rows skipped out of bounds contribute nothing
+                    val, ok, fpg = _gather_rows(t, oob_mode, op)
+                    v = val.astype(F32).reshape(len(ok), -1)
+                    v[~ok] = 0
+                    keep = ok
+                    fp_r.append(fpg)
+                else:
+                    v = _readf(t, op, "src").reshape(dst.P if dst._st.buffer.on_chip else 1, -1) \
+                        if False else np.asarray(_read(t, op, "src"), F32).reshape(-1)
+                acc = v.reshape(-1) if acc is None else acc + v.reshape(-1)
+            _write(dst, acc)
+            _ = keep
+    reads = []
+    for t in srcs:
+        if t._dyn is None:
+            reads.append(footprint(t))
+        elif not prog.numerics:
+            reads.append(dyn_footprint(t))
+    reads += [f for f in fp_r if f is not None]
+    writes = (fp_w if fp_w is not None else dyn_footprint(dst)) if dst._dyn is not None else footprint(dst)
+    static = [t for t in srcs if t._dyn is None] or srcs
+    nbytes, contig, parts, free, direction = _dma_geometry(dst if dst._dyn is None else static[0], static[0])
+    _emit(prog, "dma", "dma_compute", dst if dst._dyn is None else None, tuple(static), parts, free,
+          nbytes=nbytes * len(srcs), contig_bytes=contig, dma_partitions=parts, direction=direction,
+          dge="swdge" if dyn else "none", fp_reads=tuple(reads), fp_writes=(writes,),
+          extra={"sources": len(srcs), "dynamic": "vector" if dyn else None})
+    return _HANDLE
+
+
 _DT_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
@@ -1186,7 +1267,7 @@ def _not_emulated(nm):
 for _nm in ("nc_matmul_mx", "tensor_scalar_cumulative",
             "topk", "rng", "rand2",
             "dropout", "quantize_mx",
-            "dma_compute", "exponential", "activate2"):
+            "exponential", "activate2"):
     globals()[_nm] = _not_emulated(_nm)
 del _nm
 
