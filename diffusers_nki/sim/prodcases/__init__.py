@@ -27,8 +27,8 @@ import numpy as np
 __all__ = ["Case", "FAMILIES", "all_cases", "cases_of", "run_case", "run_all", "format_table", "format_markdown",
            "summary", "tensors_close"]
 
-FAMILIES = ("attention", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "moe",
-            "collectives", "samples", "nxdi")
+FAMILIES = ("attention", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "utils",
+            "collectives", "samples", "nxdi", "blocked")
 
 
 @dataclass
@@ -58,7 +58,8 @@ class Case:
     ranks: int = 0                    # > 0: run on that many ranks (collectives); inputs(rng, rank)
     compare: Optional[Callable] = None  # compare(outs, refs, case) -> (ok, max_err, note)
     numerics: bool = True
-    slow: bool = False
+    make: Optional[Callable] = None   # make(module) -> the kernel: a test wrapper around a helper (as the library's
+    slow: bool = False                # own tests wrap their sub-kernels), the helper itself unchanged
     cost_s: float = 0.0               # CPU-seconds of one run, measured (informational)
 
     @property
@@ -113,7 +114,7 @@ def kernel_of(case: Case):
     from .. import nki_module
 
     mod = Mods(case)(case.module)
-    k = getattr(mod, case.entry)
+    k = case.make(mod) if case.make is not None else getattr(mod, case.entry)
     if case.jit or not isinstance(k, nki_module.Kernel):
         k = nki_module.jit(k)
     return k[case.lnc] if case.lnc > 1 else k
