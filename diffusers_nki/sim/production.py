@@ -216,6 +216,8 @@ def emulated_nki(*extra_paths):
 
     saved = {n: sys.modules[n] for n in list(sys.modules) if _aliased(n)}
     path_saved = list(sys.path)
+    finder = _RejectLegacy()
+    sys.meta_path.insert(0, finder)
     try:
         for n in list(saved):
             del sys.modules[n]
@@ -233,6 +235,19 @@ def emulated_nki(*extra_paths):
             del sys.modules[n]
         sys.modules.update(saved)
         sys.path[:] = path_saved
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+
+class _RejectLegacy:
+    """Import hook active during ``emulated_nki``: ``neuronxcc`` (the pre-0.3 NKI namespace) is refused with the
+    reason, whether or not a neuronxcc package is installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "neuronxcc" or name.startswith("neuronxcc."):
+            raise ImportError(f"import {name}: neuronxcc.nki is the pre-0.3 NKI API, rejected by design (the emulator "
+                              "and the project target the standalone nki package, NKI 0.3+)", name=name)
+        return None
 
 
 def import_module(name: str, module: str, needs: Optional[str] = None, *, extra: Tuple[Tuple[str, str], ...] = (),

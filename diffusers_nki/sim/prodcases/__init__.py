@@ -218,6 +218,22 @@ def run_case(case: Case, raise_errors: bool = False) -> dict:
     return row
 
 
+def check(case: Case) -> dict:
+    """Run ``case`` for the suite: skip (pytest) with the reason when its sources are absent; assert it matched
+    (or, for a blocked case, that it fails the documented way). Returns the row."""
+    import pytest
+
+    why = unavailable(case)
+    if why is not None:
+        pytest.skip(why)
+    row = run_case(case, raise_errors=not case.blocked)
+    if case.blocked:
+        assert row["status"] == "blocked", f"{case.id}: expected to fail with '{case.blocked}', got {row}"
+    else:
+        assert row["status"] == "matched", f"{case.id}: {row['status']}: {row['reason']}"
+    return row
+
+
 def _default_compare(outs, refs, case):
     return tensors_close(outs, refs, case.atol, case.rtol)
 
