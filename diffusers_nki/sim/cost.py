@@ -59,6 +59,12 @@ __all__ = [
     "model",
     "model_all",
     "format_comparison",
+    "Hypotheses",
+    "BASELINE",
+    "SENSITIVITY_ROWS",
+    "DMA_TRANSPOSE_MODES",
+    "act_function",
+    "fits_sbuf",
 ]
 
 
@@ -301,6 +307,127 @@ def get_spec(target: str) -> GenSpec:
 
 
 # --------------------------------------------------------------------------------------------------
+# Named hypotheses: what the Neuron documents leave open
+# --------------------------------------------------------------------------------------------------
+
+DMA_TRANSPOSE_MODES = ("baseline", "flat50", "slow2x")
+_ACT_TABLE_OPS = ("activation", "activation_reduce", "tensor_copy")
+
+
+def act_function(instr: Instr) -> Optional[str]:
+    """The ScalarE function an instruction needs loaded in the activation table, or None (not a table user).
+
+    ``activation`` / ``activation_reduce`` on ScalarE: their ``op`` (``extra["func"]``, e.g. "exp", "copy");
+    ``tensor_copy`` on ScalarE: "copy" (ASSUMPTION: a ScalarE copy is the copy activation). Every other
+    instruction (ScalarE ``tensor_scalar`` etc., other engines) is None: ASSUMPTION, ALU-only."""
+    if instr.engine != "act" or instr.op not in _ACT_TABLE_OPS:
+        return None
+    if instr.op == "tensor_copy":
+        return "copy"
+    func = instr.extra.get("func") if instr.extra else None
+    return str(func) if func is not None else "copy"
+
+
+@dataclass(frozen=True)
+class Hypotheses:
+    """Named hypotheses for hardware behaviour the Neuron documents leave open. The project's rule: show
+    results under each, never tune to one. ``Hypotheses()`` (= ``BASELINE``) is the documented-or-nothing
+    model every headline uses; ``SENSITIVITY_ROWS`` lists the named alternatives.
+
+    - ``act_table_reload_us``: ScalarE reloads its activation-function table whenever it switches function
+      (``act_function``: exp -> copy -> exp ... in ScalarE program order, per core), costing this many
+      microseconds on ScalarE before the instruction (the reload needs no data, so it overlaps the
+      instruction's wait for its inputs; it holds ScalarE). 0 = no reload cost (baseline: nothing is
+      published about a reload cost). Named rows: 0.5 us and 1.3 us.
+    - ``dma_transpose``: throughput of transposing DMAs. "baseline" = the documented "up to" figures,
+      HBM->SBUF 90% and SBUF->SBUF 50% of DMA throughput [ARCH3]; "flat50" = 50% whatever the source;
+      "slow2x" = half the baseline (45% / 25%).
+    - ``usable_sbuf_kib``: SBUF bytes per partition a kernel may use, KiB; None = the physical size (192 / 224
+      / 256 KiB on trn1 / trn2 / trn3 [ARCH2/3/4]). A value above the physical size is clamped to it. This one
+      acts at TRACE time (the kernel sizes itself from ``nl.tile_size`` and the allocator enforces it): trace
+      with ``simulate(kernel, target, **hyp.simulate_kwargs(target))``; the schedule only checks the record
+      against it (a note and ``ScheduleReport.fits_sbuf``). Named rows: 208 KiB (224 - 16 KiB, the reserve
+      nki-library's ``bwmm_bwd_dropless`` leaves itself) and 192 KiB.
+    """
+
+    act_table_reload_us: float = 0.0
+    dma_transpose: str = "baseline"
+    usable_sbuf_kib: Optional[float] = None
+
+    def __post_init__(self):
+        r = self.act_table_reload_us
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not (0.0 <= float(r) <= 100.0):
+            raise ValueError(f"act_table_reload_us={r!r} must be a number of microseconds in [0, 100]")
+        if self.dma_transpose not in DMA_TRANSPOSE_MODES:
+            raise ValueError(f"dma_transpose={self.dma_transpose!r} must be one of {DMA_TRANSPOSE_MODES}")
+        u = self.usable_sbuf_kib
+        if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not (16 <= float(u) <= 256)):
+            raise ValueError(f"usable_sbuf_kib={u!r} must be None (physical) or a KiB count in [16, 256]")
+
+    @property
+    def is_baseline(self) -> bool:
+        return self == BASELINE
+
+    @property
+    def name(self) -> str:
+        """A short human name: "baseline" or the non-default settings joined by ", "."""
+        parts = []
+        if self.act_table_reload_us:
+            parts.append(f"act table reload {self.act_table_reload_us:g} us")
+        if self.dma_transpose != "baseline":
+            parts.append({"flat50": "dma transpose flat 50%", "slow2x": "dma transpose 2x slower"}[self.dma_transpose])
+        if self.usable_sbuf_kib is not None:
+            parts.append(f"usable SBUF {self.usable_sbuf_kib:g} KiB")
+        return ", ".join(parts) or "baseline"
+
+    def dma_transpose_factor(self, spec: "GenSpec", from_hbm: bool) -> float:
+        """Fraction of the DMA throughput a transposing DMA gets."""
+        if self.dma_transpose == "flat50":
+            return 0.5
+        base = spec.dma_transpose_hbm_factor if from_hbm else spec.dma_transpose_sbuf_factor
+        return base / 2.0 if self.dma_transpose == "slow2x" else base
+
+    def sbuf_bytes(self, target) -> int:
+        """SBUF bytes per partition available to a kernel on ``target`` under this hypothesis."""
+        phys = _PHYSICAL_SBUF_KIB[resolve_target(target)] * 1024
+        if self.usable_sbuf_kib is None:
+            return phys
+        return min(phys, int(round(float(self.usable_sbuf_kib) * 1024)))
+
+    def simulate_kwargs(self, target) -> dict:
+        """Keyword arguments for ``sim.simulate`` that trace a kernel under this hypothesis ({} if none)."""
+        if self.usable_sbuf_kib is None:
+            return {}
+        return {"sbuf_bytes": self.sbuf_bytes(target)}
+
+    def act_reload_ns(self) -> float:
+        return float(self.act_table_reload_us) * 1e3
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["name"] = self.name
+        return d
+
+
+# Physical SBUF per partition, KiB: 24 MiB / 28 MiB / 32 MiB over 128 partitions [ARCH2, ARCH3, ARCH4]
+_PHYSICAL_SBUF_KIB = {"trn1": 192, "trn2": 224, "trn3": 256}
+
+BASELINE = Hypotheses()
+
+# The named sensitivity rows (name, hypotheses), baseline first: ``bench kernels --sensitivity`` shows every
+# kernel under each. One hypothesis changed per row.
+SENSITIVITY_ROWS = (
+    ("baseline", BASELINE),
+    ("act table reload 0.5 us", Hypotheses(act_table_reload_us=0.5)),
+    ("act table reload 1.3 us", Hypotheses(act_table_reload_us=1.3)),
+    ("dma transpose flat 50%", Hypotheses(dma_transpose="flat50")),
+    ("dma transpose 2x slower", Hypotheses(dma_transpose="slow2x")),
+    ("usable SBUF 208 KiB", Hypotheses(usable_sbuf_kib=208)),
+    ("usable SBUF 192 KiB", Hypotheses(usable_sbuf_kib=192)),
+)
+
+
+# --------------------------------------------------------------------------------------------------
 # Instruction costs
 # --------------------------------------------------------------------------------------------------
 
@@ -496,7 +623,7 @@ def _is_hbm(buf: str) -> bool:
     return "hbm" in str(buf)
 
 
-def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
+def _dma_cost(i: Instr, s: GenSpec, hyp: "Hypotheses" = None) -> InstrCost:
     nbytes = int(i.nbytes)
     contig = int(i.contig_bytes) if i.contig_bytes > 0 else nbytes
     parts = int(i.dma_partitions)
@@ -508,7 +635,8 @@ def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
     src, _, dst = direction.partition("->")
     transpose = i.transpose or i.op == "dma_transpose"
     if transpose:
-        bw *= s.dma_transpose_hbm_factor if _is_hbm(src) else s.dma_transpose_sbuf_factor  # [ARCH3]
+        # [ARCH3] "up to" 90% (HBM->SBUF) / 50% (SBUF->SBUF); the curve is undocumented: ``Hypotheses``
+        bw *= (hyp or BASELINE).dma_transpose_factor(s, _is_hbm(src))
     ns = nbytes / bw if nbytes else 0.0
     dge = 0.0
     if s.dge_issue_ns is not None and i.dge in ("hwdge", "unknown"):
@@ -529,15 +657,18 @@ def _cost_key(i: Instr) -> tuple:
             i.reduce_res, i.onezero, i.perf_mode, i.dep_prev, i.tile_size)
 
 
-def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] = None) -> "InstrCost":
-    """``instr_cost(instr, spec)`` (no chain_start), memoised on the fields it reads and the spec."""
-    key = (spec.name, spec.dve_fp32_rate) + _cost_key(instr)
+def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] = None,
+                      hypotheses: Optional["Hypotheses"] = None) -> "InstrCost":
+    """``instr_cost(instr, spec)`` (no chain_start), memoised on the fields it reads, the spec and the
+    hypotheses."""
+    hyp = hypotheses or BASELINE
+    key = (spec.name, spec.dve_fp32_rate, hyp) + _cost_key(instr)
     hit = _COST_CACHE.get(key)
     if hit is None:
         if len(_COST_CACHE) > 200_000:
             _COST_CACHE.clear()
         own: List[str] = []
-        hit = _COST_CACHE[key] = (instr_cost(instr, spec, notes=own), own)
+        hit = _COST_CACHE[key] = (instr_cost(instr, spec, notes=own, hypotheses=hyp), own)
     if notes is not None:
         for n in hit[1]:
             if n not in notes:
@@ -546,11 +677,14 @@ def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] 
 
 
 def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
-               dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None) -> InstrCost:
+               dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None,
+               hypotheses: Optional[Hypotheses] = None) -> InstrCost:
     """Cost of one instruction on ``target`` (a name/alias or a ``GenSpec``).
 
     ``chain_start``: the instruction is a PE instruction not preceded by another PE instruction, so its
-    LoadStationary (ceil(M/4) cycles) is exposed in the pessimistic pass. ``notes`` collects fallbacks."""
+    LoadStationary (ceil(M/4) cycles) is exposed in the pessimistic pass. ``notes`` collects fallbacks.
+    ``hypotheses``: the undocumented behaviours (``Hypotheses``; default ``BASELINE``). Sequence-dependent
+    costs (the activation-table reload) are charged by ``model`` / ``schedule``, not here."""
     s = target if isinstance(target, GenSpec) else get_spec(target)
     if dve_fp32_rate is not None and s.dve_fp32_rate_ambiguous:
         s = replace(s, dve_fp32_rate=float(dve_fp32_rate))
@@ -560,7 +694,7 @@ def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
     if instr.engine in ("act", "dve", "pool"):
         return _vec_cost(instr, s, notes)
     if instr.engine == "dma":
-        return _dma_cost(instr, s)
+        return _dma_cost(instr, s, hypotheses)
     raise ValueError(f"instr.engine={instr.engine!r} (op {instr.op!r}) is not one of "
                      f"('pe', 'act', 'dve', 'pool', 'dma')")
 
@@ -608,6 +742,8 @@ class CostReport:
     instr_counts: Dict[str, int]
     notes: List[str] = field(default_factory=list)
     modeled: bool = True
+    act_table_switches: int = 0
+    hypotheses: Dict[str, object] = field(default_factory=lambda: BASELINE.to_dict())
 
     @property
     def t_ceiling_s(self) -> float:
@@ -658,20 +794,33 @@ class CostReport:
         return "\n".join(lines)
 
 
-def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bool) -> dict:
+def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bool,
+                hyp: Optional[Hypotheses] = None) -> dict:
     """Sum the costs of one core's instruction stream (nanoseconds)."""
+    hyp = hyp or BASELINE
     a = {"opt": {lane: 0.0 for lane in ("pe", "pe_bg", "act", "dve", "pool", "dma")},
          "dge": 0.0, "flops": 0, "pe_t": 0.0, "sbuf_port": 0.0, "psum_port": 0.0, "hbm_r": 0, "hbm_w": 0,
-         "n_dma": 0, "n_desc": 0, "peak_factor": 1, "counts": {e: 0 for e in ("pe", "act", "dve", "pool", "dma")}}
+         "n_dma": 0, "n_desc": 0, "peak_factor": 1, "counts": {e: 0 for e in ("pe", "act", "dve", "pool", "dma")},
+         "act_switches": 0}
     a["pess"] = dict(a["opt"])
     prev_engine = None
+    last_func = None
+    reload_ns = hyp.act_reload_ns()
     for i in instrs:
         chain_start = expose_ls and i.engine == "pe" and prev_engine != "pe"
-        c = instr_cost(i, s, chain_start=chain_start, notes=notes) if chain_start else instr_cost_cached(i, s, notes)
+        c = instr_cost(i, s, chain_start=chain_start, notes=notes, hypotheses=hyp) if chain_start else \
+            instr_cost_cached(i, s, notes, hyp)
         prev_engine = i.engine
         a["counts"][i.engine] += 1
         a["opt"][c.lane] += c.opt_ns
         a["pess"][c.lane] += c.pess_ns
+        func = act_function(i)
+        if func is not None:
+            if last_func is not None and func != last_func:
+                a["act_switches"] += 1
+                a["opt"]["act"] += reload_ns       # Hypotheses.act_table_reload_us (undocumented)
+                a["pess"]["act"] += reload_ns
+            last_func = func
         a["dge"] += c.dge_ns
         a["flops"] += c.flops
         if c.pe_transpose:
@@ -713,7 +862,8 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
 
 
 def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int] = None,
-          dve_fp32_rate: Optional[float] = None, expose_load_stationary: bool = False) -> CostReport:
+          dve_fp32_rate: Optional[float] = None, expose_load_stationary: bool = False,
+          hypotheses: Optional[Hypotheses] = None) -> CostReport:
     """Model ``record`` on ``target`` (default: ``record.target``). See the module docstring.
 
     Cores: by default a ``kernel[2]`` record (``record.lnc == 2``) is split by ``Instr.program`` onto two
@@ -748,7 +898,11 @@ def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int]
             for i in record.instrs:
                 by_prog.setdefault(int(getattr(i, "program", 0) or 0), []).append(i)
             groups, split = (list(by_prog.values()) or [[]]), 1
-    accs = [_accumulate(g, s, notes, expose_load_stationary) for g in groups]
+    hyp = hypotheses or BASELINE
+    if not isinstance(hyp, Hypotheses):
+        raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
+    accs = [_accumulate(g, s, notes, expose_load_stationary, hyp) for g in groups]
+    _sbuf_note(record, name, hyp, notes)
     slow = max(accs, key=lambda a: a["t_opt"])
     slow_p = max(accs, key=lambda a: a["t_pess"])
     ns = 1e-9 / split
@@ -779,7 +933,24 @@ def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int]
         pe_transpose_share=(pe_t / pe_total) if pe_total > 0 else 0.0,
         hbm_read_bytes=int(sum(a["hbm_r"] for a in accs)), hbm_write_bytes=int(sum(a["hbm_w"] for a in accs)),
         n_dma=sum(a["n_dma"] for a in accs), n_dma_descriptors=int(sum(a["n_desc"] for a in accs)),
-        dma_latency_s=slow_p["dma_lat"] * ns, instr_counts=counts, notes=notes)
+        dma_latency_s=slow_p["dma_lat"] * ns, instr_counts=counts, notes=notes,
+        act_table_switches=int(max(a["act_switches"] for a in accs)), hypotheses=hyp.to_dict())
+
+
+def fits_sbuf(record: RunRecord, target: str, hypotheses: Optional[Hypotheses] = None) -> bool:
+    """Whether the record's peak SBUF (bytes per partition) fits the usable SBUF under ``hypotheses``."""
+    hyp = hypotheses or BASELINE
+    return int(record.peak_sbuf_bytes_per_partition or 0) <= hyp.sbuf_bytes(target)
+
+
+def _sbuf_note(record: RunRecord, target: str, hyp: Hypotheses, notes: List[str]) -> None:
+    if hyp.usable_sbuf_kib is None or fits_sbuf(record, target, hyp):
+        return
+    msg = (f"peak SBUF {record.peak_sbuf_bytes_per_partition / 1024:.1f} KiB per partition exceeds the usable "
+           f"{hyp.sbuf_bytes(target) / 1024:.0f} KiB of hypothesis '{hyp.name}': the kernel as traced would not "
+           f"compile; trace it with simulate(..., **hyp.simulate_kwargs(target))")
+    if msg not in notes:
+        notes.append(msg)
 
 
 def model_all(record: RunRecord, targets: Iterable[str] = ("trn1", "trn2", "trn3"),
