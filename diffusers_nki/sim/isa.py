@@ -1,6 +1,6 @@
 """Emulated ``nki.isa`` (nisa): one function per hardware instruction, ``dst`` first (NKI 0.3-0.6).
 
-Every instruction (1) validates operands against the hardware rules of NKI_SUBSET.md §3/§5 (raising an
+Every instruction (1) validates operands against the hardware rules of docs/NKI_SUBSET.md §3/§5 (raising an
 ``NkiValidationError`` subclass naming the op, operand, value and limit), (2) in numerics mode computes
 its result with NumPy (fp32 engine arithmetic, rounding to ``dst.dtype`` on write) after checking that it
 reads no never-written on-chip element, and (3) appends one ``records.Instr`` to the launch's RunRecord.
@@ -1258,7 +1258,7 @@ def _gather_rows(src, oob, op):
 # ----------------------------------------------------------------------------------------------------
 def _not_emulated(nm):
     def f(*a, **k):
-        raise NotImplementedError(f"nisa.{nm} is not emulated by diffusers_nki.sim (see NKI_SUBSET.md §3.13)")
+        raise NotImplementedError(f"nisa.{nm} is not emulated by diffusers_nki.sim (see docs/NKI_SUBSET.md §3.13)")
 
     f.__name__ = nm
     return f

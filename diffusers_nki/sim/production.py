@@ -325,6 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
     ap.add_argument("--only", metavar="SUBSTRING", help="only kernels whose name contains this")
+    ap.add_argument("--update-doc", metavar="PATH", help="rewrite the marked table region of this Markdown file "
+                                                         "(docs/TRAINIUM.md)")
     args = ap.parse_args(argv)
     if not args.report:
         ap.print_help()
@@ -343,6 +345,8 @@ def main(argv=None) -> int:
                                                        "summary": prodcases.summary(rows), "rows": rows}, indent=1))
     if args.markdown:
         pathlib.Path(args.markdown).write_text(prodcases.format_markdown(rows))
+    if args.update_doc:
+        prodcases.update_doc(args.update_doc, rows)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Launch state of the emulator: targets, per-program state, capacity tracking, instruction recording.
 
-One ``Launch`` per ``simulate(...)(*args)`` call; one ``Program`` per logical core (LNC2 runs program 0
-then program 1, sequentially, sharing ``shared_hbm``; each program has its own SBUF/PSUM address spaces).
+One ``Launch`` per ``simulate(...)(*args)`` call (per rank of a multi-rank call); one ``Program`` per logical
+core (the programs of an LNC2 launch run concurrently, ``cores.py``, sharing ``shared_hbm``; each program has
+its own SBUF/PSUM address spaces).
 ``current()`` is the running program; every nl / nisa call reads it.
 """
 from __future__ import annotations

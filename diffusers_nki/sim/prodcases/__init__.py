@@ -307,7 +307,27 @@ def format_markdown(rows: List[dict]) -> str:
         e = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
         out.append(f"| {r['kernel']} | {r['config']} | {r['lnc']} | {r['status']} | {e} | "
                    f"{r['reason'].replace('|', '/')[:200]} |")
+    from .blocked import NOT_CONFIGURED
+
+    out += ["", "Not run yet (no configuration claims them):", "", "| kernel | what it needs |", "|---|---|"]
+    out += [f"| {k} | {why} |" for k, why in NOT_CONFIGURED]
     return "\n".join(out) + "\n"
+
+
+BEGIN, END = "<!-- production-kernels:begin -->", "<!-- production-kernels:end -->"
+
+
+def update_doc(path, rows):
+    """Replace the region between the BEGIN / END markers of ``path`` with the Markdown table."""
+    import pathlib
+
+    p = pathlib.Path(path)
+    text = p.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{path} has no {BEGIN} ... {END} region")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    p.write_text(head + BEGIN + "\n" + format_markdown(rows) + END + tail)
 
 
 _ = field

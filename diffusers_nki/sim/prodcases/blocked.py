@@ -34,3 +34,24 @@ CASES = [
          blocked="needs scipy at import (scipy.linalg.circulant builds its rotation matrix); scipy is not in the "
                  "project's pinned stack", blocked_match="No module named 'scipy'"),
 ]
+
+
+# Kernels of the emulator's API level not yet run here, with what they need (listed in the report; no case
+# claims them). "inputs" = a configuration to build; the emulator gap, if any, is named.
+NOT_CONFIGURED = [
+    ("nki-samples tutorials/kernel_offline_quantized_mx_matmul", "MX: packed x4 dtypes and nc_matmul_mx not emulated"),
+    ("nki-samples tutorials/kernel_on_device_quantize_matmul_mx", "MX: quantize_mx and nc_matmul_mx not emulated"),
+    ("nki-samples tutorials/kernel_copy_strided_quantize_matmul_mx", "MX: quantize_mx and nc_matmul_mx not emulated"),
+    ("nki-library experimental/mxfp_load_performance_wrapper", "MX: packed x4 dtypes not emulated"),
+    ("nki-library core/rmsnorm_mx_quantize_tkg", "MX: quantize_mx not emulated"),
+    ("nki-library core/attention_tkg", "inputs: the test's cfg wrapper (masks, block KV, sendrecv split) not rebuilt"),
+    ("nki-library core/qkv (cte / tkg)", "inputs: the fused norm + projection configuration not rebuilt"),
+    ("nki-library core/rmsnorm_quant_kernel", "inputs: fp8 output packed with its scales, kargs dataclass"),
+    ("nki-library core/moe_cte (bwmm shard on I / block, hybrid, dropping)", "inputs: routing tables not rebuilt"),
+    ("nki-library core/moe_tkg (all / selective expert)", "inputs: routing tables not rebuilt; MX variants need MX"),
+    ("nki-library experimental/blockwise_mm_bwd, bwmm_shard_on_H", "inputs: routing tables not rebuilt"),
+    ("nki-library experimental/attention_block_tkg, transformer_tkg", "inputs: whole-layer configurations"),
+    ("nki-library experimental/fine_grained_allgather, allgather_compute_matmul",
+     "collective_permute_implicit with channels: semantics emulated, configurations not built"),
+    ("nki-library core/gen_mask_tkg", "an SBUF-in / SBUF-out helper: needs a test wrapper"),
+]
