@@ -299,9 +299,12 @@ def format_table(rows: List[dict]) -> str:
 
 def format_markdown(rows: List[dict]) -> str:
     s = summary(rows)
-    out = [f"{s['kernels_matched_in_every_configuration']} of {s['kernels']} kernels run unchanged and match in every "
-           f"configuration ({s['kernels_matched_in_some_configuration']} in at least one); "
-           f"{s['configurations_matched']} of {s['configurations']} configurations (modeled nothing: numerics only).",
+    from .blocked import NOT_CONFIGURED
+
+    out = [f"{s['kernels_matched_in_every_configuration']} kernels run unchanged and match in every configuration "
+           f"({s['configurations_matched']} configurations); {len(s['blocked'])} are blocked (reason below, "
+           f"checked by the suite); {len(NOT_CONFIGURED)} kernel groups are not run yet (listed after the table). "
+           "Numerics only: nothing here is a time.",
            "", "| kernel | configuration | LNC | status | max abs err | reason |", "|---|---|---|---|---|---|"]
     for r in rows:
         e = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
