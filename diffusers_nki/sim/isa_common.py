@@ -259,10 +259,13 @@ def _emit(prog, eng, opname, dst, srcs, partitions, free, extra_reads=(), extra_
     if not prog.numerics:
         if prog.live:
             prog.live = False
+            for fp in writes:   # on-chip bytes now holding computed integers (see _mark_unknown)
+                if not fp[0].startswith("hbm"):
+                    prog.known_fps.add(fp)
         else:  # trace mode: what this instruction wrote is no longer a known value
-            _mark_unknown(dst)
+            _mark_unknown(dst, prog)
             for t in extra_writes:
-                _mark_unknown(t)
+                _mark_unknown(t, prog)
     return instr
 
 
@@ -318,9 +321,18 @@ def _live(prog, dsts, srcs=()):
     return True
 
 
-def _mark_unknown(t):
+def _mark_unknown(t, prog=None):
+    """Trace mode: mark ``t``'s bytes as holding no computed value. On chip only where computed integers were
+    written before (``prog.known_fps``), so a float-heavy trace pays nothing for the tracking."""
     if not isinstance(t, NkiTensor) or t._dyn is not None or not _has_bytes(t):
         return
+    if t._st.buffer.on_chip:
+        known = (prog or _rt.current()).known_fps
+        if not known:
+            return
+        fp = footprint(t)
+        if not any(_overlaps(fp, k) for k in known):
+            return
     m = t._maskv()
     if m is not None:
         m[...] = UNKNOWN

@@ -230,8 +230,10 @@ def _assign(target, value):
                 if target.dtype is not value.dtype:
                     v = v.astype(np.float32)
                 _isa._write(target, v)
+                if not prog.numerics and target._st.buffer.on_chip:
+                    prog.known_fps.add(_isa._footprint(target))
             else:
-                _isa._mark_unknown(target)
+                _isa._mark_unknown(target, prog)
             prod.out_buffer = tb.name
             prod.out_dtype = target.dtype.name
             if prod.engine == "dma":

@@ -118,6 +118,7 @@ class Program:
         self.dve_regs = None  # VectorE accumulators (tensor_scalar_reduce / range_select): (op name, np.float32[128])
         self.last_dst = {}  # engine -> (space, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
         self.live = False  # trace mode: the instruction being issued computes its (integer) values
+        self.known_fps = set()  # trace mode: on-chip footprints written with computed integers
         self.rank = getattr(launch, "rank", 0)  # multi-rank launches (collectives): this program's rank
         self.world = None  # the cores.World running this program
         self.task = None
