@@ -19,8 +19,9 @@ Anchors (each row names its document and where in it the figure is):
   one count = 1 ps (the unit is not documented; it is the unit under which the anchors agree with each other
   and with the tutorials' millisecond figures). Their tests compile with the platform's default LNC (2 on trn2:
   ``test/utils/common_dataclasses.py``) unless the row says otherwise; the kernels run UNCHANGED in the
-  emulator, loaded from a copy outside this repository (``nkilib_root``), and each row says why when it
-  cannot run.
+  emulator, loaded from a copy outside this repository (``sim.production``'s sources: the pinned copy next to
+  the repository, ``$DIFFUSERS_NKI_KERNEL_SOURCES``, or its cache of pinned checkouts), and each row says why
+  when it cannot run.
 
 JSON (``--json PATH``): one object per anchor: name, family, target, lnc, shape, published_s, source,
 modeled {scheduled_s, ceiling_s, floor_s, efficiency_scheduled}, ratio (= modeled scheduled / published),
@@ -51,7 +52,6 @@ __all__ = ["TOLERANCE", "Anchor", "ANCHORS", "anchors", "run_anchor", "run", "ad
 
 TOLERANCE = 0.15
 NKILIB_COMMIT = "d2ad3a5"
-NKILIB_ENV = "DIFFUSERS_NKI_NKILIB"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,51 +217,26 @@ def mm_block_all(lhsT, rhs, bm_tiles=16, bn_tiles=2, bk_tiles=8):
 # ----------------------------------------------------------------------------------------------------------
 # Where the production kernels come from (test input only, never part of this repository)
 # ----------------------------------------------------------------------------------------------------------
-def _cache_dir() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "diffusers_nki" / f"nki-library-{NKILIB_COMMIT}"
-
-
 def nkilib_root(module: str) -> Tuple[Optional[pathlib.Path], Optional[str]]:
-    """(folder holding ``nkilib/`` that has ``module``, None) or (None, why not). Looked for, in order, at
-    ``$DIFFUSERS_NKI_NKILIB``, the pinned copy next to the repository (``sim.production.nkilib_path``) and the
-    cache folder ``~/.cache/diffusers_nki/nki-library-<commit>`` (a copy of nki-library's ``src/nkilib_src``)."""
+    """(folder holding ``nkilib/`` that has ``module``, None) or (None, why not): ``sim.production``'s search
+    (``$DIFFUSERS_NKI_KERNEL_SOURCES``, ``$DIFFUSERS_NKI_NKILIB``, the pinned copy next to the repository, the
+    cache of pinned checkouts)."""
     from diffusers_nki.sim import production
 
-    rel = pathlib.Path(*module.split(".")).with_suffix(".py")
-    tried = []
-    cands = []
-    env = os.environ.get(NKILIB_ENV)
-    if env:
-        cands.append(pathlib.Path(env).expanduser())
-    p = production.nkilib_path()
-    if p is not None:
-        cands.append(p)
-    else:
-        cands.append(pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "third_party" / "nki-library")
-    cands.append(_cache_dir())
-    for c in cands:
-        if (c / rel).is_file():
-            return c, None
-        tried.append(str(c))
-    return None, (f"nki-library module {module} (commit {NKILIB_COMMIT}, test input only) not found in "
-                  + ", ".join(tried) + f"; set {NKILIB_ENV} to a folder holding nkilib/")
-
-
-_MODS: Dict[Tuple[str, str], object] = {}
+    rel = module.replace(".", "/") + ".py"
+    hit = production.source_root("nki-library", rel)
+    if hit is None:
+        return None, production.source_reason("nki-library", rel)
+    return hit[0], None
 
 
 def _import_nkilib(module: str):
+    from diffusers_nki.sim import production
+
     root, why = nkilib_root(module)
     if root is None:
         raise _Absent(why)
-    key = (str(root), module)
-    if key not in _MODS:
-        from diffusers_nki.sim.production import emulated_nki
-
-        with emulated_nki(str(root)):
-            _MODS[key] = importlib.import_module(module)
-    return _MODS[key]
+    return production.import_module("nki-library", module)
 
 
 class _Absent(RuntimeError):
@@ -308,6 +283,11 @@ OUTSIDE: Dict[str, str] = {
              "is undocumented: the baseline charges the documented upper bound ('up to 50%' of DMA throughput "
              "[ARCH3]); under the named hypothesis 'dma transpose 2x slower' these anchors come to 0.82..1.26 "
              "(--hypotheses). Not tuned to either."),
+    "mlp_cte_": ("nki-library mlp_cte: 28-64 us (small) to 60-320 us (large) the model does not see; on hardware "
+                 "the LNC2 launch of a small MLP takes as long as the LNC1 one (82.8 vs 80.5 us) although each core "
+                 "does half the work, i.e. a fixed cost. No per-launch constant or larger DMA fixed latency closes "
+                 "it without pushing the rmsnorm_quant launches of the same size out of tolerance (scanned: "
+                 "DMA_LAT 1.3 / 2.6 / 5 / 10 us; docs/COST_MODEL_SCHEDULE.md), so none is fitted"),
     "rmsnorm_quant_s2_quant_only": ("quant-only rmsnorm_quant at 1-2 rows per core: ~12 us the model does not see "
                                     "(the RMSNorm variants of the same launch are within 1%, so no fixed launch "
                                     "cost explains both; not fitted)"),
@@ -449,7 +429,6 @@ def _rms_anchors() -> List[Anchor]:
 
 
 _MLP_CTE_MOD = "nkilib.core.mlp.mlp_cte.mlp_cte"
-_MLP_PAR_MOD = "nkilib.core.mlp.mlp_parameters"
 # lnc, batch, seqlen, hidden, intermediate, tpbSgCyclesSum, norm (MLP_CTE_UNIT_TEST_CASES_GATE_BIAS_FALSE rows
 # without quantization or biases; norm, fused_add and activation as given)
 _MLP_ROWS = ((2, 1, 1024, 1024, 448, 90_017_692, "NO_NORM", False, "SiLU"),
@@ -469,8 +448,11 @@ def _mlp_build(lnc, b, s, h, i, norm, fused_add, act):
         import ml_dtypes
 
         cte = _import_nkilib(_MLP_CTE_MOD)
-        par = _import_nkilib(_MLP_PAR_MOD)
-        ct = _import_nkilib("nkilib.core.utils.common_types")
+        # the parameter class and enums as mlp_cte's own import of the package sees them (a second import of
+        # the package would give enums of other classes)
+        g = cte.mlpp_has_normalization.__globals__      # nkilib.core.mlp.mlp_parameters, as mlp_cte imported it
+        par = ct = type("mlp_parameters", (), {k: g[k] for k in ("MLPParameters", "ActFnType", "NormType",
+                                                                 "QuantizationType")})
         nl, _ = _nl()
         bf = ml_dtypes.bfloat16
 
