@@ -33,8 +33,13 @@ slower one sets the time; efficiency is against both cores' peak. ``model(..., l
 splits a record evenly over k cores (every term divided by k). Shared-HBM contention between the two
 cores of an LNC2 pair is not modeled (COST_MODEL.md section 4 item 7).
 
-Not modeled (zero): launch overhead, cross-engine semaphore latency, PSUM bank conflicts, HBM page
-effects.
+Also on trn2/trn3 (documented [ARCH3], docs/COST_MODEL_SCHEDULE.md "Documented costs"): the VectorE-GpSimd
+bus term (VectorE perf-mode + GpSimd SBUF time) and the busiest PSUM bank (ScalarE + VectorE time on it).
+Latencies (the RAW latency, DMA fixed latency) are the schedule's, not the ceiling's. Undocumented behaviour
+is a named ``Hypotheses`` (default ``BASELINE``: none charged).
+
+Not modeled (zero): launch overhead (none could be fitted: ``bench calibrate``), HBM page effects, LNC2
+shared-HBM contention.
 """
 from __future__ import annotations
 
