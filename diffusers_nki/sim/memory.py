@@ -15,13 +15,14 @@ Placement
   address-space error (:class:`NkiLimitError`); a PSUM address must start at a bank boundary.
 - A tensor without an address is placed by this module's allocator. Policy (the lifetime rule of
   NKI_SUBSET.md 6.3, which is ours, not the compiler's): a tensor is live from its ``nl.ndarray`` call until
-  its last Python reference dies; SBUF tensors get a free byte range spanning every partition (best fit: the
-  smallest free range that holds it, lowest address first; 64-byte aligned, ASSUMPTION); PSUM tensors get a
-  run of whole free 2 KiB banks (best fit likewise). Ranges
+  its last Python reference dies; SBUF tensors get a free byte range spanning every partition, PSUM tensors a
+  run of whole free 2 KiB banks, chosen NEXT FIT (ASSUMPTION: the first free range at or after a rotation
+  cursor that moves past each placement, wrapping around; 64-byte aligned SBUF offsets, ASSUMPTION). Ranges
   of live explicitly placed tensors count as occupied. A fresh allocation is sentinel-filled and marked
-  never-written (the official simulator's fresh-memory rule). Python keeps the old object alive until the
-  new one is assigned, so ``t = nl.ndarray(...)`` inside a loop alternates between two ranges: the lifetime
-  rule double-buffers; a tensor allocated once before the loop is single-buffered.
+  never-written (the official simulator's fresh-memory rule). A tensor allocated afresh in every iteration
+  of a loop therefore rotates through as many buffers as the free space holds (the buffers the allocation
+  really has, as a compiler placing the whole unrolled kernel would give it), not just two; a tensor
+  allocated once before the loop is single-buffered.
 - SBUF whose live bytes would exceed the generation's bytes per partition: a warning
   (:class:`NkiCapacityWarning`), an error under ``strict=True``; the tensor then lives in a private overflow
   buffer at a virtual address past the physical end (so the schedule still sees distinct bytes). The same
@@ -56,16 +57,18 @@ class AddressSpace:
         self.pitch = int(pitch)
         self.program = program
         self.usable_bytes = usable_banks * PSUM_BANK_BYTES if kind == "psum" else self.pitch
-        if numerics:
-            self.raw = np.zeros((PMAX, self.pitch), np.uint8)
-            self.mask = np.zeros((PMAX, self.pitch), np.uint8)
-        else:
-            self.raw = self.mask = None
+        # The bytes and written-state exist in trace mode too (numerics=False): integer values (loop bounds,
+        # offsets) are still computed there (isa_common "Trace mode"); float data is never filled in.
+        self.numerics = numerics
+        self.raw = np.zeros((PMAX, self.pitch), np.uint8)
+        self.mask = np.zeros((PMAX, self.pitch), np.uint8)
         self._auto = []            # sorted [lo, hi) of live allocator-placed tensors
         self._auto_bytes = 0       # exact (unaligned) bytes per partition of live allocator tensors
         self._explicit = {}        # (lo, hi) -> live tensor count, explicitly placed
         self._explicit_union = 0   # bytes per partition covered by live explicit ranges
         self._overflow_top = self.pitch
+        self._cursor = 0           # rotation cursor of the allocator (next fit, see _pick)
+        self._psum_live = []       # weakrefs to allocator-placed PSUM storages (reclaimed by last use)
 
     # -- queries ----------------------------------------------------------------------------------
     def _occupied(self):
@@ -88,6 +91,25 @@ class AddressSpace:
         for lo, hi in self._occupied():
             used.update(range(lo // PSUM_BANK_BYTES, (hi - 1) // PSUM_BANK_BYTES + 1))
         return len(used)
+
+    def _pick(self, size, align):
+        """Allocator placement (ASSUMPTION, the compiler's allocator is not documented): NEXT FIT, the first free
+        range at or after a cursor that moves past each placement (wrapping to the lowest fitting range). A
+        tensor allocated afresh in every loop iteration so rotates through as many buffers as the free space
+        holds (the buffers its allocation really has), instead of reusing the range just freed (which
+        double-buffered every loop allocation). Returns the offset or None when no free range holds ``size``."""
+        cur = -(-self._cursor // align) * align
+        first = None
+        lo = 0
+        for olo, ohi in self._occupied() + [[self.usable_bytes, self.usable_bytes]]:
+            if olo - lo >= size:
+                if first is None:
+                    first = lo
+                st = max(lo, cur)
+                if st + size <= olo:
+                    return st
+            lo = max(lo, -(-ohi // align) * align)
+        return first
 
     def _best_fit(self, size, align):
         """Lowest-addressed among the smallest free ranges that hold ``size`` bytes (best fit)."""
@@ -124,7 +146,9 @@ class AddressSpace:
                     f"nl.ndarray: PSUM tensor {what} needs {nbytes} bytes per partition = {banks} banks; the limit "
                     f"is {nb} banks x {PSUM_BANK_BYTES} bytes per partition")
             size = banks * PSUM_BANK_BYTES
-            lo = self._best_fit(size, PSUM_BANK_BYTES)
+            lo = self._pick(size, PSUM_BANK_BYTES)
+            while lo is None and self._reclaim_psum():
+                lo = self._pick(size, PSUM_BANK_BYTES)
             if lo is None:
                 live = self.banks_live()
                 if live + banks > nb:
@@ -137,7 +161,7 @@ class AddressSpace:
                     "are live but no free run is long enough (place it with address=)")
         else:
             size = -(-max(nbytes, 1) // SBUF_ALIGN) * SBUF_ALIGN
-            lo = self._best_fit(size, SBUF_ALIGN)
+            lo = self._pick(size, SBUF_ALIGN)
             if lo is None:
                 live = self._auto_bytes + self._explicit_union + nbytes
                 if live <= self.pitch:
@@ -155,15 +179,18 @@ class AddressSpace:
                 return
         st.p0 = 0
         st.base = st.vbase = lo
+        self._cursor = lo + size if lo + size < self.usable_bytes else 0
         self._attach(st)
         bisect.insort(self._auto, (lo, lo + size))
         self._auto_bytes += nbytes
+        st.interval = (lo, lo + size)
         weakref.finalize(st, self._release_auto, (lo, lo + size), nbytes)
+        if self.kind == "psum":
+            self._psum_live.append(weakref.ref(st))
         if self.raw is not None:  # fresh memory: sentinel-filled and never written
             p1 = st.shape[0]
-            region = self.raw[0:p1, lo:lo + nbytes]
-            if nbytes % st.dtype.itemsize == 0 and nbytes:
-                region.view(st.dtype.np)[...] = st.sentinel
+            if self.numerics and nbytes % st.dtype.itemsize == 0 and nbytes:
+                self.raw[0:p1, lo:lo + nbytes].view(st.dtype.np)[...] = st.sentinel
             self.mask[0:p1, lo:lo + nbytes] = 0
         self._bump_peaks()
 
@@ -175,13 +202,10 @@ class AddressSpace:
         st.vbase = lo
         st.pitch = max(st.row_bytes, 1)
         st.overflow = True
-        if self.raw is not None:
-            st.raw2d = np.zeros((st.shape[0], st.pitch), np.uint8)
-            st.mask2d = np.zeros((st.shape[0], st.pitch), np.uint8)
-            if st.row_bytes % st.dtype.itemsize == 0 and st.row_bytes:
-                st.raw2d.view(st.dtype.np)[...] = st.sentinel
-        else:
-            st.raw2d = st.mask2d = None
+        st.raw2d = np.zeros((st.shape[0], st.pitch), np.uint8)
+        st.mask2d = np.zeros((st.shape[0], st.pitch), np.uint8)
+        if self.numerics and st.row_bytes % st.dtype.itemsize == 0 and st.row_bytes:
+            st.raw2d.view(st.dtype.np)[...] = st.sentinel
         self._auto_bytes += st.row_bytes
         weakref.finalize(st, self._release_overflow, st.row_bytes)
         self._bump_peaks()
@@ -247,11 +271,30 @@ class AddressSpace:
         self._explicit_union = tot
 
     # -- release (weakref finalizers) -----------------------------------------------------------------
-    def _release_auto(self, iv, nbytes):
+    def _release_auto(self, iv, nbytes, st=None):
         i = bisect.bisect_left(self._auto, iv)
         if i < len(self._auto) and self._auto[i] == iv:
             del self._auto[i]
-        self._auto_bytes -= nbytes
+            self._auto_bytes -= nbytes
+
+    def _reclaim_psum(self):
+        """PSUM liveness by LAST USE, as the compiler allocates: when no bank is free, the allocator-placed PSUM
+        tensor used least recently gives its bank(s) back although the kernel still holds a reference. Using it
+        again afterwards is an error (its real lifetime then overlaps the new tile: more banks live than exist)."""
+        best = None
+        for ref in list(self._psum_live):
+            st = ref()
+            if st is None or st.reclaimed:
+                self._psum_live.remove(ref)
+                continue
+            if best is None or st.last_use < best.last_use:
+                best = st
+        if best is None:
+            return False
+        best.reclaimed = True
+        self._psum_live = [r for r in self._psum_live if r() is not None and r() is not best]
+        self._release_auto(best.interval, best.row_bytes)
+        return True
 
     def _release_overflow(self, nbytes):
         self._auto_bytes -= nbytes

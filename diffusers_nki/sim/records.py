@@ -77,6 +77,7 @@ class Instr:
     tile_size: Tuple[int, ...] = ()
     reads: Tuple[Tuple, ...] = ()
     writes: Tuple[Tuple, ...] = ()
+    loop: Tuple[Tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,10 +92,12 @@ class RunRecord:
     instrs: List[Instr] = field(default_factory=list)
     peak_sbuf_bytes_per_partition: int = 0
     peak_psum_banks: int = 0
+    sbuf_bytes_per_partition: int = 0  # SBUF the launch allowed (physical unless simulate(sbuf_bytes=...))
     kernel: str = ""
     numerics: bool = True
     warnings: List[str] = field(default_factory=list)
     lint: List[str] = field(default_factory=list)
+    loops: List[dict] = field(default_factory=list)
 
     def add(self, instr: Instr) -> None:
         self.instrs.append(instr)
