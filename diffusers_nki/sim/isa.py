@@ -635,8 +635,14 @@ def memset(dst, value, engine=engine.unknown, name=None):
     eng = _pick_engine(engine, opn, (E.vector, E.gpsimd), E.vector)
     _no_psum_on_pool(eng, opn, dst=dst)
     _free_limit(dst, opn, "dst", "VectorE" if eng is E.vector else "GpSimd")
+    if dst.dtype.packed and value != 0:
+        raise NkiDtypeError(f"{opn}: dst is {dst.dtype!r} (packed MX data); only value=0 (all-zero bits) is "
+                            f"meaningful, got {value!r}")
     if _live(prog, (dst,)):
-        _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
+        if dst.dtype.packed:
+            _write(dst, np.zeros(dst.shape, dst.dtype.np))
+        else:
+            _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
     _emit(prog, _ENGINE_NAME[eng], "memset", dst, (), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(dst),
           extra={"value": value})
     return _HANDLE
@@ -1264,9 +1270,9 @@ def _not_emulated(nm):
     return f
 
 
-for _nm in ("nc_matmul_mx", "tensor_scalar_cumulative",
+for _nm in ("tensor_scalar_cumulative",
             "topk", "rng", "rand2",
-            "dropout", "quantize_mx",
+            "dropout",
             "exponential", "activate2"):
     globals()[_nm] = _not_emulated(_nm)
 del _nm
@@ -1326,3 +1332,4 @@ from .isa_control import (VirtualRegister, core_barrier, register_alloc, registe
 from .isa_extra import (bn_aggr, bn_stats, local_gather, max8, nc_find_index8, nc_match_replace8,  # noqa: E402,F401
                         nc_n_gather, nonzero_with_count, select_reduce, tensor_copy_predicated,
                         tensor_partition_reduce, tensor_tensor_scan)
+from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401

@@ -343,6 +343,9 @@ def _mark_unknown(t, prog=None):
 # ----------------------------------------------------------------------------------------------------
 def _readf(t, op, arg):
     """float32 (P, F) copy-or-view of ``t``."""
+    if t.dtype.packed:
+        raise NkiDtypeError(f"{op}: {arg} {t.name or ''}{list(t.shape)} is {t.dtype!r}, packed MX data: only "
+                            "nisa.nc_matmul_mx reads it as numbers (copies and DMAs of the same dtype move its bits)")
     a = _read(t, op, arg)
     return a.reshape(t.P, t.F).astype(F32, copy=False)
 
@@ -470,6 +473,9 @@ def _dma_check(dst, src, op, dge, eng):
         if t._st.buffer is psum:
             raise NkiBufferError(f"{op}: {a} is in psum; DMA cannot access PSUM (since NKI 0.3); evict with "
                                  "nisa.tensor_copy first")
+    if (dst.dtype.packed or src.dtype.packed) and dst.dtype is not src.dtype:
+        raise NkiDtypeError(f"{op}: dst is {dst.dtype!r} and src is {src.dtype!r}; packed MX data moves only "
+                            "between tensors of the same dtype (view the other side with .ap(dtype=) / .view())")
     prog = _rt.current()
     dge = _enum(dge, dge_mode, op, "dge_mode")
     eng = _enum(eng, engine, op, "engine")

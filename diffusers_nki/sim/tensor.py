@@ -24,8 +24,8 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import runtime as _rt
-from .errors import (NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiUninitializedReadWarning,
-                     NkiValidationError)
+from .errors import (NkiBufferError, NkiDtypeError, NkiShapeError, NkiUninitializedReadError,
+                     NkiUninitializedReadWarning, NkiValidationError)
 from .registers import VirtualRegister, register_value
 
 ASSIGN_HOOK = None  # set by language.py: callable(target_view, value) implementing ``t[...] = value``
@@ -700,8 +700,6 @@ def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray", address=None):
     prog = _rt.current()
     dt = _dt.to_dtype(dtype, "dtype", op)
     buf = to_buffer(buffer, op)
-    if getattr(dt, "packed", False):
-        raise NkiValidationError(f"{op}: dtype {dt!r} (packed MX data) is not emulated")
     if isinstance(shape, _INT_TYPES):
         shape = (shape,)
     try:
@@ -781,6 +779,9 @@ def write(t, val, mark=1):
     if val.shape != v.shape:
         val = val.reshape(v.shape)
     dt = t.dtype
+    if dt.packed and val.dtype != dt.np:
+        raise NkiDtypeError(f"write to {t.name or '?'}{list(t.shape)}: {dt!r} is packed MX data; only "
+                            f"nisa.quantize_mx, copies and DMAs of the same dtype write it (got {val.dtype} values)")
     if dt.is_int and val.dtype.kind == "f":
         info = np.iinfo(dt.np)
         with np.errstate(invalid="ignore"):

@@ -39,11 +39,6 @@ CASES = [
 # Kernels of the emulator's API level not yet run here, with what they need (listed in the report; no case
 # claims them). "inputs" = a configuration to build; the emulator gap, if any, is named.
 NOT_CONFIGURED = [
-    ("nki-samples tutorials/kernel_offline_quantized_mx_matmul", "MX: packed x4 dtypes and nc_matmul_mx not emulated"),
-    ("nki-samples tutorials/kernel_on_device_quantize_matmul_mx", "MX: quantize_mx and nc_matmul_mx not emulated"),
-    ("nki-samples tutorials/kernel_copy_strided_quantize_matmul_mx", "MX: quantize_mx and nc_matmul_mx not emulated"),
-    ("nki-library experimental/mxfp_load_performance_wrapper", "MX: packed x4 dtypes not emulated"),
-    ("nki-library core/rmsnorm_mx_quantize_tkg", "MX: quantize_mx not emulated"),
     ("nki-library core/attention_tkg", "inputs: the test's cfg wrapper (masks, block KV, sendrecv split) not rebuilt"),
     ("nki-library core/qkv (cte / tkg)", "inputs: the fused norm + projection configuration not rebuilt"),
     ("nki-library core/rmsnorm_quant_kernel", "inputs: fp8 output packed with its scales, kargs dataclass"),
