@@ -18,8 +18,10 @@ def _no_ref(mods, kw):
 CASES = [
     Case("blocked", "nki-library core/mlp", "import", LIB, "nkilib.core.mlp.mlp", "mlp", inputs=_none,
          reference=_no_ref,
-         blocked="the source does not parse at the pinned commit (IndentationError in core/mlp/mlp.py, a docstring "
-                 "cut in two); mlp_cte / mlp_tkg are reached only through it",
+         blocked="the front end does not parse at the pinned commit (core/mlp/mlp.py, 14620 bytes, spaces only, "
+                 "complete: lines 201-212 repeat the last 12 docstring lines after its closing quotes, so line 203 is "
+                 "an IndentationError in any Python; the newest fetched commit is the pin). The kernels it "
+                 "dispatches to, mlp_cte and mlp_tkg, run unchanged (family 'mlp', our launch glue)",
          blocked_match="IndentationError"),
     Case("blocked", "nki-library core/router_topk", "import", LIB, "nkilib.core.router_topk.router_topk",
          "router_topk", inputs=_none, reference=_no_ref,
