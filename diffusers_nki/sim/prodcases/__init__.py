@@ -27,7 +27,7 @@ import numpy as np
 __all__ = ["Case", "FAMILIES", "all_cases", "cases_of", "run_case", "run_all", "format_table", "format_markdown",
            "summary", "tensors_close"]
 
-FAMILIES = ("attention", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "utils",
+FAMILIES = ("attention", "attention_tkg", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "utils",
             "collectives", "samples", "mx", "mlp", "nxdi", "blocked")
 
 

@@ -41,7 +41,6 @@ CASES = [
 # Kernels of the emulator's API level not yet run here, with what they need (listed in the report; no case
 # claims them). "inputs" = a configuration to build; the emulator gap, if any, is named.
 NOT_CONFIGURED = [
-    ("nki-library core/attention_tkg", "inputs: the test's cfg wrapper (masks, block KV, sendrecv split) not rebuilt"),
     ("nki-library core/qkv (cte / tkg)", "inputs: the fused norm + projection configuration not rebuilt"),
     ("nki-library core/rmsnorm_quant_kernel", "inputs: fp8 output packed with its scales, kargs dataclass"),
     ("nki-library core/moe_cte (bwmm shard on I / block, hybrid, dropping)", "inputs: routing tables not rebuilt"),
@@ -50,5 +49,4 @@ NOT_CONFIGURED = [
     ("nki-library experimental/attention_block_tkg, transformer_tkg", "inputs: whole-layer configurations"),
     ("nki-library experimental/fine_grained_allgather, allgather_compute_matmul",
      "collective_permute_implicit with channels: semantics emulated, configurations not built"),
-    ("nki-library core/gen_mask_tkg", "an SBUF-in / SBUF-out helper: needs a test wrapper"),
 ]
