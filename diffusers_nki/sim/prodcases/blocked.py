@@ -41,8 +41,6 @@ CASES = [
 # Kernels of the emulator's API level not yet run here, with what they need (listed in the report; no case
 # claims them). "inputs" = a configuration to build; the emulator gap, if any, is named.
 NOT_CONFIGURED = [
-    ("nki-library core/qkv (cte / tkg)", "inputs: the fused norm + projection configuration not rebuilt"),
-    ("nki-library core/rmsnorm_quant_kernel", "inputs: fp8 output packed with its scales, kargs dataclass"),
     ("nki-library core/moe_cte (bwmm shard on I / block, hybrid, dropping)", "inputs: routing tables not rebuilt"),
     ("nki-library core/moe_tkg (all / selective expert)", "inputs: routing tables not rebuilt; MX variants need MX"),
     ("nki-library experimental/blockwise_mm_bwd, bwmm_shard_on_H", "inputs: routing tables not rebuilt"),
