@@ -15,6 +15,7 @@ diffusers_nki.sim.production --report``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import time
 import traceback
@@ -61,6 +62,7 @@ class Case:
     make: Optional[Callable] = None   # make(module) -> the kernel: a test wrapper around a helper (as the library's
     slow: bool = False                # own tests wrap their sub-kernels), the helper itself unchanged
     cost_s: float = 0.0               # CPU-seconds of one run, measured (informational)
+    needs: Tuple[str, ...] = ()       # Python packages the kernel's source imports beyond the pinned stack's core
 
     @property
     def id(self):
@@ -102,6 +104,10 @@ def unavailable(case: Case) -> Optional[str]:
 
     rel = case.module if case.file else case.module.replace(".", "/") + ".py"
     why = production.source_reason(case.source, rel)
+    for pkg in case.needs:
+        if why is None and importlib.util.find_spec(pkg) is None:
+            why = (f"{case.kernel} imports {pkg}, a test-only dependency (requirements-lock.txt) that is not installed "
+                   "in this environment")
     if why is None:
         for src, needs in case.extra:
             why = production.source_reason(src, needs)

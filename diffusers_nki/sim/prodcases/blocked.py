@@ -31,10 +31,6 @@ CASES = [
          "moe_block_tkg", inputs=_none, reference=_no_ref,
          blocked="imports router_topk, which imports neuronxcc.nki.typing (pre-0.3 namespace, rejected by design)",
          blocked_match="rejected by design"),
-    Case("blocked", "nki-library core/rotational_topk", "import", LIB, "nkilib.core.topk.rotational_topk",
-         "rotational_topk", inputs=_none, reference=_no_ref,
-         blocked="needs scipy at import (scipy.linalg.circulant builds its rotation matrix); scipy is not in the "
-                 "project's pinned stack", blocked_match="No module named 'scipy'"),
 ]
 
 
