@@ -442,7 +442,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     ops_ = [(op0, operand0, reverse0, "operand0")] + ([(op1, operand1, reverse1, "operand1")] if op1 else [])
     cols = []
     for o, x, rev, a in ops_:
-        c = None if o.arity == 1 else _operand_col(x, data, opn, a, need_f32=not bitvec)
+        # [API-isa tensor_scalar] says arithmetic operand tiles "must be float32"; nki-library's bwmm_shard_on_block
+        # (hardware-tested) passes bf16 [P,1] affinity tiles: any float tile is accepted, read as fp32
+        c = None if o.arity == 1 else _operand_col(x, data, opn, a, need_float=not bitvec)
         cols.append(c)
     E = _E
     eng = _pick_engine(engine, opn, (E.vector, E.scalar, E.gpsimd), E.vector)
@@ -512,7 +514,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
             raise NkiValidationError(f"{opn}: {a}={o!r} must be a binary arithmetic ALU operator")
     if data._st.buffer is psum and operand1._st.buffer is psum:
         raise NkiBufferError(f"{opn}: data and operand1 are both in psum; at most one tensor input may be in PSUM")
-    c0 = _operand_col(operand0, data, opn, "operand0", need_f32=True)
+    c0 = _operand_col(operand0, data, opn, "operand0")  # any dtype [API-isa scalar_tensor_tensor]
     if c0 is None:
         raise NkiValidationError(f"{opn}: operand0 is required")
     for t, a in ((data, "data"), (operand1, "operand1"), (dst, "dst")):

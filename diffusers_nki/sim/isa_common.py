@@ -355,8 +355,9 @@ def _readn(t, op, arg):
     return _read(t, op, arg).reshape(t.P, t.F)
 
 
-def _operand_col(x, data, op, arg, need_f32=False):
-    """A scalar (Python number -> fp32) or a [P,1] on-chip tile read as float32 (P,1)."""
+def _operand_col(x, data, op, arg, need_f32=False, need_float=False):
+    """A scalar (Python number -> fp32) or a [P,1] on-chip tile read as float32 (P,1). ``need_f32``: the tile must be
+    float32; ``need_float``: any floating-point dtype (read as fp32)."""
     if x is None:
         return None
     if _scalar_number(x):
@@ -367,6 +368,9 @@ def _operand_col(x, data, op, arg, need_f32=False):
             raise NkiShapeError(f"{op}: {arg} must be a [P,1] tile with P={data.P}, got shape {list(x.shape)}")
         if need_f32 and x.dtype is not _dt.float32:
             raise NkiDtypeError(f"{op}: {arg} tile has dtype {x.dtype!r}; it must be nl.float32")
+        if need_float and not x.dtype.is_float:
+            raise NkiDtypeError(f"{op}: {arg} tile has dtype {x.dtype!r}; an arithmetic operand tile must be floating "
+                                "point")
         return x
     raise NkiValidationError(f"{op}: {arg}={x!r} must be a number or a [P,1] tile")
 

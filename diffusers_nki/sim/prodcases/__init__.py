@@ -29,7 +29,7 @@ __all__ = ["Case", "FAMILIES", "all_cases", "cases_of", "run_case", "run_all", "
            "summary", "tensors_close"]
 
 FAMILIES = ("attention", "attention_tkg", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "utils",
-            "collectives", "samples", "mx", "mlp", "qkv_quant", "nxdi", "blocked")
+            "collectives", "samples", "mx", "mlp", "qkv_quant", "moe", "nxdi", "blocked")
 
 
 @dataclass
