@@ -220,7 +220,16 @@ class NkiTensor:
             f"{self!r}: tensor values are not available at compile time; Python control flow or int()/float()/"
             "bool() on a tensor is not valid NKI (use nisa ops, or .ap(scalar_offset=...) for dynamic offsets)")
 
-    __bool__ = __int__ = __float__ = __index__ = _no_python_value
+    __int__ = __float__ = __index__ = _no_python_value
+
+    def __bool__(self):
+        # A whole HBM tensor (a kernel argument, an HBM allocation) is a handle: its truth value is its presence, as
+        # in ``if params.expert_params.expert_index:`` (nki-library mlp_tkg_constants, hardware-tested). A tile or a
+        # view has run-time values only: control flow on it is an error.
+        st = self._st
+        if not st.buffer.on_chip and self.offset == 0 and tuple(self.shape) == tuple(st.shape) and self._dyn is None:
+            return True
+        self._no_python_value()
 
     def __iter__(self):
         raise NkiValidationError(f"{self!r}: iterating over a tensor is not valid NKI; index it explicitly")

@@ -43,7 +43,8 @@ CASES = [
 NOT_CONFIGURED = [
     ("nki-library core/moe_cte (front end; bwmm shard-on-I hybrid / dropping, MX variants)",
      "inputs: not built (bwmm_shard_on_I and bwmm_shard_on_block run, family 'moe')"),
-    ("nki-library core/moe_tkg (all / selective expert)", "inputs: routing tables not rebuilt; MX variants need MX"),
+    ("nki-library core/moe_tkg MX variants (all / selective expert mx_impl)", "inputs: MX weights (mxfp4) not built "
+     "(the bf16/fp16 all- and selective-expert paths run, family 'moe')"),
     ("nki-library experimental/blockwise_mm_bwd, bwmm_shard_on_H", "inputs: routing tables not rebuilt"),
     ("nki-library experimental/attention_block_tkg", "inputs: a whole-layer configuration; its torch twin imports the "
      "library's test package (not shipped), so the reference must be rebuilt"),
