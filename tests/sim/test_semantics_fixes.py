@@ -91,3 +91,25 @@ def test_scalar_tensor_tensor_operand0_any_dtype_tensor_scalar_any_float():
 
     with pytest.raises(NkiDtypeError, match="must be floating"):
         simulate(k_int)(x, np.ones((4, 1), np.int32))
+
+
+def _ring_two_channels(x):
+    """Each rank sends its two SBUF halves over two channels of a ring (collective_permute_implicit)."""
+    from diffusers_nki.sim import collectives as ncc
+
+    a = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=a, src=x)
+    b = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    ncc.collective_permute_implicit(srcs_by_channel=[[a[:, 0:4]], [a[:, 4:8]]],
+                                    dsts_by_channel=[[b[:, 0:4]], [b[:, 4:8]]],
+                                    replica_group=ncc.ReplicaGroup([[0, 1, 2]]), channel_ids=[0, 1])
+    out = nl.ndarray((4, 8), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=b)
+    return out
+
+
+def test_collective_permute_implicit_takes_one_sbuf_tensor_per_channel():
+    xs = [np.full((4, 8), r, np.float32) + np.arange(8, dtype=np.float32) for r in range(3)]
+    outs = simulate(_ring_two_channels).ranks([(x,) for x in xs])
+    for r in range(3):   # a ring: each rank receives its predecessor's data on both channels
+        np.testing.assert_array_equal(outs[r], xs[(r - 1) % 3])

@@ -48,6 +48,4 @@ NOT_CONFIGURED = [
     ("nki-library experimental/blockwise_mm_bwd, bwmm_shard_on_H", "inputs: routing tables not rebuilt"),
     ("nki-library experimental/attention_block_tkg", "inputs: a whole-layer configuration; its torch twin imports the "
      "library's test package (not shipped), so the reference must be rebuilt"),
-    ("nki-library experimental/fine_grained_allgather, allgather_compute_matmul",
-     "collective_permute_implicit with channels: semantics emulated, configurations not built"),
 ]
