@@ -45,7 +45,8 @@ NOT_CONFIGURED = [
      "inputs: not built (bwmm_shard_on_I and bwmm_shard_on_block run, family 'moe')"),
     ("nki-library core/moe_tkg MX variants (all / selective expert mx_impl)", "inputs: MX weights (mxfp4) not built "
      "(the bf16/fp16 all- and selective-expert paths run, family 'moe')"),
-    ("nki-library experimental/blockwise_mm_bwd, bwmm_shard_on_H", "inputs: routing tables not rebuilt"),
+    ("nki-library experimental/blockwise_mm_bwd", "inputs: the backward pass's saved activations and gradients not "
+     "built (the forward bwmm kernels run, family 'moe')"),
     ("nki-library experimental/attention_block_tkg", "inputs: a whole-layer configuration; its torch twin imports the "
      "library's test package (not shipped), so the reference must be rebuilt"),
 ]

@@ -27,6 +27,7 @@ from ._util import BF16
 LIB = "nki-library"
 SHARD_I = "nkilib.core.moe.moe_cte.bwmm_shard_on_I"
 SHARD_BLOCK = "nkilib.core.moe.moe_cte.bwmm_shard_on_block"
+SHARD_H = "nkilib.experimental.moe.forward.bwmm_shard_on_H"
 
 
 def _lib(module):
@@ -76,7 +77,7 @@ def _moe_ref(kw, T, E, B, N, act, bf):
     return out
 
 
-def _bwmm(T, H, I_, E, B, top_k, act="SiLU", lnc=2, block=False):
+def _bwmm(T, H, I_, E, B, top_k, act="SiLU", lnc=2, block=False, shard_h=False):
     def inputs(rng):
         ct = _lib("nkilib.core.utils.common_types")
         te, pos, b2e, N = _routing(rng, T, top_k, E, B, n_multiple=lnc if block else 1)
@@ -93,6 +94,8 @@ def _bwmm(T, H, I_, E, B, top_k, act="SiLU", lnc=2, block=False):
               "activation_function": getattr(ct.ActFnType, act), "compute_dtype": _bf(),
               "is_tensor_update_accumulating": top_k != 1,
               "expert_affinities_scaling_mode": ct.ExpertAffinityScaleMode.POST_SCALE}
+        if shard_h:   # the H-sharded kernel has no activation parameter (SiLU)
+            del kw["activation_function"]
         return kw
 
     def reference(mods, kw):
@@ -176,4 +179,6 @@ CASES = [
          SHARD_I, "blockwise_mm_baseline_shard_intermediate", **_bwmm(256, 512, 256, 4, 256, 2)),
     Case("moe", "nki-library core/moe_cte bwmm_shard_on_block", "T256 H512 I256 E4 B256 top1 SiLU bf16 lnc2", LIB,
          SHARD_BLOCK, "bwmm_shard_on_block", **_bwmm(256, 512, 256, 4, 256, 1, block=True)),
+    Case("moe", "nki-library experimental/bwmm_shard_on_H", "T128 H512 I128 E4 B256 top2 bf16 lnc2", LIB, SHARD_H,
+         "blockwise_mm_baseline_shard_hidden", **_bwmm(128, 512, 128, 4, 256, 2, shard_h=True)),
 ]
