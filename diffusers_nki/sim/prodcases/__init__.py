@@ -286,6 +286,7 @@ def summary(rows: List[dict]) -> dict:
     return {"kernels": len(kernels), "kernels_matched_in_every_configuration": len(every),
             "kernels_matched_in_some_configuration": len(some), "configurations": len(rows),
             "configurations_matched": sum(1 for r in rows if r["status"] == "matched"),
+            "lnc2_configurations_matched": sum(1 for r in rows if r["status"] == "matched" and r["lnc"] == 2),
             "blocked": sorted({r["kernel"] for r in rows if r["status"] == "blocked"}),
             "cpu_s": round(sum(r["cpu_s"] for r in rows), 1)}
 
@@ -299,7 +300,8 @@ def format_table(rows: List[dict]) -> str:
     s = summary(rows)
     lines.append(f"\n{s['kernels_matched_in_every_configuration']} of {s['kernels']} kernels unchanged and matching in "
                  f"every configuration ({s['kernels_matched_in_some_configuration']} in at least one); "
-                 f"{s['configurations_matched']} of {s['configurations']} configurations; {s['cpu_s']} CPU-s")
+                 f"{s['configurations_matched']} of {s['configurations']} configurations "
+                 f"({s['lnc2_configurations_matched']} LNC2 matched); {s['cpu_s']} CPU-s")
     return "\n".join(lines)
 
 
@@ -308,9 +310,9 @@ def format_markdown(rows: List[dict]) -> str:
     from .blocked import NOT_CONFIGURED
 
     out = [f"{s['kernels_matched_in_every_configuration']} kernels run unchanged and match in every configuration "
-           f"({s['configurations_matched']} configurations); {len(s['blocked'])} are blocked (reason below, "
-           f"checked by the suite); {len(NOT_CONFIGURED)} kernel groups are not run yet (listed after the table). "
-           "Numerics only: nothing here is a time.",
+           f"({s['configurations_matched']} configurations, {s['lnc2_configurations_matched']} of them LNC2); "
+           f"{len(s['blocked'])} are blocked (reason below, checked by the suite); {len(NOT_CONFIGURED)} kernel "
+           "groups are not run yet (listed after the table). Numerics only: nothing here is a time.",
            "", "| kernel | configuration | LNC | status | max abs err | reason |", "|---|---|---|---|---|---|"]
     for r in rows:
         e = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
