@@ -44,7 +44,7 @@ one dtype among fp32, bf16, fp16; bias fp32 or x's dtype; kw odd; 0 <= pad_* <= 
 Tested (tests/kernels/test_causal_conv3d.py, emulator with numerics vs a float64 oracle, flash-attention
 tolerance rule): the twin equals diffusers' WanCausalConv3d (with 0, 1 and 2 cached frames) and Conv2d; odd
 shapes pairwise over Cin {3, 16, 130}, Cout {5, 96, 140}, kernels 3x3x3 / 3x1x1 / 1x1x1 / 1x3x3, T {1, 2},
-H x W {7 x 9, 2 x 600}, cache absent / given, pad flags, fp32 / bf16; a height split into halo'd shards equals
+H x W {7 x 9, 3 x 600}, cache absent / given, pad flags, fp32 / bf16; a height split into halo'd shards equals
 the whole; several bands and channel groups; kernel[2]; trn1 / trn3; negative tests. Full Wan VAE stages in
 trace mode.
 
@@ -306,6 +306,8 @@ def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1)
                                             nisa.nc_matmul(dst=acc, stationary=w_sb[j][0:nc, tap, cj:cj + con],
                                                            moving=mov, accumulate=not first)
                                             first = False
+                        if len(ctx["pending"]) == N_ORING:  # the slot about to be reused has a store pending
+                            _flush_stores(ctx)
                         o = o_ring[o_i % N_ORING][0:con, 0:nr * cwn]
                         o_i = o_i + 1
                         if bias is not None:

@@ -189,6 +189,8 @@ def _transpose_run(ctx, xs, xT, rows, mcol, j, n, kb, kt):
 
 def _epilogue(ctx, out, acc, rows, m0, n0, nw, bias_sb, activation):
     """acc [rows, nw] fp32 PSUM -> act(acc + bias) in out's dtype -> HBM rows [m0, m0 + rows), cols [n0, +nw)."""
+    if len(ctx["pending"]) == len(ctx["o"]):  # the output tile about to be reused has a store pending
+        _flush_stores(ctx)
     o = ctx["o"][ctx["o_i"] % len(ctx["o"])]
     ctx["o_i"] = ctx["o_i"] + 1
     gen2 = ctx["gen2"]
