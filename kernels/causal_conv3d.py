@@ -11,30 +11,37 @@ neighbouring rank); out [B, Cout, T, Hin + pad_top + pad_bottom - kh + 1, W] in 
 padded by (kw - 1) // 2 zero columns on both sides. Covers WanCausalConv3d (3x3x3, the 3x1x1 time
 convolution of the upsamplers, the 1x1x1 shortcuts) and, with kt = 1, the upsamplers' per-frame 3x3 Conv2d.
 
-Algorithm (channels on the partitions, so NCTHW is used as it lies in HBM and nothing is transposed):
+Algorithm (input channels on the partitions -- the contraction -- so NCTHW is used as it lies in HBM):
     out[co, t, h, w] = bias[co] + sum over input-channel tiles ci, taps (dt, dh, dw) of
                        w[dt, dh, dw, ci, co]^T . xp[ci, t + dt, h + dh, w + dw]
     where xp is the causal / zero-padded input: padded frame f < kt - 1 is cache frame f, f >= kt - 1 is x frame
-    f - (kt - 1). TensorE: stationary = the tap's weight tile [ci <= 128, co <= 128] (resident in SBUF for a
-    group of output-channel tiles), moving = a shifted window of an input band [ci, rows, columns] straight from
-    SBUF (a strided view: row stride W + kw - 1), N = rows x columns <= 512 positions of one PSUM bank; the
-    kt * kh * kw * ceil(Cin / 128) matmuls of an output tile accumulate in that bank (fp32). ScalarE evicts it
-    adding the bias (a per-partition [co, 1] operand, one instruction) in x's dtype; one DMA stores it.
+    f - (kt - 1). Input bands [ci, rows, W + kw - 1] sit in SBUF; every tap is a shifted strided window of them (no
+    im2col copy). The kt * kh * kw * ceil(Cin / 128) matmuls of an output tile accumulate in one PSUM bank (fp32).
+    Two mappings of the output onto TensorE (``positions_mode``):
+    - channels mode (Cout a multiple of 128, or rows narrower than 128): stationary = the tap's weight tile
+      [ci, co <= 128], moving = the window [ci, r rows x cw columns <= 512 positions]; ScalarE evicts adding the
+      bias (a per-partition [co, 1] operand) in x's dtype. The tiles of a frame accumulate in groups of
+      ``G_TILES`` with the taps outermost (consecutive matmuls share a stationary; the first group starts on the
+      first weights loaded).
+    - positions mode (Wan's 96 / 192 / 3-channel full-resolution stages): stationary = a ``window`` of <= 128
+      positions (r rows x cw columns), moving = the tap's weights [ci, Cout], so TensorE time follows Cout exactly
+      instead of wasting the unused output partitions; VectorE adds the bias row (one rounding to x's dtype),
+      and -- one window later, so TensorE never waits for VectorE -- TensorE transposes the [positions, Cout]
+      result back to [Cout, positions] into the row group's output tiles (ScalarE / VectorE evict alternately).
     Cache frames are DMA'd from the caller's buffer like x's frames: no copy of the cache is made. With
     cache=None the taps on the zero frames are skipped (exact: they add zero).
 
 Loop structure (unrolled at trace time; shapes are compile-time constants):
     for b: for each group of output-channel tiles whose weights fit ``W_BUDGET`` (one group at every Wan shape
-    in 16-bit): weights [ci, taps, co] and bias -> SBUF;
+    in 16-bit):
         for each band of R output rows (``plan``: the most rows whose input ring fits ``X_BUDGET``):
             for t in T: the kt padded frames t .. t + kt - 1 of the band ([ci, R + kh - 1, W + kw - 1] per
             input-channel tile, zero rows / columns where padding) are in a ring of kt + 1 frame slots; the next
-            frame is DMA'd one step ahead;
-                for each output-channel tile, each PSUM tile of r rows x cw columns (cw = W split into <= 512
-                columns, r = 512 // cw): the matmul chain, then the bias eviction (ScalarE) and the store (DMA,
-                emitted after the next frame's loads so no load queues behind it).
-    PSUM: 8 banks in rotation. Under ``kernel[2]`` the (output-channel group, band) units are dealt to the two
-    logical cores alternately.
+            frame is DMA'd one step ahead (the group's weights are DMA'd after the first frames);
+                the output tiles of the frame (above), evicted, stored by DMA (emitted after the next frame's
+                loads, so no load queues behind a store).
+    PSUM: 8 banks in rotation (positions mode: 6, and 2 for the transposes). Under ``kernel[2]`` the
+    (output-channel group, band) units are dealt to the two logical cores alternately.
 
 Limits (``not_supported_reasons``; asserted at trace time too): x 5-D, w 5-D with Cin matching; x / w / cache in
 one dtype among fp32, bf16, fp16; bias fp32 or x's dtype; kw odd; 0 <= pad_* <= kh - 1; Cin <= ``MAX_CIN``
@@ -45,8 +52,9 @@ Tested (tests/kernels/test_causal_conv3d.py, emulator with numerics vs a float64
 tolerance rule): the twin equals diffusers' WanCausalConv3d (with 0, 1 and 2 cached frames) and Conv2d; odd
 shapes pairwise over Cin {3, 16, 130}, Cout {5, 96, 140}, kernels 3x3x3 / 3x1x1 / 1x1x1 / 1x3x3, T {1, 2},
 H x W {7 x 9, 3 x 600}, cache absent / given, pad flags, fp32 / bf16; a height split into halo'd shards equals
-the whole; several bands and channel groups; kernel[2]; trn1 / trn3; negative tests. Full Wan VAE stages in
-trace mode.
+the whole; several bands and channel groups; both output mappings (positions mode at W = 600 / Cout 5, 96, 140;
+channels mode at W = 9 and at W = 700 / Cout 128 in two column chunks); kernel[2]; trn1 / trn3; negative tests.
+Full Wan VAE stages in trace mode (``bench kernels``, ``bench budget``).
 
 Modeled figures: ``diffusers-nki bench kernels --shapes vae_conv_latent,vae_conv_full`` (scheduled, with the
 roofline ceiling beside it; never measured) and every stage in ``diffusers-nki bench budget``.
@@ -64,7 +72,10 @@ PSUM_BANK = 2048
 N_PSUM = 8         # PSUM banks in rotation
 SB_ALIGN = 64
 X_BUDGET = 80 * 1024   # bytes per partition of the input frame ring
-N_ORING = 6        # output staging tiles
+N_ORING = 6        # output staging tiles (channels mode)
+N_OROW = 2         # output-row sets (positions mode)
+G_TILES = 4        # channels mode: PSUM tiles accumulated together (two groups in flight in the 8 banks)
+OROW_BUDGET = 32 * 1024   # bytes per partition of the output row sets (positions mode)
 
 
 def _isz(dt):
@@ -77,8 +88,24 @@ def _is_float(dt):
     return dt == nl.float32 or dt == nl.bfloat16 or dt == nl.float16
 
 
+def positions_mode(Cin, Cout, taps, W, isz):
+    """True: output positions on the PSUM partitions (stationary = a window of <= 128 input positions, moving =
+    the tap's weights [ci, Cout]) -- TensorE time follows Cout exactly, so a Cout that is not a multiple of 128
+    (Wan's 96 / 192 / 3 channels) wastes nothing on the output side; the result is transposed back on TensorE.
+    Taken when Cout is not a multiple of 128, rows hold >= 128 positions, and every Cout's weights and two row
+    groups of output fit their budgets. False: output channels on the partitions (stationary = the weights,
+    moving = up to 512 positions)."""
+    if W < P or Cout % P == 0 or Cout > NT:
+        return False
+    nci = (Cin + P - 1) // P
+    nco = (Cout + P - 1) // P
+    wr = window(W)[0]
+    return taps * nci * nco * P * isz <= W_BUDGET and N_OROW * nco * wr * W * isz <= OROW_BUDGET
+
+
 def plan(Cin, Cout, kt, kh, kw, Hout, W, isz):
-    """Compile-time plan: (co tiles per group, band rows R, rows per PSUM tile r, column chunk cw)."""
+    """Compile-time plan: (co tiles per group, band rows R, rows per PSUM tile r, column chunk cw). In positions
+    mode (``positions_mode``) a PSUM tile is a ``window`` of r rows x cw columns and the group holds every Cout."""
     taps = kt * kh * kw
     nci = (Cin + P - 1) // P
     nco = (Cout + P - 1) // P
@@ -95,6 +122,9 @@ def plan(Cin, Cout, kt, kh, kw, Hout, W, isz):
     r = NT // cw
     if nch > 1 or r < 1:
         r = 1
+    if positions_mode(Cin, Cout, taps, W, isz):
+        cog = nco
+        r, cw = window(W)
     if r > Hout:
         r = Hout
     wp = W + kw - 1
@@ -185,6 +215,148 @@ def _flush_stores(ctx):
     ctx["pending"] = []
 
 
+def _flush_set(ctx, s):
+    """Emit the pending stores if one of them reads output-row set ``s`` (about to be rewritten)."""
+    hit = False
+    for st in ctx["pending"]:
+        if st[2] == s:
+            hit = True
+    if hit:
+        _flush_stores(ctx)
+
+
+def _chain(ctx, tiles, t, pos):
+    """Accumulate every (input-channel tile, tap) on a non-zero padded frame of output frame t into each tile's
+    PSUM accumulator, taps outermost: consecutive matmuls share a stationary, and the first group's matmuls need
+    only the weights already loaded. A tile is (acc, rr, nr, c0, ncols, cj, con). Channels mode: stationary = the
+    tap's weights [ci, co cj:cj+con], moving = the input window [ci, rows rr..rr+nr, columns c0..c0+ncols];
+    positions mode: stationary = the same window (nr x ncols <= 128 positions), moving = the tap's weights
+    [ci, Cout]."""
+    ring, w_sb = ctx["ring"], ctx["w_sb"]
+    first = True
+    for dtt in range(ctx["kt"]):
+        f = t + dtt
+        if f >= ctx["f_first"]:
+            slot = (f - ctx["f_first"]) % ctx["NF"]
+            for j in range(ctx["nci"]):
+                nc = min(P, ctx["Cin"] - j * P)
+                for dh in range(ctx["kh"]):
+                    for dw in range(ctx["kw"]):
+                        tap = (dtt * ctx["kh"] + dh) * ctx["kw"] + dw
+                        for tl in tiles:
+                            acc, rr, nr, c0, ncols, cj, con = tl
+                            win = ring[j][slot][0:nc, rr + dh:rr + dh + nr, c0 + dw:c0 + dw + ncols]
+                            if pos:
+                                st = win
+                                mv = w_sb[j][0:nc, tap, 0:ctx["Cout"]]
+                            else:
+                                st = w_sb[j][0:nc, tap, cj:cj + con]
+                                mv = win
+                            nisa.nc_matmul(dst=acc, stationary=st, moving=mv, accumulate=not first)
+                        first = False
+
+
+def window(W):
+    """The positions-mode window (rows, columns), rows x columns <= 128, that covers a row of W with the fewest
+    padded positions (fewer rows on ties): W = 832 and 416 -> (4, 32), exactly 128 positions per matmul."""
+    best = (1, min(W, P))
+    best_pad = ((W + best[1] - 1) // best[1]) * best[1]     # positions computed per output row
+    for wr in (2, 4, 8):
+        wc = min(W, P // wr)
+        padded = ((W + wc - 1) // wc) * wc
+        if padded < best_pad:
+            best = (wr, wc)
+            best_pad = padded
+    return best
+
+
+def _position_rows(ctx, out, bias, b, t, h0, rows):
+    """Positions mode for output frame t of the band [h0, h0 + rows): per window of wr rows x wc columns: the
+    chain into [positions, Cout] (PSUM), + bias on VectorE (one rounding to x's dtype), then -- one window later,
+    so TensorE never waits for VectorE -- TensorE transposes back to [Cout, positions] into the row group's output
+    tiles; one store per row group and 128 output channels."""
+    W, Cout = ctx["W"], ctx["Cout"]
+    wr, wc = ctx["win"]
+    nsub = (Cout + P - 1) // P
+    for rr in range(0, rows, wr):
+        nr = min(wr, rows - rr)
+        si = ctx["row_i"] % len(ctx["orow"])
+        ctx["row_i"] = ctx["row_i"] + 1
+        _flush_set(ctx, si)
+        oset = ctx["orow"][si]
+        for c0 in range(0, W, wc):
+            ncols = min(wc, W - c0)
+            npos = nr * ncols
+            acc = ctx["psum"][ctx["ps_i"] % ctx["n_acc"]][0:npos, 0:Cout]
+            ctx["ps_i"] = ctx["ps_i"] + 1
+            _chain(ctx, ((acc, rr, nr, c0, ncols, 0, 0),), t, True)
+            _finish_window(ctx)  # the previous window's transposes, behind this window's matmuls
+            h = ctx["h"][ctx["h_i"] % len(ctx["h"])][0:npos, 0:Cout]
+            ctx["h_i"] = ctx["h_i"] + 1
+            if bias is not None:
+                nisa.tensor_tensor(dst=h, data1=acc, data2=ctx["bias_bc"][0:npos, 0:Cout], op=nl.add,
+                                   engine=nisa.engine.vector)
+            else:
+                _copy(h, acc, ctx["h_i"] % 2 == 0, ctx["gen2"])
+            ctx["fin"] = (h, oset, nr, c0, ncols, npos)
+        _finish_window(ctx)
+        for cs in range(nsub):
+            c = cs * P
+            con = min(P, Cout - c)
+            ctx["pending"].append((out[b, c:c + con, t, h0 + rr:h0 + rr + nr, 0:W], oset[cs][0:con, 0:nr, 0:W], si))
+
+
+def _finish_window(ctx):
+    fin = ctx["fin"]
+    if fin is None:
+        return
+    ctx["fin"] = None
+    h, oset, nr, c0, ncols, npos = fin
+    Cout = ctx["Cout"]
+    for cs in range((Cout + P - 1) // P):
+        c = cs * P
+        con = min(P, Cout - c)
+        tp = ctx["tps"][ctx["t_i"] % 2][0:con, 0:npos]
+        ctx["t_i"] = ctx["t_i"] + 1
+        nisa.nc_transpose(dst=tp, data=h[:, c:c + con], engine=nisa.engine.tensor)
+        _copy(oset[cs][0:con, 0:nr, c0:c0 + ncols], tp, ctx["t_i"] % 2 == 0, ctx["gen2"])
+
+
+def _copy(dst, src, on_act, gen2):
+    if on_act:
+        if gen2:
+            nisa.activation(dst=dst, op=nl.copy, data=src)
+        else:
+            nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.scalar)
+    else:
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
+
+
+def _load_weights(ctx, w, bias, co_lo, co_hi, pos):
+    """The group's weights [ci, taps, co] (in the chain's order) and bias (per-partition columns, or in positions
+    mode one row broadcast to every partition)."""
+    kt, kh, nci, Cin, Cout = ctx["kt"], ctx["kh"], ctx["nci"], ctx["Cin"], ctx["Cout"]
+    w_sb = ctx["w_sb"]
+    b_sb = ctx["b_sb"]
+    kw = ctx["kw"]
+    # [ci, taps, co] of this group, in the chain's order (time tap, input-channel tile) so the first matmuls
+    # wait for their own taps only; each partition reads kh * kw runs of (co_hi - co_lo) contiguous values
+    sp = kh * kw
+    for dtt in range(kt):
+        for j in range(nci):
+            c0 = j * P
+            nc = min(P, Cin - c0)
+            nisa.dma_copy(dst=w_sb[j][0:nc, dtt * sp:(dtt + 1) * sp, 0:co_hi - co_lo],
+                          src=w.ap(pattern=[[Cout, nc], [Cin * Cout, sp], [1, co_hi - co_lo]],
+                                   offset=dtt * sp * Cin * Cout + c0 * Cout + co_lo))
+    if bias is not None and pos:
+        nisa.dma_copy(dst=ctx["bias_bc"], src=bias.ap(pattern=[[0, P], [1, Cout]], offset=0))
+    elif bias is not None:
+        for c in range(co_lo, co_hi, P):
+            n = min(P, co_hi - c)
+            nisa.dma_copy(dst=b_sb[(c - co_lo) // P][0:n, :], src=bias.ap(pattern=[[1, n], [1, 1]], offset=c))
+
+
 @nki.jit
 def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
     _check(x, w, bias, cache, pad_top, pad_bottom)
@@ -207,15 +379,33 @@ def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1)
     prg = nl.program_id(0)
     nprg = nl.num_programs(0)
     gen2 = nisa.get_nc_version() == nisa.nc_version.gen2
-    ctx = {"top": 0, "Cin": Cin, "Hin": Hin, "W": W, "kt": kt, "kh": kh, "kw": kw, "pt": pt, "pending": []}
+    pos = positions_mode(Cin, Cout, taps, W, isz)
     NF = kt + 1
-    # SBUF: resident weights of one group, bias columns, the frame ring, output staging
+    f_first = 0 if cache is not None else CT     # padded frames that are loaded (zero frames are skipped)
+    ctx = {"top": 0, "Cin": Cin, "Cout": Cout, "Hin": Hin, "W": W, "kt": kt, "kh": kh, "kw": kw, "pt": pt,
+           "pending": [], "nci": nci, "NF": NF, "f_first": f_first, "gen2": gen2, "ps_i": 0, "h_i": 0, "t_i": 0,
+           "row_i": 0, "fin": None, "win": window(W)}
+    # SBUF: resident weights of one group, bias, the frame ring, output staging
     w_sb = []
     for j in range(nci):
         w_sb.append(_sb(ctx, (P, taps, cog * P), dt, isz))
+    ctx["w_sb"] = w_sb
     b_sb = []
-    for c in range(cog):
-        b_sb.append(_sb(ctx, (P, 1), nl.float32, 4))
+    ctx["b_sb"] = b_sb
+    if pos:
+        if bias is not None:
+            ctx["bias_bc"] = _sb(ctx, (P, Cout), nl.float32, 4)
+        ctx["h"] = [_sb(ctx, (P, Cout), dt, isz), _sb(ctx, (P, Cout), dt, isz), _sb(ctx, (P, Cout), dt, isz)]
+        orow = []
+        for s in range(N_OROW):
+            subs = []
+            for cs in range(nco):
+                subs.append(_sb(ctx, (P, ctx["win"][0], W), dt, isz))
+            orow.append(subs)
+        ctx["orow"] = orow
+    else:
+        for c in range(cog):
+            b_sb.append(_sb(ctx, (P, 1), nl.float32, 4))
     ring = []
     for j in range(nci):
         slots = []
@@ -224,14 +414,21 @@ def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1)
         ring.append(slots)
     ctx["ring"] = ring
     o_ring = []
-    for s in range(N_ORING):
-        o_ring.append(_sb(ctx, (P, r * cw), dt, isz))
+    if not pos:
+        for s in range(N_ORING):
+            o_ring.append(_sb(ctx, (P, r * cw), dt, isz))
     assert ctx["top"] <= nl.tile_size.sbuf_fmax_bytes, (
         f"causal_conv3d: SBUF working set {ctx['top']} bytes per partition exceeds nl.tile_size.sbuf_fmax_bytes="
         f"{nl.tile_size.sbuf_fmax_bytes}")
     psum = []
     for k in range(N_PSUM):
         psum.append(nl.ndarray((P, NT), dtype=nl.float32, buffer=nl.psum, address=(0, k * PSUM_BANK)))
+    ctx["psum"] = psum
+    ctx["n_acc"] = N_PSUM
+    if pos:  # banks 6 and 7 hold the transposes back to [Cout, positions]
+        ctx["n_acc"] = N_PSUM - 2
+        ctx["tps"] = [nl.ndarray((P, PSUM_BANK // isz), dtype=dt, buffer=nl.psum, address=(0, 6 * PSUM_BANK)),
+                      nl.ndarray((P, PSUM_BANK // isz), dtype=dt, buffer=nl.psum, address=(0, 7 * PSUM_BANK))]
     pw = (kw - 1) // 2
     if pw > 0:  # width padding columns of every frame slot: zero once (loads write the interior only)
         for j in range(nci):
@@ -250,9 +447,7 @@ def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1)
                 if k % nprg == prg:
                     units.append((b, g, h0, min(R, Hout - h0)))
                 k = k + 1
-    f_first = 0 if cache is not None else CT     # padded frames that are loaded (zero frames are skipped)
     nframes = CT + T - f_first
-    ps_i = 0
     o_i = 0
     loaded_group = (-1, -1)
     for u in range(len(units)):
@@ -260,19 +455,8 @@ def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1)
         band = (h0, rows)
         co_lo = g * cog * P
         co_hi = min(Cout, co_lo + cog * P)
-        if loaded_group != (b, g):
-            loaded_group = (b, g)
-            for j in range(nci):
-                c0 = j * P
-                nc = min(P, Cin - c0)
-                # [ci, taps, co] of this group: each partition reads taps runs of (co_hi - co_lo) contiguous values
-                nisa.dma_copy(dst=w_sb[j][0:nc, :, 0:co_hi - co_lo],
-                              src=w.ap(pattern=[[Cout, nc], [Cin * Cout, taps], [1, co_hi - co_lo]],
-                                       offset=c0 * Cout + co_lo))
-            if bias is not None:
-                for c in range(co_lo, co_hi, P):
-                    n = min(P, co_hi - c)
-                    nisa.dma_copy(dst=b_sb[(c - co_lo) // P][0:n, :], src=bias.ap(pattern=[[1, n], [1, 1]], offset=c))
+        weights_due = loaded_group != (b, g)
+        loaded_group = (b, g)
         # the band's frames, loaded one step ahead into a ring of kt + 1 slots
         loaded = 0
         for t in range(T):
@@ -281,42 +465,38 @@ def causal_conv3d_kernel(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1)
                 _load_frame(ctx, x, cache, b, band, f_first + li, li % NF)
             if target > loaded:
                 loaded = target
+            if weights_due:  # after the first frames: the DMAs of the frames the first matmuls need go first
+                _load_weights(ctx, w, bias, co_lo, co_hi, pos)
+                weights_due = False
             _flush_stores(ctx)
+            if pos:
+                _position_rows(ctx, out, bias, b, t, h0, rows)
+                continue
+            tiles = []   # this frame's output tiles (co tile, row group, column chunk), in groups of G_TILES
             for c in range(co_lo, co_hi, P):
-                con = min(P, co_hi - c)
-                cj = (c - co_lo)
                 for rr in range(0, rows, r):
-                    nr = min(r, rows - rr)
                     for c0 in range(0, W, cw):
-                        cwn = min(cw, W - c0)
-                        acc = psum[ps_i % N_PSUM][0:con, 0:nr * cwn]
-                        ps_i = ps_i + 1
-                        first = True
-                        # the chain: every (input-channel tile, tap) on a non-zero frame
-                        for dtt in range(kt):
-                            f = t + dtt
-                            if f >= f_first:
-                                slot = (f - f_first) % NF
-                                for j in range(nci):
-                                    nc = min(P, Cin - j * P)
-                                    for dh in range(kh):
-                                        for dw in range(kw):
-                                            tap = (dtt * kh + dh) * kw + dw
-                                            mov = ring[j][slot][0:nc, rr + dh:rr + dh + nr, c0 + dw:c0 + dw + cwn]
-                                            nisa.nc_matmul(dst=acc, stationary=w_sb[j][0:nc, tap, cj:cj + con],
-                                                           moving=mov, accumulate=not first)
-                                            first = False
-                        if len(ctx["pending"]) == N_ORING:  # the slot about to be reused has a store pending
-                            _flush_stores(ctx)
-                        o = o_ring[o_i % N_ORING][0:con, 0:nr * cwn]
-                        o_i = o_i + 1
-                        if bias is not None:
-                            nisa.activation(dst=o, op=nl.copy, data=acc, bias=b_sb[cj // P][0:con, :])
-                        elif gen2:
-                            nisa.activation(dst=o, op=nl.copy, data=acc)
-                        else:
-                            nisa.tensor_copy(dst=o, src=acc, engine=nisa.engine.scalar)
-                        dst = out[b, c:c + con, t, h0 + rr:h0 + rr + nr, c0:c0 + cwn]
-                        ctx["pending"].append((dst, o.reshape((con, nr, cwn))))
+                        tiles.append((c, rr, min(r, rows - rr), c0, min(cw, W - c0)))
+            for g0 in range(0, len(tiles), G_TILES):
+                grp = []
+                for i in range(g0, min(len(tiles), g0 + G_TILES)):
+                    c, rr, nr, c0, cwn = tiles[i]
+                    con = min(P, co_hi - c)
+                    acc = psum[ctx["ps_i"] % N_PSUM][0:con, 0:nr * cwn]
+                    ctx["ps_i"] = ctx["ps_i"] + 1
+                    grp.append((acc, rr, nr, c0, cwn, c - co_lo, con))
+                _chain(ctx, grp, t, False)
+                for i in range(len(grp)):
+                    acc, rr, nr, c0, cwn, cj, con = grp[i]
+                    if len(ctx["pending"]) == N_ORING:  # the slot about to be reused has a store pending
+                        _flush_stores(ctx)
+                    o = o_ring[o_i % N_ORING][0:con, 0:nr * cwn]
+                    o_i = o_i + 1
+                    if bias is not None:
+                        nisa.activation(dst=o, op=nl.copy, data=acc, bias=b_sb[cj // P][0:con, :])
+                    else:
+                        _copy(o, acc, True, gen2)
+                    dst = out[b, co_lo + cj:co_lo + cj + con, t, h0 + rr:h0 + rr + nr, c0:c0 + cwn]
+                    ctx["pending"].append((dst, o.reshape((con, nr, cwn)), -1))
     _flush_stores(ctx)
     return out

@@ -140,7 +140,7 @@ def test_height_shards_with_halos_equal_the_whole():
     torch.testing.assert_close(torch.cat(parts, dim=3), whole, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", ["bands", "groups", "lnc2", "trn1", "trn3"])
+@pytest.mark.parametrize("case", ["bands", "groups", "channels_wide", "lnc2", "trn1", "trn3"])
 def test_plan_paths_targets_and_lnc2(case, monkeypatch):
     target, lnc = {"trn1": ("trn1", 1), "trn3": ("trn3", 1), "lnc2": ("trn2", 2)}.get(case, ("trn2", 1))
     if case == "bands":  # a small input budget forces several row bands (and ring reuse across bands)
@@ -151,6 +151,9 @@ def test_plan_paths_targets_and_lnc2(case, monkeypatch):
         monkeypatch.setattr(ck, "W_BUDGET", 27 * 2 * 128 * 4)
         args = make_case(1, 140, 300, (3, 3, 3), 1, 4, 6, torch.float32)
         assert ck.plan(140, 300, 3, 3, 3, 4, 6, 4)[0] == 1
+    elif case == "channels_wide":  # Cout a multiple of 128 on a wide row: channels on the partitions, 2 column chunks
+        args = make_case(1, 20, 128, (3, 3, 3), 2, 3, 700, torch.bfloat16)
+        assert not ck.positions_mode(20, 128, 27, 700, 2) and ck.plan(20, 128, 3, 3, 3, 3, 700, 2)[3] == 350
     else:
         args = make_case(2, 130, 140, (3, 3, 3), 2, 5, 11, torch.bfloat16)
     out, rec = run_kernel(args, target, lnc)
@@ -197,6 +200,20 @@ def test_rejects_unsupported(kind):
         args = tuple(np.broadcast_to(np.zeros((), np.float32), a.shape) for a in args)
     with pytest.raises(AssertionError, match="causal_conv3d: .*" + kernel_msg):
         simulate(ck.causal_conv3d_kernel, numerics=kind != "cin_limit")(*args)
+
+
+def test_positions_mode_and_its_windows():
+    """Output channels that are not a multiple of 128 on rows of >= 128 positions go on the free axis (TensorE time
+    follows Cout exactly); the window covers a row with the fewest padded positions."""
+    pm = ck.positions_mode
+    assert pm(96, 96, 27, 832, 2) and pm(96, 3, 27, 832, 2) and pm(192, 192, 27, 416, 2) and pm(192, 96, 9, 832, 2)
+    assert not pm(384, 384, 27, 208, 2) and not pm(96, 96, 27, 104, 2) and not pm(16, 600, 27, 900, 2)
+    assert not pm(1280, 500, 27, 832, 2)    # every Cout's weights would not fit: channels mode
+    assert not pm(16, 500, 1, 4000, 4)      # two row groups of output would not fit: channels mode
+    assert ck.window(832) == (2, 64) and ck.window(416) == (4, 32) and ck.window(128) == (1, 128)
+    for W in (130, 600, 832, 1000):
+        wr, wc = ck.window(W)
+        assert wr * wc <= 128 and -(-W // wc) * wc <= -(-W // 128) * 128
 
 
 def test_limits_are_the_twins():
