@@ -278,6 +278,12 @@ def describe_cache(obj) -> str:
             if origin == DEFAULT_ORIGIN:
                 lines.append(f"  default: {DEFAULT_CACHES[hook.family][0]}; patch(..., cache=False) turns it off")
             lines.extend("  " + line for line in hook.describe())
+    from diffusers_nki.caching import wan_vae
+
+    vae_hook = wan_vae.find_wan_vae_cache(getattr(obj, "vae", None))
+    if vae_hook is not None:  # the streaming VAE decode cache (a pipeline's vae)
+        lines.append(f"{type(obj.vae).__name__}: static streaming decode cache installed by {vae_hook.origin}")
+        lines.extend("  " + line for line in vae_hook.describe())
     return "\n".join(lines)
 
 

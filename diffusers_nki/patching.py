@@ -850,6 +850,7 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             if isinstance(cache, cache_mod.StaticCacheConfig if cache_mod else ()) and not served:
                 # nothing to install the cache on: apply_static_cache warns (raises with config.strict)
                 cache_mod.apply_static_cache(pipe_or_model, cache)
+            _streaming_vae_cache(pipe_or_model, cache, install=True)
         except BaseException:
             _release(ps)
             raise
@@ -857,6 +858,17 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     logger.info("diffusers_nki.patch: %s -> backend %r%s", type(pipe_or_model).__name__, resolved,
                 " (strict)" if strict else "")
     return pipe_or_model
+
+
+def _streaming_vae_cache(pipe, cache, install: bool) -> None:
+    """The static streaming VAE decode cache of a pipeline that streams its decode (``caching.wan_vae``):
+    installed by ``patch(pipe)`` unless ``cache=False``, removed by ``unpatch(pipe)`` (a user's own stays)."""
+    from diffusers_nki.caching import wan_vae
+
+    if install:
+        wan_vae.install_for_patch(pipe, cache)
+    else:
+        wan_vae.release_for_patch(pipe)
 
 
 def _release_pipeline_caches(obj) -> None:
@@ -906,6 +918,7 @@ def unpatch(pipe_or_model):
         raise NotPatchedError(f"diffusers_nki.unpatch: this {type(pipe_or_model).__name__} was not patched "
                               "by diffusers_nki.patch()")
     _release_pipeline_caches(pipe_or_model)
+    _streaming_vae_cache(pipe_or_model, None, install=False)
     _release(ps)
     return pipe_or_model
 

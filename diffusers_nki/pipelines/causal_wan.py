@@ -86,14 +86,27 @@ class WanStreamingDecoder:
 
     ``decode(latents)`` takes normalized latents (as the transformer produces them) ``[B, z, f, h, w]`` and
     returns pixels in [-1, 1] ``[B, 3, T, H, W]`` (T = 1 + 4 (f - 1) for the first chunk, 4 f after).
+    With the static cache installed on the VAE (``diffusers_nki.patch(pipe)`` or
+    ``diffusers_nki.caching.wan_vae.apply_wan_vae_cache``) the feature cache is that module's preallocated,
+    in-place buffers (one compiled graph per call shape; ``process_group``: the decode split over the height,
+    every rank returns the whole frames); without it, the stock list cache (diffusers' own ``feat_cache``).
     Tiled decoding is not streamed (raises): disable ``vae.use_tiling``."""
 
-    def __init__(self, vae):
-        from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    def __init__(self, vae, process_group=None):
+        from diffusers_nki.caching.wan_vae import find_wan_vae_cache
 
         self.vae = vae
-        self.cache: List[Optional[torch.Tensor]] = [None] * sum(
-            isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        self.hook = find_wan_vae_cache(vae)
+        self.process_group = process_group
+        if self.hook is None and process_group is not None:
+            raise ValueError("WanStreamingDecoder: a process_group (height-sharded decode) needs the static VAE cache: "
+                             "diffusers_nki.caching.wan_vae.apply_wan_vae_cache(vae) or diffusers_nki.patch(pipe)")
+        self.stream = None  # the static path's WanVAEStream, made on the first chunk (its geometry)
+        self.cache: List[Optional[torch.Tensor]] = []  # the stock path's list cache
+        if self.hook is None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+            self.cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         self.first = True
         self.frames_in = 0
 
@@ -102,6 +115,16 @@ class WanStreamingDecoder:
         if getattr(vae, "use_tiling", False):
             raise NotImplementedError("WanStreamingDecoder: tiled VAE decoding cannot be streamed; call "
                                       "vae.disable_tiling() first")
+        if self.hook is not None:
+            z = denormalize_latents(vae, latents)
+            if self.stream is None:
+                B, _, _, h, w = z.shape
+                group = "config" if self.process_group is None else self.process_group
+                self.stream = self.hook.new_stream(vae, B, h, w, process_group=group)
+            out = self.stream.decode(z)
+            self.first = False
+            self.frames_in += z.shape[2]
+            return out
         cfg = vae.config
         x = vae.post_quant_conv(denormalize_latents(vae, latents))
         outs = []
@@ -352,16 +375,35 @@ class CausalWanPipeline(DiffusionPipeline):
         args = self._prepare(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
                              context_timestep, num_frame_per_block, generator, latents, prompt_embeds,
                              max_sequence_length)
+        if output_type != "latent" and self.vae is None:
+            raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
+        chunks = self._rollout(*args, generator, callback_on_step_end, list(callback_on_step_end_tensor_inputs))
+        yield from self._decode_stream(chunks, output_type)
+        self.maybe_free_model_hooks()
+
+    def _decode_stream(self, chunks: Iterator[CausalWanStreamChunk], output_type: str
+                       ) -> Iterator[CausalWanStreamChunk]:
+        """The streamed decode of the rollout's chunks (one ``WanStreamingDecoder`` per stream). Under
+        ``diffusers_nki.vae_parallel.disaggregate(pipe, layout)``: on the DiT ranks the chunks pass through
+        (latents sent to the VAE ranks; ``frames`` stay None), on the VAE ranks the received chunks are decoded,
+        height-sharded over the VAE ranks (the rollout never runs there)."""
+        from diffusers_nki.vae_parallel import disaggregation_of
+
+        split = disaggregation_of(self)
+        if split is not None:
+            chunks = split.route(chunks)
+            if not split.decodes:
+                yield from chunks
+                return
         decoder = None
         if output_type != "latent":
-            if self.vae is None:
-                raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-            decoder = WanStreamingDecoder(self.vae)
-        for chunk in self._rollout(*args, generator, callback_on_step_end, list(callback_on_step_end_tensor_inputs)):
+            decoder = WanStreamingDecoder(self.vae, None if split is None else split.vae_group)
+        for chunk in chunks:
+            if not isinstance(chunk, CausalWanStreamChunk):  # received by a VAE rank
+                chunk = CausalWanStreamChunk(index=chunk.index, start_frame=chunk.start_frame, latents=chunk.latents)
             if decoder is not None:
                 chunk.frames = self._postprocess(decoder.decode(chunk.latents), output_type)
             yield chunk
-        self.maybe_free_model_hooks()
 
     @torch.no_grad()
     def __call__(self, prompt: Union[str, List[str], None] = None, height: int = 480, width: int = 832,
