@@ -132,8 +132,8 @@ def test_vae_shards_by_height_with_halos(vae):
     conv = lambda v: sum(t["seconds"] for t in v["terms"] if "conv" in t["name"].lower())  # noqa: E731
     # the 8-way split does 1/8 of the rows plus the halo rows' extra work; one core does it all
     assert conv(one) / 8 < conv(eight) < conv(one) / 8 * 1.35
-    assert any("halo exchange" in t["name"] for t in eight["terms"])
-    assert not any("halo exchange" in t["name"] for t in one["terms"])
+    assert any("all-gathers" in t["name"] for t in eight["terms"])
+    assert not any("all-gather" in t["name"] for t in one["terms"])
 
 
 def test_layouts_count_only_what_is_implemented(probe, vae):
@@ -143,7 +143,7 @@ def test_layouts_count_only_what_is_implemented(probe, vae):
     rows = {r["name"]: r for r in lay["layouts"]}
     serial = rows["serial, decode on one core"]
     assert serial["implemented"] and serial["chunk_s"] == pytest.approx(serial["dit_s"] + serial["vae_s"])
-    sharded = rows["serial, decode sharded over 8 cores"]
+    sharded = rows["shared: DiT then decode, both over 8 cores (height-sharded)"]
     assert not sharded["implemented"] and "not implemented" in sharded["status"]
     for r in lay["layouts"]:
         if r["kind"] == "disaggregated":
@@ -155,7 +155,7 @@ def test_layouts_count_only_what_is_implemented(probe, vae):
     res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), only)
     t2 = res["targets"]["trn2"]
     assert t2["headline"]["name"] == "serial, decode on one core" and t2["fps"] == pytest.approx(12 / serial["chunk_s"])
-    everything = dict(only, sharded_decode="x", disaggregated="y")
+    everything = dict(only, shared="x", **{f"disaggregated {w}/{8 - w}": "y" for w in range(1, 8)})
     res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), everything)
     t2 = res["targets"]["trn2"]
     assert t2["headline"] is t2["best_modeled"] and t2["fps"] > 12 / serial["chunk_s"]
@@ -164,12 +164,33 @@ def test_layouts_count_only_what_is_implemented(probe, vae):
 def test_implemented_layouts_follow_the_vae_workstreams_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers_nki.vae_parallel", None)  # absent: only the one-core decode
     assert set(budget.implemented_layouts()) == {"serial_one_core"}
-    fake = types.ModuleType("diffusers_nki.vae_parallel")
-    fake.IMPLEMENTED_LAYOUTS = ("sharded_decode",)
+    monkeypatch.delitem(sys.modules, "diffusers_nki.vae_parallel")
+    from diffusers_nki import vae_parallel
+
+    got = budget.implemented_layouts()
+    want = {"serial_one_core", "shared"} | {f"disaggregated {8 - v}/{v}" for v in range(1, 8)}
+    assert set(got) == want == {"serial_one_core"} | {
+        ("shared" if lay.name == "shared" else f"disaggregated {lay.w_dit}/{lay.w_vae}")
+        for lay in vae_parallel.implemented_layouts(8) if lay.implemented}
+    fake = types.ModuleType("diffusers_nki.vae_parallel")  # a layout listed as not implemented does not count
+    fake.implemented_layouts = lambda cores: [vae_parallel.DecodeLayout("shared", cores, cores, False, implemented=False)]
     monkeypatch.setitem(sys.modules, "diffusers_nki.vae_parallel", fake)
-    assert set(budget.implemented_layouts()) == {"serial_one_core", "sharded_decode"}
-    fake.IMPLEMENTED_LAYOUTS = ("sharded_decode", "disaggregated", "something_else")
-    assert set(budget.implemented_layouts()) == {"serial_one_core", "sharded_decode", "disaggregated"}
+    assert set(budget.implemented_layouts()) == {"serial_one_core"}
+
+
+def test_sharded_decode_collectives_are_the_vae_workstreams(vae):
+    """The sharded layouts cost the all-gathers caching.wan_vae.decode_collectives lists (3 decoder calls)."""
+    from diffusers import AutoencoderKLWan
+
+    import torch
+    from diffusers_nki.caching.wan_vae import decode_collectives
+
+    with torch.device("meta"):
+        m = AutoencoderKLWan()
+    per_call = decode_collectives(m, 1, 60, 104, 4, frames=1)
+    four = budget.vae_terms(vae, 4, "trn2", FakeModel())
+    coll = [t for t in four["terms"] if "all-gathers" in t["name"]][0]
+    assert coll["collectives"] == 3 * len(per_call) and coll["label"].startswith("ASSUMPTION")
 
 
 def test_calibration_row_comes_from_bench_calibrate(monkeypatch):

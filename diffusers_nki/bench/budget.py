@@ -34,15 +34,18 @@ interior rows and scaled by rows (each band of rows is identical work).
 Layouts of the chip's 8 NeuronCores (one rank = one core):
 - serial, decode on one core: the DiT on all 8 cores, then the chunk's decode on one core -- what the code runs
   today (``WanStreamingDecoder``); chunk time = DiT(8) + VAE(1).
-- serial, decode sharded over the 8 cores (height halos): chunk time = DiT(8) + VAE(8).
+- shared: the DiT over the 8 cores, then the same cores decode height-sharded: chunk time = DiT(8) + VAE(8).
 - disaggregated (W_dit, W_vae): W_dit cores denoise chunk i + 1 while W_vae cores decode chunk i; steady-state
   time per chunk = max(DiT(W_dit), VAE(W_vae) + latent hand-over), latency = the sum. The overlap is the
   schedule's: the two groups share nothing but HBM, each core at its 1/8 share (contention beyond that share
   is not modeled, ASSUMPTION). Splits whose perfect-scaling lower bound cannot beat the best layout found are
   pruned (said so in the JSON).
-A layout COUNTS (its fps is printed as a result) only when the code implements it: the sharded decode and the
-disaggregation are the ``vae`` workstream's (``diffusers_nki.vae_parallel``, which lists what it implements in
-``IMPLEMENTED_LAYOUTS``); until then those rows say "not implemented" and are left out of the headline fps.
+A layout COUNTS (its fps is printed as a result) only when the code implements it: the one-core decode always
+(``WanStreamingDecoder``); the shared (height-sharded) decode and every disaggregated split only when
+``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the vae workstream's gloo tests run each); a layout
+it does not list says "not implemented" and is left out of the headline fps. The sharded decode's collectives are
+those ``caching.wan_vae.decode_collectives`` lists (all-gathers of the edge rows before every 3-row convolution,
+of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model.
 """
 from __future__ import annotations
 
@@ -454,6 +457,29 @@ def _shard_rows(H: int, V: int, kh: int) -> Tuple[int, int, int, float]:
     return rows + halo, pt, pb, scale
 
 
+_COLLECTIVES: Dict[tuple, Optional[list]] = {}
+
+
+def _decode_collectives(V: int, vae: dict) -> Optional[list]:
+    """The collectives of the height-sharded decode over V ranks for one steady chunk (``caching.wan_vae.
+    decode_collectives`` per decoder call, one call per latent frame), or None where that module is absent."""
+    key = (V, vae["latent_frames"])
+    if key not in _COLLECTIVES:
+        try:
+            from diffusers_nki.caching.wan_vae import decode_collectives
+        except ImportError:
+            _COLLECTIVES[key] = None
+            return None
+        import torch
+        from diffusers import AutoencoderKLWan
+
+        with torch.device("meta"):
+            m = AutoencoderKLWan()
+        per_call = decode_collectives(m, 1, HEIGHT // 8, WIDTH // 8, V, frames=1, first=False)
+        _COLLECTIVES[key] = list(per_call) * vae["latent_frames"]
+    return _COLLECTIVES[key]
+
+
 def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) -> dict:
     """The VAE decode's per-chunk terms on the slowest of V ranks (height split, halos): ``{"terms", "seconds"}``."""
     from diffusers_nki.bench import scaling
@@ -496,27 +522,32 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
         soft = k * q_rows * n * (4 + 4 + 2 + 2)  # fp32 scores written + read, bf16 probabilities written + read
         terms.append(_term("mid-block attention softmax (HBM traffic)", soft / hbm,
                            "ASSUMPTION: the scores round-trip HBM once in fp32 and once in bf16, unfused", bytes=soft))
-        if V > 1:
-            comm = scaling._Comm()
-            for _ in range(k):
-                scaling._collective(fab, V, 1, V, 2 * q_rows * C * E, "all_gather", comm)  # k and v
-            terms.append(_term("mid-block attention K/V all-gather", comm.seconds,
-                               "ASSUMPTION: how the sharded decode serves the whole-frame attention; bench/scaling "
-                               "collective model"))
+    listed = _decode_collectives(V, vae) if V > 1 else None
+    if V > 1 and listed is not None:  # what the sharded decode does (the vae workstream's list), costed here
+        comm = scaling._Comm()
+        for c in listed:
+            scaling._collective(fab, V, 1, V, c["elements_per_rank"] * E, "all_gather", comm)
+        terms.append(_term("sharded-decode all-gathers (edge rows before every 3-row conv, mid-attention K/V, the "
+                           "decoded rows)", comm.seconds,
+                           "ASSUMPTION: bench/scaling collective model (bandwidth share + 2 us each), not overlapped; "
+                           "the collectives are caching.wan_vae.decode_collectives'", collectives=comm.collectives))
     el = (vae["elementwise_bytes"] + vae["cache_update_bytes"]) / V
     terms.append(_term("norms, SiLU, residual adds, upsampling copies, clamp, cache update (HBM traffic)", el / hbm,
                        "ASSUMPTION: every elementwise op reads and writes its tensor once in bf16 (unfused), the "
                        "static cache update reads + writes 2 frames per causal convolution; split evenly over the "
                        "ranks", bytes=el))
-    if V > 1:  # one halo row per neighbour before every convolution with 3 rows (sent and received)
+    if V > 1 and listed is None:  # no list from the vae workstream: one halo row per neighbour, K/V all-gathered
         comm = scaling._Comm()
         for c in vae["convs"]:
             if c["k"][1] > 1:
                 piece = ((c["k"][1] - 1) // 2) * c["Cin"] * c["T"] * c["W"] * E
                 for _ in range(c["count"]):
                     scaling._collective(fab, V, 1, min(3, V), piece, "all_to_all", comm)
-        terms.append(_term("halo exchange before every 3-row convolution", comm.seconds,
-                           "ASSUMPTION: point-to-point with each neighbour at the bench/scaling bandwidth and "
+        for a in vae["attention"]:
+            for _ in range(a["count"] * a["T"]):
+                scaling._collective(fab, V, 1, V, 2 * -(-a["H"] * a["W"] // V) * a["C"] * E, "all_gather", comm)
+        terms.append(_term("halo exchange and mid-attention K/V all-gather", comm.seconds,
+                           "ASSUMPTION: point-to-point halos and a K/V all-gather at the bench/scaling bandwidth and "
                            "latency, not overlapped", collectives=comm.collectives))
     return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
 
@@ -524,18 +555,28 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
 # ------------------------------------------------------------------------------------------------------
 # layouts
 # ------------------------------------------------------------------------------------------------------
-def implemented_layouts() -> Dict[str, str]:
-    """Which layouts the code implements, each with the evidence: ``{"serial_one_core": why, ...}``. The serial
-    one-core decode is ``WanStreamingDecoder`` (always); the sharded decode and the DiT/VAE disaggregation count
-    once ``diffusers_nki.vae_parallel`` (the ``vae`` workstream) lists them in ``IMPLEMENTED_LAYOUTS``."""
+def implemented_layouts(cores: int = CORES) -> Dict[str, str]:
+    """Which layouts the code implements, each with the evidence: ``{"serial_one_core": why, "shared": why,
+    "disaggregated W_dit/W_vae": why, ...}``. The one-core decode is ``WanStreamingDecoder`` in one process (always);
+    the sharded and disaggregated layouts are the ones ``diffusers_nki.vae_parallel.implemented_layouts(cores)``
+    lists with ``implemented=True`` (the vae workstream: each is run by its gloo tests)."""
     out = {"serial_one_core": "diffusers_nki.pipelines.causal_wan.WanStreamingDecoder (one process decodes the chunk)"}
     try:
         vp = importlib.import_module("diffusers_nki.vae_parallel")
     except ImportError:
         return out
-    for name in tuple(getattr(vp, "IMPLEMENTED_LAYOUTS", ())):
-        if name in ("sharded_decode", "disaggregated"):
-            out[name] = f"diffusers_nki.vae_parallel.IMPLEMENTED_LAYOUTS lists {name!r}"
+    fn = getattr(vp, "implemented_layouts", None)
+    if fn is None:
+        return out
+    for lay in fn(cores):
+        if not getattr(lay, "implemented", False):
+            continue
+        if lay.name == "shared":
+            out["shared"] = (f"diffusers_nki.vae_parallel DecodeLayout('shared', {lay.w_dit}, {lay.w_vae}): the DiT's "
+                             "ranks then decode height-sharded (caching.wan_vae, WanVAECacheConfig(process_group=...))")
+        elif lay.name == "disaggregated":
+            out[f"disaggregated {lay.w_dit}/{lay.w_vae}"] = (
+                f"diffusers_nki.vae_parallel DecodeLayout('disaggregated', {lay.w_dit}, {lay.w_vae}): Disaggregation")
     return out
 
 
@@ -578,20 +619,21 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
                      "fps": 4 * CHUNK_FRAMES / chunk_s, "dit_s": D(Wd)["seconds"], "vae_s": V(Wv)["seconds"],
                      "implemented": not missing, "needs": list(need),
                      "status": ("implemented: " + "; ".join(impl[n] for n in need if n in impl) if not missing else
-                                "not implemented: needs " + " and ".join(missing) + " (vae workstream)") +
+                                "not implemented: " + " and ".join(missing) + " is not in "
+                                "diffusers_nki.vae_parallel.implemented_layouts") +
                                (f"; {extra}" if extra else "")})
 
     d8 = D(CORES)["seconds"]
     add("serial, decode on one core", "serial", CORES, 1, ["serial_one_core"], d8 + V(1)["seconds"],
         d8 + V(1)["seconds"])
-    add(f"serial, decode sharded over {CORES} cores", "serial", CORES, CORES, ["sharded_decode"],
+    add(f"shared: DiT then decode, both over {CORES} cores (height-sharded)", "serial", CORES, CORES, ["shared"],
         d8 + V(CORES)["seconds"], d8 + V(CORES)["seconds"])
     pruned = []
     for Wd in sorted(_valid_dit_worlds(tpf), reverse=True):
         Wv = CORES - Wd
         if Wv < 1:
             continue
-        need = ["disaggregated"] + (["sharded_decode"] if Wv > 1 else [])
+        need = [f"disaggregated {Wd}/{Wv}"]
         lower = d8 * CORES / Wd  # the DiT cannot scale better than perfectly
         best_all = min(r["chunk_s"] for r in rows)
         done = [r["chunk_s"] for r in rows if r["implemented"]]
