@@ -198,11 +198,21 @@ def test_calibration_row_comes_from_bench_calibrate(monkeypatch):
     row = budget.calibration_row()
     assert row["available"] is False and "bench calibrate" in row["why"]
     fake = types.ModuleType("diffusers_nki.bench.calibrate")
-    fake.tutorial_matmul_rows = lambda target="trn2": [f"{target} tutorial matmul: published 1.00 ms, modeled 1.05 ms"]
+    seen = []
+
+    def run_anchor(a, quick=False):
+        seen.append((a.name, quick))
+        return {"status": "ok", "shape": "fp32 [4096,8192]@[8192,8192]", "published_s": 28.3e-3,
+                "modeled": {"scheduled_s": 29.0e-3}, "ratio": 29.0 / 28.3}
+
+    fake.anchors = lambda: [types.SimpleNamespace(name="tut2_v5_block_all", target="trn2"),
+                            types.SimpleNamespace(name="tut1_tiled", target="trn1")]
+    fake.run_anchor = run_anchor
     monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", fake)
     row = budget.calibration_row("trn2")
-    assert row["available"] and "published" in row["rows"][0]
-    assert "published 1.00 ms" in budget.render([], row)
+    assert row["available"] and seen == [("tut2_v5_block_all", True)]  # the trn2 tutorial rows, its suite mode
+    assert "published 28.30 ms, modeled 29.00 ms" in row["rows"][0]
+    assert "published 28.30 ms" in budget.render([], row)
 
 
 def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch, probe, vae):
@@ -210,6 +220,7 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(budget, "vae_decode_calls", lambda *a, **k: vae)
     monkeypatch.setattr(budget, "_Model", FakeModel)
     monkeypatch.setitem(sys.modules, "diffusers_nki.vae_parallel", None)
+    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
     out_json = tmp_path / "sub" / "bench_budget.json"
     args = cli.build_parser().parse_args(["bench", "budget", "--setups", "self_forcing", "--targets", "trn2",
                                           "--json", str(out_json), "--no-progress"])

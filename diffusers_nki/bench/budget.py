@@ -651,23 +651,30 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
 # ------------------------------------------------------------------------------------------------------
 # the calibration row behind the GEMM model
 # ------------------------------------------------------------------------------------------------------
-def calibration_row(target: str = "trn2") -> dict:
-    """AWS's published trn2 kernel-optimization tutorial matmul vs the same kernel modeled in this run, from the
-    ``sim-cost`` workstream's ``bench calibrate`` (``diffusers_nki.bench.calibrate``). ``{"available": False,
-    "why"}`` until that module exists."""
+def calibration_row(target: str = "trn2", quick: bool = True) -> dict:
+    """AWS's published trn2 kernel-optimization tutorial matmuls (fp32 [4096, 8192] @ [8192, 8192], one core)
+    beside the same kernels modeled in THIS run, from the sim-cost workstream's ``bench calibrate``
+    (``diffusers_nki.bench.calibrate``: its anchors ``tut2_*`` and ``run_anchor``; ``quick``: its suite mode,
+    1/8 of the outermost loop traced and scaled). ``{"available": False, "why"}`` where that module is absent."""
     try:
         cal = importlib.import_module("diffusers_nki.bench.calibrate")
     except ImportError as e:
         return {"available": False, "why": f"diffusers_nki.bench.calibrate is not in this tree ({e}); the sim-cost "
-                                           "workstream's `bench calibrate` provides the tutorial matmul row"}
-    fn = getattr(cal, "tutorial_matmul_rows", None) or getattr(cal, "calibration_rows", None)
-    if fn is None:
-        return {"available": False, "why": "diffusers_nki.bench.calibrate has no tutorial_matmul_rows()"}
-    try:
-        rows = fn(target) if target else fn()
-    except TypeError:
-        rows = fn()
-    return {"available": True, "rows": rows}
+                                           "workstream's `bench calibrate` provides the tutorial matmul rows"}
+    if not hasattr(cal, "anchors") or not hasattr(cal, "run_anchor"):
+        return {"available": False, "why": "diffusers_nki.bench.calibrate has no anchors() / run_anchor()"}
+    rows = []
+    for a in cal.anchors():
+        if a.name.startswith("tut2_") and a.target == target:
+            r = cal.run_anchor(a, quick=quick)
+            if r.get("status") == "ok":
+                rows.append(f"{a.name} ({r['shape']}, {target}): published {1e3 * r['published_s']:.2f} ms, modeled "
+                            f"{1e3 * r['modeled']['scheduled_s']:.2f} ms (scheduled), ratio {r['ratio']:.2f}")
+            else:
+                rows.append(f"{a.name}: not run ({r.get('status')}: {r.get('reason')})")
+    if not rows:
+        return {"available": False, "why": f"bench calibrate has no tut2_* anchor for {target}"}
+    return {"available": True, "rows": rows, "quick": quick, "source": "diffusers_nki.bench.calibrate.run_anchor"}
 
 
 # ------------------------------------------------------------------------------------------------------
