@@ -31,6 +31,8 @@ BENCH_SUBCOMMANDS = {
     "budget": ("diffusers_nki.bench.budget", "MODELED end-to-end time and fps per chunk of chunk-causal Wan on trn2/trn3"),
     "scaling": ("diffusers_nki.bench.scaling", "modeled attention under context parallelism (Ulysses x ring), "
                 "per chip and multi-chip, collectives included"),
+    "calibrate": ("diffusers_nki.bench.calibrate", "modeled vs AWS's published hardware figures (the cost model's "
+                  "calibration table)"),
 }
 
 

@@ -59,6 +59,12 @@ __all__ = [
     "model",
     "model_all",
     "format_comparison",
+    "Hypotheses",
+    "BASELINE",
+    "SENSITIVITY_ROWS",
+    "DMA_TRANSPOSE_MODES",
+    "act_function",
+    "fits_sbuf",
 ]
 
 
@@ -126,6 +132,38 @@ class GenSpec:
     dma_transpose_hbm_factor: float
     dma_transpose_sbuf_factor: float
     hbm_per_core: float
+    # -- documented costs the schedule charges (docs/COST_MODEL_SCHEDULE.md "Documented costs") -------------
+    # SBUF/PSUM tensor access start ~60 cycles, "compute engines can typically hide some of this latency
+    # through instruction level parallelism" [ARCH2 "Tensor access overhead"]: exposed on a RAW edge (the
+    # consumer cannot start its access before the producer's output is committed), hidden between
+    # independent back-to-back instructions (the MIN_II covers them).
+    access_ovh: int = 60
+    # What a dependent issue costs beyond DEP_OVH + access: ASSUMPTION, the remainder of [PERF] Opt #5's
+    # measurement (dependent 1-element ScalarE instructions issue every 189 ns = 264 ScalarE cycles on NC-v2:
+    # 264 = MIN_II 64 + DEP_OVH 100 + access 60 + 40).
+    dep_residual: int = 40
+    # v3+: VectorE's performance modes (2x / 4x) use a memory bus shared with GpSimd, "arbitrating between
+    # GpsimdE and relevant VectorE instructions" [ARCH3 "Data Movement Updates" 1b]
+    dve_pool_shared_bus: bool = False
+    # v3+: VectorE and ScalarE "can access PSUM at full bandwidth in parallel, as long as their accesses do not
+    # collide on the same PSUM bank" [ARCH3 "Data Movement Updates" 2b]
+    psum_bank_conflicts: bool = False
+    # -- calibrated corrections (bench calibrate; each names the anchors it rests on) -----------------------
+    # Per-core ceiling on DMA throughput, B/ns (None = the engines x per-engine rate only). trn1: MEASURED,
+    # AWS's trn1 matmul tutorial's three DMA-bound versions move 5.44 / 4.43 / 2.28 GB in 51.80 / 42.96 /
+    # 22.07 ms = 105 / 103 / 103 GB/s ([TUT1]; the engine model gives ~200).
+    dma_core_cap: Optional[float] = None
+    # VectorE tensor_tensor with one input in SBUF and the other in PSUM, elements/partition/cycle (None = the
+    # 2N rule [ARCH2]). trn2: MEASURED, AWS's kernel-optimization tutorial version 5 (VectorE active 2.99 ms for
+    # 4096 fp32 [128, 512] SBUF+PSUM adds and 1024 memsets/copies, [TUT2]) implies ~1 element per cycle, not
+    # the 2N rule's 0.5 (1.65x). Mechanism ASSUMPTION: the two inputs stream from two memories at once.
+    dve_tt_split_rate: Optional[float] = None
+
+    @property
+    def raw_latency_cycles(self) -> int:
+        """Cycles (of the consumer's clock) between a producer's end and a RAW-dependent instruction's start:
+        DEP_OVH + SBUF/PSUM access + the measured remainder (COST_MODEL_SCHEDULE.md)."""
+        return self.dep_ovh + self.access_ovh + self.dep_residual
 
     @property
     def pe_peak_flops(self) -> float:
@@ -184,6 +222,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dma_transpose_hbm_factor=0.9,   # ASSUMPTION: [ARCH3]'s v3 figure
         dma_transpose_sbuf_factor=0.5,  # ASSUMPTION: [ARCH3]'s v3 figure
         hbm_per_core=410.0,          # 820 GB/s / 2 cores, derived [ARCH2, TRN1]
+        access_ovh=60,               # [ARCH2 "Tensor access overhead"]
+        dep_residual=40,             # ASSUMPTION: remainder of [PERF]'s measured 264-cycle dependent issue
+        dve_pool_shared_bus=False,   # v2: the stricter shared SBUF port (port_conflicts) [ARCH2]
+        psum_bank_conflicts=False,   # v2: the stricter shared PSUM port (port_conflicts) [ARCH2]
+        dma_core_cap=104.0,          # MEASURED: [TUT1] DMA-bound versions, 103-105 GB/s per core
+        dve_tt_split_rate=None,      # v2: 2N rule [ARCH2] (no measurement)
     ),
     "trn2": GenSpec(
         name="trn2", nc="NC-v3", nc_version=3,  # [ARCH3]
@@ -230,6 +274,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dma_transpose_hbm_factor=0.9,   # HBM->SBUF dma_transpose up to 90% [ARCH3]
         dma_transpose_sbuf_factor=0.5,  # SBUF->SBUF dma_transpose up to 50% [ARCH3]
         hbm_per_core=362.0,          # 2.9 TB/s / 8 cores, derived [TRN2]
+        access_ovh=60,               # ASSUMPTION: [ARCH2]'s NC-v2 figure, equal in cycles
+        dep_residual=40,             # ASSUMPTION: as v2 ([PERF] measured on NC-v2)
+        dve_pool_shared_bus=True,    # [ARCH3 "Data Movement Updates" 1b]
+        psum_bank_conflicts=True,    # [ARCH3 "Data Movement Updates" 2b]
+        dma_core_cap=None,           # none: the engine model [DMA]; [TUT2] version 2 (DMA-bound) checks it
+        dve_tt_split_rate=1.0,       # MEASURED: [TUT2] version 5 VectorE time
     ),
     "trn3": GenSpec(
         name="trn3", nc="NC-v4", nc_version=4,  # [ARCH4]
@@ -276,6 +326,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dma_transpose_hbm_factor=0.9,   # ASSUMPTION: v3's [ARCH3] figure
         dma_transpose_sbuf_factor=0.5,  # ASSUMPTION: v3's [ARCH3] figure
         hbm_per_core=612.0,          # 4.9 TB/s / 8 cores, derived [TRN3]
+        access_ovh=60,               # ASSUMPTION: [ARCH2]'s NC-v2 figure, equal in cycles
+        dep_residual=40,             # ASSUMPTION: as v2
+        dve_pool_shared_bus=True,    # ASSUMPTION: as v3 [ARCH3]
+        psum_bank_conflicts=True,    # ASSUMPTION: as v3 [ARCH3]
+        dma_core_cap=None,           # ASSUMPTION: none (the engine model [DMA]); no measurement
+        dve_tt_split_rate=1.0,       # ASSUMPTION: as v3 ([TUT2] measured on trn2)
     ),
 }
 
@@ -298,6 +354,127 @@ def resolve_target(target: str) -> str:
 def get_spec(target: str) -> GenSpec:
     """The ``GenSpec`` for a target or alias."""
     return GENERATIONS[resolve_target(target)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Named hypotheses: what the Neuron documents leave open
+# --------------------------------------------------------------------------------------------------
+
+DMA_TRANSPOSE_MODES = ("baseline", "flat50", "slow2x")
+_ACT_TABLE_OPS = ("activation", "activation_reduce", "tensor_copy")
+
+
+def act_function(instr: Instr) -> Optional[str]:
+    """The ScalarE function an instruction needs loaded in the activation table, or None (not a table user).
+
+    ``activation`` / ``activation_reduce`` on ScalarE: their ``op`` (``extra["func"]``, e.g. "exp", "copy");
+    ``tensor_copy`` on ScalarE: "copy" (ASSUMPTION: a ScalarE copy is the copy activation). Every other
+    instruction (ScalarE ``tensor_scalar`` etc., other engines) is None: ASSUMPTION, ALU-only."""
+    if instr.engine != "act" or instr.op not in _ACT_TABLE_OPS:
+        return None
+    if instr.op == "tensor_copy":
+        return "copy"
+    func = instr.extra.get("func") if instr.extra else None
+    return str(func) if func is not None else "copy"
+
+
+@dataclass(frozen=True)
+class Hypotheses:
+    """Named hypotheses for hardware behaviour the Neuron documents leave open. The project's rule: show
+    results under each, never tune to one. ``Hypotheses()`` (= ``BASELINE``) is the documented-or-nothing
+    model every headline uses; ``SENSITIVITY_ROWS`` lists the named alternatives.
+
+    - ``act_table_reload_us``: ScalarE reloads its activation-function table whenever it switches function
+      (``act_function``: exp -> copy -> exp ... in ScalarE program order, per core), costing this many
+      microseconds on ScalarE before the instruction (the reload needs no data, so it overlaps the
+      instruction's wait for its inputs; it holds ScalarE). 0 = no reload cost (baseline: nothing is
+      published about a reload cost). Named rows: 0.5 us and 1.3 us.
+    - ``dma_transpose``: throughput of transposing DMAs. "baseline" = the documented "up to" figures,
+      HBM->SBUF 90% and SBUF->SBUF 50% of DMA throughput [ARCH3]; "flat50" = 50% whatever the source;
+      "slow2x" = half the baseline (45% / 25%).
+    - ``usable_sbuf_kib``: SBUF bytes per partition a kernel may use, KiB; None = the physical size (192 / 224
+      / 256 KiB on trn1 / trn2 / trn3 [ARCH2/3/4]). A value above the physical size is clamped to it. This one
+      acts at TRACE time (the kernel sizes itself from ``nl.tile_size`` and the allocator enforces it): trace
+      with ``simulate(kernel, target, **hyp.simulate_kwargs(target))``; the schedule only checks the record
+      against it (a note and ``ScheduleReport.fits_sbuf``). Named rows: 208 KiB (224 - 16 KiB, the reserve
+      nki-library's ``bwmm_bwd_dropless`` leaves itself) and 192 KiB.
+    """
+
+    act_table_reload_us: float = 0.0
+    dma_transpose: str = "baseline"
+    usable_sbuf_kib: Optional[float] = None
+
+    def __post_init__(self):
+        r = self.act_table_reload_us
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not (0.0 <= float(r) <= 100.0):
+            raise ValueError(f"act_table_reload_us={r!r} must be a number of microseconds in [0, 100]")
+        if self.dma_transpose not in DMA_TRANSPOSE_MODES:
+            raise ValueError(f"dma_transpose={self.dma_transpose!r} must be one of {DMA_TRANSPOSE_MODES}")
+        u = self.usable_sbuf_kib
+        if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not (16 <= float(u) <= 256)):
+            raise ValueError(f"usable_sbuf_kib={u!r} must be None (physical) or a KiB count in [16, 256]")
+
+    @property
+    def is_baseline(self) -> bool:
+        return self == BASELINE
+
+    @property
+    def name(self) -> str:
+        """A short human name: "baseline" or the non-default settings joined by ", "."""
+        parts = []
+        if self.act_table_reload_us:
+            parts.append(f"act table reload {self.act_table_reload_us:g} us")
+        if self.dma_transpose != "baseline":
+            parts.append({"flat50": "dma transpose flat 50%", "slow2x": "dma transpose 2x slower"}[self.dma_transpose])
+        if self.usable_sbuf_kib is not None:
+            parts.append(f"usable SBUF {self.usable_sbuf_kib:g} KiB")
+        return ", ".join(parts) or "baseline"
+
+    def dma_transpose_factor(self, spec: "GenSpec", from_hbm: bool) -> float:
+        """Fraction of the DMA throughput a transposing DMA gets."""
+        if self.dma_transpose == "flat50":
+            return 0.5
+        base = spec.dma_transpose_hbm_factor if from_hbm else spec.dma_transpose_sbuf_factor
+        return base / 2.0 if self.dma_transpose == "slow2x" else base
+
+    def sbuf_bytes(self, target) -> int:
+        """SBUF bytes per partition available to a kernel on ``target`` under this hypothesis."""
+        phys = _PHYSICAL_SBUF_KIB[resolve_target(target)] * 1024
+        if self.usable_sbuf_kib is None:
+            return phys
+        return min(phys, int(round(float(self.usable_sbuf_kib) * 1024)))
+
+    def simulate_kwargs(self, target) -> dict:
+        """Keyword arguments for ``sim.simulate`` that trace a kernel under this hypothesis ({} if none)."""
+        if self.usable_sbuf_kib is None:
+            return {}
+        return {"sbuf_bytes": self.sbuf_bytes(target)}
+
+    def act_reload_ns(self) -> float:
+        return float(self.act_table_reload_us) * 1e3
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["name"] = self.name
+        return d
+
+
+# Physical SBUF per partition, KiB: 24 MiB / 28 MiB / 32 MiB over 128 partitions [ARCH2, ARCH3, ARCH4]
+_PHYSICAL_SBUF_KIB = {"trn1": 192, "trn2": 224, "trn3": 256}
+
+BASELINE = Hypotheses()
+
+# The named sensitivity rows (name, hypotheses), baseline first: ``bench kernels --sensitivity`` shows every
+# kernel under each. One hypothesis changed per row.
+SENSITIVITY_ROWS = (
+    ("baseline", BASELINE),
+    ("act table reload 0.5 us", Hypotheses(act_table_reload_us=0.5)),
+    ("act table reload 1.3 us", Hypotheses(act_table_reload_us=1.3)),
+    ("dma transpose flat 50%", Hypotheses(dma_transpose="flat50")),
+    ("dma transpose 2x slower", Hypotheses(dma_transpose="slow2x")),
+    ("usable SBUF 208 KiB", Hypotheses(usable_sbuf_kib=208)),
+    ("usable SBUF 192 KiB", Hypotheses(usable_sbuf_kib=192)),
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,6 +548,7 @@ class InstrCost:
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
     descriptors: int = 0
+    dve_perf: bool = False  # a VectorE instruction in a 2x/4x performance mode (shares the GpSimd bus on v3+)
 
 
 def _pe_cost(i: Instr, s: GenSpec, chain_start: bool) -> InstrCost:
@@ -455,6 +633,10 @@ def _vec_rate(i: Instr, s: GenSpec, notes: List[str]) -> float:
     if two_input:
         if all16 and not in_psum and op == "tensor_tensor":
             return s.dve_tt_rate16_sbuf
+        n_psum = sum(1 for b in in_bufs if b == "psum")
+        if s.dve_tt_split_rate is not None and op == "tensor_tensor" and n_psum == 1 and len(in_bufs) == 2:
+            # one input in SBUF, the other in PSUM: measured ~N cycles on trn2 (GenSpec.dve_tt_split_rate)
+            return s.dve_tt_split_rate * (s.dve_fp32_rate if not all16 else 1.0)
         return s.dve_tt_rate_other * (s.dve_fp32_rate if not all16 else 1.0)
     if op not in _KNOWN_VEC_OPS:
         _note_once(notes, f"op {op!r} on VectorE has no published rate; charged at rate {base}")
@@ -468,6 +650,12 @@ def _vec_cost(i: Instr, s: GenSpec, notes: List[str]) -> InstrCost:
         rate = 1.0
     else:
         rate = _vec_rate(i, s, notes)
+    perf = False
+    if i.engine == "dve" and i.op in ("tensor_copy", "tensor_scalar", "tensor_tensor", "scalar_tensor_tensor"):
+        if i.op in ("tensor_tensor", "scalar_tensor_tensor"):
+            perf = rate > s.dve_tt_rate_other and "psum" not in [str(x) for x in i.in_buffers[:2]]
+        else:
+            perf = rate > 1.0
     cycles = max(s.min_ii, math.ceil(n / rate))
     if i.inner_stride_bytes > s.stride_limit_bytes:
         cycles *= s.stride_penalty                                  # [ARCH2]
@@ -475,18 +663,19 @@ def _vec_cost(i: Instr, s: GenSpec, notes: List[str]) -> InstrCost:
         cycles += s.act_read_accumulator                            # ActReadAccumulator [ARCH2]
     cycles_opt = cycles_pess = cycles
     if i.dep_prev:
-        cycles_pess += s.dep_ovh                                    # [ARCH2; PERF]
-        if n < 128:
-            cycles_opt += s.dep_ovh
+        # the static overhead of a dependent instruction [ARCH2; PERF]: serialised in the floor; the schedule
+        # charges it (with the access overhead) as the latency of the RAW edge (GenSpec.raw_latency_cycles),
+        # so the per-instruction busy time the ceiling sums no longer includes it
+        cycles_pess += s.dep_ovh
     return InstrCost(lane=i.engine, cycles_opt=cycles_opt, cycles_pess=cycles_pess,
-                     opt_ns=cycles_opt / f, pess_ns=cycles_pess / f)
+                     opt_ns=cycles_opt / f, pess_ns=cycles_pess / f, dve_perf=perf)
 
 
 def _is_hbm(buf: str) -> bool:
     return "hbm" in str(buf)
 
 
-def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
+def _dma_cost(i: Instr, s: GenSpec, hyp: "Hypotheses" = None) -> InstrCost:
     nbytes = int(i.nbytes)
     contig = int(i.contig_bytes) if i.contig_bytes > 0 else nbytes
     parts = int(i.dma_partitions)
@@ -494,11 +683,14 @@ def _dma_cost(i: Instr, s: GenSpec) -> InstrCost:
         parts = max(1, math.ceil(nbytes / max(contig, 1)))
     engines = min(s.dma_engines, math.ceil(parts / s.dma_parts_per_engine))          # [DMA]
     bw = engines * s.dma_bw_engine * dma_efficiency(contig, s.dma_eff_half_bytes)
+    if s.dma_core_cap is not None:
+        bw = min(bw, s.dma_core_cap)                                                   # GenSpec.dma_core_cap
     direction = str(i.direction)
     src, _, dst = direction.partition("->")
     transpose = i.transpose or i.op == "dma_transpose"
     if transpose:
-        bw *= s.dma_transpose_hbm_factor if _is_hbm(src) else s.dma_transpose_sbuf_factor  # [ARCH3]
+        # [ARCH3] "up to" 90% (HBM->SBUF) / 50% (SBUF->SBUF); the curve is undocumented: ``Hypotheses``
+        bw *= (hyp or BASELINE).dma_transpose_factor(s, _is_hbm(src))
     ns = nbytes / bw if nbytes else 0.0
     dge = 0.0
     if s.dge_issue_ns is not None and i.dge in ("hwdge", "unknown"):
@@ -519,15 +711,18 @@ def _cost_key(i: Instr) -> tuple:
             i.reduce_res, i.onezero, i.perf_mode, i.dep_prev, i.tile_size)
 
 
-def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] = None) -> "InstrCost":
-    """``instr_cost(instr, spec)`` (no chain_start), memoised on the fields it reads and the spec."""
-    key = (spec.name, spec.dve_fp32_rate) + _cost_key(instr)
+def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] = None,
+                      hypotheses: Optional["Hypotheses"] = None) -> "InstrCost":
+    """``instr_cost(instr, spec)`` (no chain_start), memoised on the fields it reads, the spec and the
+    hypotheses."""
+    hyp = hypotheses or BASELINE
+    key = (spec.name, spec.dve_fp32_rate, hyp) + _cost_key(instr)
     hit = _COST_CACHE.get(key)
     if hit is None:
         if len(_COST_CACHE) > 200_000:
             _COST_CACHE.clear()
         own: List[str] = []
-        hit = _COST_CACHE[key] = (instr_cost(instr, spec, notes=own), own)
+        hit = _COST_CACHE[key] = (instr_cost(instr, spec, notes=own, hypotheses=hyp), own)
     if notes is not None:
         for n in hit[1]:
             if n not in notes:
@@ -536,11 +731,14 @@ def instr_cost_cached(instr: Instr, spec: "GenSpec", notes: Optional[List[str]] 
 
 
 def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
-               dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None) -> InstrCost:
+               dve_fp32_rate: Optional[float] = None, notes: Optional[List[str]] = None,
+               hypotheses: Optional[Hypotheses] = None) -> InstrCost:
     """Cost of one instruction on ``target`` (a name/alias or a ``GenSpec``).
 
     ``chain_start``: the instruction is a PE instruction not preceded by another PE instruction, so its
-    LoadStationary (ceil(M/4) cycles) is exposed in the pessimistic pass. ``notes`` collects fallbacks."""
+    LoadStationary (ceil(M/4) cycles) is exposed in the pessimistic pass. ``notes`` collects fallbacks.
+    ``hypotheses``: the undocumented behaviours (``Hypotheses``; default ``BASELINE``). Sequence-dependent
+    costs (the activation-table reload) are charged by ``model`` / ``schedule``, not here."""
     s = target if isinstance(target, GenSpec) else get_spec(target)
     if dve_fp32_rate is not None and s.dve_fp32_rate_ambiguous:
         s = replace(s, dve_fp32_rate=float(dve_fp32_rate))
@@ -550,7 +748,7 @@ def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
     if instr.engine in ("act", "dve", "pool"):
         return _vec_cost(instr, s, notes)
     if instr.engine == "dma":
-        return _dma_cost(instr, s)
+        return _dma_cost(instr, s, hypotheses)
     raise ValueError(f"instr.engine={instr.engine!r} (op {instr.op!r}) is not one of "
                      f"('pe', 'act', 'dve', 'pool', 'dma')")
 
@@ -559,7 +757,19 @@ def instr_cost(instr: Instr, target="trn2", *, chain_start: bool = False,
 # Kernel-level report
 # --------------------------------------------------------------------------------------------------
 
-_TERM_ORDER = ("pe", "pe_bg", "act", "dve", "pool", "dma", "dge", "hbm", "sbuf_port", "psum_port")
+_TERM_ORDER = ("pe", "pe_bg", "act", "dve", "pool", "dma", "dge", "hbm", "sbuf_port", "psum_port", "dve_pool_bus",
+               "psum_bank")
+
+
+def _psum_banks(i: Instr) -> List[int]:
+    """The PSUM banks (0..7) an instruction's footprints touch."""
+    out = set()
+    for fp in tuple(i.reads) + tuple(i.writes):
+        if fp[0] == "psum":
+            lo, hi = fp[3], max(fp[4], fp[3] + 1)
+            for bk in range(max(0, lo // 2048), min(8, (hi - 1) // 2048 + 1)):
+                out.add(bk)
+    return sorted(out)
 _BUSY_ORDER = ("pe", "act", "dve", "pool", "dma", "dge", "hbm")
 
 
@@ -598,6 +808,8 @@ class CostReport:
     instr_counts: Dict[str, int]
     notes: List[str] = field(default_factory=list)
     modeled: bool = True
+    act_table_switches: int = 0
+    hypotheses: Dict[str, object] = field(default_factory=lambda: BASELINE.to_dict())
 
     @property
     def t_ceiling_s(self) -> float:
@@ -648,20 +860,33 @@ class CostReport:
         return "\n".join(lines)
 
 
-def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bool) -> dict:
+def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bool,
+                hyp: Optional[Hypotheses] = None) -> dict:
     """Sum the costs of one core's instruction stream (nanoseconds)."""
+    hyp = hyp or BASELINE
     a = {"opt": {lane: 0.0 for lane in ("pe", "pe_bg", "act", "dve", "pool", "dma")},
          "dge": 0.0, "flops": 0, "pe_t": 0.0, "sbuf_port": 0.0, "psum_port": 0.0, "hbm_r": 0, "hbm_w": 0,
-         "n_dma": 0, "n_desc": 0, "peak_factor": 1, "counts": {e: 0 for e in ("pe", "act", "dve", "pool", "dma")}}
+         "n_dma": 0, "n_desc": 0, "peak_factor": 1, "counts": {e: 0 for e in ("pe", "act", "dve", "pool", "dma")},
+         "act_switches": 0, "bus": 0.0, "banks": [0.0] * 8}
     a["pess"] = dict(a["opt"])
     prev_engine = None
+    last_func = None
+    reload_ns = hyp.act_reload_ns()
     for i in instrs:
         chain_start = expose_ls and i.engine == "pe" and prev_engine != "pe"
-        c = instr_cost(i, s, chain_start=chain_start, notes=notes) if chain_start else instr_cost_cached(i, s, notes)
+        c = instr_cost(i, s, chain_start=chain_start, notes=notes, hypotheses=hyp) if chain_start else \
+            instr_cost_cached(i, s, notes, hyp)
         prev_engine = i.engine
         a["counts"][i.engine] += 1
         a["opt"][c.lane] += c.opt_ns
         a["pess"][c.lane] += c.pess_ns
+        func = act_function(i)
+        if func is not None:
+            if last_func is not None and func != last_func:
+                a["act_switches"] += 1
+                a["opt"]["act"] += reload_ns       # Hypotheses.act_table_reload_us (undocumented)
+                a["pess"]["act"] += reload_ns
+            last_func = func
         a["dge"] += c.dge_ns
         a["flops"] += c.flops
         if c.pe_transpose:
@@ -676,12 +901,20 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
             a["n_desc"] += c.descriptors
             a["hbm_r"] += c.hbm_read_bytes
             a["hbm_w"] += c.hbm_write_bytes
-        if s.port_conflicts and i.engine in ("dve", "pool", "act"):
+        if i.engine in ("dve", "pool", "act") and (s.port_conflicts or s.dve_pool_shared_bus or
+                                                   s.psum_bank_conflicts):
             bufs = [str(b) for b in tuple(i.in_buffers) + (i.out_buffer,) if b]
-            if i.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
-                a["sbuf_port"] += c.opt_ns
-            if i.engine in ("dve", "act") and "psum" in bufs:
-                a["psum_port"] += c.opt_ns
+            if s.port_conflicts:
+                if i.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
+                    a["sbuf_port"] += c.opt_ns
+                if i.engine in ("dve", "act") and "psum" in bufs:
+                    a["psum_port"] += c.opt_ns
+            if s.dve_pool_shared_bus and ((i.engine == "dve" and c.dve_perf) or
+                                          (i.engine == "pool" and ("sbuf" in bufs or not bufs))):
+                a["bus"] += c.opt_ns                              # [ARCH3] VectorE perf mode / GpSimd bus
+            if s.psum_bank_conflicts and i.engine in ("dve", "act") and "psum" in bufs:
+                for bk in _psum_banks(i):
+                    a["banks"][bk] += c.opt_ns                    # [ARCH3] same-bank PSUM accesses
     opt = a["opt"]
     terms = {"pe": opt["pe"], "act": opt["act"], "dve": opt["dve"], "pool": opt["pool"],
              "dma": opt["dma"], "dge": a["dge"], "hbm": (a["hbm_r"] + a["hbm_w"]) / s.hbm_per_core}
@@ -690,6 +923,10 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
     if s.port_conflicts:
         terms["sbuf_port"] = a["sbuf_port"]
         terms["psum_port"] = a["psum_port"]
+    if s.dve_pool_shared_bus:
+        terms["dve_pool_bus"] = a["bus"]
+    if s.psum_bank_conflicts:
+        terms["psum_bank"] = max(a["banks"])
     a["terms"] = {key: terms[key] for key in _TERM_ORDER if key in terms}
     a["bottleneck"] = max(a["terms"], key=lambda key: a["terms"][key])  # first maximum on ties
     a["t_opt"] = a["terms"][a["bottleneck"]]
@@ -703,7 +940,8 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
 
 
 def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int] = None,
-          dve_fp32_rate: Optional[float] = None, expose_load_stationary: bool = False) -> CostReport:
+          dve_fp32_rate: Optional[float] = None, expose_load_stationary: bool = False,
+          hypotheses: Optional[Hypotheses] = None) -> CostReport:
     """Model ``record`` on ``target`` (default: ``record.target``). See the module docstring.
 
     Cores: by default a ``kernel[2]`` record (``record.lnc == 2``) is split by ``Instr.program`` onto two
@@ -738,7 +976,11 @@ def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int]
             for i in record.instrs:
                 by_prog.setdefault(int(getattr(i, "program", 0) or 0), []).append(i)
             groups, split = (list(by_prog.values()) or [[]]), 1
-    accs = [_accumulate(g, s, notes, expose_load_stationary) for g in groups]
+    hyp = hypotheses or BASELINE
+    if not isinstance(hyp, Hypotheses):
+        raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
+    accs = [_accumulate(g, s, notes, expose_load_stationary, hyp) for g in groups]
+    _sbuf_note(record, name, hyp, notes)
     slow = max(accs, key=lambda a: a["t_opt"])
     slow_p = max(accs, key=lambda a: a["t_pess"])
     ns = 1e-9 / split
@@ -769,7 +1011,24 @@ def model(record: RunRecord, target: Optional[str] = None, *, lnc: Optional[int]
         pe_transpose_share=(pe_t / pe_total) if pe_total > 0 else 0.0,
         hbm_read_bytes=int(sum(a["hbm_r"] for a in accs)), hbm_write_bytes=int(sum(a["hbm_w"] for a in accs)),
         n_dma=sum(a["n_dma"] for a in accs), n_dma_descriptors=int(sum(a["n_desc"] for a in accs)),
-        dma_latency_s=slow_p["dma_lat"] * ns, instr_counts=counts, notes=notes)
+        dma_latency_s=slow_p["dma_lat"] * ns, instr_counts=counts, notes=notes,
+        act_table_switches=int(max(a["act_switches"] for a in accs)), hypotheses=hyp.to_dict())
+
+
+def fits_sbuf(record: RunRecord, target: str, hypotheses: Optional[Hypotheses] = None) -> bool:
+    """Whether the record's peak SBUF (bytes per partition) fits the usable SBUF under ``hypotheses``."""
+    hyp = hypotheses or BASELINE
+    return int(record.peak_sbuf_bytes_per_partition or 0) <= hyp.sbuf_bytes(target)
+
+
+def _sbuf_note(record: RunRecord, target: str, hyp: Hypotheses, notes: List[str]) -> None:
+    if hyp.usable_sbuf_kib is None or fits_sbuf(record, target, hyp):
+        return
+    msg = (f"peak SBUF {record.peak_sbuf_bytes_per_partition / 1024:.1f} KiB per partition exceeds the usable "
+           f"{hyp.sbuf_bytes(target) / 1024:.0f} KiB of hypothesis '{hyp.name}': the kernel as traced would not "
+           f"compile; trace it with simulate(..., **hyp.simulate_kwargs(target))")
+    if msg not in notes:
+        notes.append(msg)
 
 
 def model_all(record: RunRecord, targets: Iterable[str] = ("trn1", "trn2", "trn3"),

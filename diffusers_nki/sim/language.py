@@ -368,7 +368,7 @@ class _TileSize:
 
     @property
     def sbuf_fmax_bytes(self):
-        return _rt.SBUF_BYTES_PER_PARTITION[_rt.current_gen()]
+        return _rt.sbuf_bytes(_rt.current_gen())
 
     total_available_sbuf_size = sbuf_fmax_bytes
 

@@ -15,13 +15,14 @@ Placement
   address-space error (:class:`NkiLimitError`); a PSUM address must start at a bank boundary.
 - A tensor without an address is placed by this module's allocator. Policy (the lifetime rule of
   NKI_SUBSET.md 6.3, which is ours, not the compiler's): a tensor is live from its ``nl.ndarray`` call until
-  its last Python reference dies; SBUF tensors get a free byte range spanning every partition (best fit: the
-  smallest free range that holds it, lowest address first; 64-byte aligned, ASSUMPTION); PSUM tensors get a
-  run of whole free 2 KiB banks (best fit likewise). Ranges
+  its last Python reference dies; SBUF tensors get a free byte range spanning every partition, PSUM tensors a
+  run of whole free 2 KiB banks, chosen NEXT FIT (ASSUMPTION: the first free range at or after a rotation
+  cursor that moves past each placement, wrapping around; 64-byte aligned SBUF offsets, ASSUMPTION). Ranges
   of live explicitly placed tensors count as occupied. A fresh allocation is sentinel-filled and marked
-  never-written (the official simulator's fresh-memory rule). Python keeps the old object alive until the
-  new one is assigned, so ``t = nl.ndarray(...)`` inside a loop alternates between two ranges: the lifetime
-  rule double-buffers; a tensor allocated once before the loop is single-buffered.
+  never-written (the official simulator's fresh-memory rule). A tensor allocated afresh in every iteration
+  of a loop therefore rotates through as many buffers as the free space holds (the buffers the allocation
+  really has, as a compiler placing the whole unrolled kernel would give it), not just two; a tensor
+  allocated once before the loop is single-buffered.
 - SBUF whose live bytes would exceed the generation's bytes per partition: a warning
   (:class:`NkiCapacityWarning`), an error under ``strict=True``; the tensor then lives in a private overflow
   buffer at a virtual address past the physical end (so the schedule still sees distinct bytes). The same
@@ -66,6 +67,7 @@ class AddressSpace:
         self._explicit = {}        # (lo, hi) -> live tensor count, explicitly placed
         self._explicit_union = 0   # bytes per partition covered by live explicit ranges
         self._overflow_top = self.pitch
+        self._cursor = 0           # rotation cursor of the allocator (next fit, see _pick)
 
     # -- queries ----------------------------------------------------------------------------------
     def _occupied(self):
@@ -88,6 +90,25 @@ class AddressSpace:
         for lo, hi in self._occupied():
             used.update(range(lo // PSUM_BANK_BYTES, (hi - 1) // PSUM_BANK_BYTES + 1))
         return len(used)
+
+    def _pick(self, size, align):
+        """Allocator placement (ASSUMPTION, the compiler's allocator is not documented): NEXT FIT, the first free
+        range at or after a cursor that moves past each placement (wrapping to the lowest fitting range). A
+        tensor allocated afresh in every loop iteration so rotates through as many buffers as the free space
+        holds (the buffers its allocation really has), instead of reusing the range just freed (which
+        double-buffered every loop allocation). Returns the offset or None when no free range holds ``size``."""
+        cur = -(-self._cursor // align) * align
+        first = None
+        lo = 0
+        for olo, ohi in self._occupied() + [[self.usable_bytes, self.usable_bytes]]:
+            if olo - lo >= size:
+                if first is None:
+                    first = lo
+                st = max(lo, cur)
+                if st + size <= olo:
+                    return st
+            lo = max(lo, -(-ohi // align) * align)
+        return first
 
     def _best_fit(self, size, align):
         """Lowest-addressed among the smallest free ranges that hold ``size`` bytes (best fit)."""
@@ -124,7 +145,7 @@ class AddressSpace:
                     f"nl.ndarray: PSUM tensor {what} needs {nbytes} bytes per partition = {banks} banks; the limit "
                     f"is {nb} banks x {PSUM_BANK_BYTES} bytes per partition")
             size = banks * PSUM_BANK_BYTES
-            lo = self._best_fit(size, PSUM_BANK_BYTES)
+            lo = self._pick(size, PSUM_BANK_BYTES)
             if lo is None:
                 live = self.banks_live()
                 if live + banks > nb:
@@ -137,7 +158,7 @@ class AddressSpace:
                     "are live but no free run is long enough (place it with address=)")
         else:
             size = -(-max(nbytes, 1) // SBUF_ALIGN) * SBUF_ALIGN
-            lo = self._best_fit(size, SBUF_ALIGN)
+            lo = self._pick(size, SBUF_ALIGN)
             if lo is None:
                 live = self._auto_bytes + self._explicit_union + nbytes
                 if live <= self.pitch:
@@ -155,6 +176,7 @@ class AddressSpace:
                 return
         st.p0 = 0
         st.base = st.vbase = lo
+        self._cursor = lo + size if lo + size < self.usable_bytes else 0
         self._attach(st)
         bisect.insort(self._auto, (lo, lo + size))
         self._auto_bytes += nbytes

@@ -152,7 +152,7 @@ def _numpy_to_torch(arr, dt):
 class Simulated:
     """The callable ``simulate`` returns. ``.last_record`` is the RunRecord of its latest call."""
 
-    def __init__(self, kernel, target=None, strict=False, numerics=True):
+    def __init__(self, kernel, target=None, strict=False, numerics=True, sbuf_bytes=None):
         if isinstance(kernel, Kernel):
             self.kernel = kernel
         elif callable(kernel):
@@ -162,10 +162,11 @@ class Simulated:
         self.gen = _rt.parse_target(target)
         self.strict = bool(strict)
         self.numerics = bool(numerics)
+        self.sbuf_bytes = _rt.check_sbuf_bytes(self.gen, sbuf_bytes)
         self.last_record = None
 
     def __getitem__(self, lnc):
-        s = Simulated(self.kernel[lnc], _rt.GEN_TO_TARGET[self.gen], self.strict, self.numerics)
+        s = Simulated(self.kernel[lnc], _rt.GEN_TO_TARGET[self.gen], self.strict, self.numerics, self.sbuf_bytes)
         return s
 
     def __call__(self, *args, **kwargs):
@@ -179,7 +180,7 @@ class Simulated:
         lnc = k.lnc
         if lnc == 2 and self.gen == 2:
             raise NkiLaunchError(f"{fn.__name__}[2]: LNC=2 does not exist on trn1 (gen2); launch with [1]")
-        launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__)
+        launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__, sbuf_bytes=self.sbuf_bytes)
         launch.record.lint = list(k._lint_findings)
         self.last_record = launch.record
         _LAST_RECORD = launch.record
@@ -276,11 +277,14 @@ def _returned_input(o, arg_views):
     return a
 
 
-def simulate(kernel, target=None, strict=False, numerics=True):
+def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None):
     """Emulate ``kernel`` on the CPU. Returns a callable taking NumPy arrays / CPU torch tensors.
 
     target: "trn1" | "trn2" | "trn3" (aliases gen2/gen3/gen4, inf2); default: NEURON_PLATFORM_TARGET_OVERRIDE or
     "trn2". strict: capacity overflow raises instead of warning. numerics=False: trace mode (record every
     instruction and check every limit, but skip the arithmetic; outputs are returned sentinel-filled).
+    sbuf_bytes: SBUF bytes per partition the kernel may use (default: the physical size); what-if studies of
+    the usable SBUF (``sim.cost.Hypotheses.simulate_kwargs``): ``nl.tile_size`` reports it and the allocator
+    and ``address=`` enforce it.
     """
-    return Simulated(kernel, target=target, strict=strict, numerics=numerics)
+    return Simulated(kernel, target=target, strict=strict, numerics=numerics, sbuf_bytes=sbuf_bytes)

@@ -91,6 +91,7 @@ class RunRecord:
     instrs: List[Instr] = field(default_factory=list)
     peak_sbuf_bytes_per_partition: int = 0
     peak_psum_banks: int = 0
+    sbuf_bytes_per_partition: int = 0  # SBUF the launch allowed (physical unless simulate(sbuf_bytes=...))
     kernel: str = ""
     numerics: bool = True
     warnings: List[str] = field(default_factory=list)

@@ -40,6 +40,25 @@ def parse_target(target) -> int:
     return TARGET_ALIASES[key]
 
 
+def check_sbuf_bytes(gen: int, sbuf_bytes):
+    """``sbuf_bytes`` (usable SBUF bytes per partition of a what-if launch) validated; None = physical."""
+    if sbuf_bytes is None:
+        return None
+    phys = SBUF_BYTES_PER_PARTITION[gen]
+    if isinstance(sbuf_bytes, bool) or not isinstance(sbuf_bytes, int) or not (1024 <= sbuf_bytes <= phys):
+        raise NkiLaunchError(f"simulate: sbuf_bytes={sbuf_bytes!r} must be an int in [1024, {phys}] (the physical "
+                             f"SBUF bytes per partition of {GEN_TO_TARGET[gen]})")
+    return int(sbuf_bytes)
+
+
+def sbuf_bytes(gen: int) -> int:
+    """SBUF bytes per partition a kernel may use: the running launch's ``sbuf_bytes`` or the physical size."""
+    p = _CURRENT
+    if p is not None and p.gen == gen:
+        return p.sbuf_budget
+    return SBUF_BYTES_PER_PARTITION[gen]
+
+
 def psum_num_banks(gen: int) -> int:
     if gen >= 3 and os.environ.get("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "").lower() in ("1", "true"):
         return 7
@@ -56,7 +75,7 @@ def moving_fmax(gen: int, dst_itemsize: int = 4) -> int:
 # Launch / program state
 # ----------------------------------------------------------------------------------------------------
 class Launch:
-    def __init__(self, gen, strict, numerics, lnc, kernel_name):
+    def __init__(self, gen, strict, numerics, lnc, kernel_name, sbuf_bytes=None):
         self.gen = gen
         self.target = GEN_TO_TARGET[gen]
         self.strict = strict
@@ -65,6 +84,8 @@ class Launch:
         self.record = records.RunRecord(target=self.target, lnc=lnc)
         self.record.kernel = kernel_name
         self.record.numerics = numerics
+        self.sbuf_bytes = sbuf_bytes  # None = physical (a what-if of the usable SBUF otherwise)
+        self.record.sbuf_bytes_per_partition = sbuf_bytes or SBUF_BYTES_PER_PARTITION[gen]
         self.shared_allocs = []  # shared_hbm tensors allocated by the kernel, in allocation order
         self.warned = set()
 
@@ -94,7 +115,7 @@ class Program:
         self.act_regs = None  # np.float32[128] once reset (True in trace mode)
         self.dve_regs = None  # VectorE accumulators (tensor_scalar_reduce / range_select): (op name, np.float32[128])
         self.last_dst = {}  # engine -> (space, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
-        self.sbuf_budget = SBUF_BYTES_PER_PARTITION[self.gen]
+        self.sbuf_budget = launch.sbuf_bytes or SBUF_BYTES_PER_PARTITION[self.gen]
         self.psum_banks = psum_num_banks(self.gen)
         self.sbuf = AddressSpace("sbuf", self.sbuf_budget, self.numerics, self)
         self.psum = AddressSpace("psum", 8 * PSUM_BANK_BYTES, self.numerics, self, usable_banks=self.psum_banks)

@@ -58,10 +58,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from diffusers_nki.sim.cost import GENERATIONS, CostReport, instr_cost_cached, model, resolve_target
+from diffusers_nki.sim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, _psum_banks,
+                                    act_function, fits_sbuf, instr_cost_cached, model, resolve_target)
 from diffusers_nki.sim.records import RunRecord
 
-__all__ = ["DMA_QUEUES", "ScheduleReport", "schedule", "sensitivity", "format_schedule"]
+__all__ = ["DMA_QUEUES", "ScheduleReport", "schedule", "sensitivity", "hypothesis_sensitivity", "format_schedule",
+           "Hypotheses", "SENSITIVITY_ROWS"]
 
 DMA_QUEUES = 4           # ASSUMPTION (see module docstring)
 QUADRANT = 32            # partition granularity of the dependency state [ARCH2: 32-partition quadrants]
@@ -225,6 +227,9 @@ class ScheduleReport:
     notes: List[str] = field(default_factory=list)
     modeled: bool = True
     timeline: Optional[Tuple[np.ndarray, np.ndarray]] = field(default=None, repr=False)
+    hypotheses: Dict[str, object] = field(default_factory=lambda: BASELINE.to_dict())
+    act_table_switches: int = 0
+    fits_sbuf: bool = True
 
     @property
     def ceiling(self) -> float:
@@ -301,18 +306,24 @@ def _widths(record, cores):
 def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int = DMA_QUEUES,
              sem_cycles: Optional[float] = None, dma_lat_ns: Optional[float] = None,
              dge_ns: Optional[float] = None, keep_timeline: bool = False, top: int = 12,
-             ceiling: Optional[CostReport] = None) -> ScheduleReport:
+             ceiling: Optional[CostReport] = None, hypotheses: Optional[Hypotheses] = None) -> ScheduleReport:
     """Schedule ``record`` on ``target`` (default ``record.target``); see the module docstring.
 
     ``dma_queues``, ``sem_cycles``, ``dma_lat_ns``, ``dge_ns`` override the schedule's constants (sensitivity
     studies); ``keep_timeline`` keeps per-instruction (start_ns, end_ns) arrays on the report;
-    ``ceiling``: a precomputed ``cost.model`` report of the same record and target."""
+    ``ceiling``: a precomputed ``cost.model`` report of the same record, target and hypotheses.
+    ``hypotheses``: a ``sim.cost.Hypotheses`` for the undocumented behaviours (default: ``BASELINE``); its
+    usable-SBUF setting acts at trace time (``Hypotheses.simulate_kwargs``), here it is only checked."""
     name = resolve_target(target if target is not None else record.target)
     s = GENERATIONS[name]
+    hyp = hypotheses or BASELINE
+    if not isinstance(hyp, Hypotheses):
+        raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
+    reload_ns = hyp.act_reload_ns()
     if int(dma_queues) < 1:
         raise ValueError(f"dma_queues={dma_queues!r} must be >= 1")
     nq = int(dma_queues)
-    sem_c = float(s.dep_ovh if sem_cycles is None else sem_cycles)
+    sem_c = float(s.raw_latency_cycles if sem_cycles is None else sem_cycles)
     lat = float(s.dma_lat_ns if dma_lat_ns is None else dma_lat_ns)
     dge_t = s.dge_issue_ns if dge_ns is None else float(dge_ns)
     clock = {"pe": s.f_pe, "pe_bg": s.f_pe, "act": s.f_act, "dve": s.f_dve, "pool": s.f_pool}
@@ -338,6 +349,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     lane_free = [{k: 0.0 for k in _LANES} for _ in range(cores)]
     lane_last = [{k: -1 for k in _LANES} for _ in range(cores)]
     lane_busy = [{k: 0.0 for k in _LANES} for _ in range(cores)]
+    act_func = [None] * cores
+    act_switches = [0] * cores
     q_trig = [[0.0] * nq for _ in range(cores)]
     q_free = [[0.0] * nq for _ in range(cores)]
     q_last = [[-1] * nq for _ in range(cores)]
@@ -346,6 +359,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     dma_lane = [_Lane() for _ in range(cores)]
     dge_lanes = [[_Lane() for _ in range(s.dge_instances)] for _ in range(cores)]
     ports = [{"sbuf_port": _Lane(), "psum_port": _Lane()} for _ in range(cores)] if s.port_conflicts else None
+    buses = [_Lane() for _ in range(cores)] if s.dve_pool_shared_bus else None
+    banks = [[_Lane() for _ in range(8)] for _ in range(cores)] if s.psum_bank_conflicts else None
     hbm_lanes = [_Lane() for _ in range(cores)]
     dma_busy = [0.0] * cores   # sum of the transfers' engine time (the lanes also hold HBM-bound waits)
     hbm_busy = [0.0] * cores
@@ -366,7 +381,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     for i in _order(instrs, cores):
         ins = instrs[i]
         c = ins.program if cores > 1 else 0
-        cost = instr_cost_cached(ins, s)
+        cost = instr_cost_cached(ins, s, None, hyp)
         flops += cost.flops
         is_dma = ins.engine == "dma"
         lane = "dma" if is_dma else cost.lane
@@ -384,8 +399,11 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             mx = float(v.max()) if v.size else 0.0
             if mx > 0.0 and mx + (0.0 if is_dma else sem_ns[lane]) > dep_t:
                 t, eng, idx = _argmax_at(m.w_end, m.w_eng, m.w_idx, sl)
+                # the RAW latency of a compute consumer (GenSpec.raw_latency_cycles): ScalarE / VectorE / GpSimd
+                # pay it on every RAW edge, same engine or not; TensorE only across engines (a chain of
+                # accumulating matmuls into one PSUM tile is the array's own pipelined accumulation)
                 l_ = 0.0
-                if not is_dma and _ENGINE_OF_LANE[_NAME[eng]] != _ENGINE_OF_LANE[lane]:
+                if not is_dma and (_ENGINE_OF_LANE[lane] != "pe" or _ENGINE_OF_LANE[_NAME[eng]] != "pe"):
                     l_ = sem_ns[lane]
                 if t + l_ > dep_t:
                     dep_t, dep_on, dep_kind, dep_idx, dep_lat = t + l_, _NAME[eng], "RAW", idx, l_
@@ -461,14 +479,34 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
         else:
             dur = cost.opt_ns
             own = lane_free[c][lane]
+            func = act_function(ins)
+            if func is not None:
+                if act_func[c] is not None and func != act_func[c]:
+                    # Hypotheses.act_table_reload_us: the table reload holds ScalarE but needs no data, so it
+                    # runs while the instruction waits for its inputs
+                    act_switches[c] += 1
+                    if reload_ns > 0:
+                        if dep_t < own + reload_ns:
+                            charge(lane, "act", "activation table reload", own + reload_ns - max(own, dep_t))
+                        own += reload_ns
+                        lane_busy[c][lane] += reload_ns
+                act_func[c] = func
             t0 = max(own, dep_t)
-            if ports is not None and ins.engine in ("dve", "pool", "act"):
+            need = []
+            if ins.engine in ("dve", "pool", "act") and (ports is not None or buses is not None or banks is not None):
                 bufs = [str(b) for b in tuple(ins.in_buffers) + (ins.out_buffer,) if b]
-                need = []
-                if ins.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
-                    need.append(ports[c]["sbuf_port"])
-                if ins.engine in ("dve", "act") and "psum" in bufs:
-                    need.append(ports[c]["psum_port"])
+                if ports is not None:
+                    if ins.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
+                        need.append(ports[c]["sbuf_port"])
+                    if ins.engine in ("dve", "act") and "psum" in bufs:
+                        need.append(ports[c]["psum_port"])
+                if buses is not None and ((ins.engine == "dve" and cost.dve_perf) or
+                                          (ins.engine == "pool" and ("sbuf" in bufs or not bufs))):
+                    need.append(buses[c])                      # [ARCH3] VectorE perf mode / GpSimd bus
+                if banks is not None and ins.engine in ("dve", "act") and "psum" in bufs:
+                    for bk in _psum_banks(ins):
+                        need.append(banks[c][bk])              # [ARCH3] same-bank PSUM accesses serialise
+            if need:
                 tt = t0
                 while need:
                     moved = False
@@ -479,7 +517,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                     if not moved:
                         break
                 if tt > t0:
-                    charge(ins.engine, "port", "shared port", tt - t0)
+                    charge(ins.engine, "port", "shared port / bus / PSUM bank", tt - t0)
                 t0 = tt
                 for L in need:
                     L.reserve(t0, t0 + dur)
@@ -527,6 +565,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     if ports is not None:
         busy["sbuf_port"] = ports[slow]["sbuf_port"].busy
         busy["psum_port"] = ports[slow]["psum_port"].busy
+    if buses is not None:
+        busy["dve_pool_bus"] = buses[slow].busy
     util = {k: (v / T if T > 0 else 0.0) for k, v in busy.items()}
     wl = sorted(({"waiter": k[0], "on": k[1], "kind": k[2], "seconds": v[0] * 1e-9, "count": v[1]}
                  for k, v in waits.items()), key=lambda w: -w["seconds"])[:top]
@@ -549,7 +589,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             seen += 1
             j = p
         cp["seconds_by_lane"] = dict(sorted(cp["seconds_by_lane"].items(), key=lambda kv: -kv[1]))
-    ceil = ceiling if ceiling is not None else model(record, name)
+    ceil = ceiling if ceiling is not None else model(record, name, hypotheses=hyp)
     peak = s.pe_peak_flops * cores
     t_s = T * 1e-9
     eff = flops / (t_s * peak) if t_s > 0 else 0.0
@@ -565,14 +605,16 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
         constants={"dma_queues": nq, "sem_cycles": sem_c, "sem_ns": {k: round(v, 3) for k, v in sem_ns.items()},
                    "dma_lat_ns": lat, "dge_ns": dge_t, "dge_instances": s.dge_instances,
                    "hbm_GBps": hbm_rate, "onchip_granule_bytes": ONCHIP_GRANULE, "quadrant": QUADRANT},
-        notes=notes + list(ceil.notes), timeline=(start, end) if keep_timeline else None)
+        notes=notes + [x for x in ceil.notes if x not in notes], timeline=(start, end) if keep_timeline else None,
+        hypotheses=hyp.to_dict(), act_table_switches=int(act_switches[slow]) if act_switches else 0,
+        fits_sbuf=fits_sbuf(record, name, hyp))
 
 
 def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[ScheduleReport] = None) -> dict:
     """Headline change when each ASSUMPTION constant of the schedule is doubled (queues also halved)."""
     b = base or schedule(record, target)
     s = GENERATIONS[b.target]
-    cases = {"sem_cycles x2": dict(sem_cycles=2 * s.dep_ovh), "dma_lat_ns x2": dict(dma_lat_ns=2 * s.dma_lat_ns),
+    cases = {"sem_cycles x2": dict(sem_cycles=2 * s.raw_latency_cycles), "dma_lat_ns x2": dict(dma_lat_ns=2 * s.dma_lat_ns),
              "dma_queues x2": dict(dma_queues=2 * DMA_QUEUES), "dma_queues /2": dict(dma_queues=DMA_QUEUES // 2)}
     if s.dge_issue_ns is not None:
         cases["dge_ns x2"] = dict(dge_ns=2 * s.dge_issue_ns)
@@ -580,4 +622,45 @@ def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[
     for k, kw in cases.items():
         r = schedule(record, b.target, **kw)
         out[k] = {"scheduled_s": r.t_scheduled_s, "change": r.t_scheduled_s / b.t_scheduled_s - 1}
+    return out
+
+
+def hypothesis_sensitivity(trace, target: str, rows=SENSITIVITY_ROWS, base: Optional[ScheduleReport] = None) -> List[dict]:
+    """The scheduled time of one kernel under each named hypothesis (``sim.cost.SENSITIVITY_ROWS`` by default).
+
+    ``trace``: a callable ``trace(**simulate_kwargs) -> RunRecord`` that traces the kernel on ``target`` with
+    those extra ``sim.simulate`` keyword arguments (``Hypotheses.simulate_kwargs``: the usable-SBUF rows re-trace
+    the kernel with a smaller SBUF, which the kernel sizes itself to or overflows); traced once per distinct
+    keyword set. ``base``: the baseline schedule of ``trace()`` if already computed. Returns one dict per row:
+    {"name", "hypotheses", "scheduled_s", "change" (vs the first row), "efficiency_scheduled", "ceiling_s",
+    "act_table_switches", "fits_sbuf", "notes", "error"}: ``error`` (else None) when the trace itself failed
+    under the hypothesis (e.g. an SBUF overflow in strict mode), with the times None."""
+    records: Dict[tuple, object] = {}
+    out: List[dict] = []
+    first = None
+    for row_name, hyp in rows:
+        kw = hyp.simulate_kwargs(target)
+        key = tuple(sorted(kw.items()))
+        row = {"name": row_name, "hypotheses": hyp.to_dict(), "scheduled_s": None, "change": None,
+               "efficiency_scheduled": None, "ceiling_s": None, "act_table_switches": None, "fits_sbuf": None,
+               "notes": [], "error": None}
+        try:
+            if key not in records:
+                records[key] = trace(**kw)
+            rec = records[key]
+            if base is not None and hyp.is_baseline and not kw:
+                r = base
+            else:
+                r = schedule(rec, target, hypotheses=hyp)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the other rows still run
+            row["error"] = f"{type(e).__name__}: {e}"
+            out.append(row)
+            continue
+        row.update(scheduled_s=r.t_scheduled_s, efficiency_scheduled=r.efficiency_scheduled,
+                   ceiling_s=r.t_ceiling_s, act_table_switches=r.act_table_switches, fits_sbuf=r.fits_sbuf,
+                   notes=list(r.notes))
+        if first is None:
+            first = r.t_scheduled_s
+        row["change"] = (r.t_scheduled_s / first - 1.0) if first else None
+        out.append(row)
     return out
