@@ -11,14 +11,15 @@ under ``torch.compile(backend="neuron")`` the kernel is a node of the FX graph),
 Calls are counted per op and backend in ``counters()`` (inside the op implementations: compiled graphs count).
 
 Opt-in, per op (``apply_dense_kernels(module, DenseKernelsConfig(ops=...))``): nothing routes a model's layers
-here unless asked. What the model says (``diffusers-nki bench kernels``, per-rank Wan shapes; compiled XLA's
-matmul efficiency is the published 60% trn2 / 90% trn3 utilisation of production workloads, an ASSUMPTION):
-- "gemm" (``nn.Linear`` -> the GEMM kernel, GELU-tanh fused when the Linear feeds Wan's tanh GELU): on trn2 the
-  kernel's scheduled efficiency at Wan's projections and FFN (about 68-86%) is above XLA's assumed 60%, so it is
-  worth enabling there; on trn3 it is about the assumed 90% or below: compiled XLA is as fast, leave it off.
-- "causal_conv3d" (``WanCausalConv3d`` -> the conv kernel): above 60% only at the 384-channel stages; the 96/192-
-  channel full-resolution stages schedule at about 53-55% on both generations, below XLA's assumed figure: leave
-  it off unless a measurement says otherwise.
+here unless asked. What the model says, per op (the kernels' scheduled efficiency at the per-rank Wan shapes,
+``diffusers-nki bench kernels --shapes gemm_qkvo,gemm_text_kv,gemm_ffn_up,gemm_ffn_down,vae_conv_latent,
+vae_conv_r120,vae_conv_r240,vae_conv_full``, against compiled XLA's matmul efficiency, for which only published
+utilisation figures of other workloads exist -- 60% on trn2, above 90% on trn3 -- an ASSUMPTION):
+- "gemm" (every ``nn.Linear``; the tanh GELU of Wan's feed-forward fused into its first GEMM): on trn2 the kernel
+  schedules above the assumed 60% at every Wan projection and FFN shape, so enabling it is what the model
+  recommends there; on trn3 it schedules at or below the assumed 90%: compiled XLA is as fast, leave it off.
+- "causal_conv3d" (every ``WanCausalConv3d``, the static cache layout of ``caching.wan_vae``): on trn2 above 60%
+  at every decoder stage; on trn3 below the assumed 90% at every stage: leave it off there.
 The hook is a named, removable forward override per module (``remove_dense_kernels``); unsupported calls fall
 back to the module's own forward, recorded in ``fallbacks()`` and warned once per reason.
 """

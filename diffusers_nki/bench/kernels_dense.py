@@ -27,7 +27,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["SHAPES", "model_gemm", "model_conv", "bench_dense", "conv_out_rows"]
+__all__ = ["SHAPES", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
+           "conv_out_rows"]
 
 _MEMO: Dict[Tuple, dict] = {}
 
@@ -118,6 +119,37 @@ def model_conv(Cin: int, Cout: int, k: Tuple[int, int, int], T: int, Hin: int, W
     out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
     _MEMO[key] = out
     return dict(out, record=rec) if record else out
+
+
+def model_qk_norm_rope(S: int, H: int = 12, D: int = 128, target: str = "trn2", dtype: str = "bfloat16") -> dict:
+    """Modeled cost of ONE ``qk_norm_rope_kernel`` call (one of q or k: [1, S, H*D], fp32 tables; memoised)."""
+    key = ("qk_norm_rope", S, H, D, target, dtype)
+    if key in _MEMO:
+        return _MEMO[key]
+    from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    rec = _trace(qk_norm_rope_kernel, (_zeros((1, S, H * D), dt), _zeros((H * D,), dt), 1e-6,
+                                       _zeros((1, S, 1, D), np.float32), _zeros((1, S, 1, D), np.float32), H),
+                 target, 1)
+    _MEMO[key] = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    return _MEMO[key]
+
+
+def model_cache_write(S: int, C: int, H: int = 12, D: int = 128, target: str = "trn2", dtype: str = "bfloat16") -> dict:
+    """Modeled cost of ONE ``cache_write_kernel`` call (k and v of S tokens x H heads into a C-slot cache)."""
+    key = ("cache_write", S, C, H, D, target, dtype)
+    if key in _MEMO:
+        return _MEMO[key]
+    from diffusers_nki.kernels.cache_write import cache_write_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    rec = _trace(cache_write_kernel, (_zeros((1, C, H, D), dt), _zeros((1, C, H, D), dt), _zeros((1, S, H, D), dt),
+                                      _zeros((1, S, H, D), dt), np.array([max(0, C - S)], np.int32)), target, 1)
+    _MEMO[key] = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    return _MEMO[key]
 
 
 def bench_dense(name: str, target: str, lnc: int = 1) -> dict:

@@ -194,3 +194,25 @@ def test_full_wan_ffn_shape_traces_within_limits():
     assert not rec.lint and rec.peak_psum_banks <= 8
     mm = [i for i in rec.instrs if i.op == "nc_matmul"]
     assert sum(i.flops for i in mm) == 2 * 585 * 1536 * 8960  # exactly the useful work, no padding
+
+
+def test_bench_kernels_dense_rows():
+    """The ``bench kernels`` rows of the dense kernels at Wan's per-rank shapes: the attention rows' keys, the
+    schedule between its roofline ceiling and floor, no lint, exactly the useful FLOPs; and a guard on the FFN's
+    scheduled efficiency (a regression of the kernel's pipelining shows here first)."""
+    from diffusers_nki.bench import kernels as kb
+    from diffusers_nki.bench import kernels_dense
+
+    rows = [kernels_dense.bench_dense(s, "trn2") for s in ("gemm_ffn_up", "vae_conv_latent")]
+    for r in rows:
+        assert r["modeled"] is True and {"modeled_seconds", "modeled_efficiency", "busy_seconds"} <= set(r)
+        m = r["modeled_seconds"]
+        assert m["ceiling"] <= m["scheduled"] <= m["floor"] * 1.000001 and not r["lint"]
+        assert kb._fmt_row(r).startswith(r["shape"])
+    up, conv = rows
+    assert up["matmul_flops"] == 2 * 585 * 1536 * 8960
+    assert conv["matmul_flops"] == 2 * 384 * 384 * 27 * 1 * 8 * 104
+    assert up["modeled_efficiency"]["scheduled"] >= 0.80, up["modeled_efficiency"]
+    # the full-resolution stage's positions mode (96 channels), on 8 output rows of its 4 frames
+    full = kernels_dense.model_conv(96, 96, (3, 3, 3), 4, 10, 832, 0, 0, True, True, "trn2")
+    assert full["flops"] == 2 * 96 * 96 * 27 * 4 * 8 * 832 and full["efficiency"] >= 0.58, full
