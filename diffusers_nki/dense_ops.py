@@ -18,8 +18,10 @@ utilisation figures of other workloads exist -- 60% on trn2, above 90% on trn3 -
 - "gemm" (every ``nn.Linear``; the tanh GELU of Wan's feed-forward fused into its first GEMM): on trn2 the kernel
   schedules above the assumed 60% at every Wan projection and FFN shape, so enabling it is what the model
   recommends there; on trn3 it schedules at or below the assumed 90%: compiled XLA is as fast, leave it off.
-- "causal_conv3d" (every ``WanCausalConv3d``, the static cache layout of ``caching.wan_vae``): on trn2 above 60%
-  at every decoder stage; on trn3 below the assumed 90% at every stage: leave it off there.
+- "causal_conv3d" (every ``WanCausalConv3d``, the static cache layout of ``caching.wan_vae``): on trn2 above the
+  assumed 60% at the 3x3x3 convolutions that carry the decode's FLOPs (every stage), below it only at conv_in
+  (16 input channels), conv_out (3 output channels) and the 1x1x1 shortcuts, which are a small share; on trn3
+  below the assumed 90% at every stage but the 384-channel 120x208 one: compiled XLA is as fast, leave it off.
 The hook is a named, removable forward override per module (``remove_dense_kernels``); unsupported calls fall
 back to the module's own forward, recorded in ``fallbacks()`` and warned once per reason.
 """
