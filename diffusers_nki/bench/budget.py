@@ -325,9 +325,13 @@ def _term(name, seconds, label, **extra):
     return dict(name=name, seconds=float(seconds), label=label, **extra)
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%" if x >= 0.095 else f"{100 * x:.1f}%"
+
+
 def _sched(kernel, r, n=1, note=""):
     if r.get("flops"):
-        eff = f"{100 * r['efficiency']:.0f}% PE, ceiling {100 * r['efficiency_ceiling']:.0f}%"
+        eff = f"{_pct(r['efficiency'])} PE, ceiling {_pct(r['efficiency_ceiling'])}"
     else:  # no matmul work (the prologue, the cache writer): the ceiling's time and its binding engine
         eff = f"ceiling {1e6 * r['ceiling_s']:.0f} us/call, {r['bottleneck']}-bound"
     return f"scheduled: {kernel} ({eff}{'; ' + note if note else ''})"
@@ -505,8 +509,8 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
     for key, g in groups.items():
         eff = g["flops"] / (g["seconds"] * peak) if g["seconds"] else 0.0
         effc = g["flops"] / (g["ceiling"] * peak) if g["ceiling"] else 0.0
-        terms.append(_term(key, g["seconds"], f"scheduled: causal_conv3d ({100 * eff:.0f}% PE, ceiling "
-                                              f"{100 * effc:.0f}%)", calls=g["calls"], ceiling_s=g["ceiling"]))
+        terms.append(_term(key, g["seconds"], f"scheduled: causal_conv3d ({_pct(eff)} PE, ceiling {_pct(effc)})",
+                           calls=g["calls"], ceiling_s=g["ceiling"]))
     hbm = cost.get_spec(target).hbm_per_core * 1e9
     fab = scaling.FABRICS[target]
     # the mid-block attention: one head, d = C, over every position of a frame; this rank's queries
@@ -518,7 +522,7 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
         s2 = model.gemm(q_rows, n, C, False, None, target)
         k = a["count"] * T
         terms.append(_term("mid-block attention QK^T and PV (one head, d=384)", k * (s1["scheduled_s"] + s2["scheduled_s"]),
-                           _sched("gemm", s1, note="QK^T; PV " + f"{100 * s2['efficiency']:.0f}%"), calls=2 * k))
+                           _sched("gemm", s1, note="QK^T; PV " + _pct(s2["efficiency"])), calls=2 * k))
         soft = k * q_rows * n * (4 + 4 + 2 + 2)  # fp32 scores written + read, bf16 probabilities written + read
         terms.append(_term("mid-block attention softmax (HBM traffic)", soft / hbm,
                            "ASSUMPTION: the scores round-trip HBM once in fp32 and once in bf16, unfused", bytes=soft))
