@@ -379,7 +379,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         raise ValueError(f"dit_terms: no even Ulysses x ring layout of {W} ranks")
     U, R = best["ulysses_degree"], best["ring_degree"]
     terms = [
-        _term("attention: self over [cache | chunk] + text cross-attention", best["compute_s"],
+        _term("attention: self over the cache + chunk, text cross-attention", best["compute_s"],
               "scheduled: attention (bench/_modeled, the rank's calls of this layout)", layout=f"{U} x {R}"),
     ]
     if W > 1:
