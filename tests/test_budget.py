@@ -219,7 +219,7 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(budget, "chunk_attention_calls", lambda **kw: probe)
     monkeypatch.setattr(budget, "vae_decode_calls", lambda *a, **k: vae)
     monkeypatch.setattr(budget, "_Model", FakeModel)
-    monkeypatch.setitem(sys.modules, "diffusers_nki.vae_parallel", None)
+    monkeypatch.setattr(budget, "implemented_layouts", lambda cores=8: {"serial_one_core": "WanStreamingDecoder"})
     monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
     out_json = tmp_path / "sub" / "bench_budget.json"
     args = cli.build_parser().parse_args(["bench", "budget", "--setups", "self_forcing", "--targets", "trn2",

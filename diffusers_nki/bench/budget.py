@@ -469,17 +469,17 @@ def _decode_collectives(V: int, vae: dict) -> Optional[list]:
     decode_collectives`` per decoder call, one call per latent frame), or None where that module is absent."""
     key = (V, vae["latent_frames"])
     if key not in _COLLECTIVES:
-        try:
-            from diffusers_nki.caching.wan_vae import decode_collectives
-        except ImportError:
-            _COLLECTIVES[key] = None
-            return None
         import torch
         from diffusers import AutoencoderKLWan
 
-        with torch.device("meta"):
-            m = AutoencoderKLWan()
-        per_call = decode_collectives(m, 1, HEIGHT // 8, WIDTH // 8, V, frames=1, first=False)
+        try:
+            from diffusers_nki.caching.wan_vae import decode_collectives
+
+            with torch.device("meta"):
+                m = AutoencoderKLWan()
+            per_call = decode_collectives(m, 1, HEIGHT // 8, WIDTH // 8, V, frames=1, first=False)
+        except ImportError:  # the vae workstream's modules are not in this tree: the budget's own estimate
+            return None
         _COLLECTIVES[key] = list(per_call) * vae["latent_frames"]
     return _COLLECTIVES[key]
 
