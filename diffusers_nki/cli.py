@@ -1,4 +1,4 @@
-"""Command line: ``diffusers-nki demo | bench [kernels|cache|scaling]`` (also ``python -m diffusers_nki``).
+"""Command line: ``diffusers-nki demo | serve | bench [kernels|cache|scaling]`` (also ``python -m diffusers_nki``).
 
 Each subcommand lives in its own module and is imported lazily, so ``--help`` stays fast.
 
@@ -24,6 +24,7 @@ from typing import List, Optional
 COMMANDS = {
     "demo": ("diffusers_nki.demo", "stream a tiny AR video pipeline chunk by chunk (the main job)"),
     "bench": ("diffusers_nki.bench.matrix", "the cross-model benchmark matrix"),
+    "serve": ("diffusers_nki.serve", "watch a causal Wan session live in a browser: prompt switches, reset"),
 }
 BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffusers-nki", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add(sub, "demo", *COMMANDS["demo"])
+    _add(sub, "serve", *COMMANDS["serve"])
     bench = sub.add_parser("bench", help=COMMANDS["bench"][1])
     bsub = bench.add_subparsers(dest="bench_command")
     for name, (module, help_) in BENCH_SUBCOMMANDS.items():
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------------------
 # argument validation (before any work)
 # ----------------------------------------------------------------------------------------------------------
-NONNEGATIVE = ("seed", "sink")  # integer options where 0 is meaningful; every other integer option is a count >= 1
+NONNEGATIVE = ("seed", "sink", "port")  # integer options where 0 is meaningful; every other integer option is a count >= 1
 DIRECTORY_OPTIONS = ("output", "out")
 FILE_OPTIONS = ("json",)
 

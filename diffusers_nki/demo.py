@@ -104,7 +104,7 @@ def _cache_fill(transformer) -> Dict[str, int]:
     from diffusers_nki.caching.core import find_hook
 
     hook = find_hook(transformer)
-    st = getattr(hook, "state", None) or getattr(hook, "last", None)
+    st = getattr(hook, "current", None) or getattr(hook, "state", None) or getattr(hook, "last", None)
     if st is None:
         return {}
     return {"valid_tokens": int(st.ring.valid * st.tpf), "capacity_tokens": int(st.buffers.shape[1]),

@@ -25,7 +25,8 @@ Layouts (``DecodeLayout``; ``implemented_layouts(cores)``)
 ---------------------------------------------------------
 - ``"shared"``: the DiT runs context-parallel over all ``cores`` ranks, then the same ranks decode the chunk,
   height-sharded (``WanVAECacheConfig(process_group=<the DiT's flat group>)``); DiT and VAE take turns.
-- ``"disaggregated"``: ``w_dit + w_vae = cores``; ranks [0, w_dit) run the DiT (context-parallel among themselves
+- ``"disaggregated"`` (``Disaggregation``; on a pipeline: ``diffusers_nki.pipelines.disaggregated.disaggregate``):
+  ``w_dit + w_vae = cores``; ranks [0, w_dit) run the DiT (context-parallel among themselves
   when w_dit > 1, over a device mesh of those ranks: ``Disaggregation.dit_mesh``), ranks [w_dit, cores) decode,
   height-sharded among themselves. The DiT leader (rank 0) sends each chunk's latents (all the decode needs:
   the transformer's cache pass needs nothing back) to every VAE rank and goes on with the next chunk; a VAE
@@ -33,7 +34,9 @@ Layouts (``DecodeLayout``; ``implemented_layouts(cores)``)
   ``frames=None`` as soon as it is denoised. Per chunk the slower side sets the pace:
   ``max(t_dit(w_dit), t_vae(w_vae))`` after the pipeline fills, plus one latent transfer.
 Every layout listed has ``implemented=True`` and is run by the tests (tests/parallel/test_vae_parallel.py);
-anything else is not a layout of this code.
+anything else is not a layout of this code. ``bench budget`` reads ``implemented_layouts(cores)`` and, per
+layout, the per-rank conv shapes (``caching.wan_vae.conv_plan``) and collectives (``caching.wan_vae.
+decode_collectives``) of the decode.
 """
 from __future__ import annotations
 
@@ -43,8 +46,7 @@ from typing import Any, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "Disaggregation", "ReceivedChunk", "disaggregate",
-           "undisaggregate"]
+__all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "split_rows", "Disaggregation", "ReceivedChunk"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -184,7 +186,8 @@ class Disaggregation:
     """Ranks [0, w_dit) run the DiT, ranks [w_dit, w_dit + w_vae) decode (see the module doc). Construct it on
     EVERY rank of the default group (it creates the two process groups, a collective call). ``dit_group`` /
     ``vae_group``: the groups; ``dit_mesh(ulysses, ring)``: a device mesh of the DiT ranks for diffusers'
-    ``ContextParallelConfig(mesh=...)``. Install on a pipeline with ``disaggregate(pipe, layout)``."""
+    ``ContextParallelConfig(mesh=...)``. ``send_chunks`` / ``receive``: the latent transport. On a pipeline:
+    ``diffusers_nki.pipelines.disaggregated.disaggregate(pipe, split)``."""
 
     w_dit: int
     w_vae: int
@@ -227,18 +230,21 @@ class Disaggregation:
         return DeviceMesh(device_type, ranks, mesh_dim_names=("ring", "ulysses"))
 
     # -- the transport -------------------------------------------------------------------------------------
-    def route(self, chunks: Iterator) -> Iterator:
-        """DiT ranks: pass the rollout's chunks through (the leader sends each one's latents to every VAE rank
-        first, non-blocking; at most one chunk in flight per VAE rank). VAE ranks: the chunks as received
-        (``ReceivedChunk``), the rollout iterator is never run there."""
-        if self.role == "vae":
-            yield from self._receive()
-            return
+    def send_chunks(self, chunks: Iterator) -> Iterator:
+        """DiT ranks: pass a chunk generator through (``send()`` forwarded to it); the leader first sends each
+        chunk's latents to every VAE rank (non-blocking; at most one chunk in flight per VAE rank: it waits for
+        chunk i-1's sends before sending chunk i) and an end marker when the generator ends or is closed."""
+        if self.role != "dit":
+            raise RuntimeError(f"Disaggregation.send_chunks on rank {self.rank}, a VAE rank")
         leader = self.rank == self.dit_ranks[0]
         pending: List[Any] = []
         dev = self._device(torch.device(self.device))
         try:
-            for chunk in chunks:
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                return
+            while True:
                 if leader:
                     for w in pending:
                         w.wait()
@@ -248,8 +254,15 @@ class Disaggregation:
                                           device=lat.device)
                     pending = self._send(header, lat)
                     self.stats["sent"] += 1
-                yield chunk
+                msg = yield chunk
+                try:
+                    chunk = chunks.send(msg) if msg is not None else next(chunks)
+                except StopIteration:
+                    return
         finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
             if leader:
                 for w in pending:
                     w.wait()
@@ -270,10 +283,13 @@ class Disaggregation:
                 works.append(dist.isend(lat, dst, tag=_TAG_LATENTS))
         return works
 
-    def _receive(self) -> Iterator[ReceivedChunk]:
+    def receive(self) -> Iterator[ReceivedChunk]:
+        """VAE ranks: the chunks' latents as the DiT leader sends them, until its end marker."""
+        if self.role != "vae":
+            raise RuntimeError(f"Disaggregation.receive on rank {self.rank}, a DiT rank")
         src = self.dit_ranks[0]
         while True:
-            dev = self._device(self.device)
+            dev = self._device(torch.device(self.device))
             header = torch.empty(_HEADER, dtype=torch.int64, device=dev)
             dist.recv(header, src, tag=_TAG_HEADER)
             if int(header[0]) == 0:
@@ -287,25 +303,3 @@ class Disaggregation:
         return (f"disaggregated: DiT ranks {self.dit_ranks}, VAE ranks {self.vae_ranks} (height-sharded); this "
                 f"process is rank {self.rank} ({self.role}); chunks sent {self.stats['sent']}, received "
                 f"{self.stats['received']}")
-
-
-_ATTR = "_diffusers_nki_disaggregation"
-
-
-def disaggregate(pipe, layout: Disaggregation):
-    """Make ``pipe.stream()`` run disaggregated (``CausalWanPipeline``): call ``stream()`` with the same arguments
-    on every rank. Returns ``pipe``. ``undisaggregate(pipe)`` removes it."""
-    if not isinstance(layout, Disaggregation):
-        raise TypeError(f"disaggregate: layout must be a Disaggregation, got {type(layout).__name__}")
-    if not hasattr(type(pipe), "_decode_stream"):
-        raise TypeError(f"disaggregate: {type(pipe).__name__} has no streamed decode (_decode_stream)")
-    setattr(pipe, _ATTR, layout)
-    return pipe
-
-
-def undisaggregate(pipe) -> bool:
-    return pipe.__dict__.pop(_ATTR, None) is not None
-
-
-def disaggregation_of(pipe) -> Optional[Disaggregation]:
-    return getattr(pipe, _ATTR, None)

@@ -19,8 +19,9 @@ Anchors (each row names its document and where in it the figure is):
   one count = 1 ps (the unit is not documented; it is the unit under which the anchors agree with each other
   and with the tutorials' millisecond figures). Their tests compile with the platform's default LNC (2 on trn2:
   ``test/utils/common_dataclasses.py``) unless the row says otherwise; the kernels run UNCHANGED in the
-  emulator, loaded from a copy outside this repository (``nkilib_root``), and each row says why when it
-  cannot run.
+  emulator, loaded from a copy outside this repository (``sim.production``'s sources: the pinned copy next to
+  the repository, ``$DIFFUSERS_NKI_KERNEL_SOURCES``, or its cache of pinned checkouts), and each row says why
+  when it cannot run.
 
 JSON (``--json PATH``): one object per anchor: name, family, target, lnc, shape, published_s, source,
 modeled {scheduled_s, ceiling_s, floor_s, efficiency_scheduled}, ratio (= modeled scheduled / published),
@@ -51,7 +52,6 @@ __all__ = ["TOLERANCE", "Anchor", "ANCHORS", "anchors", "run_anchor", "run", "ad
 
 TOLERANCE = 0.15
 NKILIB_COMMIT = "d2ad3a5"
-NKILIB_ENV = "DIFFUSERS_NKI_NKILIB"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,51 +217,26 @@ def mm_block_all(lhsT, rhs, bm_tiles=16, bn_tiles=2, bk_tiles=8):
 # ----------------------------------------------------------------------------------------------------------
 # Where the production kernels come from (test input only, never part of this repository)
 # ----------------------------------------------------------------------------------------------------------
-def _cache_dir() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "diffusers_nki" / f"nki-library-{NKILIB_COMMIT}"
-
-
 def nkilib_root(module: str) -> Tuple[Optional[pathlib.Path], Optional[str]]:
-    """(folder holding ``nkilib/`` that has ``module``, None) or (None, why not). Looked for, in order, at
-    ``$DIFFUSERS_NKI_NKILIB``, the pinned copy next to the repository (``sim.production.nkilib_path``) and the
-    cache folder ``~/.cache/diffusers_nki/nki-library-<commit>`` (a copy of nki-library's ``src/nkilib_src``)."""
+    """(folder holding ``nkilib/`` that has ``module``, None) or (None, why not): ``sim.production``'s search
+    (``$DIFFUSERS_NKI_KERNEL_SOURCES``, ``$DIFFUSERS_NKI_NKILIB``, the pinned copy next to the repository, the
+    cache of pinned checkouts)."""
     from diffusers_nki.sim import production
 
-    rel = pathlib.Path(*module.split(".")).with_suffix(".py")
-    tried = []
-    cands = []
-    env = os.environ.get(NKILIB_ENV)
-    if env:
-        cands.append(pathlib.Path(env).expanduser())
-    p = production.nkilib_path()
-    if p is not None:
-        cands.append(p)
-    else:
-        cands.append(pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "third_party" / "nki-library")
-    cands.append(_cache_dir())
-    for c in cands:
-        if (c / rel).is_file():
-            return c, None
-        tried.append(str(c))
-    return None, (f"nki-library module {module} (commit {NKILIB_COMMIT}, test input only) not found in "
-                  + ", ".join(tried) + f"; set {NKILIB_ENV} to a folder holding nkilib/")
-
-
-_MODS: Dict[Tuple[str, str], object] = {}
+    rel = module.replace(".", "/") + ".py"
+    hit = production.source_root("nki-library", rel)
+    if hit is None:
+        return None, production.source_reason("nki-library", rel)
+    return hit[0], None
 
 
 def _import_nkilib(module: str):
+    from diffusers_nki.sim import production
+
     root, why = nkilib_root(module)
     if root is None:
         raise _Absent(why)
-    key = (str(root), module)
-    if key not in _MODS:
-        from diffusers_nki.sim.production import emulated_nki
-
-        with emulated_nki(str(root)):
-            _MODS[key] = importlib.import_module(module)
-    return _MODS[key]
+    return production.import_module("nki-library", module)
 
 
 class _Absent(RuntimeError):
@@ -298,6 +273,34 @@ _TUT2 = (f"{_SDK} 81ce03ae nki/guides/tutorials/kernel-optimization.rst, profile
 _TUT1 = (f"{_SDK} 1db4d74e nki/tutorials/matrix_multiplication.rst, table 'Latency (ms)', row '{{row}}': {{ms}} ms "
          "(bf16, trn1.32xlarge)")
 _LIB = f"nki-library {NKILIB_COMMIT} test/integration/nkilib/core/{{file}}, {{where}}: tpbSgCyclesSum {{cycles}}"
+
+
+# Anchors outside the tolerance, each named with why (printed in the table and the JSON ``outside_why``). The
+# suite checks both ways: every anchor outside +-15% must match an entry here, and every entry must still be
+# outside (a stale excuse fails too).
+OUTSIDE: Dict[str, str] = {
+    "cte_": ("nki-library attention_cte is bound by its SBUF->SBUF DMA transposes (every P^T), whose throughput "
+             "is undocumented: the baseline charges the documented upper bound ('up to 50%' of DMA throughput "
+             "[ARCH3]); under the named hypothesis 'dma transpose 2x slower' these anchors come to 0.82..1.26 "
+             "(--hypotheses). Not tuned to either."),
+    "mlp_cte_": ("nki-library mlp_cte: 28-64 us (small) to 60-320 us (large) the model does not see; on hardware "
+                 "the LNC2 launch of a small MLP takes as long as the LNC1 one (82.8 vs 80.5 us) although each core "
+                 "does half the work, i.e. a fixed cost. No per-launch constant or larger DMA fixed latency closes "
+                 "it without pushing the rmsnorm_quant launches of the same size out of tolerance (scanned: "
+                 "DMA_LAT 1.3 / 2.6 / 5 / 10 us; docs/COST_MODEL_SCHEDULE.md), so none is fitted"),
+    "rmsnorm_quant_s2_quant_only": ("quant-only rmsnorm_quant at 1-2 rows per core: ~12 us the model does not see "
+                                    "(the RMSNorm variants of the same launch are within 1%, so no fixed launch "
+                                    "cost explains both; not fitted)"),
+    "rmsnorm_quant_s160_quant_only": ("as rmsnorm_quant_s2_quant_only: quant-only variant ~12 us short"),
+}
+
+
+def outside_why(name: str) -> Optional[str]:
+    """The named reason an anchor is outside the tolerance, or None."""
+    for k in sorted(OUTSIDE, key=len, reverse=True):
+        if name.startswith(k):
+            return OUTSIDE[k]
+    return None
 
 
 def _zeros(shape, dtype):
@@ -426,7 +429,6 @@ def _rms_anchors() -> List[Anchor]:
 
 
 _MLP_CTE_MOD = "nkilib.core.mlp.mlp_cte.mlp_cte"
-_MLP_PAR_MOD = "nkilib.core.mlp.mlp_parameters"
 # lnc, batch, seqlen, hidden, intermediate, tpbSgCyclesSum, norm (MLP_CTE_UNIT_TEST_CASES_GATE_BIAS_FALSE rows
 # without quantization or biases; norm, fused_add and activation as given)
 _MLP_ROWS = ((2, 1, 1024, 1024, 448, 90_017_692, "NO_NORM", False, "SiLU"),
@@ -446,8 +448,11 @@ def _mlp_build(lnc, b, s, h, i, norm, fused_add, act):
         import ml_dtypes
 
         cte = _import_nkilib(_MLP_CTE_MOD)
-        par = _import_nkilib(_MLP_PAR_MOD)
-        ct = _import_nkilib("nkilib.core.utils.common_types")
+        # the parameter class and enums as mlp_cte's own import of the package sees them (a second import of
+        # the package would give enums of other classes)
+        g = cte.mlpp_has_normalization.__globals__      # nkilib.core.mlp.mlp_parameters, as mlp_cte imported it
+        par = ct = type("mlp_parameters", (), {k: g[k] for k in ("MLPParameters", "ActFnType", "NormType",
+                                                                 "QuantizationType")})
         nl, _ = _nl()
         bf = ml_dtypes.bfloat16
 
@@ -539,6 +544,7 @@ def run_anchor(a: Anchor, quick: bool = False, hypotheses: bool = False) -> dict
                       "waits": r.waits[:4], "warnings": list(rec.warnings)[:3]}
     row["ratio"] = float(sched / a.published_s)
     row["within_tolerance"] = bool(abs(row["ratio"] - 1.0) <= TOLERANCE)
+    row["outside_why"] = None if row["within_tolerance"] else outside_why(a.name)
     row["trace_s"], row["schedule_s"] = round(t1 - t0, 2), round(t2 - t1, 2)
     if hypotheses:
         n_dma_t = sum(1 for i in rec.instrs if i.engine == "dma" and (i.transpose or i.op == "dma_transpose"))
@@ -600,7 +606,8 @@ def _fmt(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['name']:<40}{r['target']:>5}{pub:>12.1f}{'':>12}{'':>7}  {r['status']}: {r['reason'][:110]}"
     m = r["modeled"]["scheduled_s"] * 1e6
-    mark = "" if r["within_tolerance"] else "  OUTSIDE +-15%"
+    mark = "" if r["within_tolerance"] else ("  OUTSIDE +-15% (named below)" if r.get("outside_why")
+                                             else "  OUTSIDE +-15% (NOT NAMED)")
     return f"{r['name']:<40}{r['target']:>5}{pub:>12.1f}{m:>12.1f}{r['ratio']:>7.2f}{mark}"
 
 
@@ -610,6 +617,7 @@ def summary(rows: List[dict]) -> dict:
     ratios = [r["ratio"] for r in ok]
     return {"anchors": len(rows), "ran": len(ok), "within_tolerance": len(inside),
             "outside": [r["name"] for r in ok if not r["within_tolerance"]],
+            "outside_unnamed": [r["name"] for r in ok if not r["within_tolerance"] and not r.get("outside_why")],
             "not_run": {r["name"]: r["reason"] for r in rows if r["status"] != "ok"},
             "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None,
             "ratio_geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else None,
@@ -644,6 +652,12 @@ def run(args) -> int:
     s = summary(rows)
     print(f"{s['within_tolerance']} of {s['ran']} anchors run within +-15% ({s['anchors']} listed; ratio "
           + (f"{s['ratio_min']:.2f}..{s['ratio_max']:.2f}, geomean {s['ratio_geomean']:.2f})" if s["ran"] else "n/a)"))
+    why = {}
+    for r in rows:
+        if r.get("outside_why"):
+            why.setdefault(r["outside_why"], []).append(r["name"])
+    for w, names_ in why.items():
+        print(f"outside +-15%: {', '.join(names_) if len(names_) < 4 else f'{len(names_)} anchors ({names_[0]} ...)'}: {w}")
     if args.hypotheses:
         from diffusers_nki.sim.cost import SENSITIVITY_ROWS
 
@@ -693,11 +707,17 @@ def calibration_markdown(rows: List[dict]) -> str:
                        f"{(r['reason'] or '')[:120]} | | |")
             continue
         out.append(f"| {r['name']} | {r['target']} | {r['lnc']} | {pub} | {_fmt_time(r['modeled']['scheduled_s'])} "
-                   f"| {r['ratio']:.2f} | {'yes' if r['within_tolerance'] else '**no**'} |")
+                   f"| {r['ratio']:.2f} | {'yes' if r['within_tolerance'] else '**no** (named below)'} |")
     out.append("")
     out.append(f"{s['within_tolerance']} of {s['ran']} anchors that ran are within +-15% ({s['anchors']} listed); "
                + (f"ratios {s['ratio_min']:.2f}..{s['ratio_max']:.2f}, geometric mean {s['ratio_geomean']:.2f}."
                   if s["ran"] else ""))
+    why = {}
+    for r in rows:
+        if r.get("outside_why"):
+            why.setdefault(r["outside_why"], []).append(r["name"])
+    for w, names_ in why.items():
+        out.append(f"- outside +-15%, {', '.join(names_)}: {w}")
     hyp_rows = [r for r in rows if r.get("ratio_under_hypotheses")]
     if hyp_rows:
         names = list(hyp_rows[0]["ratio_under_hypotheses"])

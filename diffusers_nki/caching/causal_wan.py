@@ -38,6 +38,24 @@ CausalChunk(start_frame=..., commit=..., block_frames=...)}``. Calls without it 
 forward's math (patch embedding, condition embedder, blocks, output head, unpatchify) with RoPE at absolute
 positions (the model's own tables; rebuilt longer with the same formula beyond ``rope_max_seq_len``).
 
+Ownership: a call's ``CausalChunk.rollout`` (a ``RolloutHandle``) owns the rollout's state (ring, slot map,
+buffers, RoPE tables); calls without one use the hook's own. Sessions, streams and pipeline calls each hold one,
+so interleaved rollouts never share a cache. The state is rebuilt when what it derives from changed (geometry,
+dtype, device, the RoPE module and its tables, the context-parallel layout); a change mid-rollout raises.
+
+Re-cache (LongLive's KV re-cache after a prompt switch): ``RolloutHandle.recache_span()`` says which committed
+frames to re-encode (the last min(window, P); once the window has rolled, the sinks keep their K/V and the last
+window - sink frames are re-encoded); the call (``CausalChunk(recache_frames=n)``) always holds ``window`` frames
+(valid ones first, ``kv_len`` masks the padding), attends with no causal order over [kept sinks | its frames],
+and writes the re-encoded K/V of the frames the ring holds back into their slots in place (a gather from
+[cache | call] by a runtime slot map, then one ``cache_write`` of the history per layer): one shape per switch.
+
+Positions: ``"absolute"`` rotates every frame at its index in the video (the published default; past the model's
+table the tables are extended with the same formula). ``"window"`` is LongLive's ``use_infinite_attention``:
+positions re-based inside the window [sinks | latest frames | chunk]. Non-sink frames keep their cached keys
+(their distances to the queries are unchanged by the re-basing); the sinks' keys are rewritten per call, rotated
+along the time axis to ``sink index + shift`` from a copy rotated back to time 0 (``_SinkRotation``).
+
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
 ``rolling=True`` evicts the oldest non-sink frame once the window is full (the published semantics),
@@ -73,8 +91,9 @@ backends, vs an independent dense block-causal reference; torch.compile; a 200-c
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import List, Optional
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -83,10 +102,55 @@ from diffusers_nki import parallel
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
 from .skyreels_v2 import _rope as wan_rope  # Wan's interleaved RoPE arithmetic (SkyReels-V2 is Wan's)
 
-__all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "SELF_FORCING",
-           "LONGLIVE", "make_hook", "named_config"]
+__all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "RolloutHandle",
+           "RecacheSpan", "SELF_FORCING", "LONGLIVE", "POSITIONS", "make_hook", "named_config"]
 
 CHUNK_KEY = "diffusers_nki_causal_chunk"
+POSITIONS = ("absolute", "window")
+
+
+class RolloutHandle:
+    """The owner of one rollout's cache state (``CausalChunk.rollout``): whoever drives a rollout (a
+    ``CausalWanSession``, hence every ``pipe(...)`` and ``pipe.stream(...)``) holds one, so two rollouts on one
+    transformer never read each other's cache. Calls without a handle use the hook's own (one) state.
+
+    ``reset()``: back to an empty cache (every slot zeroed in place, nothing reallocated). ``release()``: the
+    rollout is over; its buffers go back to the hook, whose next rollout of the same geometry reuses them."""
+
+    def __init__(self):
+        self.state: Optional["_Rollout"] = None
+
+    def reset(self) -> None:
+        if self.state is not None:
+            self.state.reset()
+
+    def release(self) -> None:
+        st, self.state = self.state, None
+        if st is not None:
+            hook = st.hook()
+            if hook is not None:
+                hook.last = st
+
+    def recache_span(self) -> Optional["RecacheSpan"]:
+        """What a prompt switch must re-encode now (``None``: nothing committed yet)."""
+        return None if self.state is None else self.state.recache_span()
+
+    @property
+    def frames_committed(self) -> int:
+        return 0 if self.state is None else self.state.ring.placed
+
+
+@dataclass(frozen=True)
+class RecacheSpan:
+    """A re-cache call (LongLive's KV re-cache after a prompt switch): re-encode the committed frames
+    ``[start_frame, start_frame + frames)`` under the new text, in ONE call of ``call_frames`` frames (the
+    valid frames first, zero padding after: one shape for every switch). ``keep_sinks``: the sink frames keep
+    their K/V (LongLive's ``global_sink``: once the window has rolled, the sinks are not re-encoded)."""
+
+    start_frame: int
+    frames: int
+    call_frames: int
+    keep_sinks: bool
 
 
 @dataclass(frozen=True)
@@ -97,20 +161,34 @@ class CausalChunk:
     commit: the cache pass: attend, then write the frames' K/V into the cache. False: a denoising pass.
     block_frames: frames per causal block (``num_frame_per_block``); the call holds whole blocks.
     total_frames: latent frames of the whole rollout when known (sizes ``capacity=None``).
+    rollout: the ``RolloutHandle`` owning the cache state (None: the hook's own state).
+    positions: ``"absolute"`` (RoPE at each frame's index in the video: Self-Forcing, CausVid, LongLive) or
+        ``"window"`` (LongLive's ``use_infinite_attention``: positions re-based inside the attention window).
+    recache_frames: > 0 makes this a re-cache call (``RolloutHandle.recache_span()``): the call's first
+        ``recache_frames`` frames are the committed frames from ``start_frame`` on, re-encoded under this call's
+        text and written back into their slots in place; the rest of the call is padding.
     """
 
     start_frame: int
     commit: bool = False
     block_frames: int = 3
     total_frames: Optional[int] = None
+    rollout: Optional[RolloutHandle] = field(default=None, compare=False, repr=False)
+    positions: str = "absolute"
+    recache_frames: int = 0
 
     def __post_init__(self):
-        for name in ("start_frame", "block_frames"):
+        for name in ("start_frame", "block_frames", "recache_frames"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "start_frame" else 1):
-                raise ValueError(f"CausalChunk.{name}={v!r} must be an int >= {0 if name == 'start_frame' else 1}")
+            low = 1 if name == "block_frames" else 0
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"CausalChunk.{name}={v!r} must be an int >= {low}")
         if self.total_frames is not None and (not isinstance(self.total_frames, int) or self.total_frames < 1):
             raise ValueError(f"CausalChunk.total_frames={self.total_frames!r} must be None or an int >= 1")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"CausalChunk.positions={self.positions!r} must be one of {POSITIONS}")
+        if self.rollout is not None and not isinstance(self.rollout, RolloutHandle):
+            raise TypeError(f"CausalChunk.rollout must be a RolloutHandle, got {type(self.rollout).__name__}")
 
 
 def _config(**kw):
@@ -149,22 +227,37 @@ def make_hook(model, config) -> "CausalWanStaticCache":
 # ------------------------------------------------------------------------------------------------------
 # RoPE at absolute frame positions
 # ------------------------------------------------------------------------------------------------------
+def _rope_key(rope) -> tuple:
+    """What the tables derive from: the module itself and its buffers' dtype and device (``pipe.to(torch.bfloat16)``
+    casts them; swapping ``transformer.rope`` replaces the module; offloading moves them back and forth)."""
+    return (id(rope), rope.freqs_cos.dtype, rope.freqs_cos.device)
+
+
 class _Rope:
     """Wan's 3-D RoPE tables (``WanRotaryPosEmbed.freqs_cos/freqs_sin``), the time axis indexed by a
     positions tensor. Beyond ``max_seq_len`` frames the tables are rebuilt longer with the same formula
-    (checked: the rows below the old length are identical)."""
+    (checked: the rows below the old length are identical), in the model's table dtype. ``key`` says what the
+    tables were built from (``_rope_key``): a rollout rebuilds them when that changed."""
 
     def __init__(self, rope, hp: int, wp: int, device):
         self.rope, self.hp, self.wp, self.device = rope, hp, wp, device
+        self.key = _rope_key(rope)
         self._build(rope.freqs_cos, rope.freqs_sin)
+
+    def matches(self, rope, hp: int, wp: int, device) -> bool:
+        return self.rope is rope and self.key == _rope_key(rope) and (self.hp, self.wp) == (hp, wp) and \
+            self.device == device
 
     def _build(self, cos, sin):
         r = self.rope
         sizes = [r.t_dim, r.h_dim, r.w_dim]
-        ct, ch, cw = cos.to(self.device).split(sizes, dim=1)
-        st, sh, sw = sin.to(self.device).split(sizes, dim=1)
-        self.t_cos, self.t_sin = ct, st
-        self.hw_cos, self.hw_sin = self._hw(ch, cw), self._hw(sh, sw)
+        with torch.inference_mode(False):  # plain tensors: usable by any later call whatever its grad mode
+            ct, ch, cw = cos.to(self.device).split(sizes, dim=1)
+            st, sh, sw = sin.to(self.device).split(sizes, dim=1)
+            self.t_cos, self.t_sin = ct.clone(), st.clone()
+            self.hw_cos, self.hw_sin = self._hw(ch, cw), self._hw(sh, sw)
+            # the h/w part of a time-only rotation (cos 1, sin 0): rotating a key along the time axis alone
+            self.hw_one, self.hw_zero = torch.ones_like(self.hw_cos[:1]), torch.zeros_like(self.hw_sin[:1])
         self.size = ct.shape[0]
 
     def _hw(self, h, w):
@@ -177,12 +270,14 @@ class _Rope:
             return
         r = self.rope
         longer = type(r)(r.attention_head_dim, r.patch_size, max(2 * self.size, frames))
+        dtype = r.freqs_cos.dtype
+        lc, ls = longer.freqs_cos.to(dtype), longer.freqs_sin.to(dtype)
         old_t = self.t_cos.shape[0]
-        new_t = longer.freqs_cos.split([r.t_dim, r.h_dim, r.w_dim], dim=1)[0].to(self.device)
+        new_t = lc.split([r.t_dim, r.h_dim, r.w_dim], dim=1)[0].to(self.device)
         if not torch.equal(new_t[:old_t], self.t_cos):
             raise RuntimeError("causal Wan static cache: the model's RoPE table does not follow the default Wan "
                                f"formula (theta 10000); cannot extend it beyond {old_t} frames")
-        self._build(longer.freqs_cos, longer.freqs_sin)
+        self._build(lc, ls)
 
     def freqs(self, positions: torch.Tensor):
         """(cos, sin) ``[1, F * hp * wp, 1, D]`` for the frames at ``positions`` (frame-major like the tokens)."""
@@ -193,42 +288,99 @@ class _Rope:
             out.append(torch.cat([ft, hw.view(1, m, -1).expand(n, m, -1)], dim=-1).reshape(1, n * m, 1, -1))
         return out[0], out[1]
 
+    def time_only(self, positions: torch.Tensor, tokens: int, sign: float = 1.0):
+        """(cos, sin) ``[1, F * tokens, 1, D]`` rotating along the time axis only, by ``sign * position`` (the h/w
+        dims untouched): a key rotated at time t becomes the key rotated at t + sign * position, whatever token
+        of its frame it is (which is why it works on a context-parallel shard of the frame)."""
+        n = positions.shape[0]
+        out = []
+        for t, hw in ((self.t_cos, self.hw_one), (self.t_sin, self.hw_zero)):
+            ft = t.index_select(0, positions)
+            if t is self.t_sin:
+                ft = ft * sign
+            row = torch.cat([ft, hw.expand(n, -1)], dim=-1)
+            out.append(row.view(n, 1, -1).expand(n, tokens, -1).reshape(1, n * tokens, 1, -1))
+        return out[0], out[1]
+
 
 # ------------------------------------------------------------------------------------------------------
 # the cache-aware self-attention processor
 # ------------------------------------------------------------------------------------------------------
+class _Recache:
+    """The in-place write-back of a re-cache call: ``slot_src`` [history] (the call frame whose K/V go to each
+    slot) and ``keep`` [history] (slots keeping their K/V: sinks kept, frames not re-encoded, empty slots).
+    Runtime tensors: every switch has the same ops and shapes."""
+
+    def __init__(self, slot_src: torch.Tensor, keep: torch.Tensor, history: int):
+        self.slot_src, self.keep, self.history = slot_src, keep, history
+
+
+class _SinkRotation:
+    """``positions="window"`` (LongLive's infinite attention): the sink frames' keys re-rotated for this call.
+    Every other frame keeps its absolute-position key (their distances to the queries are the re-based ones);
+    the sinks' distance stays fixed, so each call writes ``rope_t(sink_key_at_time_0, s + shift)`` into the
+    sink slots from a copy rotated back to time 0 (``sink0``, kept per layer): one rotation, no drift.
+    ``store``: (frame in the call, sink slot, its position) whose time-0 copy this call refreshes."""
+
+    def __init__(self, cos, sin, store, store_freqs):
+        self.cos, self.sin, self.store, self.store_freqs = cos, sin, store, store_freqs
+
+
 class _LayerStep:
     """What one layer's swapped self-attention receives (as ``rotary_emb``) in one served call: the RoPE
     tables of the call's frames, that layer's buffers and the call's plan (one object per layer, never
     mutated: torch.compile sees the same structure in every block)."""
 
     def __init__(self, cos, sin, kv: LayerKV, plan: Plan, causal_block: int, frames: int, tpf: int, commit: bool,
-                 backend: str, cp=None):
+                 backend: str, cp=None, recache: Optional[_Recache] = None, sink0: Optional[torch.Tensor] = None,
+                 sinks: Optional[_SinkRotation] = None, kv_len: bool = False):
         self.cos, self.sin, self.kv, self.plan = cos, sin, kv, plan
         self.causal_block, self.frames, self.tpf, self.commit, self.backend = causal_block, frames, tpf, commit, backend
         self.cp, self.groups = cp, ((frames, tpf),)  # cp: a diffusers_nki.parallel.CacheParallel (or None)
+        self.recache, self.sink0, self.sinks, self.kv_len = recache, sink0, sinks, kv_len
 
     def attend(self, q, k, v) -> torch.Tensor:
         kv, p, be, cp = self.kv, self.plan, self.backend, self.cp
         tpf = self.tpf
-        if cp is None:
-            out = attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), None, None, self.causal_block, be)
-        else:  # this rank's heads of its ring row's tokens of every frame; the cache holds this rank's shard
+        if cp is not None:  # this rank's heads of its ring row's tokens of every frame; the cache: this rank's shard
             q, k, v = (cp.to_heads(t, self.groups) for t in (q, k, v))
             tpf = tpf // cp.R
-            blocks = self.frames * self.tpf // self.causal_block
+        rot = self.sinks
+        if rot is not None and rot.cos is not None:  # window positions: the sinks at this call's re-based distance
+            n = self.sink0.shape[1]
+            kv.k[:, :n].copy_(wan_rope(self.sink0, rot.cos, rot.sin))
+        kv_len = p.per_batch("kv_len") if self.kv_len else None
+        if cp is None:
+            out = attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), kv_len, None, self.causal_block, be)
+        else:
+            blocks = self.frames * self.tpf // self.causal_block if self.causal_block else 1
             if cp.R == 1:  # the ring row is every token: the single-process descriptor holds
-                out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), causal_block=self.causal_block)
+                out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), kv_len, causal_block=self.causal_block)
             elif blocks == 1:  # one block sees all of itself: no descriptor
-                out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"))
+                out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), kv_len)
             else:  # pass-Q ring: one call per block over the chunk keys of the blocks up to it
                 n = self.causal_block // cp.R
                 out = torch.cat([cp.attention(q[:, i * n:(i + 1) * n], k, v, kv.k, kv.v, p.scalar("cache_len"),
                                               p.per_batch(f"kv_len{i}")) for i in range(blocks)], dim=1)
-        if self.commit:  # after the attention: the slots it may overwrite belong to evicted frames
+        if self.recache is not None:  # the re-encoded frames' K/V into their slots, every other slot as it was
+            rc = self.recache
+            B, _, H, D = kv.k.shape
+            keep = rc.keep.view(1, -1, 1, 1, 1)
+            new = []
+            for cache, fresh in ((kv.k, k), (kv.v, v)):
+                src = fresh.reshape(B, -1, tpf, H, D).index_select(1, rc.slot_src)
+                new.append(torch.where(keep, cache.view(B, rc.history, tpf, H, D), src).reshape(B, -1, H, D))
+            cache_write(kv.k, kv.v, new[0], new[1], p.scalar("slot0"), be)
+        elif self.commit:  # after the attention: the slots it may overwrite belong to evicted frames
             for f in range(self.frames):
                 s = slice(f * tpf, (f + 1) * tpf)
                 cache_write(kv.k, kv.v, k[:, s], v[:, s], p.scalar(f"slot{f}"), be)
+        if rot is not None and rot.store:  # frames written into sink slots: their keys rotated back to time 0
+            cos0, sin0 = rot.store_freqs
+            for i, (f, slot) in enumerate(rot.store):
+                s = slice(i * tpf, (i + 1) * tpf)
+                self.sink0[:, slot * tpf:(slot + 1) * tpf].copy_(
+                    wan_rope(k[:, f * tpf:(f + 1) * tpf], cos0[:, s], sin0[:, s]))
         return out if cp is None else cp.from_heads(out, self.groups)
 
 
@@ -261,17 +413,20 @@ class CausalWanCacheProcessor:
 # the rollout state and the hook
 # ------------------------------------------------------------------------------------------------------
 class _Rollout:
-    """Everything fixed for one rollout (geometry, window) plus the ring bookkeeping."""
+    """Everything fixed for one rollout (geometry, window, dtype, device, RoPE tables) plus the ring
+    bookkeeping. Owned by a ``RolloutHandle`` (or the hook's own ``state``)."""
 
     def __init__(self, hook: "CausalWanStaticCache", module, hs: torch.Tensor, chunk: CausalChunk,
                  previous: Optional["_Rollout"] = None):
         cfg, conf = module.config, hook.config
         B, _, F, H, W = hs.shape
         _, ph, pw = cfg.patch_size
+        self.hook = weakref.ref(hook)
         self.geometry = _geometry(hs)
         self.hp, self.wp = H // ph, W // pw
         self.tpf = tpf = self.hp * self.wp
         self.dtype, self.device = module.patch_embedding.weight.dtype, hs.device
+        self.positions = chunk.positions
         self.n = n = conf.chunk_frames or chunk.block_frames
         if conf.unit == "tokens":
             window = conf.capacity // tpf
@@ -301,6 +456,7 @@ class _Rollout:
         self.ring = FrameRing(self.history, sink, conf.rolling,
                               what=f"causal Wan static cache (window {window} frames = {self.history} history + "
                                    f"{n}-frame chunk)")
+        self.slot_frames: List[int] = [-1] * self.history  # the absolute frame each slot holds (-1: empty)
         blk = module.blocks[0].attn1
         heads, head_dim = blk.heads, blk.inner_dim // blk.heads
         # context parallelism (enable_parallelism): this rank's shard of every buffer, see diffusers_nki.parallel
@@ -311,29 +467,55 @@ class _Rollout:
             shape = cp.cache_shape(B, self.history * tpf, heads, head_dim)
         else:
             shape = (B, self.history * tpf, heads, head_dim)
+        self.shape = shape
         if previous is not None and previous.buffers.shape == shape and previous.dtype == self.dtype \
                 and previous.device == self.device:
             self.buffers = previous.buffers  # same geometry: reuse (stale slots are never read: valid prefix)
         else:
             self.buffers = KVBuffers(len(module.blocks), B, shape[1], shape[2], head_dim, self.dtype, self.device)
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
-        self.rope = previous.rope if (previous is not None and previous.rope.hp == self.hp and
-                                      previous.rope.wp == self.wp and previous.device == self.device) \
-            else _Rope(module.rope, self.hp, self.wp, self.device)
-        self.stats = {"denoise_calls": 0, "commit_calls": 0, "grown": 0}
+        self.sink0 = None  # window positions: per layer, the sink frames' keys rotated back to time 0
+        if self.positions == "window" and sink:
+            with torch.inference_mode(False):
+                tokens = self._t(sink * tpf)
+                self.sink0 = [torch.zeros((shape[0], tokens, shape[2], shape[3]), dtype=self.dtype, device=self.device)
+                              for _ in self.layers]
+        self.rope = previous.rope if (previous is not None and previous.rope.matches(
+            module.rope, self.hp, self.wp, self.device)) else _Rope(module.rope, self.hp, self.wp, self.device)
+        self.stats = {"denoise_calls": 0, "commit_calls": 0, "recache_calls": 0, "grown": 0}
+
+    def matches(self, hook, module, hs: torch.Tensor, chunk: CausalChunk) -> bool:
+        """Whether this (empty) state can serve a new rollout of these inputs as it is."""
+        return (self.hook() is hook and _geometry(hs) == self.geometry and hs.device == self.device
+                and module.patch_embedding.weight.dtype == self.dtype and chunk.positions == self.positions
+                and self.rope.matches(module.rope, self.hp, self.wp, self.device)
+                and _cp_key(parallel.cache_parallel(module, hook.backend, "causal Wan static cache"))
+                == _cp_key(self.cp)
+                and (hook.config.chunk_frames or chunk.block_frames) == self.n)
+
+    def reset(self) -> None:
+        """An empty cache: ring and slot map cleared, every buffer zeroed in place (nothing reallocated)."""
+        self.ring.reset()
+        self.slot_frames = [-1] * self.history
+        self.buffers.zero_()
+        for t in self.sink0 or ():
+            t.zero_()
+        self.stats = {k: 0 for k in self.stats}
 
     def grow(self, hook, frames_needed: int, total_frames: Optional[int]) -> None:
         """Non-rolling overflow with ``grow=True``: reallocate the history buffers (valid prefix copied), to the
         whole rollout when its length is known (so it grows once), else to twice the window."""
         new_window = max(frames_needed, total_frames or 2 * self.window)
         new_history = new_window - self.n
-        bigger = self.buffers.grown(self._t(new_history * self.tpf), self._t(self.ring.valid * self.tpf))
+        with torch.inference_mode(False):
+            bigger = self.buffers.grown(self._t(new_history * self.tpf), self._t(self.ring.valid * self.tpf))
         warnings.warn(
             f"causal Wan static cache: this rollout needs {frames_needed} frames of attention window, more than "
             f"capacity={self.window}; the buffers grow once to {new_window} frames (the output is unchanged; "
             f"one new set of attention shapes). Pass StaticCacheConfig(capacity={new_window}) to size it up front, "
             f"or rolling=True to keep a window.", RuntimeWarning, stacklevel=4)
         self.buffers, self.layers = bigger, [bigger.layer(i) for i in range(len(self.layers))]
+        self.slot_frames += [-1] * (new_history - self.history)
         self.window, self.history = new_window, new_history
         self.ring.capacity = new_history
         hook.grown_window = new_window
@@ -343,12 +525,60 @@ class _Rollout:
         """A token count of whole frames on this rank (context parallelism: / ring_degree)."""
         return n if self.cp is None else self.cp.tokens(n)
 
+    def recache_span(self) -> Optional[RecacheSpan]:
+        """LongLive's re-cache after a switch, on this window: with P frames committed and a window of L frames,
+        the last min(L, P) frames are re-encoded together (no causal order among them) under the new text; once
+        the window has rolled (P > L), the sinks keep their K/V and only the last L - sink frames are re-encoded
+        (attending to the kept sinks). The call always holds L frames (padding after the valid ones)."""
+        P, L = self.ring.placed, self.window
+        if P == 0:
+            return None
+        if P <= L:
+            return RecacheSpan(0, P, L, False)
+        count = L - self.sink
+        return RecacheSpan(P - count, count, L, self.sink > 0)
+
+    def _shift(self, end: int) -> int:
+        """Window positions: how far the non-sink frames' re-based positions lag their absolute ones in a call
+        whose window ends at frame ``end`` (LongLive re-bases once the window is full)."""
+        return max(0, end - self.window)
+
+    def _sink_rotation(self, shift: int, store) -> Optional[_SinkRotation]:
+        if self.sink0 is None:
+            return None
+        tpf_l = self._t(self.tpf)
+        cos = sin = None
+        if shift > 0:  # the window has rolled: sinks at s + shift relative to the absolute frames
+            self.rope.ensure(self.sink + shift)
+            pos = torch.arange(shift, shift + self.sink, device=self.device)
+            cos, sin = self.rope.time_only(pos, tpf_l)
+        freqs = None
+        if store:
+            pos = torch.tensor([p for _, _, p in store], device=self.device, dtype=torch.long)
+            freqs = self.rope.time_only(pos, tpf_l, sign=-1.0)
+        if cos is None and not store:
+            return None
+        return _SinkRotation(cos, sin, [(f, s) for f, s, _ in store], freqs)
+
     def serve(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
         hs = a["hidden_states"]
         B, _, F, H, W = hs.shape
         if _geometry(hs) != self.geometry:
             raise ValueError(f"causal Wan static cache: the input changed mid-rollout from (batch, channels, height, "
                              f"width)={self.geometry} to {_geometry(hs)}; start a new rollout (start_frame=0)")
+        if module.patch_embedding.weight.dtype != self.dtype or hs.device != self.device:
+            raise RuntimeError(f"causal Wan static cache: the transformer moved from {self.dtype} on {self.device} to "
+                               f"{module.patch_embedding.weight.dtype} on {hs.device} mid-rollout; reset the session "
+                               f"(or start a new rollout at start_frame=0)")
+        if not self.rope.matches(module.rope, self.hp, self.wp, self.device):
+            raise RuntimeError("causal Wan static cache: the transformer's RoPE tables changed mid-rollout (a new "
+                               "transformer.rope, or its buffers cast or moved); reset the session (or start a new "
+                               "rollout at start_frame=0)")
+        if chunk.positions != self.positions:
+            raise ValueError(f"causal Wan static cache: positions={chunk.positions!r} but this rollout started with "
+                             f"{self.positions!r}; start a new rollout to change it")
+        if chunk.recache_frames:
+            return self._serve_recache(hook, module, a, chunk)
         if chunk.start_frame != self.ring.placed:
             raise ValueError(f"causal Wan static cache: a call at start_frame={chunk.start_frame} but the cache holds "
                              f"{self.ring.placed} committed frames (chunks out of order, or a commit pass missing?)")
@@ -364,9 +594,7 @@ class _Rollout:
             raise ValueError(f"causal Wan static cache: a call of {F} frames does not fit the window of "
                              f"{self.window} frames")
         tpf, ts = self.tpf, a["timestep"]
-        if ts.dim() != 1:
-            raise NotImplementedError(f"causal Wan static cache: timestep of shape {tuple(ts.shape)}; one timestep "
-                                      f"per batch row ([B]) is supported (every chunk of these models uses one)")
+        _check_timestep(ts)
         cache_len = self.ring.valid * tpf
         slots = []
         if chunk.commit:
@@ -375,6 +603,8 @@ class _Rollout:
                     self.ring.place(F)  # raises the ring's overflow error (names capacity and rolling)
                 self.grow(hook, self.ring.valid + F + self.n, chunk.total_frames)
             slots = self.ring.place(F)
+            for f, s in enumerate(slots):
+                self.slot_frames[s] = chunk.start_frame + f
         t = self._t  # every value counts whole frames: this rank's share under context parallelism
         values = {"cache_len": t(cache_len)}
         for f in range(F):
@@ -389,10 +619,65 @@ class _Rollout:
         cos, sin = self.rope.freqs(positions)
         if cp is not None:  # this rank's tokens of every frame
             cos, sin = cp.shard(cos, groups), cp.shard(sin, groups)
-        steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend, cp) for kv in self.layers]
+        store = [(f, s, chunk.start_frame + f) for f, s in enumerate(slots) if s < self.sink]
+        rot = self._sink_rotation(self._shift(chunk.start_frame + F), store)
+        steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend, cp,
+                            sink0=None if self.sink0 is None else self.sink0[i], sinks=rot)
+                 for i, kv in enumerate(self.layers)]
         out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
         self.stats["commit_calls" if chunk.commit else "denoise_calls"] += 1
         return out
+
+    def _serve_recache(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
+        hs = a["hidden_states"]
+        B, _, F, _, _ = hs.shape
+        span = self.recache_span()
+        got = (chunk.start_frame, chunk.recache_frames, F)
+        if span is None or got != (span.start_frame, span.frames, span.call_frames):
+            want = "nothing (no frame committed yet)" if span is None else (
+                f"start_frame={span.start_frame}, recache_frames={span.frames} in a call of {span.call_frames} frames")
+            raise ValueError(f"causal Wan static cache: a re-cache call with start_frame={got[0]}, recache_frames="
+                             f"{got[1]} in a call of {got[2]} frames, but this window re-caches {want} "
+                             f"(RolloutHandle.recache_span())")
+        _check_timestep(a["timestep"])
+        tpf, R, t = self.tpf, span.frames, self._t
+        sink = self.sink if span.keep_sinks else 0
+        values = {"cache_len": t(sink * tpf), "kv_len": t(R * tpf), "slot0": 0}
+        plan = Plan(values, B, self.device)
+        # slot s <- call frame (its frame - start) when re-encoded and held; else it keeps its K/V
+        src, keep, store = [], [], []
+        for s, f in enumerate(self.slot_frames):
+            fresh = f >= span.start_frame and not (span.keep_sinks and s < self.sink)
+            src.append(f - span.start_frame if fresh else 0)
+            keep.append(not fresh)
+            if fresh and s < self.sink:
+                store.append((f - span.start_frame, s, f))
+        rc = _Recache(torch.tensor(src, dtype=torch.long, device=self.device),
+                      torch.tensor(keep, dtype=torch.bool, device=self.device), self.history)
+        self.rope.ensure(span.start_frame + F)
+        positions = torch.arange(span.start_frame, span.start_frame + F, device=self.device)
+        cos, sin = self.rope.freqs(positions)
+        cp, groups = self.cp, ((F, tpf),)
+        if cp is not None:
+            cos, sin = cp.shard(cos, groups), cp.shard(sin, groups)
+        rot = self._sink_rotation(self._shift(self.ring.placed) if span.keep_sinks else 0, store)
+        steps = [_LayerStep(cos, sin, kv, plan, 0, F, tpf, True, hook.backend, cp, recache=rc,
+                            sink0=None if self.sink0 is None else self.sink0[i], sinks=rot, kv_len=True)
+                 for i, kv in enumerate(self.layers)]
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
+        self.stats["recache_calls"] += 1
+        return out
+
+
+def _cp_key(cp) -> Optional[tuple]:
+    """What a context-parallel layout is, for comparing two (a new CacheParallel is made per rollout)."""
+    return None if cp is None else (cp.layout, cp.backend)
+
+
+def _check_timestep(ts: torch.Tensor) -> None:
+    if ts.dim() != 1:
+        raise NotImplementedError(f"causal Wan static cache: timestep of shape {tuple(ts.shape)}; one timestep "
+                                  f"per batch row ([B]) is supported (every chunk of these models uses one)")
 
 
 def _geometry(hs: torch.Tensor):
@@ -437,10 +722,12 @@ class CausalWanStaticCache(StaticCacheHook):
     def __init__(self, config, model=None):
         super().__init__(config, model)
         self.grown_window: Optional[int] = None  # kept across rollouts after a grow
-        self.last: Optional[_Rollout] = None  # the finished rollout: its buffers are reused by the next one
+        self.last: Optional[_Rollout] = None  # a finished rollout: its buffers are reused by the next one
+        self._recent = None  # weakref to the state of the latest served call (for describe())
 
     def reset_state(self, module):
-        # diffusers calls this after every pipeline call: the rollout ends, the static buffers stay allocated
+        # diffusers calls this after every pipeline call: the hook's own rollout ends, the static buffers stay
+        # allocated. Rollouts owned by a RolloutHandle (sessions, streams) are their owners' business.
         if self.state is not None:
             self.last = self.state
         self.state = None
@@ -448,6 +735,7 @@ class CausalWanStaticCache(StaticCacheHook):
 
     def deinitalize_hook(self, module):
         self.last = None
+        self._recent = None
         return super().deinitalize_hook(module)
 
     def initialize_hook(self, module):
@@ -460,6 +748,36 @@ class CausalWanStaticCache(StaticCacheHook):
             if isinstance(m, WanTransformerBlock):
                 self.swap_processor(f"{name}.attn1", m.attn1, CausalWanCacheProcessor(m.attn1.processor))
         return module
+
+    def _state_for(self, module, hs: torch.Tensor, chunk: CausalChunk) -> _Rollout:
+        owner = chunk.rollout
+        state = self.state if owner is None else owner.state
+        if state is not None and state.hook() is not self:
+            if chunk.start_frame != 0 or chunk.recache_frames:
+                raise RuntimeError("causal Wan static cache: this rollout was started on a static cache that has been "
+                                   "removed or replaced since; reset the session (or start a new rollout at "
+                                   "start_frame=0)")
+            state = None
+        new = chunk.start_frame == 0 and not chunk.recache_frames
+        if new and state is not None and state.ring.placed == 0 and state.matches(self, module, hs, chunk):
+            return state  # the first chunk's denoising passes (nothing committed yet), or a reset rollout
+        if state is not None and not new:
+            return state
+        if not new:
+            raise ValueError(f"causal Wan static cache: a rollout must start at start_frame=0, got "
+                             f"{chunk.start_frame}" + (" (a re-cache call before any chunk)" if chunk.recache_frames
+                                                       else ""))
+        previous = state if state is not None else self.last
+        if previous is not None and previous.hook() is not self:
+            previous = None
+        if previous is self.last:
+            self.last = None
+        fresh = _Rollout(self, module, hs, chunk, previous=previous)
+        if owner is None:
+            self.state = fresh
+        else:
+            owner.state = fresh
+        return fresh
 
     def new_forward(self, module, *args, **kwargs):
         a = self.bind(args, kwargs)
@@ -476,32 +794,29 @@ class CausalWanStaticCache(StaticCacheHook):
         if torch.is_grad_enabled():
             raise RuntimeError("causal Wan static cache: gradients are enabled; the cache serves inference only "
                                "(wrap the call in torch.no_grad())")
-        hs = a["hidden_states"]
-        if chunk.start_frame == 0 or self.state is None:
-            if chunk.start_frame != 0:
-                raise ValueError(f"causal Wan static cache: a rollout must start at start_frame=0, got "
-                                 f"{chunk.start_frame}")
-            previous = self.state or self.last
-            # every denoising pass of the first chunk comes at start_frame=0: the same rollout (nothing committed)
-            same = self.state is not None and self.state.ring.placed == 0
-            self.state, self.last = None, None
-            self.state = _Rollout(self, module, hs, chunk, previous=previous)
-            if same:
-                self.state.stats = previous.stats
+        state = self._state_for(module, a["hidden_states"], chunk)
+        self._recent = weakref.ref(state)
         with torch.no_grad():
-            sample = self.state.serve(self, module, a, chunk)
+            sample = state.serve(self, module, a, chunk)
         if not a["return_dict"]:
             return (sample,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=sample)
 
+    @property
+    def current(self) -> Optional[_Rollout]:
+        """The state of the latest served call's rollout (whoever owns it), else the hook's own or the last
+        released one: what introspection (``describe``, the demo's cache fill) reports."""
+        recent = self._recent() if self._recent is not None else None
+        return recent or self.state or self.last
+
     def describe(self) -> List[str]:
         c = self.config
         lines = [f"self-attention processors swapped: {len(self._saved_processors)}",
                  f"window: {c.capacity if c.capacity is not None else 'the whole rollout'} "
                  f"{c.unit}, sink {c.sink}, rolling={c.rolling}, grow={c.grow}"]
-        s = self.state or self.last
+        s = self.current
         if s is None:
             return lines + ["no rollout yet (buffers are allocated on the first call)"]
         B, Cin, H, W = s.geometry
@@ -512,5 +827,7 @@ class CausalWanStaticCache(StaticCacheHook):
             f"= {s.buffers.nbytes / 2**20:.2f} MiB (history {s.history} frames of a {s.window}-frame window)",
             f"rollout: {s.ring.placed} frames committed, {s.ring.valid} held, {s.ring.evicted} evicted; "
             f"{st['denoise_calls']} denoising calls, {st['commit_calls']} cache passes"
-            + (f"; grown {st['grown']}x" if st["grown"] else ""),
+            + (f", {st['recache_calls']} re-cache passes (prompt switches)" if st["recache_calls"] else "")
+            + (f"; grown {st['grown']}x" if st["grown"] else "")
+            + (f"; RoPE positions re-based in the window" if s.positions == "window" else ""),
         ] + ([s.cp.describe(s.buffers.shape)] if s.cp is not None else [])

@@ -90,13 +90,22 @@ class FrameRing:
 
 
 class KVBuffers:
-    """Per-layer K/V buffers ``[B, C, Hkv, D]``, allocated once (zeros) and written only by ``cache_write``."""
+    """Per-layer K/V buffers ``[B, C, Hkv, D]``, allocated once (zeros) and written only by ``cache_write``.
+
+    Allocated as normal tensors even when the first call runs under ``torch.inference_mode()``: an inference
+    tensor could not be written in place by a later call under ``torch.no_grad()``."""
 
     def __init__(self, num_layers: int, batch: int, capacity: int, heads: int, head_dim: int, dtype, device):
         shape = (batch, capacity, heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        with torch.inference_mode(False):
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.shape = shape
+
+    def zero_(self) -> None:
+        """Every slot back to zero, in place (a session reset: no stale value survives)."""
+        for t in self.k + self.v:
+            t.zero_()
 
     @property
     def nbytes(self) -> int:

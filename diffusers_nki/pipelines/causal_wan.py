@@ -11,6 +11,8 @@
     for chunk in pipe.stream("a red fox in the snow", num_frames=81):     # the same video, chunk by chunk
         send(chunk.frames)                                                # 9 frames first, then 12 per chunk
     diffusers_nki.patch(pipe)                                             # NKI attention + the static cache
+    s = pipe.session("a red fox", num_frames=None)                        # endless, interactive
+    s.next_chunk(); s.set_prompt("the fox jumps"); s.next_chunk(); s.reset()   # switch: LongLive's KV re-cache
 
 Why a ``DiffusionPipeline`` subclass (not modular blocks): the rollout is one loop with a fixed order (per chunk:
 denoise in a few steps, then one cache pass) and one piece of state (the transformer's static cache), which
@@ -35,6 +37,17 @@ the current chunk (Self-Forcing: 21; LongLive: 12) and ``sink_frames`` never evi
 ``window_frames=None`` attends to the whole video. The pipeline installs that cache on its transformer when
 none is installed (``default_cache_config()``); ``diffusers_nki.patch(pipe)`` installs the same one.
 
+Sessions (``pipe.session``, ``CausalWanSession``): the same loop as an object that a server keeps: ``next_chunk``,
+``set_prompt`` (at the next chunk boundary, LongLive's KV re-cache: the window's frames re-encoded under the new
+text in one static-shape call, written back in place), ``reset`` (frame 0, cache zeroed, nothing reloaded),
+``warmup``. Every session, ``stream`` generator and ``__call__`` owns its cache state (a ``RolloutHandle``): they
+may interleave on one pipeline without reading each other's cache.
+
+Fidelity to the published loops (docs/CAUSAL_WAN.md has the table per original): user ``prompt_embeds`` are
+zero-padded to ``max_sequence_length`` (512, what the models attend to); explicit ``timesteps`` / ``sigmas``
+are used exactly (CausVid's ``lookup_sigmas``); ``step_noise`` takes the re-noising noise (``original_step_noise``
+draws it as they do); ``rope_positions="window"`` is LongLive's infinite attention.
+
 Not supported: classifier-free guidance (these models are distilled without it); image/video conditioning
 (the first chunk is generated from noise); per-frame timesteps (every chunk uses one timestep).
 """
@@ -49,11 +62,11 @@ from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from diffusers_nki.caching.causal_wan import CHUNK_KEY, CausalChunk
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CausalWanPipeline", "CausalWanStreamChunk", "WanStreamingDecoder", "denormalize_latents"]
+__all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "WanStreamingDecoder",
+           "denormalize_latents", "lookup_sigmas", "original_step_noise"]
 
 DEFAULT_TIMESTEPS = (1000, 750, 500, 250)
 
@@ -140,15 +153,335 @@ class WanStreamingDecoder:
         return torch.clamp(out, min=-1.0, max=1.0)
 
 
-def _check_timesteps(name: str, values) -> List[float]:
+def _check_timesteps(name: str, values, low: float = 0.0, high: float = 1000.0) -> List[float]:
     try:
         out = [float(v) for v in values]
     except TypeError:
-        raise ValueError(f"{name}={values!r} must be a sequence of timesteps in (0, 1000]") from None
-    if not out or any(not 0 < v <= 1000 for v in out) or any(a <= b for a, b in zip(out, out[1:])):
-        raise ValueError(f"{name}={values!r} must be a non-empty, strictly decreasing sequence of timesteps in "
-                         f"(0, 1000] (e.g. [1000, 750, 500, 250])")
+        raise ValueError(f"{name}={values!r} must be a sequence of values in ({low:g}, {high:g}]") from None
+    if not out or any(not low < v <= high for v in out) or any(a <= b for a, b in zip(out, out[1:])):
+        example = "[1000, 750, 500, 250]" if high == 1000 else "[1.0, 0.9375, 0.8333, 0.625]"
+        raise ValueError(f"{name}={values!r} must be a non-empty, strictly decreasing sequence of values in "
+                         f"({low:g}, {high:g}] (e.g. {example})")
     return out
+
+
+def lookup_sigmas(timesteps: Sequence[float], shift: float, num_train_timesteps: int = 1000) -> List[float]:
+    """The sigmas the published causal-Wan code uses for ``timesteps`` given AS IS to the model: it looks each
+    timestep up (nearest entry) in its flow-matching table of ``num_train_timesteps`` entries, sigma_i =
+    shift s / (1 + (shift - 1) s) with s = 1 - i / num_train_timesteps. CausVid's default few-step list
+    ``[1000, 757, 522]`` with its wrapper's shift 8 gives ``[1.0, 0.756757, ...]`` (not t / 1000)::
+
+        pipe(prompt, timesteps=[1000, 757, 522], sigmas=lookup_sigmas([1000, 757, 522], shift=8.0))
+    """
+    if not shift > 0:
+        raise ValueError(f"shift={shift!r} must be > 0")
+    ts = _check_timesteps("timesteps", timesteps)
+    s = torch.linspace(1.0, 0.0, num_train_timesteps + 1)[:-1]
+    table = shift * s / (1 + (shift - 1) * s)
+    idx = torch.argmin((table.view(1, -1) * num_train_timesteps - torch.tensor(ts).view(-1, 1)).abs(), dim=1)
+    return [float(v) for v in table[idx]]
+
+
+def original_step_noise(generator: Optional[torch.Generator] = None, dtype: torch.dtype = torch.float32
+                        ) -> Callable[[int, int, torch.Size], torch.Tensor]:
+    """A ``step_noise`` that draws the re-noising noise the way the published loops do: ``randn`` of the chunk
+    in their ``[B * f, C, h, w]`` frame-major layout (``torch.randn_like(denoised_pred.flatten(0, 1))``), from
+    ``generator`` (None: torch's global generator, as they use), returned in this pipeline's ``[B, C, f, h, w]``.
+    With the same seed and the same initial noise (theirs is ``[B, F, C, h, w]``: ``latents=noise.permute(0, 2,
+    1, 3, 4)``) the rollout reproduces theirs draw for draw."""
+
+    def draw(chunk_index: int, step_index: int, shape: torch.Size) -> torch.Tensor:
+        B, C, f, h, w = shape
+        noise = torch.randn((B * f, C, h, w), generator=generator, dtype=dtype,
+                            device=generator.device if generator is not None else "cpu")
+        return noise.view(B, f, C, h, w).permute(0, 2, 1, 3, 4)
+
+    return draw
+
+
+@dataclass
+class _Inputs:
+    """A session's validated call arguments (what ``__call__``/``stream``/``session`` share)."""
+
+    block: int
+    timesteps: torch.Tensor  # the model's timestep per step (float32)
+    sigmas: torch.Tensor  # the sampler's sigma per step, then 0 (float32)
+    own_sampler: bool  # the FlowMatchLCM step done here (exact sigmas / step noise); False: scheduler.step
+    ctx: float
+    frames: Optional[int]  # latent frames of the rollout (None: endless)
+    shape: tuple  # one chunk's latent shape [B, C, block, h, w]
+    latents: Optional[torch.Tensor]
+    positions: str
+    scheduler_sigmas: Optional[List[float]] = None  # the unshifted sigmas a non-LCM scheduler is set with
+
+
+class CausalWanSession:
+    """A persistent, interactive rollout on a ``CausalWanPipeline`` (``pipe.session(...)``): chunk by chunk,
+    with the prompt switchable at any chunk boundary and a reset to a clean state, the model loaded once.
+
+        s = pipe.session("a red fox in the snow", num_frames=None)   # None: endless (rolling window)
+        first = s.next_chunk()                  # CausalWanStreamChunk: latents, decoded frames, index
+        s.set_prompt("the fox jumps")           # takes effect at the next chunk: LongLive's KV re-cache
+        second = s.next_chunk()
+        s.reset(generator=torch.Generator().manual_seed(1))   # frame 0 again: cache zeroed, nothing reloaded
+
+    The switch is LongLive's (``pipeline/interactive_causal_inference.py``): before the next chunk, the frames the
+    window holds are re-encoded under the new text in ONE transformer call and their K/V written back into
+    their cache slots in place (``RolloutHandle.recache_span``: the last min(window, committed) frames; once the
+    window has rolled, the sinks keep their K/V and the last window - sink frames are re-encoded). That call has
+    one shape for every switch (``window`` frames, padding after the valid ones); ``warmup()`` runs every call
+    site once so that, compiled, no switch ever compiles a graph.
+
+    State and policy: the session owns its cache state (a ``RolloutHandle``): any number of sessions (and
+    ``pipe.stream`` generators, and ``pipe(...)`` calls) may be live on one pipeline, interleaved, and none
+    reads another's cache; each live one holds one set of cache buffers (a closed one's buffers are reused by
+    the next rollout). Calls must come from one thread at a time. ``close()`` (or the end of a finite session
+    driven by ``stream``/``__call__``) releases it.
+    """
+
+    def __init__(self, pipe: "CausalWanPipeline", inputs: _Inputs, prompt, prompt_embeds: torch.Tensor,
+                 generator, step_noise, output_type: str, max_sequence_length: int, callback_on_step_end=None,
+                 callback_tensor_inputs: Sequence[str] = ("latents",), progress: bool = True,
+                 num_videos_per_prompt: int = 1):
+        from diffusers_nki.caching.causal_wan import RolloutHandle
+
+        self.pipe, self.inputs = pipe, inputs
+        self.output_type, self.max_sequence_length = output_type, max_sequence_length
+        self.callback, self.callback_inputs = callback_on_step_end, list(callback_tensor_inputs)
+        self.step_noise = step_noise
+        self.num_videos_per_prompt = num_videos_per_prompt
+        self.handle = RolloutHandle()
+        self.prompt, self.prompt_embeds = prompt, prompt_embeds
+        self.generator = generator
+        self._pending = None  # (prompt, embeds) to switch to at the next chunk
+        self._progress = progress
+        self._bar = None
+        self.closed = False
+        self.switches = 0
+        self._restart(inputs.latents)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def _restart(self, latents: Optional[torch.Tensor]) -> None:
+        inp = self.inputs
+        self.index = 0
+        self.step = 0
+        self._history: List[torch.Tensor] = []  # the latest chunks' clean latents (what a re-cache re-encodes)
+        self._history_start = 0
+        self.decoder = None
+        if self.output_type != "latent":
+            if self.pipe.vae is None:
+                raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
+            self.decoder = WanStreamingDecoder(self.pipe.vae)
+        if latents is None and inp.frames is not None:  # a finite rollout draws its noise at once (as __call__ did)
+            B, C, _, h, w = inp.shape
+            latents = randn_tensor((B, C, inp.frames, h, w), generator=self.generator,
+                                   device=self.pipe._execution_device, dtype=torch.float32)
+        self.latents = latents
+        if self._bar is not None:
+            self._bar.close()
+        self._bar = None
+        if self._progress and inp.frames is not None:
+            self._bar = self.pipe.progress_bar(total=(inp.frames // inp.block) * len(inp.timesteps))
+
+    @property
+    def done(self) -> bool:
+        """True once a finite session produced its last chunk (an endless one never is)."""
+        f = self.inputs.frames
+        return self.closed or (f is not None and self.index * self.inputs.block >= f)
+
+    @property
+    def frames_committed(self) -> int:
+        """Latent frames whose K/V are in the cache."""
+        return self.handle.frames_committed
+
+    def set_prompt(self, prompt: Union[str, List[str], None] = None, prompt_embeds: Optional[torch.Tensor] = None):
+        """Switch the condition at the next chunk boundary (text, or its embeddings): the next ``next_chunk``
+        first re-encodes the cached frames under it (LongLive's KV re-cache), then generates under it."""
+        self._check_open()
+        embeds = self.pipe._prompt_embeds(prompt, prompt_embeds, self.num_videos_per_prompt,
+                                          self.max_sequence_length, batch=self.prompt_embeds.shape[0])
+        self._pending = (prompt, embeds)
+
+    def reset(self, prompt: Union[str, List[str], None] = None, prompt_embeds: Optional[torch.Tensor] = None,
+              generator: Optional[torch.Generator] = None, latents: Optional[torch.Tensor] = None) -> None:
+        """Back to frame 0 with an empty cache (every slot zeroed in place; weights, buffers and compiled graphs
+        kept): the next chunk is the first of a new video, as from a fresh pipeline. Optionally a new prompt, a
+        new ``generator`` (the old one has advanced) or new initial ``latents``."""
+        self._check_open()
+        if prompt is not None or prompt_embeds is not None:
+            self.prompt = prompt
+            self.prompt_embeds = self.pipe._prompt_embeds(prompt, prompt_embeds, self.num_videos_per_prompt,
+                                                          self.max_sequence_length, batch=self.prompt_embeds.shape[0])
+        if generator is not None:
+            self.generator = generator
+        if latents is not None:
+            latents = self.pipe._check_latents(latents, self.inputs)
+        self._pending = None
+        self.handle.reset()
+        self._restart(latents)
+
+    def close(self) -> None:
+        """End the session: its cache buffers go back to the pipeline's transformer for the next rollout."""
+        if self.closed:
+            return
+        self.closed = True
+        self.handle.release()
+        if self._bar is not None:
+            self._bar.close()
+        self.pipe.maybe_free_model_hooks()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> CausalWanStreamChunk:
+        if self.done:
+            raise StopIteration
+        return self.next_chunk()
+
+    def _check_open(self):
+        if self.closed:
+            raise RuntimeError("CausalWanSession: this session is closed; start a new one with pipe.session(...)")
+
+    # -- the rollout ---------------------------------------------------------------------------------
+    def _chunk_noise(self) -> torch.Tensor:
+        inp, start = self.inputs, self.index * self.inputs.block
+        if self.latents is not None:
+            return self.latents[:, :, start:start + inp.block]
+        return randn_tensor(inp.shape, generator=self.generator, device=self.pipe._execution_device,
+                            dtype=torch.float32)
+
+    def _call(self, x, t, embeds, chunk):
+        from diffusers_nki.caching.causal_wan import CHUNK_KEY
+
+        B = x.shape[0]
+        return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype), timestep=t.expand(B),
+                                     encoder_hidden_states=embeds, attention_kwargs={CHUNK_KEY: chunk},
+                                     return_dict=False)[0]
+
+    def _chunk(self, start: int, **kw):
+        from diffusers_nki.caching.causal_wan import CausalChunk
+
+        inp = self.inputs
+        return CausalChunk(start_frame=start, block_frames=inp.block, total_frames=inp.frames, rollout=self.handle,
+                           positions=inp.positions, **kw)
+
+    def _recache(self, embeds: torch.Tensor) -> None:
+        """LongLive's KV re-cache under ``embeds``: the frames the window needs, re-encoded in one call."""
+        span = self.handle.recache_span()
+        if span is None:  # nothing committed: the next chunk simply starts under the new text
+            return
+        first = self._history_start
+        hist = torch.cat(self._history, dim=2)[:, :, span.start_frame - first:span.start_frame - first + span.frames]
+        if hist.shape[2] != span.frames:
+            raise RuntimeError(f"CausalWanSession: the re-cache needs latent frames {span.start_frame}.."
+                               f"{span.start_frame + span.frames - 1}, the session kept {first}.."
+                               f"{first + sum(h.shape[2] for h in self._history) - 1}")
+        B, C, _, h, w = hist.shape
+        pad = hist.new_zeros((B, C, span.call_frames - span.frames, h, w))
+        ctx = torch.tensor(self.inputs.ctx, device=hist.device)
+        self._call(torch.cat([hist, pad], dim=2), ctx, embeds,
+                   self._chunk(span.start_frame, commit=True, recache_frames=span.frames))
+
+    def _keep(self, x: torch.Tensor) -> None:
+        """Remember a committed chunk's latents, as far back as a re-cache can reach (the window)."""
+        self._history.append(x)
+        state = self.handle.state
+        keep = state.window if state is not None else x.shape[2]
+        while sum(h.shape[2] for h in self._history) - self._history[0].shape[2] >= keep:
+            self._history_start += self._history.pop(0).shape[2]
+
+    def _sample(self, x, flow, i: int, sigmas, generator):
+        """One step of the few-step sampler (``FlowMatchLCMScheduler.step``'s arithmetic): x0 = x - sigma v in
+        float32, re-noised to the next sigma with fresh noise (drawn every step, as the scheduler does; or
+        ``step_noise`` for every step but the last, whose next sigma is 0)."""
+        x0 = x.to(torch.float32) - sigmas[i] * flow
+        last = i == len(sigmas) - 2
+        if self.step_noise is not None:
+            noise = torch.zeros_like(x0) if last else self.step_noise(self.index, i, x0.shape)
+            noise = noise.to(device=x0.device, dtype=torch.float32)
+            if tuple(noise.shape) != tuple(x0.shape):
+                raise ValueError(f"step_noise returned shape {tuple(noise.shape)} for chunk {self.index}, step {i}; "
+                                 f"expected {tuple(x0.shape)} ([B, C, frames, h, w])")
+        else:
+            noise = randn_tensor(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+        return ((1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise).to(flow.dtype)
+
+    @torch.no_grad()
+    def next_chunk(self) -> CausalWanStreamChunk:
+        """Generate the next chunk (switching the prompt first if ``set_prompt`` was called) and return it."""
+        self._check_open()
+        if self.done:
+            raise RuntimeError(f"CausalWanSession: the session's {self.inputs.frames} latent frames are done; reset() "
+                               f"it (or open it with num_frames=None for an endless stream)")
+        pipe, inp = self.pipe, self.inputs
+        pipe._cache_hook(inp.block)
+        if self._pending is not None:
+            self.prompt, self.prompt_embeds = self._pending
+            self._pending = None
+            self._recache(self.prompt_embeds)
+            self.switches += 1
+        start = self.index * inp.block
+        x = self._chunk_noise()
+        embeds = self.prompt_embeds
+        last = inp.frames is not None and start + inp.block >= inp.frames
+        if inp.own_sampler:
+            sigmas = inp.sigmas
+        else:  # another scheduler: its own step (and its own schedule from the shifted timesteps)
+            pipe.scheduler.set_timesteps(sigmas=inp.scheduler_sigmas, device=x.device)
+        for i, t in enumerate(inp.timesteps):
+            if pipe.interrupt:
+                self.close()
+                return None
+            flow = self._call(x, t, embeds, self._chunk(start))
+            if inp.own_sampler:
+                x = self._sample(x, flow, i, sigmas, self.generator)
+            else:
+                x = pipe.scheduler.step(flow, pipe.scheduler.timesteps[i], x, generator=self.generator,
+                                        return_dict=False)[0]
+            if self.callback is not None:
+                local = {"latents": x, "prompt_embeds": embeds}
+                out = self.callback(pipe, self.step, t, {k: local[k] for k in self.callback_inputs})
+                x = out.pop("latents", x)
+                embeds = out.pop("prompt_embeds", embeds)
+            self.step += 1
+            if self._bar is not None:
+                self._bar.update()
+        self.prompt_embeds = embeds  # a callback's change of the condition carries on, as in a plain loop
+        if not last:  # the cache pass (none after the last chunk: its K/V would never be read)
+            ctx = torch.tensor(inp.ctx, device=x.device)
+            self._call(x, ctx, embeds, self._chunk(start, commit=True))
+            self._keep(x)
+        out = CausalWanStreamChunk(index=self.index, start_frame=start, latents=x)
+        if self.decoder is not None:
+            out.frames = pipe._postprocess(self.decoder.decode(x), self.output_type)
+        self.index += 1
+        return out
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Run every call site once on zeros (denoising passes, a cache pass, a re-cache, a second chunk), then
+        reset: compiled (``torch.compile``, or the Neuron compiler's one graph per shape), every graph exists
+        before the first real chunk, so neither a chunk nor a prompt switch compiles one later."""
+        self._check_open()
+        pipe, inp = self.pipe, self.inputs
+        pipe._cache_hook(inp.block)
+        z = torch.zeros(inp.shape, dtype=torch.float32, device=pipe._execution_device)
+        ctx = torch.tensor(inp.ctx, device=z.device)
+        for c in range(2):
+            for t in inp.timesteps:
+                self._call(z, t, self.prompt_embeds, self._chunk(c * inp.block))
+            self._call(z, ctx, self.prompt_embeds, self._chunk(c * inp.block, commit=True))
+            self._keep(z)
+            if c == 0:
+                self._recache(self.prompt_embeds)
+        self.handle.reset()
+        self._restart(self.latents)
 
 
 class CausalWanPipeline(DiffusionPipeline):
@@ -159,13 +492,16 @@ class CausalWanPipeline(DiffusionPipeline):
         transformer: a stock ``WanTransformer3DModel`` with the causal checkpoint's weights
             (``diffusers_nki.pipelines.convert_causal_wan_checkpoint``).
         vae: ``AutoencoderKLWan``.
-        scheduler: ``FlowMatchLCMScheduler(shift=5.0)`` reproduces the published few-step sampler.
+        scheduler: ``FlowMatchLCMScheduler(shift=5.0)`` reproduces the published few-step sampler (CausVid's
+            wrapper: shift 8).
         num_frame_per_block: latent frames per chunk (3).
         window_frames: attention window in latent frames, the current chunk included (Self-Forcing 21,
             LongLive 12); ``None``: the whole video.
         sink_frames: leading frames never evicted from the window (LongLive 3).
         denoising_timesteps: the few-step schedule before the scheduler's shift ([1000, 750, 500, 250]).
         context_timestep: timestep of the cache pass over a chunk's clean latents (0).
+        rope_positions: ``"absolute"`` (each frame's index in the video: Self-Forcing, CausVid, LongLive) or
+            ``"window"`` (LongLive's ``use_infinite_attention``: positions re-based inside the window).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
@@ -174,7 +510,8 @@ class CausalWanPipeline(DiffusionPipeline):
 
     def __init__(self, tokenizer, text_encoder, transformer, vae, scheduler, num_frame_per_block: int = 3,
                  window_frames: Optional[int] = 21, sink_frames: int = 0,
-                 denoising_timesteps: Sequence[float] = DEFAULT_TIMESTEPS, context_timestep: float = 0.0):
+                 denoising_timesteps: Sequence[float] = DEFAULT_TIMESTEPS, context_timestep: float = 0.0,
+                 rope_positions: str = "absolute"):
         super().__init__()
         if not isinstance(num_frame_per_block, int) or num_frame_per_block < 1:
             raise ValueError(f"num_frame_per_block={num_frame_per_block!r} must be an int >= 1")
@@ -188,11 +525,12 @@ class CausalWanPipeline(DiffusionPipeline):
         timesteps = _check_timesteps("denoising_timesteps", denoising_timesteps)
         if not 0 <= float(context_timestep) < 1000:
             raise ValueError(f"context_timestep={context_timestep!r} must be in [0, 1000)")
+        _check_positions(rope_positions)
         self.register_modules(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
                               scheduler=scheduler)
         self.register_to_config(num_frame_per_block=num_frame_per_block, window_frames=window_frames,
                                 sink_frames=sink_frames, denoising_timesteps=timesteps,
-                                context_timestep=float(context_timestep))
+                                context_timestep=float(context_timestep), rope_positions=rope_positions)
         self.vae_scale_factor_temporal = vae.config.scale_factor_temporal if vae is not None else 4
         self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -255,6 +593,34 @@ class CausalWanPipeline(DiffusionPipeline):
         emb = torch.where(keep, emb, torch.zeros((), dtype=emb.dtype, device=device))
         return emb.repeat_interleave(num_videos_per_prompt, dim=0)
 
+    def _prompt_embeds(self, prompt, prompt_embeds, num_videos_per_prompt: int, max_sequence_length: int,
+                       batch: Optional[int] = None) -> torch.Tensor:
+        """The text condition ``[B, max_sequence_length, d]`` in the transformer's dtype. User embeddings shorter
+        than ``max_sequence_length`` are zero-padded to it: the published models always attend to 512 text
+        tokens (``text_len``), the padding included, exactly what ``encode_prompt`` gives."""
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("pass prompt or prompt_embeds")
+        if prompt is not None and prompt_embeds is not None:
+            raise ValueError("pass prompt or prompt_embeds, not both")
+        if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length={max_sequence_length!r} must be an int >= 1")
+        device = self._execution_device
+        if prompt_embeds is None:
+            emb = self.encode_prompt(prompt, num_videos_per_prompt, max_sequence_length, device)
+        else:
+            if prompt_embeds.dim() != 3:
+                raise ValueError(f"prompt_embeds of shape {tuple(prompt_embeds.shape)} must be [batch, tokens, dim]")
+            L = prompt_embeds.shape[1]
+            if L > max_sequence_length:
+                raise ValueError(f"prompt_embeds has {L} tokens, more than max_sequence_length={max_sequence_length} "
+                                 f"(the text length the model attends to)")
+            emb = prompt_embeds.repeat_interleave(num_videos_per_prompt, dim=0)
+            if L < max_sequence_length:
+                emb = torch.cat([emb, emb.new_zeros((emb.shape[0], max_sequence_length - L, emb.shape[2]))], dim=1)
+        if batch is not None and emb.shape[0] != batch:
+            raise ValueError(f"the new condition has batch {emb.shape[0]}; the session runs batch {batch}")
+        return emb.to(device=device, dtype=self.transformer.dtype)
+
     def _latent_frames(self, num_frames: int, block: int) -> int:
         t = self.vae_scale_factor_temporal
         if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % t:
@@ -271,8 +637,55 @@ class CausalWanPipeline(DiffusionPipeline):
     def interrupt(self) -> bool:
         return self._interrupt
 
-    def _prepare(self, prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
-                 context_timestep, num_frame_per_block, generator, latents, prompt_embeds, max_sequence_length):
+    def _schedule(self, denoising_timesteps, timesteps, sigmas, device, explicit_noise: bool):
+        """(model timesteps, sampler sigmas + [0], own sampler?). ``denoising_timesteps`` go through the scheduler's
+        shift; explicit ``timesteps`` / ``sigmas`` are used exactly as given (one derived from the other by
+        ``sigma = t / 1000`` when only one is passed)."""
+        from diffusers import FlowMatchLCMScheduler
+
+        lcm = isinstance(self.scheduler, FlowMatchLCMScheduler)
+        if timesteps is None and sigmas is None:
+            dts = _check_timesteps("denoising_timesteps", denoising_timesteps if denoising_timesteps is not None
+                                   else self.config.denoising_timesteps)
+            self.scheduler.set_timesteps(sigmas=[t / 1000.0 for t in dts], device=device)
+            ts = self.scheduler.timesteps.to(torch.float32)
+            sg = self.scheduler.sigmas.to(torch.float32)
+            if len(sg) != len(ts) + 1:
+                raise ValueError(f"CausalWanPipeline: {type(self.scheduler).__name__} made {len(sg)} sigmas for "
+                                 f"{len(ts)} timesteps; pass timesteps= and sigmas= explicitly")
+        else:
+            if denoising_timesteps is not None:
+                raise ValueError("pass denoising_timesteps (shifted by the scheduler) or timesteps / sigmas "
+                                 "(used as given), not both")
+            if not lcm:
+                raise ValueError(f"explicit timesteps / sigmas need the FlowMatchLCM sampler; the pipeline's scheduler "
+                                 f"is {type(self.scheduler).__name__}")
+            t_list = _check_timesteps("timesteps", timesteps) if timesteps is not None else None
+            s_list = _check_timesteps("sigmas", sigmas, high=1.0) if sigmas is not None else None
+            if t_list is not None and s_list is not None and len(t_list) != len(s_list):
+                raise ValueError(f"timesteps ({len(t_list)} values) and sigmas ({len(s_list)} values) must have the "
+                                 f"same length")
+            t_list = t_list if t_list is not None else [s * 1000.0 for s in s_list]
+            s_list = s_list if s_list is not None else [t / 1000.0 for t in t_list]
+            ts = torch.tensor(t_list, dtype=torch.float32, device=device)
+            sg = torch.tensor(s_list + [0.0], dtype=torch.float32, device=device)
+        if explicit_noise and not lcm:
+            raise ValueError(f"step_noise needs the FlowMatchLCM sampler; the pipeline's scheduler is "
+                             f"{type(self.scheduler).__name__}")
+        return ts, sg, lcm, (None if timesteps is not None or sigmas is not None else [t / 1000.0 for t in dts])
+
+    def _check_latents(self, latents: torch.Tensor, inp: _Inputs) -> torch.Tensor:
+        B, C, _, h, w = inp.shape
+        want = (B, C, inp.frames, h, w) if inp.frames is not None else None
+        if want is None:
+            raise ValueError("latents can be given only to a session of finite num_frames (an endless one draws its "
+                             "noise chunk by chunk from the generator)")
+        if tuple(latents.shape) != want:
+            raise ValueError(f"latents of shape {tuple(latents.shape)}; expected {want}")
+        return latents.to(device=self._execution_device, dtype=torch.float32)
+
+    def _inputs(self, height, width, num_frames, denoising_timesteps, timesteps, sigmas, context_timestep,
+                num_frame_per_block, latents, batch: int, step_noise, rope_positions) -> _Inputs:
         block = self.config.num_frame_per_block if num_frame_per_block is None else num_frame_per_block
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"num_frame_per_block={block!r} must be an int >= 1")
@@ -280,167 +693,154 @@ class CausalWanPipeline(DiffusionPipeline):
         for name, v in (("height", height), ("width", width)):
             if not isinstance(v, int) or v < s or v % s:
                 raise ValueError(f"{name}={v!r} must be a positive multiple of {s} (VAE x patch size)")
-        if prompt is None and prompt_embeds is None:
-            raise ValueError("pass prompt or prompt_embeds")
-        if prompt is not None and prompt_embeds is not None:
-            raise ValueError("pass prompt or prompt_embeds, not both")
-        if not isinstance(num_videos_per_prompt, int) or num_videos_per_prompt < 1:
-            raise ValueError(f"num_videos_per_prompt={num_videos_per_prompt!r} must be an int >= 1")
-        timesteps = _check_timesteps("denoising_timesteps", denoising_timesteps if denoising_timesteps is not None
-                                     else self.config.denoising_timesteps)
         ctx = self.config.context_timestep if context_timestep is None else float(context_timestep)
         if not 0 <= ctx < 1000:
             raise ValueError(f"context_timestep={context_timestep!r} must be in [0, 1000)")
-        F = self._latent_frames(num_frames, block)
+        positions = rope_positions if rope_positions is not None else self.config.get("rope_positions", "absolute")
+        _check_positions(positions)
+        if step_noise is not None and not callable(step_noise):
+            raise ValueError(f"step_noise must be a callable (chunk_index, step_index, shape) -> noise, got "
+                             f"{type(step_noise).__name__}")
+        F = None
+        if num_frames is not None:
+            F = self._latent_frames(num_frames, block)
+        elif self.config.window_frames is None:
+            raise ValueError("num_frames=None (an endless session) needs a rolling window: this pipeline has "
+                             "window_frames=None (it attends to the whole video)")
         device = self._execution_device
-        dtype = self.transformer.dtype
-        if prompt_embeds is None:
-            prompt_embeds = self.encode_prompt(prompt, num_videos_per_prompt, max_sequence_length, device)
-        else:
-            prompt_embeds = prompt_embeds.repeat_interleave(num_videos_per_prompt, dim=0)
-        prompt_embeds = prompt_embeds.to(device=device, dtype=dtype)
-        B = prompt_embeds.shape[0]
-        shape = (B, self.transformer.config.in_channels, F, height // self.vae_scale_factor_spatial,
+        ts, sg, own, raw = self._schedule(denoising_timesteps, timesteps, sigmas, device, step_noise is not None)
+        shape = (batch, self.transformer.config.in_channels, block, height // self.vae_scale_factor_spatial,
                  width // self.vae_scale_factor_spatial)
-        if latents is None:
-            latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
-        elif tuple(latents.shape) != shape:
-            raise ValueError(f"latents of shape {tuple(latents.shape)}; expected {shape}")
-        else:
-            latents = latents.to(device=device, dtype=torch.float32)
-        return block, timesteps, ctx, F, prompt_embeds, latents
+        inp = _Inputs(block=block, timesteps=ts, sigmas=sg, own_sampler=own, ctx=ctx, frames=F, shape=shape,
+                      latents=None, positions=positions, scheduler_sigmas=raw)
+        if latents is not None:
+            inp.latents = self._check_latents(latents, inp)
+        return inp
 
-    # ------------------------------------------------------------------------------------------------------
-    # the rollout
-    # ------------------------------------------------------------------------------------------------------
-    def _rollout(self, block, timesteps, ctx, F, prompt_embeds, latents, generator, callback_on_step_end,
-                 callback_tensor_inputs) -> Iterator[CausalWanStreamChunk]:
-        self._cache_hook(block)
-        dtype = self.transformer.dtype
-        device = latents.device
-        B = latents.shape[0]
-        sigmas = [t / 1000.0 for t in timesteps]
-        n_chunks = F // block
-        self._num_timesteps = n_chunks * len(sigmas)
+    def session(self, prompt: Union[str, List[str], None] = None, height: int = 480, width: int = 832,
+                num_frames: Optional[int] = None, num_videos_per_prompt: int = 1,
+                denoising_timesteps: Optional[Sequence[float]] = None, timesteps: Optional[Sequence[float]] = None,
+                sigmas: Optional[Sequence[float]] = None, context_timestep: Optional[float] = None,
+                num_frame_per_block: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                latents: Optional[torch.Tensor] = None, prompt_embeds: Optional[torch.Tensor] = None,
+                step_noise: Optional[Callable] = None, output_type: str = "np", max_sequence_length: int = 512,
+                rope_positions: Optional[str] = None, callback_on_step_end: Optional[Callable] = None,
+                callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+                progress: bool = True) -> CausalWanSession:
+        """A ``CausalWanSession``: an interactive rollout (``next_chunk``, ``set_prompt``, ``reset``, ``close``).
+        ``num_frames=None`` (the default here) streams for ever over the rolling window; the other arguments are
+        ``__call__``'s."""
+        self._check_output_type(output_type)
+        self._check_callback_inputs(callback_on_step_end_tensor_inputs)
+        if not isinstance(num_videos_per_prompt, int) or num_videos_per_prompt < 1:
+            raise ValueError(f"num_videos_per_prompt={num_videos_per_prompt!r} must be an int >= 1")
+        embeds = self._prompt_embeds(prompt, prompt_embeds, num_videos_per_prompt, max_sequence_length)
+        inp = self._inputs(height, width, num_frames, denoising_timesteps, timesteps, sigmas, context_timestep,
+                           num_frame_per_block, latents, embeds.shape[0], step_noise, rope_positions)
+        self._cache_hook(inp.block)
         self._interrupt = False
-        step = 0
-        with self.progress_bar(total=self._num_timesteps) as bar:
-            for c in range(n_chunks):
-                start = c * block
-                x = latents[:, :, start:start + block]
-                self.scheduler.set_timesteps(sigmas=sigmas, device=device)
-                chunk = CausalChunk(start_frame=start, commit=False, block_frames=block, total_frames=F)
-                for t in self.scheduler.timesteps:
-                    if self.interrupt:
-                        break
-                    flow = self.transformer(hidden_states=x.to(dtype), timestep=t.expand(B), encoder_hidden_states=
-                                            prompt_embeds, attention_kwargs={CHUNK_KEY: chunk}, return_dict=False)[0]
-                    x = self.scheduler.step(flow, t, x, generator=generator, return_dict=False)[0]
-                    if callback_on_step_end is not None:
-                        local = {"latents": x, "prompt_embeds": prompt_embeds}
-                        out = callback_on_step_end(self, step, t, {k: local[k] for k in callback_tensor_inputs})
-                        x = out.pop("latents", x)
-                        prompt_embeds = out.pop("prompt_embeds", prompt_embeds)
-                    step += 1
-                    bar.update()
-                if self.interrupt:
-                    return
-                if c == n_chunks - 1:  # the last chunk's K/V would never be read: no cache pass (exact)
-                    yield CausalWanStreamChunk(index=c, start_frame=start, latents=x)
-                    break
-                # the cache pass: the chunk's clean latents at the context timestep write its K/V
-                commit = CausalChunk(start_frame=start, commit=True, block_frames=block, total_frames=F)
-                self.transformer(hidden_states=x.to(dtype), timestep=torch.full((B,), ctx, device=device),
-                                 encoder_hidden_states=prompt_embeds, attention_kwargs={CHUNK_KEY: commit},
-                                 return_dict=False)
-                yield CausalWanStreamChunk(index=c, start_frame=start, latents=x)
+        self._num_timesteps = None if inp.frames is None else (inp.frames // inp.block) * len(inp.timesteps)
+        return CausalWanSession(self, inp, prompt, embeds, generator, step_noise, output_type, max_sequence_length,
+                                callback_on_step_end, callback_on_step_end_tensor_inputs, progress,
+                                num_videos_per_prompt)
 
     def _postprocess(self, video: torch.Tensor, output_type: str):
         return self.video_processor.postprocess_video(video, output_type=output_type)
 
     @torch.no_grad()
     def stream(self, prompt: Union[str, List[str], None] = None, height: int = 480, width: int = 832,
-               num_frames: int = 81, num_videos_per_prompt: int = 1,
-               denoising_timesteps: Optional[Sequence[float]] = None, context_timestep: Optional[float] = None,
+               num_frames: Optional[int] = 81, num_videos_per_prompt: int = 1,
+               denoising_timesteps: Optional[Sequence[float]] = None, timesteps: Optional[Sequence[float]] = None,
+               sigmas: Optional[Sequence[float]] = None, context_timestep: Optional[float] = None,
                num_frame_per_block: Optional[int] = None, generator: Optional[torch.Generator] = None,
                latents: Optional[torch.Tensor] = None, prompt_embeds: Optional[torch.Tensor] = None,
-               output_type: str = "np", callback_on_step_end: Optional[Callable] = None,
-               callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-               max_sequence_length: int = 512) -> Iterator[CausalWanStreamChunk]:
+               step_noise: Optional[Callable] = None, output_type: str = "np",
+               callback_on_step_end: Optional[Callable] = None,
+               callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",), max_sequence_length: int = 512,
+               rope_positions: Optional[str] = None) -> Iterator[CausalWanStreamChunk]:
         """A generator over the chunks of the video: each ``CausalWanStreamChunk`` carries its latents and its
         decoded ``frames`` (``output_type`` as in ``__call__``; the VAE's causal decode cache is kept between
-        chunks, so the concatenated frames equal ``__call__``'s one-shot decode). Same arguments as ``__call__``."""
-        self._check_output_type(output_type)
-        self._check_callback_inputs(callback_on_step_end_tensor_inputs)
-        args = self._prepare(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
-                             context_timestep, num_frame_per_block, generator, latents, prompt_embeds,
-                             max_sequence_length)
-        if output_type != "latent" and self.vae is None:
-            raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-        chunks = self._rollout(*args, generator, callback_on_step_end, list(callback_on_step_end_tensor_inputs))
-        yield from self._decode_stream(chunks, output_type)
-        self.maybe_free_model_hooks()
-
-    def _decode_stream(self, chunks: Iterator[CausalWanStreamChunk], output_type: str
-                       ) -> Iterator[CausalWanStreamChunk]:
-        """The streamed decode of the rollout's chunks (one ``WanStreamingDecoder`` per stream). Under
-        ``diffusers_nki.vae_parallel.disaggregate(pipe, layout)``: on the DiT ranks the chunks pass through
-        (latents sent to the VAE ranks; ``frames`` stay None), on the VAE ranks the received chunks are decoded,
-        height-sharded over the VAE ranks (the rollout never runs there)."""
-        from diffusers_nki.vae_parallel import disaggregation_of
-
-        split = disaggregation_of(self)
-        if split is not None:
-            chunks = split.route(chunks)
-            if not split.decodes:
-                yield from chunks
-                return
-        decoder = None
-        if output_type != "latent":
-            decoder = WanStreamingDecoder(self.vae, None if split is None else split.vae_group)
-        for chunk in chunks:
-            if not isinstance(chunk, CausalWanStreamChunk):  # received by a VAE rank
-                chunk = CausalWanStreamChunk(index=chunk.index, start_frame=chunk.start_frame, latents=chunk.latents)
-            if decoder is not None:
-                chunk.frames = self._postprocess(decoder.decode(chunk.latents), output_type)
-            yield chunk
+        chunks, so the concatenated frames equal ``__call__``'s one-shot decode). Same arguments as ``__call__``;
+        ``num_frames=None`` streams for ever. It accepts ``send()``: ``gen.send("new prompt")`` (or a dict
+        ``{"prompt": ...}`` / ``{"prompt_embeds": ...}``) switches the prompt and returns the next chunk,
+        generated under it (LongLive's KV re-cache; see ``CausalWanSession``). Each generator owns its cache."""
+        session = self.session(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
+                               timesteps, sigmas, context_timestep, num_frame_per_block, generator, latents,
+                               prompt_embeds, step_noise, output_type, max_sequence_length, rope_positions,
+                               callback_on_step_end, callback_on_step_end_tensor_inputs)
+        try:
+            while not session.done:
+                chunk = session.next_chunk()
+                if chunk is None:  # interrupted
+                    return
+                msg = yield chunk
+                if msg is not None:
+                    if isinstance(msg, dict):
+                        session.set_prompt(**msg)
+                    elif isinstance(msg, torch.Tensor):
+                        session.set_prompt(prompt_embeds=msg)
+                    else:
+                        session.set_prompt(msg)
+        finally:
+            session.close()
 
     @torch.no_grad()
     def __call__(self, prompt: Union[str, List[str], None] = None, height: int = 480, width: int = 832,
                  num_frames: int = 81, num_videos_per_prompt: int = 1,
-                 denoising_timesteps: Optional[Sequence[float]] = None, context_timestep: Optional[float] = None,
+                 denoising_timesteps: Optional[Sequence[float]] = None, timesteps: Optional[Sequence[float]] = None,
+                 sigmas: Optional[Sequence[float]] = None, context_timestep: Optional[float] = None,
                  num_frame_per_block: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  latents: Optional[torch.Tensor] = None, prompt_embeds: Optional[torch.Tensor] = None,
-                 output_type: str = "np", return_dict: bool = True, callback_on_step_end: Optional[Callable] = None,
-                 callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",), max_sequence_length: int = 512):
+                 step_noise: Optional[Callable] = None, output_type: str = "np", return_dict: bool = True,
+                 callback_on_step_end: Optional[Callable] = None,
+                 callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",), max_sequence_length: int = 512,
+                 rope_positions: Optional[str] = None):
         r"""Generate a video chunk by chunk.
 
         Args:
-            prompt / prompt_embeds: the text (or its UMT5 embeddings ``[B, L, d]``).
+            prompt / prompt_embeds: the text (or its UMT5 embeddings ``[B, L, d]``, zero-padded to
+                ``max_sequence_length`` = 512 text tokens, as the published models attend to).
             height, width: pixels, multiples of 16. num_frames: 4k + 1 pixel frames giving a multiple of
                 ``num_frame_per_block`` latent frames (81 -> 21 latent frames = 7 chunks of 3).
-            denoising_timesteps, context_timestep, num_frame_per_block: override the pipeline config.
+            denoising_timesteps: the few-step schedule, mapped through the scheduler's shift.
+            timesteps / sigmas: the schedule used EXACTLY as given instead (the model's timestep and the
+                sampler's sigma per step; one alone: sigma = t / 1000). CausVid: ``timesteps=[1000, 757, 522],
+                sigmas=lookup_sigmas([1000, 757, 522], shift=8.0)``.
+            context_timestep, num_frame_per_block, rope_positions: override the pipeline config.
             generator, latents: the noise (``[B, 16, F, H/8, W/8]``, float32) and the sampler's fresh noise.
+            step_noise(chunk_index, step_index, shape) -> noise: the re-noising noise of every step but each
+                chunk's last (``original_step_noise(generator)`` draws it as the published loops do).
             output_type: "np", "pil", "pt" or "latent". return_dict: a ``WanPipelineOutput`` (``.frames``).
             callback_on_step_end(pipe, step, timestep, tensors) -> dict: after every denoising step; tensors
                 from ``callback_on_step_end_tensor_inputs`` ("latents": the current chunk, "prompt_embeds").
         """
         from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
+        if num_frames is None:
+            raise ValueError("num_frames=None (endless) is for pipe.session / pipe.stream; __call__ needs a length")
         self._check_output_type(output_type)
-        self._check_callback_inputs(callback_on_step_end_tensor_inputs)
-        args = self._prepare(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
-                             context_timestep, num_frame_per_block, generator, latents, prompt_embeds,
-                             max_sequence_length)
-        chunks = [c.latents for c in self._rollout(*args, generator, callback_on_step_end,
-                                                   list(callback_on_step_end_tensor_inputs))]
-        out = torch.cat(chunks, dim=2) if chunks else args[-1][:, :, :0]
+        session = self.session(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
+                               timesteps, sigmas, context_timestep, num_frame_per_block, generator, latents,
+                               prompt_embeds, step_noise, "latent", max_sequence_length, rope_positions,
+                               callback_on_step_end, callback_on_step_end_tensor_inputs)
+        chunks = []
+        try:
+            while not session.done:
+                c = session.next_chunk()
+                if c is None:
+                    break
+                chunks.append(c.latents)
+        finally:
+            session.close()
+        inp = session.inputs
+        out = torch.cat(chunks, dim=2) if chunks else session.latents[:, :, :0]
         if output_type != "latent":
             if self.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
             video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
             out = self._postprocess(video, output_type)
-        self.maybe_free_model_hooks()
+            self.maybe_free_model_hooks()
+        del inp
         if not return_dict:
             return (out,)
         return WanPipelineOutput(frames=out)
@@ -455,3 +855,11 @@ class CausalWanPipeline(DiffusionPipeline):
         if bad:
             raise ValueError(f"callback_on_step_end_tensor_inputs={list(names)}: {bad} not in "
                              f"{self._callback_tensor_inputs}")
+
+
+def _check_positions(value) -> None:
+    from diffusers_nki.caching.causal_wan import POSITIONS
+
+    if value not in POSITIONS:
+        raise ValueError(f"rope_positions={value!r} must be one of {POSITIONS} ('window': LongLive's "
+                         f"use_infinite_attention)")

@@ -37,14 +37,20 @@ Errors: a key no rule maps, a key the model lacks, a model key the checkpoint la
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointKeyError", "convert_causal_wan_checkpoint", "to_original_wan_state_dict", "WRAPPER_KEYS"]
+__all__ = ["CheckpointKeyError", "ConvertedStateDict", "convert_causal_wan_checkpoint", "to_original_wan_state_dict",
+           "WRAPPER_KEYS"]
 
-WRAPPER_KEYS = ("generator", "generator_ema")
+logger = logging.getLogger("diffusers_nki.pipelines")
+
+# the order of preference when the caller does not choose: the EMA weights first, as Self-Forcing's documented
+# inference (``--use_ema``) and its demo load them
+WRAPPER_KEYS = ("generator_ema", "generator")
 _DROP_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 # (original pattern, diffusers pattern); {N} = block index, {P} = parameter suffix (".weight", ".bias" or "")
@@ -100,6 +106,13 @@ _FORWARD = [(_compile(o), d) for o, d in _RULES]
 _BACKWARD = [(_compile(d), o) for o, d in _RULES]
 
 
+class ConvertedStateDict(dict):
+    """The converted state dict; ``source`` says which entry of the checkpoint it came from (``"generator_ema"``,
+    ``"generator"`` or ``"(bare state dict)"``)."""
+
+    source: str = ""
+
+
 class CheckpointKeyError(ValueError):
     """A checkpoint whose keys or shapes do not match the diffusers model (``missing``, ``unexpected``,
     ``mismatched`` list them)."""
@@ -148,12 +161,19 @@ def convert_causal_wan_checkpoint(checkpoint: Mapping, transformer: Optional[tor
                                   which: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The diffusers ``WanTransformer3DModel`` state dict of a published causal-Wan checkpoint.
 
-    ``which``: ``"generator"`` or ``"generator_ema"`` (default: ``"generator"`` when present, else
-    ``"generator_ema"``, else a bare state dict). With ``transformer`` (a ``WanTransformer3DModel`` built with
-    the checkpoint's config), keys and shapes are checked against it and the weights are loaded into it
-    (strict); without, only the mapping is checked. Raises ``CheckpointKeyError`` naming every problem."""
+    ``which``: ``"generator_ema"`` or ``"generator"``. Default: ``"generator_ema"`` when present (the EMA
+    weights, what Self-Forcing's documented ``--use_ema`` inference and its demo load), else ``"generator"``,
+    else a bare state dict; the choice is logged and returned as ``.source`` of the result (LongLive's configs
+    set ``use_ema: false``: pass ``which="generator"`` for them). With ``transformer`` (a ``WanTransformer3DModel``
+    built with the checkpoint's config), keys and shapes are checked against it and the weights are loaded
+    into it (strict); without, only the mapping is checked. Raises ``CheckpointKeyError`` naming every problem."""
     sd, src = _unwrap(checkpoint, which)
-    out: Dict[str, torch.Tensor] = {}
+    if which is None and src in WRAPPER_KEYS:
+        others = [k for k in WRAPPER_KEYS if k in checkpoint and k != src]
+        logger.info("convert_causal_wan_checkpoint: converting checkpoint[%r]%s", src,
+                    f" (also present: {others}; pass which= to choose)" if others else "")
+    out = ConvertedStateDict()
+    out.source = src
     unexpected = []
     for key, value in sd.items():
         k = _strip(key)

@@ -7,7 +7,8 @@ Usage::
     from diffusers_nki.sim import simulate, last_record
 
     out = simulate(kernel, target="trn2")(a, b)          # numpy arrays or CPU torch tensors
-    out = simulate(kernel[2])(a, b)                      # LNC2: programs 0 and 1, sequentially
+    out = simulate(kernel[2])(a, b)                      # LNC2: programs 0 and 1, concurrently (cores.py)
+    outs = simulate(kernel).ranks([(a0,), (a1,)])        # two ranks (nki.collectives between them)
     rec = last_record()                                  # RunRecord: instrs, peak SBUF/PSUM, warnings
     simulate(kernel, numerics=False)(a, b)               # trace mode: records + limit checks only
 
@@ -25,8 +26,11 @@ What is emulated
     nisa: nc_matmul (accumulate True/False/None, transpose mode, tiling mode, fp8 double_row),
     nc_transpose (TensorE/VectorE), activation (+ reduce registers), activation_reduce, tensor_tensor,
     tensor_scalar, scalar_tensor_tensor, tensor_reduce, tensor_copy, memset, iota, affine_select,
-    reciprocal, dma_copy (casts, scalar/vector dynamic offsets with oob_mode error/skip), dma_transpose.
-    Other ISA ops raise NotImplementedError.
+    reciprocal, dma_copy (casts, scalar/vector dynamic offsets with oob_mode error/skip), dma_transpose,
+    dma_compute; the instructions of isa_extra.py (scans, top-8, gathers, predicated copies, partition
+    reductions, nonzero compaction, batch-norm statistics); registers and runtime loop bounds
+    (isa_control.py, nl.dynamic_range / fori_loop / while_loop); core_barrier, sendrecv and nki.collectives.
+    The rest raise NotImplementedError (docs/NKI_SUBSET.md §3.13: MX matmul and quantization, rng, ...).
   * One ``records.Instr`` per instruction in the launch's ``RunRecord`` (engine, op, partitions, free,
     dtypes, buffers, flops, DMA bytes / contiguous bytes / partitions / direction / dge / transpose,
     inner stride, reduce_res, onezero, dep_prev, program, read/write footprints: space, partitions, bytes);
@@ -35,7 +39,8 @@ What is emulated
 Checked beyond the official simulator (each raises a subclass of ``NkiValidationError`` naming the op,
 operand, value and limit)
   * reads of never-written on-chip (and kernel-allocated HBM) elements (a per-element written mask, not
-    just the NaN sentinel, so integer tensors are covered too); ``accumulate=True`` onto PSUM no matmul
+    just the NaN sentinel, so integer tensors are covered too): a warning, an error under strict=True;
+    ``accumulate=True`` onto PSUM no matmul
     wrote (and, on trn1/trn2, onto PSUM last written by a non-matmul instruction);
   * address space: an ``address=`` outside 128 partitions x 192/224/256 KiB (SBUF, trn1/2/3) or 8 x 2 KiB
     (PSUM; bank-aligned) is an error; allocator-placed SBUF beyond the bytes per partition: a warning, an
@@ -44,12 +49,12 @@ operand, value and limit)
   * start-partition alignment of compute operands (0 for >64 partitions, 0/64 for >32, 0/32/64/96 else);
     ScalarE/VectorE/GpSimd free size (64K elements from SBUF, 4K from PSUM);
   * a source lint of the kernel (keyword-only signature, legacy ``nl.arange``/``mgrid``/``mask=``/
-    ``neuronxcc``), list arguments, ``kernel[lnc]`` with lnc in {1, 2} (2 rejected on trn1),
-    outputs in ``nl.shared_hbm``, ``bool()``/``int()`` on tensors.
+    ``neuronxcc``, rejected by design), list arguments, ``kernel[lnc]`` with lnc in {1, 2} (2 rejected on
+    trn1), outputs in HBM, ``bool()``/``int()`` on tensors.
 
-Assumed (see NKI_SUBSET.md for the sources and the ASSUMPTION list)
-  * LNC2 programs run sequentially (no core_barrier); ``shared_hbm`` allocations are matched between the
-    two programs by allocation order. Default target trn2.
+Assumed (see docs/NKI_SUBSET.md for the rules and the ASSUMPTION list)
+  * LNC2 programs run concurrently but one at a time, switching only at rendezvous (deterministic);
+    ``shared_hbm`` allocations are matched between the two programs by allocation order. Default target trn2.
   * ScalarE functions are computed exactly (a warning when an input is outside the table's valid range).
   * ``activation(reduce_op=nl.add)`` needs ``reduce_cmd`` reset_reduce/reduce (idle would leave the
     registers untouched, so it is rejected rather than silently reading stale registers).

@@ -33,8 +33,13 @@ slower one sets the time; efficiency is against both cores' peak. ``model(..., l
 splits a record evenly over k cores (every term divided by k). Shared-HBM contention between the two
 cores of an LNC2 pair is not modeled (COST_MODEL.md section 4 item 7).
 
-Not modeled (zero): launch overhead, cross-engine semaphore latency, PSUM bank conflicts, HBM page
-effects.
+Also on trn2/trn3 (documented [ARCH3], docs/COST_MODEL_SCHEDULE.md "Documented costs"): the VectorE-GpSimd
+bus term (VectorE perf-mode + GpSimd SBUF time) and the busiest PSUM bank (ScalarE + VectorE time on it).
+Latencies (the RAW latency, DMA fixed latency) are the schedule's, not the ceiling's. Undocumented behaviour
+is a named ``Hypotheses`` (default ``BASELINE``: none charged).
+
+Not modeled (zero): launch overhead (none could be fitted: ``bench calibrate``), HBM page effects, LNC2
+shared-HBM contention.
 """
 from __future__ import annotations
 
@@ -489,6 +494,12 @@ _BITS = {
 }
 _SIXTEEN_BIT_FLOAT = {"bfloat16", "float16"}
 _VEC_ONE_RATE_OPS = {"iota", "affine_select", "memset"}        # ASSUMPTION: rate 1 on their engine
+# Engine-sequencer register instructions (sim/isa_control.py, recorded on GpSimd with free=1): charged the
+# engine's fixed instruction cost MIN_II. ASSUMPTION: no published figure for register traffic.
+_VEC_ONE_RATE_OPS |= {"register_move", "register_load", "register_store"}
+# nisa.core_barrier (sim/isa_control.py, free=1 on its engine, GpSimd by default): the semaphore update and
+# wait cost MIN_II here; the wait for the other core is the schedule's rendezvous (Instr.extra["sync"]).
+_VEC_ONE_RATE_OPS |= {"core_barrier"}
 _TWO_INPUT_OPS = {"tensor_tensor", "scalar_tensor_tensor"}      # 2N rule [ARCH2]
 _KNOWN_VEC_OPS = {
     "activation", "activation_reduce", "tensor_tensor", "scalar_tensor_tensor", "tensor_scalar",
@@ -498,6 +509,10 @@ _KNOWN_VEC_OPS = {
     # "at a small additional performance cost" [API-isa tensor_scalar_reduce]; the cross-partition shuffle
     # streams its elements once)
     "tensor_scalar_reduce", "range_select", "nc_stream_shuffle",
+    # sim/isa_extra.py (same ASSUMPTION: one streamed input at the engine's dtype rate; the scan, the top-8
+    # search and the gathers stream their data once)
+    "tensor_tensor_scan", "max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "tensor_copy_predicated",
+    "tensor_partition_reduce", "nonzero_with_count", "local_gather", "bn_stats", "bn_aggr", "select_reduce",
 }
 _WARNED: set = set()
 

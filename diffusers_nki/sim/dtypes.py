@@ -28,6 +28,9 @@ class DType:
     def __repr__(self):
         return f"nl.{self.name}"
 
+    def __str__(self):  # str(nl.bfloat16) == 'bfloat16', as kernels format dtypes into names and messages
+        return self.name
+
     def __reduce__(self):  # pickle as the singleton
         return (to_dtype, (self.name,))
 

@@ -45,3 +45,8 @@ class NkiCapacityWarning(UserWarning):
 
 class NkiEmulatorWarning(UserWarning):
     """Something the emulator models approximately (activation input outside its valid range, ...)."""
+
+
+class NkiUninitializedReadWarning(UserWarning):
+    """An instruction read never-written elements (hardware reads whatever the bytes hold; the emulator's
+    fresh memory holds the NaN / 4 sentinel). An ``NkiUninitializedReadError`` under ``strict=True``."""

@@ -1,6 +1,6 @@
 """Emulated ``nki.isa`` (nisa): one function per hardware instruction, ``dst`` first (NKI 0.3-0.6).
 
-Every instruction (1) validates operands against the hardware rules of NKI_SUBSET.md §3/§5 (raising an
+Every instruction (1) validates operands against the hardware rules of docs/NKI_SUBSET.md §3/§5 (raising an
 ``NkiValidationError`` subclass naming the op, operand, value and limit), (2) in numerics mode computes
 its result with NumPy (fp32 engine arithmetic, rounding to ``dst.dtype`` on write) after checking that it
 reads no never-written on-chip element, and (3) appends one ``records.Instr`` to the launch's RunRecord.
@@ -8,6 +8,7 @@ reads no never-written on-chip element, and (3) appends one ``records.Instr`` to
 from __future__ import annotations
 
 import enum
+import sys
 
 import numpy as np
 
@@ -19,236 +20,14 @@ from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiOutOfBound
 from .records import Instr
 from .tensor import NkiTensor, dyn_footprint, footprint, psum, read, sbuf, write
 
-F32 = np.float32
-_PMAX = _rt.PMAX
-_BANK = _rt.PSUM_BANK_BYTES
-
-
-# ----------------------------------------------------------------------------------------------------
-# Enums
-# ----------------------------------------------------------------------------------------------------
-class engine(enum.Enum):
-    unknown = 0
-    tensor = 1
-    scalar = 2
-    gpsimd = 3
-    dma = 4
-    vector = 5
-    sync = 6
-
-
-tensor_engine = engine.tensor
-scalar_engine = engine.scalar
-gpsimd_engine = engine.gpsimd
-vector_engine = engine.vector
-dma_engine = engine.dma
-sync_engine = engine.sync
-unknown_engine = engine.unknown
-
-
-class reduce_cmd(enum.Enum):
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-    load_reduce = 4
-
-
-class oob_mode(enum.Enum):
-    error = 0
-    skip = 1
-
-
-class dge_mode(enum.Enum):
-    unknown = 0
-    swdge = 1
-    hwdge = 2
-    none = 3
-
-
-class matmul_perf_mode(enum.Enum):
-    none = "none"
-    double_row = "double_row"
-
-
-class nc_version(enum.Enum):
-    gen2 = 2
-    gen3 = 3
-    gen4 = 4
-
-
-_E, _RC, _OOB, _DGE = engine, reduce_cmd, oob_mode, dge_mode
-NkiValidationError = NkiValidationError  # re-export: nki.isa.NkiValidationError
-
-
-def get_nc_version():
-    """The ``nc_version`` of the current target (trn1 -> gen2, trn2 -> gen3, trn3 -> gen4)."""
-    return nc_version(_rt.current_gen())
-
-
-class _Handle:
-    """Stand-in for NkiInstruction: ``.depends_on(*producers)`` is accepted and ignored (eager execution)."""
-
-    __slots__ = ()
-
-    def depends_on(self, *producers):
-        return self
-
-
-_HANDLE = _Handle()
-_ENGINE_NAME = {engine.tensor: "pe", engine.scalar: "act", engine.vector: "dve", engine.gpsimd: "pool",
-                engine.dma: "dma"}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation helpers
-# ----------------------------------------------------------------------------------------------------
-def _tensor(t, op, arg):
-    if not isinstance(t, NkiTensor):
-        raise NkiValidationError(f"{op}: {arg} must be an NKI tensor, got {type(t).__name__} {t!r}")
-    if t._dyn is not None and not op.startswith("nisa.dma"):
-        raise NkiValidationError(f"{op}: {arg} is a dynamically offset view; only dma_copy accepts those")
-    return t
-
-
-def _buf(t, op, arg, allowed):
-    b = t._st.buffer
-    if b not in allowed:
-        names = " or ".join(x.name for x in allowed)
-        raise NkiBufferError(f"{op}: {arg} {t.name or ''}{list(t.shape)} is in {b.name}; {op} needs it in {names}"
-                             + (" (compute engines never read HBM; load it into SBUF first)" if b.is_hbm else ""))
-
-
-_ONCHIP = (sbuf, psum)
-_SBUF = (sbuf,)
-_PSUM = (psum,)
-
-
-def _start_ok(t, op, arg):
-    """Partition count and start-partition alignment (NKI_SUBSET.md §5) for compute-engine operands."""
-    n = t.P
-    if n > _PMAX:
-        raise NkiLimitError(f"{op}: {arg} has {n} partitions; the limit is {_PMAX}")
-    if t.offset or t._st.p0:
-        sp = t.start_partition()
-        if sp:
-            allowed = (0,) if n > 64 else (0, 64) if n > 32 else (0, 32, 64, 96)
-            if sp not in allowed:
-                raise NkiLimitError(f"{op}: {arg} starts at partition {sp} with {n} partitions; compute engines "
-                                    f"need the start partition in {allowed} for that partition count")
-
-
-def _same_pf(a, b, op, an, bn):
-    if a.P != b.P:
-        raise NkiShapeError(f"{op}: {an} has {a.P} partitions but {bn} has {b.P}; they must be equal")
-    if a.F != b.F:
-        raise NkiShapeError(f"{op}: {an} has {a.F} elements per partition ({list(a.shape)}) but {bn} has {b.F} "
-                            f"({list(b.shape)}); they must be equal")
-
-
-def _free_limit(t, op, arg, eng):
-    """ScalarE/VectorE/GpSimd access limit: <= 64K elements per partition from SBUF, <= 4K from PSUM."""
-    lim = 4096 if t._st.buffer is psum else 65536
-    if t.F > lim:
-        raise NkiLimitError(f"{op}: {arg} streams {t.F} elements per partition from {t._st.buffer.name} on "
-                            f"{eng}; the limit is {lim}")
-
-
-def _enum(v, cls, op, arg):
-    if not isinstance(v, cls):
-        raise NkiValidationError(f"{op}: {arg}={v!r} must be a nisa.{cls.__name__} member "
-                                 "(raw integers/strings are rejected since NKI 0.3)")
-    return v
-
-
-def _scalar_number(v):
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-
-
-def _inner_stride_bytes(*ts):
-    best = 0
-    for t in ts:
-        s = t.dtype.itemsize
-        for n, st in zip(reversed(t.shape[1:]), reversed(t.strides[1:])):
-            if n != 1:
-                s = abs(st) * t.dtype.itemsize
-                break
-        if s > best:
-            best = s
-    return best
-
-
-_footprint = footprint  # (space, p0, p1, byte lo, byte hi); see tensor.footprint
-_read = read
-_write = write
-
-
-def _overlaps(a, b):
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]
-
-
-def _emit(prog, eng, opname, dst, srcs, partitions, free, extra_reads=(), extra_writes=(), fp_reads=None,
-          fp_writes=None, **kw):
-    """Append one Instr with its read/write footprints; computes dep_prev (RAW on the previous instruction of
-    the same engine). ``extra_reads`` / ``extra_writes``: further operand views (not part of the dtype/buffer
-    summary); ``fp_reads`` / ``fp_writes``: footprints given directly (dynamic DMA)."""
-    reads = tuple(footprint(s) for s in srcs) + tuple(footprint(s) for s in extra_reads) if fp_reads is None \
-        else tuple(fp_reads)
-    if fp_writes is not None:
-        writes = tuple(fp_writes)
-    else:
-        writes = ((footprint(dst),) if dst is not None else ()) + tuple(footprint(s) for s in extra_writes)
-    last = prog.last_dst.get(eng)
-    dep = False
-    if last is not None:
-        for r in reads:
-            if _overlaps(r, last):
-                dep = True
-                break
-    if writes:
-        prog.last_dst[eng] = writes[0]
-    instr = Instr(eng, opname, partitions, free,
-                  tuple(s.dtype.name for s in srcs), dst.dtype.name if dst is not None else "",
-                  tuple(s._st.buffer.name for s in srcs), dst._st.buffer.name if dst is not None else "",
-                  dep_prev=dep, program=prog.pid, reads=reads, writes=writes, **kw)
-    prog.instrs.append(instr)
-    return instr
-
-
-# ----------------------------------------------------------------------------------------------------
-# Data access (numerics mode): read / write live in tensor.py; these are (P, F) conveniences
-# ----------------------------------------------------------------------------------------------------
-def _readf(t, op, arg):
-    """float32 (P, F) copy-or-view of ``t``."""
-    a = _read(t, op, arg)
-    return a.reshape(t.P, t.F).astype(F32, copy=False)
-
-
-def _readn(t, op, arg):
-    """native-dtype (P, F) view of ``t``."""
-    return _read(t, op, arg).reshape(t.P, t.F)
-
-
-def _operand_col(x, data, op, arg, need_f32=False):
-    """A scalar (Python number -> fp32) or a [P,1] on-chip tile read as float32 (P,1)."""
-    if x is None:
-        return None
-    if _scalar_number(x):
-        return x
-    if isinstance(x, NkiTensor):
-        _buf(x, op, arg, _ONCHIP)
-        if x.P != data.P or x.F != 1:
-            raise NkiShapeError(f"{op}: {arg} must be a [P,1] tile with P={data.P}, got shape {list(x.shape)}")
-        if need_f32 and x.dtype is not _dt.float32:
-            raise NkiDtypeError(f"{op}: {arg} tile has dtype {x.dtype!r}; it must be nl.float32")
-        return x
-    raise NkiValidationError(f"{op}: {arg}={x!r} must be a number or a [P,1] tile")
-
-
-def _colval(x, op, arg, numeric_dtype=F32):
-    if isinstance(x, NkiTensor):
-        return _readf(x, op, arg) if numeric_dtype is F32 else _readn(x, op, arg)
-    return numeric_dtype(x) if numeric_dtype is F32 else x
+from .isa_common import (_uninit, _has_bytes, _int_like, _known, _live, _mark_storage_unknown,  # noqa: F401
+                         _BANK, _DGE, _E, _ENGINE_NAME, _HANDLE, _OOB, _ONCHIP, _PMAX, _PSUM, _RC,  # noqa: F401
+                         _RED_IDENTITY, _SBUF, F32, _buf, _colval, _contig_elems, _dma_check, _dma_geometry,
+                         _dve_accumulate, _emit, _enum, _footprint, _free_limit, _Handle, _inner_stride_bytes,
+                         _no_psum_on_pool, _operand_col, _overlaps, _pick_engine, _read, _readf, _readn, _red_op,
+                         _same_pf, _scalar_number, _start_ok, _tensor, _write, dge_mode, dma_engine, engine,
+                         get_nc_sub_version, get_nc_version, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd,
+                         scalar_engine, sync_engine, tensor_engine, unknown_engine, vector_engine)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -270,7 +49,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _buf(stationary, op, "stationary", _SBUF)
     _buf(moving, op, "moving", _SBUF)
     _buf(dst, op, "dst", _PSUM)
-    _enum(perf_mode, matmul_perf_mode, op, "perf_mode")
+    perf_mode = _enum(perf_mode, matmul_perf_mode, op, "perf_mode")
     if accumulate not in (None, True, False):
         raise NkiValidationError(f"{op}: accumulate={accumulate!r} must be True, False or None")
     sd, md, dd = stationary.dtype, moving.dtype, dst.dtype
@@ -436,7 +215,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     prog = _rt.current()
     _tensor(dst, op, "dst")
     _tensor(data, op, "data")
-    _enum(engine, _E, op, "engine")
+    engine = _enum(engine, _E, op, "engine")
     P, F = data.P, data.F
     E = _E
     eng = engine
@@ -495,7 +274,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if not isinstance(op, _ops.Op) or not op.act:
         acts = ", ".join(f"nl.{k}" for k, v in _ops.OPS.items() if v.act)
         raise NkiValidationError(f"{opn}: op={op!r} is not a ScalarE activation function (supported: {acts})")
-    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    reduce_cmd = _enum(reduce_cmd, _RC, opn, "reduce_cmd")
     _buf(data, opn, "data", _ONCHIP)
     _buf(dst, opn, "dst", _ONCHIP)
     _same_pf(dst, data, opn, "dst", "data")
@@ -589,22 +368,6 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
 _INT32ISH = ("int32", "uint32")
 
 
-def _pick_engine(engine_arg, op, allowed, default):
-    _enum(engine_arg, engine, op, "engine")
-    if engine_arg is engine.unknown:
-        return default
-    if engine_arg not in allowed:
-        raise NkiValidationError(f"{op}: engine={engine_arg!r} is not allowed here (use one of "
-                                 f"{', '.join(str(a) for a in allowed)})")
-    return engine_arg
-
-
-def _no_psum_on_pool(eng, op, **ts):
-    if eng is engine.gpsimd:
-        for a, t in ts.items():
-            if isinstance(t, NkiTensor) and t._st.buffer is psum:
-                raise NkiBufferError(f"{op}: {a} is in psum; GpSimd cannot access PSUM")
-
 
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     """``dst = data1 <op> data2`` element-wise on VectorE (or GpSimd)."""
@@ -633,7 +396,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
                 raise NkiDtypeError(f"{opn}: bit-vector op nl.{op.name} needs integer dtypes; {a} is {t.dtype!r}")
     for t, a in ((data1, "data1"), (data2, "data2"), (dst, "dst")):
         _free_limit(t, opn, a, "VectorE" if eng is E.vector else "GpSimd")
-    if prog.numerics:
+    if _live(prog, (dst,), (data1, data2)):
         if op.kind == "bitvec":
             r = op.fn(_readn(data1, opn, "data1"), _readn(data2, opn, "data2"))
         elif eng is E.gpsimd and all_int32:
@@ -702,7 +465,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     en = {E.vector: "VectorE", E.scalar: "ScalarE", E.gpsimd: "GpSimd"}[eng]
     _free_limit(data, opn, "data", en)
     _free_limit(dst, opn, "dst", en)
-    if prog.numerics:
+    if _live(prog, (dst,), (data,) + tuple(c for c in cols if isinstance(c, NkiTensor))):
         if bitvec:
             x = _readn(data, opn, "data")
             for (o, _, rev, a), c in zip(ops_, cols):
@@ -807,7 +570,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         raise NkiShapeError(f"{opn}: dst has {dst.F} elements per partition; reducing axes {axes} of "
                             f"{list(data.shape)} leaves {keep}")
     _free_limit(data, opn, "data", "VectorE")
-    if prog.numerics:
+    if _live(prog, (dst,), (data,)):
         if op.kind == "bitvec":
             a = _read(data, opn, "data")
         else:
@@ -822,10 +585,16 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     return _HANDLE
 
 
-def tensor_copy(dst, src, engine=engine.unknown, name=None):
-    """Copy ``src`` to ``dst`` on VectorE (default), ScalarE or GpSimd (bit-exact when dtypes match)."""
+def tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None):
+    """Copy ``src`` to ``dst`` on VectorE (default), ScalarE or GpSimd (bit-exact when dtypes match).
+
+    ``dtype=``: AWS's 0.3+ tutorials still pass it (the pre-0.3 form returned a new tile of that dtype); with a
+    ``dst`` the copy converts to ``dst.dtype`` whatever ``dtype`` says (the nki-samples matmul tutorial passes
+    bf16 with an fp32 dst and checks an fp32-accurate result), so it is validated as a dtype and ignored."""
     opn = "nisa.tensor_copy"
     prog = _rt.current()
+    if dtype is not None:
+        _dt.to_dtype(dtype, "dtype", opn)
     for t, a in ((dst, "dst"), (src, "src")):
         _tensor(t, opn, a)
         _buf(t, opn, a, _ONCHIP)
@@ -840,7 +609,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     en = {E.vector: "VectorE", E.scalar: "ScalarE", E.gpsimd: "GpSimd"}[eng]
     _free_limit(src, opn, "src", en)
     _free_limit(dst, opn, "dst", en)
-    if prog.numerics:
+    if _live(prog, (dst,), (src,)):
         if dst.dtype is src.dtype and eng is not E.scalar:
             _write(dst, _readn(src, opn, "src"))
         else:
@@ -866,7 +635,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     eng = _pick_engine(engine, opn, (E.vector, E.gpsimd), E.vector)
     _no_psum_on_pool(eng, opn, dst=dst)
     _free_limit(dst, opn, "dst", "VectorE" if eng is E.vector else "GpSimd")
-    if prog.numerics:
+    if _live(prog, (dst,)):
         _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
     _emit(prog, _ENGINE_NAME[eng], "memset", dst, (), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(dst),
           extra={"value": value})
@@ -903,7 +672,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     _start_ok(dst, opn, "dst")
     _free_limit(dst, opn, "dst", "GpSimd")
     vals = _affine_values(pattern, dst.P, dst.F, offset, channel_multiplier, opn)
-    if prog.numerics:
+    if _live(prog, (dst,)):
         _write(dst, vals if dst.dtype.is_int else vals.astype(F32))
     _emit(prog, "pool", "iota", dst, (), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(dst))
     return _HANDLE
@@ -943,42 +712,6 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
 # VectorE with the accumulator registers (tensor_scalar_reduce, range_select) and cross-partition moves
 # ----------------------------------------------------------------------------------------------------
 FP32_MIN = float(np.finfo(np.float32).min)
-_RED_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}
-
-
-def _red_op(op, opn, allowed=("add", "multiply", "maximum", "minimum")):
-    name = getattr(op, "name", None)
-    # nl.max / nl.min (the reduction wrappers) name the same reductions as nl.maximum / nl.minimum
-    alias = {"max": "maximum", "min": "minimum"}
-    if name is None:
-        name = alias.get(getattr(op, "__name__", ""), None)
-    name = alias.get(name, name)
-    if name not in allowed:
-        raise NkiValidationError(f"{opn}: reduce_op={op!r} must be one of " + ", ".join(f"nl.{a}" for a in allowed))
-    return name
-
-
-def _dve_accumulate(prog, opn, red_name, partial, reduce_cmd_, reduce_init, P):
-    """Update the VectorE accumulator registers (shared by tensor_scalar_reduce / range_select [API-isa])."""
-    RC = _RC
-    comb = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}[red_name]
-    if reduce_cmd_ is RC.reset_reduce:
-        regs = np.full(_PMAX, _RED_IDENTITY[red_name], F32)
-    elif reduce_cmd_ is RC.reduce:
-        if prog.dve_regs is None:
-            raise NkiValidationError(f"{opn}: reduce_cmd=reduce before the VectorE accumulator registers were reset "
-                                     "(use reset_reduce first)")
-        regs = prog.dve_regs.copy()
-    elif reduce_cmd_ is RC.load_reduce:
-        regs = np.full(_PMAX, _RED_IDENTITY[red_name], F32)
-        regs[:P] = np.asarray(reduce_init, F32).reshape(-1)[:P] if not _scalar_number(reduce_init) else F32(
-            reduce_init)
-    else:
-        raise NkiValidationError(f"{opn}: reduce_cmd={reduce_cmd_!r} must be reset_reduce, reduce or load_reduce")
-    regs[:P] = comb(regs[:P], partial.astype(F32))
-    prog.dve_regs = regs
-    return regs[:P]
-
 
 def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
                          reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
@@ -997,7 +730,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     if reverse0:
         raise NkiValidationError(f"{opn}: reverse0=True is not supported yet [API-isa]")
     red = _red_op(reduce_op, opn)
-    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    reduce_cmd = _enum(reduce_cmd, _RC, opn, "reduce_cmd")
     if (reduce_init is not None) != (reduce_cmd is _RC.load_reduce):
         raise NkiValidationError(f"{opn}: reduce_init must be given exactly when reduce_cmd is load_reduce")
     if op0.arity == 1:
@@ -1081,7 +814,7 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
                                  "hardware constraint")
     if _red_op(reduce_op, opn, allowed=("maximum",)) != "maximum":  # pragma: no cover
         pass
-    _enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    reduce_cmd = _enum(reduce_cmd, _RC, opn, "reduce_cmd")
     if not isinstance(range_start, (int, np.integer)) or isinstance(range_start, bool):
         raise NkiValidationError(f"{opn}: range_start={range_start!r} must be a compile-time int")
     if abs(int(range_start)) + on_true_tile.F > 2 ** 24:
@@ -1156,7 +889,7 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
             dv[j] = sv[r]
         keep = [j for j in range(dst.P) if mask[j % 32] == 255]
         if keep and st_m is not None and not (st_m[keep] != 0).all():
-            raise NkiUninitializedReadError(f"{opn}: dst partitions kept by mask 255 were never written")
+            _uninit(prog, f"{opn}: dst partitions kept by mask 255 were never written", (opn, "kept"))
         _write(dst, dv)
     _emit(prog, "dve", "nc_stream_shuffle", dst, (src,), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(src, dst),
           extra={"mask": tuple(mask)})
@@ -1183,70 +916,12 @@ def reciprocal(dst, data, name=None):
 # ----------------------------------------------------------------------------------------------------
 # DMA
 # ----------------------------------------------------------------------------------------------------
-def _contig_elems(t):
-    """Length (elements) of the contiguous runs a row-major walk of view ``t`` produces."""
-    run = 1
-    start = 1 if t._st.buffer.on_chip else 0
-    for n, s in zip(reversed(t.shape[start:]), reversed(t.strides[start:])):
-        if n == 1:
-            continue
-        if s == run:
-            run *= n
-        else:
-            break
-    if t._st.buffer.on_chip:
-        run = min(run, t.F)
-    return run
-
-
-def _dma_geometry(dst, src):
-    """(nbytes, contig_bytes, dma_partitions, free, direction)"""
-    isz = max(dst.dtype.itemsize, src.dtype.itemsize)
-    n = dst.size
-    contig = min(_contig_elems(dst) * dst.dtype.itemsize, _contig_elems(src) * src.dtype.itemsize)
-    sb = dst if dst._st.buffer is sbuf else src if src._st.buffer is sbuf else None
-    if sb is not None:
-        parts = sb.P
-    else:
-        # HBM<->HBM has no partitions: the rows are the contiguous runs. ASSUMPTION: a long contiguous run
-        # is cut into descriptors of at most 4 KiB-aligned pieces spread over the queue's engines, like a
-        # 128-row transfer (COST_MODEL.md 1.4: up to 16 engines; >= 4 KiB per descriptor saturates).
-        nb = n * dst.dtype.itemsize
-        parts = max(1, min(_PMAX, nb // max(contig, 1)))
-        if parts < _PMAX and nb >= 4096 * _PMAX:
-            parts = _PMAX
-            contig = min(contig, -(-nb // parts))
-    kd = "sbuf" if dst._st.buffer is sbuf else "hbm"
-    ks = "sbuf" if src._st.buffer is sbuf else "hbm"
-    return n * isz, contig, parts, max(1, n // parts), f"{ks}->{kd}"
-
-
-def _dma_check(dst, src, op, dge, eng):
-    for t, a in ((dst, "dst"), (src, "src")):
-        _tensor(t, op, a)
-        if t._st.buffer is psum:
-            raise NkiBufferError(f"{op}: {a} is in psum; DMA cannot access PSUM (since NKI 0.3); evict with "
-                                 "nisa.tensor_copy first")
-    prog = _rt.current()
-    _enum(dge, dge_mode, op, "dge_mode")
-    _enum(eng, engine, op, "engine")
-    if dge is dge_mode.hwdge:
-        if prog.gen < 3:
-            raise NkiValidationError(f"{op}: dge_mode=hwdge needs trn2 or later (target {prog.launch.target})")
-        if eng not in (engine.sync, engine.scalar, engine.unknown):
-            raise NkiValidationError(f"{op}: engine={eng!r}; the hwdge trigger engine must be nisa.engine.sync "
-                                     "or nisa.engine.scalar")
-    elif eng is not engine.unknown:
-        raise NkiValidationError(f"{op}: engine={eng!r} is only valid with dge_mode=hwdge")
-    return prog
-
-
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
              name=None):
     """DMA ``dst = src`` (HBM/SBUF either side, never PSUM), element-wise in row-major order, casting via fp32."""
     op = "nisa.dma_copy"
-    prog = _dma_check(dst, src, op, dge_mode, engine)
-    _enum(oob_mode, _OOB, op, "oob_mode")
+    prog, dge_mode, engine = _dma_check(dst, src, op, dge_mode, engine)
+    oob_mode = _enum(oob_mode, _OOB, op, "oob_mode")
     if priority is not None:
         if prog.gen < 4:
             raise NkiValidationError(f"{op}: priority is only available on trn3 (target {prog.launch.target})")
@@ -1265,30 +940,40 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         raise NkiValidationError(f"{op}: hardware DGE on trn2 does not support vector-indirect DMA")
     skipped = False
     vec_fp = None
-    if prog.numerics:
-        if dyn_t is not None and dyn_t._dyn[0] == "vector":
+    unresolved = dyn_t is not None
+    if dyn_t is not None and dyn_t._dyn[0] == "vector":
+        if prog.numerics or (_known(dyn_t._dyn[1]) and _live(prog, (), (src,)) and _int_like(dst)
+                             and _has_bytes(dst) and _has_bytes(src)):
             skipped, vec_fp = _dma_vector(dst, src, dyn_t, oob_mode, op)
-        else:
-            if dyn_t is not None:
-                res, v = dyn_t._resolve_scalar(op, "scalar_offset")
-                if res is None:
-                    if oob_mode is _OOB.error:
-                        raise NkiOutOfBoundsError(
-                            f"{op}: scalar_offset value {v} puts the access of {'dst' if dyn_t is dst else 'src'} "
-                            f"{dyn_t.name or ''}{list(dyn_t.shape)} out of bounds (indirect dimension size "
-                            f"{dyn_t._dyn[4]}, storage {dyn_t._st.shape}); pass oob_mode=nisa.oob_mode.skip to drop it")
-                    skipped = True
-                elif dyn_t is dst:
-                    dst = res
-                else:
-                    src = res
-            if not skipped:
-                val = _read(src, op, "src")
-                if val.shape != dst.shape:
-                    val = val.reshape(-1)
-                if dst.dtype is not src.dtype:
-                    val = val.astype(F32)
-                _write(dst, val)
+            unresolved = False
+            prog.live = not prog.numerics
+    else:
+        if dyn_t is not None and (prog.numerics or _known(dyn_t._dyn[1])):
+            # the runtime offset is known (always in numerics mode; in trace mode when it is a computed integer)
+            res, v = dyn_t._resolve_scalar(op, "scalar_offset")
+            unresolved = False
+            if res is None:
+                if oob_mode is _OOB.error:
+                    raise NkiOutOfBoundsError(
+                        f"{op}: scalar_offset value {v} puts the access of {'dst' if dyn_t is dst else 'src'} "
+                        f"{dyn_t.name or ''}{list(dyn_t.shape)} out of bounds (indirect dimension size "
+                        f"{dyn_t._dyn[4]}, storage {dyn_t._st.shape}); pass oob_mode=nisa.oob_mode.skip to drop it")
+                skipped = True
+            elif dyn_t is dst:
+                dst = res
+            else:
+                src = res
+        if not skipped and not unresolved and _live(prog, (dst,), (src,)):
+            val = _read(src, op, "src")
+            if val.shape != dst.shape:
+                val = val.reshape(-1)
+            if dst.dtype is not src.dtype:
+                val = val.astype(F32)
+            _write(dst, val)
+        elif skipped:
+            prog.live = not prog.numerics  # nothing written: nothing becomes unknown
+    if unresolved and not prog.numerics and dst._dyn is not None:
+        _mark_storage_unknown(dst)  # trace mode, offset unknown: anything it can reach is no longer known
     nbytes, contig, parts, free, direction = _dma_geometry(dst, src)
 
     def fp(t):  # resolved views are static; unresolved dynamic ones cover their whole reachable range
@@ -1360,6 +1045,87 @@ def _dma_vector(dst, src, dyn_t, oob, op):
     return not valid.all(), fp
 
 
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=oob_mode.error, name=None):
+    """DMA-engine arithmetic: ``dst = srcs[0] + srcs[1] + ...`` in fp32 [API-isa dma_compute]; with a
+    ``vector_offset`` on one source (gather read-modify-write: ``dst(SB) = dst + src(HBM)[indices]``) or on
+    ``dst`` (scatter: ``dst(HBM)[indices] += src(SB)``). Only ``nl.add`` and unit scales, as documented."""
+    op = "nisa.dma_compute"
+    prog = _rt.current()
+    srcs = list(srcs) if isinstance(srcs, (list, tuple)) else [srcs]
+    if not 1 <= len(srcs) <= 16:
+        raise NkiValidationError(f"{op}: srcs holds {len(srcs)} tensors; 1 to 16 are allowed")
+    for i, t in enumerate([dst] + srcs):
+        _tensor(t, "nisa.dma_compute", "dst" if i == 0 else f"srcs[{i - 1}]")
+        if t._st.buffer is psum:
+            raise NkiBufferError(f"{op}: DMA cannot access PSUM")
+    if getattr(reduce_op, "name", None) != "add":
+        raise NkiValidationError(f"{op}: reduce_op={reduce_op!r}; only nl.add is supported")
+    if scales is not None and any(float(x) != 1.0 for x in scales):
+        raise NkiValidationError(f"{op}: scales={scales!r}; every scale must be 1.0")
+    oob_mode = _enum(oob_mode, _OOB, op, "oob_mode")
+    dyn = [t for t in [dst] + srcs if t._dyn is not None]
+    if dyn and (len(srcs) != 2 or not unique_indices or dyn[0]._dyn[0] != "vector" or len(dyn) > 2):
+        raise NkiValidationError(f"{op}: read-modify-write with vector_offset needs exactly 2 sources, "
+                                 "unique_indices=True and one vector-offset operand")
+    for t in srcs:
+        if t._dyn is None and t.size != dst.size:
+            raise NkiShapeError(f"{op}: every source must have dst's {dst.size} elements; {list(t.shape)} has {t.size}")
+    fp_r = []
+    fp_w = None
+    if prog.numerics:
+        if dst._dyn is not None:   # scatter RMW: dst(HBM)[indices] += the SBUF source
+            other = [t for t in srcs if t._dyn is None][0]
+            kind, vo, _, rowstride, nrows = dst._dyn
+            idx = _readn(vo, op, "vector_offset").reshape(-1).astype(np.int64)
+            ok = (idx >= 0) & (idx < nrows)
+            if not ok.all() and oob_mode is _OOB.error:
+                raise NkiOutOfBoundsError(f"{op}: vector_offset row index {int(idx[~ok][0])} is out of bounds for "
+                                          f"{nrows} rows")
+            st = dst._st
+            flat = np.ndarray((st.nelem * st.dtype.itemsize // dst.dtype.itemsize,), dst.dtype.np, buffer=st.raw)
+            inner = np.zeros((1,), np.int64)
+            for n_, s_ in zip(dst.shape[1:], dst.strides[1:]):
+                inner = (inner[:, None] + s_ * np.arange(n_, dtype=np.int64)[None, :]).reshape(-1)
+            addr = dst.offset + idx[:, None] * rowstride + inner[None, :]
+            vals = _readf(other, op, "src").reshape(len(idx), -1)
+            flat[addr[ok]] = (flat[addr[ok]].astype(F32) + vals[ok]).astype(dst.dtype.np)
+            st.dirty = True
+            isz = dst.dtype.itemsize
+            if ok.any():
+                fp_w = (f"hbm{st.serial}", 0, 1, int(addr[ok].min()) * isz, (int(addr[ok].max()) + 1) * isz)
+        else:
+            acc = None
+            keep = None
+            for t in srcs:
+                if t._dyn is not None:   # gather RMW: rows skipped out of bounds contribute nothing
+                    val, ok, fpg = _gather_rows(t, oob_mode, op)
+                    v = val.astype(F32).reshape(len(ok), -1)
+                    v[~ok] = 0
+                    keep = ok
+                    fp_r.append(fpg)
+                else:
+                    v = _readf(t, op, "src").reshape(dst.P if dst._st.buffer.on_chip else 1, -1) \
+                        if False else np.asarray(_read(t, op, "src"), F32).reshape(-1)
+                acc = v.reshape(-1) if acc is None else acc + v.reshape(-1)
+            _write(dst, acc)
+            _ = keep
+    reads = []
+    for t in srcs:
+        if t._dyn is None:
+            reads.append(footprint(t))
+        elif not prog.numerics:
+            reads.append(dyn_footprint(t))
+    reads += [f for f in fp_r if f is not None]
+    writes = (fp_w if fp_w is not None else dyn_footprint(dst)) if dst._dyn is not None else footprint(dst)
+    static = [t for t in srcs if t._dyn is None] or srcs
+    nbytes, contig, parts, free, direction = _dma_geometry(dst if dst._dyn is None else static[0], static[0])
+    _emit(prog, "dma", "dma_compute", dst if dst._dyn is None else None, tuple(static), parts, free,
+          nbytes=nbytes * len(srcs), contig_bytes=contig, dma_partitions=parts, direction=direction,
+          dge="swdge" if dyn else "none", fp_reads=tuple(reads), fp_writes=(writes,),
+          extra={"sources": len(srcs), "dynamic": "vector" if dyn else None})
+    return _HANDLE
+
+
 _DT_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
@@ -1377,11 +1143,11 @@ def dma_transpose(dst, src, axes=None, dge_mode=dge_mode.unknown, oob_mode=oob_m
     - every form: dst in SBUF, src.dtype == dst.dtype, the transposed partition dimension
       (src.shape[-1]) at most 128; no scalar_offset (not documented for dma_transpose)."""
     op = "nisa.dma_transpose"
-    prog = _dma_check(dst, src, op, dge_mode, engine.unknown)
+    prog, dge_mode, _ = _dma_check(dst, src, op, dge_mode, engine.unknown)
     if prog.gen < 3:
         raise NkiValidationError(f"{op}: DMA transpose needs trn2 or later (target {prog.launch.target})")
     _buf(dst, op, "dst", _SBUF)
-    _enum(oob_mode, _OOB, op, "oob_mode")
+    oob_mode = _enum(oob_mode, _OOB, op, "oob_mode")
     if dst._dyn is not None:
         raise NkiValidationError(f"{op}: dst cannot carry a dynamic offset (only src may be indirect)")
     if src._dyn is not None and src._dyn[0] == "scalar":
@@ -1492,18 +1258,16 @@ def _gather_rows(src, oob, op):
 # ----------------------------------------------------------------------------------------------------
 def _not_emulated(nm):
     def f(*a, **k):
-        raise NotImplementedError(f"nisa.{nm} is not emulated by diffusers_nki.sim (see NKI_SUBSET.md §3.13)")
+        raise NotImplementedError(f"nisa.{nm} is not emulated by diffusers_nki.sim (see docs/NKI_SUBSET.md §3.13)")
 
     f.__name__ = nm
     return f
 
 
-for _nm in ("nc_matmul_mx", "tensor_partition_reduce", "tensor_scalar_cumulative",
-            "bn_stats", "bn_aggr", "local_gather", "nc_n_gather",
-            "select_reduce", "max8", "nc_find_index8", "nc_match_replace8", "topk", "rng", "rand2",
-            "dropout", "quantize_mx", "register_alloc", "register_load", "register_store", "register_move",
-            "core_barrier", "sendrecv", "dma_compute", "tensor_copy_predicated", "exponential", "activate2",
-            "tensor_tensor_scan"):
+for _nm in ("nc_matmul_mx", "tensor_scalar_cumulative",
+            "topk", "rng", "rand2",
+            "dropout", "quantize_mx",
+            "exponential", "activate2"):
     globals()[_nm] = _not_emulated(_nm)
 del _nm
 
@@ -1549,3 +1313,16 @@ def _select(dst, cond, x, y, opn):
     srcs = tuple(t for t, _ in tiles[1:])
     _emit(prog, "dve", "tensor_tensor", dst, srcs, dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(*srcs, dst),
           extra={"alu": "select"})
+
+
+# ----------------------------------------------------------------------------------------------------
+# The other instruction modules (they import isa_common only)
+# ----------------------------------------------------------------------------------------------------
+constants = sys.modules[__name__]  # ``nki.isa.constants``: the enums, reachable as ``from nki.isa import constants``
+NkiInstruction = _Handle  # the opaque instruction handle nisa ops return (``.depends_on`` is accepted)
+
+from .isa_control import (VirtualRegister, core_barrier, register_alloc, register_load,  # noqa: E402,F401
+                          register_move, register_store, sendrecv)
+from .isa_extra import (bn_aggr, bn_stats, local_gather, max8, nc_find_index8, nc_match_replace8,  # noqa: E402,F401
+                        nc_n_gather, nonzero_with_count, select_reduce, tensor_copy_predicated,
+                        tensor_partition_reduce, tensor_tensor_scan)

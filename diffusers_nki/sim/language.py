@@ -25,6 +25,7 @@ from .opdefs import (abs, abs_max, abs_min, add, arctan, bitwise_and, bitwise_or
                      mod, multiply, negative, not_equal, power, reciprocal, relu, right_shift, rsqrt, sigmoid, sign,
                      silu, silu_dx, sin, softplus, sqrt, square, subtract, tan, tanh, trunc)
 from . import tensor as _tensor_mod
+from .registers import register_value as _reg_value
 from .tensor import (DynSlice, MemoryRegion, NkiTensor, ds, hbm, new_tensor, private_hbm, psum, sbuf,  # noqa: F401
                      shared_hbm)
 
@@ -73,7 +74,7 @@ def _filled(shape, dtype, buffer, name, value, opname):
         _isa.memset(t, v)
     else:
         prog = _rt.current()
-        if prog.numerics:
+        if prog.numerics or _isa._has_bytes(t):
             t._npv()[...] = value
             if t._st.mask is not None:
                 t._st.mask[...] = 1
@@ -117,12 +118,24 @@ def full_like(x, fill_value, dtype=None, buffer=None, name=""):
 
 
 def shared_constant(constant, dtype=None):
-    """A constant placed in shared HBM."""
-    arr = np.asarray(constant)
+    """A constant placed in shared HBM: a NumPy array, or the path of a ``.npy`` file [API-nl shared_constant];
+    both cores of an LNC2 launch share it."""
+    if isinstance(constant, (str, bytes)) or hasattr(constant, "__fspath__"):
+        import os
+
+        path = os.fspath(constant)
+        if not str(path).endswith(".npy"):
+            raise NkiValidationError(f"nl.shared_constant: {path!r} is not a .npy file")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except OSError as e:
+            raise NkiValidationError(f"nl.shared_constant: cannot read {path!r}: {e}")
+    else:
+        arr = np.asarray(constant)
     dt = _dt.to_dtype(dtype, "dtype", "nl.shared_constant") if dtype is not None else \
         _dt.from_numpy_dtype(arr.dtype if arr.dtype != np.float64 else np.float32, "nl.shared_constant")
     t = new_tensor(arr.shape if arr.ndim else (1,), dt, shared_hbm, "shared_constant", op="nl.shared_constant")
-    if _rt.current().numerics:
+    if _rt.current().numerics or _isa._has_bytes(t):
         t._npv()[...] = arr.astype(np.float32).reshape(t.shape) if dt.is_float else arr.reshape(t.shape)
         if t._st.mask is not None:
             t._st.mask[...] = 1
@@ -130,12 +143,14 @@ def shared_constant(constant, dtype=None):
 
 
 def shared_identity_matrix(n, dtype=uint8, dst=None):
-    """An n x n identity matrix constant in shared HBM (copied into ``dst`` by DMA when given)."""
-    t = shared_constant(np.eye(int(n), dtype=np.float32), dtype=dtype)
-    if dst is not None:
-        _isa.dma_copy(dst, t)
-        return dst
-    return t
+    """An n x n identity matrix in SBUF [API-nl shared_identity_matrix: "Create an identity matrix in SBUF"],
+    or written into ``dst``. Recorded as the DMA that brings the constant (a shared-HBM constant loaded with
+    the model, as ``shared_constant``) into SBUF."""
+    src = shared_constant(np.eye(int(n), dtype=np.float32), dtype=dtype)
+    if dst is None:
+        dst = new_tensor((int(n), int(n)), src.dtype, sbuf, name="identity", op="nl.shared_identity_matrix")
+    _isa.dma_copy(dst, src)
+    return dst
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,11 +224,16 @@ def _assign(target, value):
         prod = value._producer
         if prod is not None and instrs and instrs[-1] is prod and tb in _ELIDE_OK.get(prod.engine, ()) \
                 and value.size == target.size and (tb.on_chip or prod.engine == "dma"):
-            if prog.numerics:
+            if prog.numerics or (_isa._int_like(target) and _isa._has_bytes(target) and _isa._int_like(value)
+                                 and _isa._known(value)):
                 v = _isa._read(value, "assign", "value")
                 if target.dtype is not value.dtype:
                     v = v.astype(np.float32)
                 _isa._write(target, v)
+                if not prog.numerics and target._st.buffer.on_chip:
+                    prog.known_fps.add(_isa._footprint(target))
+            else:
+                _isa._mark_unknown(target, prog)
             prod.out_buffer = tb.name
             prod.out_dtype = target.dtype.name
             if prod.engine == "dma":
@@ -248,9 +268,100 @@ sequential_range = affine_range
 static_range = affine_range
 
 
+# ----------------------------------------------------------------------------------------------------
+# Runtime (register-bounded) loops [API-nl ``dynamic_range``, ``fori_loop``, ``while_loop``; MIG 0.5->0.6]
+# ----------------------------------------------------------------------------------------------------
+# The loop runs on the device: its bounds are read when the loop starts (ints or registers), its induction
+# value is a register (read-only; use it as ``.ap(scalar_offset=i)``), and the emulator executes the body once
+# per iteration that runs, so the record holds exactly the instructions the hardware executes (the modeled
+# time follows the runtime trip count). Each loop execution appends to ``RunRecord.loops``
+# ``{"id", "kind", "program", "trips", "first_instr", "end_instr"}`` and every instruction issued inside
+# carries ``Instr.loop = ((loop id, iteration), ...)``, outermost first. ASSUMPTION: the sequencer's branch
+# per iteration costs nothing (no figure is published); the body's instructions are charged in full.
+class _Loop:
+    __slots__ = ("id", "iteration", "entry")
+
+    def __init__(self, prog, kind):
+        rec = prog.record
+        self.id = len(rec.loops)
+        self.iteration = 0
+        self.entry = {"id": self.id, "kind": kind, "program": prog.pid, "trips": 0,
+                      "first_instr": len(prog.instrs), "end_instr": len(prog.instrs)}
+        rec.loops.append(self.entry)
+
+
+@contextlib.contextmanager
+def _running_loop(kind):
+    prog = _rt.current()
+    lp = _Loop(prog, kind)
+    prog.loop_stack.append(lp)
+    try:
+        yield lp
+    finally:
+        prog.loop_stack.remove(lp)
+        lp.entry["end_instr"] = len(prog.instrs)
+
+
+def _bound(v, what):
+    if isinstance(v, _isa.VirtualRegister):
+        return _reg_value(v, what)
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return int(v)
+    raise NkiValidationError(f"{what}={v!r} must be an int or a register (nisa.register_alloc())")
+
+
+def _step(step, fn):
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise NkiValidationError(f"nl.{fn}: step={step!r} must be a compile-time positive int")
+    return int(step)
+
+
+def _counted(kind, start, stop, step):
+    with _running_loop(kind) as lp:
+        lo = _bound(start, f"nl.{kind}: start")
+        hi = _bound(stop, f"nl.{kind}: stop")
+        for v in range(lo, hi, step):
+            lp.iteration = lp.entry["trips"]
+            lp.entry["trips"] += 1
+            yield _isa.VirtualRegister(v, name=f"{kind}{lp.id}.i")
+
+
 def dynamic_range(start, stop=None, step=1):
-    """Hardware loop; emulated as a Python ``range`` (induction variable is a plain int here)."""
-    return affine_range(start, stop, step)
+    """A device loop from ``start`` to ``stop`` (ints or registers, read when the loop starts); the induction
+    value is a register. Deprecated in NKI 0.6 in favour of ``fori_loop``, still accepted."""
+    if stop is None:
+        start, stop = 0, start
+    return _counted("dynamic_range", start, stop, _step(step, "dynamic_range"))
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """``body_fun(i)`` for i in [lower, upper) by ``step`` on the device (bounds ints or registers; ``i`` a
+    register, passed by value). The body returns nothing."""
+    if not callable(body_fun):
+        raise NkiValidationError(f"nl.fori_loop: body_fun={body_fun!r} must be callable")
+    for i in _counted("fori_loop", lower, upper, _step(step, "fori_loop")):
+        r = body_fun(i)
+        if r is not None:
+            raise NkiValidationError(f"nl.fori_loop: body_fun returned {r!r}; the body of a fori_loop cannot return a "
+                                     "value (carry state through SBUF/HBM)")
+
+
+def while_loop(init, body_fun):
+    """While register ``init`` is nonzero (checked before each iteration): ``r = body_fun(r)``; the body
+    returns the register holding the next condition."""
+    if not isinstance(init, _isa.VirtualRegister):
+        raise NkiValidationError(f"nl.while_loop: init={init!r} must be a register (nisa.register_alloc())")
+    if not callable(body_fun):
+        raise NkiValidationError(f"nl.while_loop: body_fun={body_fun!r} must be callable")
+    r = init
+    with _running_loop("while_loop") as lp:
+        while _reg_value(r, "nl.while_loop: condition") != 0:
+            lp.iteration = lp.entry["trips"]
+            lp.entry["trips"] += 1
+            r = body_fun(r)
+            if not isinstance(r, _isa.VirtualRegister):
+                raise NkiValidationError(f"nl.while_loop: body_fun returned {r!r}; it must return the register "
+                                         "holding the next condition")
 
 
 def program_id(axis=0):
@@ -634,5 +745,4 @@ dropout = _not_emulated("dropout")
 gather_flattened = _not_emulated("gather_flattened")
 rand = _not_emulated("rand")
 random_seed = _not_emulated("random_seed")
-fori_loop = _not_emulated("fori_loop")
-while_loop = _not_emulated("while_loop")
+

@@ -57,17 +57,18 @@ class AddressSpace:
         self.pitch = int(pitch)
         self.program = program
         self.usable_bytes = usable_banks * PSUM_BANK_BYTES if kind == "psum" else self.pitch
-        if numerics:
-            self.raw = np.zeros((PMAX, self.pitch), np.uint8)
-            self.mask = np.zeros((PMAX, self.pitch), np.uint8)
-        else:
-            self.raw = self.mask = None
+        # The bytes and written-state exist in trace mode too (numerics=False): integer values (loop bounds,
+        # offsets) are still computed there (isa_common "Trace mode"); float data is never filled in.
+        self.numerics = numerics
+        self.raw = np.zeros((PMAX, self.pitch), np.uint8)
+        self.mask = np.zeros((PMAX, self.pitch), np.uint8)
         self._auto = []            # sorted [lo, hi) of live allocator-placed tensors
         self._auto_bytes = 0       # exact (unaligned) bytes per partition of live allocator tensors
         self._explicit = {}        # (lo, hi) -> live tensor count, explicitly placed
         self._explicit_union = 0   # bytes per partition covered by live explicit ranges
         self._overflow_top = self.pitch
         self._cursor = 0           # rotation cursor of the allocator (next fit, see _pick)
+        self._psum_live = []       # weakrefs to allocator-placed PSUM storages (reclaimed by last use)
 
     # -- queries ----------------------------------------------------------------------------------
     def _occupied(self):
@@ -146,6 +147,8 @@ class AddressSpace:
                     f"is {nb} banks x {PSUM_BANK_BYTES} bytes per partition")
             size = banks * PSUM_BANK_BYTES
             lo = self._pick(size, PSUM_BANK_BYTES)
+            while lo is None and self._reclaim_psum():
+                lo = self._pick(size, PSUM_BANK_BYTES)
             if lo is None:
                 live = self.banks_live()
                 if live + banks > nb:
@@ -180,12 +183,14 @@ class AddressSpace:
         self._attach(st)
         bisect.insort(self._auto, (lo, lo + size))
         self._auto_bytes += nbytes
+        st.interval = (lo, lo + size)
         weakref.finalize(st, self._release_auto, (lo, lo + size), nbytes)
+        if self.kind == "psum":
+            self._psum_live.append(weakref.ref(st))
         if self.raw is not None:  # fresh memory: sentinel-filled and never written
             p1 = st.shape[0]
-            region = self.raw[0:p1, lo:lo + nbytes]
-            if nbytes % st.dtype.itemsize == 0 and nbytes:
-                region.view(st.dtype.np)[...] = st.sentinel
+            if self.numerics and nbytes % st.dtype.itemsize == 0 and nbytes:
+                self.raw[0:p1, lo:lo + nbytes].view(st.dtype.np)[...] = st.sentinel
             self.mask[0:p1, lo:lo + nbytes] = 0
         self._bump_peaks()
 
@@ -197,13 +202,10 @@ class AddressSpace:
         st.vbase = lo
         st.pitch = max(st.row_bytes, 1)
         st.overflow = True
-        if self.raw is not None:
-            st.raw2d = np.zeros((st.shape[0], st.pitch), np.uint8)
-            st.mask2d = np.zeros((st.shape[0], st.pitch), np.uint8)
-            if st.row_bytes % st.dtype.itemsize == 0 and st.row_bytes:
-                st.raw2d.view(st.dtype.np)[...] = st.sentinel
-        else:
-            st.raw2d = st.mask2d = None
+        st.raw2d = np.zeros((st.shape[0], st.pitch), np.uint8)
+        st.mask2d = np.zeros((st.shape[0], st.pitch), np.uint8)
+        if self.numerics and st.row_bytes % st.dtype.itemsize == 0 and st.row_bytes:
+            st.raw2d.view(st.dtype.np)[...] = st.sentinel
         self._auto_bytes += st.row_bytes
         weakref.finalize(st, self._release_overflow, st.row_bytes)
         self._bump_peaks()
@@ -269,11 +271,30 @@ class AddressSpace:
         self._explicit_union = tot
 
     # -- release (weakref finalizers) -----------------------------------------------------------------
-    def _release_auto(self, iv, nbytes):
+    def _release_auto(self, iv, nbytes, st=None):
         i = bisect.bisect_left(self._auto, iv)
         if i < len(self._auto) and self._auto[i] == iv:
             del self._auto[i]
-        self._auto_bytes -= nbytes
+            self._auto_bytes -= nbytes
+
+    def _reclaim_psum(self):
+        """PSUM liveness by LAST USE, as the compiler allocates: when no bank is free, the allocator-placed PSUM
+        tensor used least recently gives its bank(s) back although the kernel still holds a reference. Using it
+        again afterwards is an error (its real lifetime then overlaps the new tile: more banks live than exist)."""
+        best = None
+        for ref in list(self._psum_live):
+            st = ref()
+            if st is None or st.reclaimed:
+                self._psum_live.remove(ref)
+                continue
+            if best is None or st.last_use < best.last_use:
+                best = st
+        if best is None:
+            return False
+        best.reclaimed = True
+        self._psum_live = [r for r in self._psum_live if r() is not None and r() is not best]
+        self._release_auto(best.interval, best.row_bytes)
+        return True
 
     def _release_overflow(self, nbytes):
         self._auto_bytes -= nbytes

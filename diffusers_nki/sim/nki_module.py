@@ -13,11 +13,16 @@ import ml_dtypes
 import numpy as np
 
 from . import dtypes as _dt
+from . import collectives  # noqa: F401  (nki.collectives)
 from . import isa  # noqa: F401  (nki.isa)
+from . import nki_typing as typing  # noqa: F401  (nki.typing)
 from . import language  # noqa: F401  (nki.language)
+from . import cores as _cores
 from . import runtime as _rt
 from .errors import NkiLaunchError
 from .tensor import NkiTensor, Storage, hbm, shared_hbm
+from .dtypes import DType as dtype  # noqa: F401  (``nki.dtype``: the type of nl.bfloat16 & co., used in annotations)
+from .tensor import NkiTensor as tensor  # noqa: F401,E402  (``nki.tensor``)
 
 __all__ = ["jit", "simulate", "language", "isa", "Kernel", "last_record"]
 
@@ -56,7 +61,9 @@ def _lint(fn):
 # ----------------------------------------------------------------------------------------------------
 class Kernel:
     """A ``@nki.jit`` kernel. ``kernel(*args)`` runs it in the emulator (like ``NKI_SIMULATOR=1``);
-    ``kernel[lnc]`` binds the LNC degree."""
+    ``kernel[lnc]`` binds the LNC degree. Called inside a running kernel it is inlined (a sub-kernel)."""
+
+    _nki_kernel = True  # the lint recognises kernels by this marker (it cannot import this module)
 
     def __init__(self, fn, options=None):
         self.fn = fn
@@ -75,8 +82,9 @@ class Kernel:
 
     def __call__(self, *args, **kwargs):
         if _rt.current_or_none() is not None:
-            raise NkiLaunchError(f"{self.fn.__name__}: calling a @nki.jit kernel from inside a kernel; helper "
-                                 "functions (sub-kernels) must not carry @nki.jit, they are inlined")
+            # a @nki.jit kernel called inside a kernel is inlined, as any helper [MIG 0.1->0.2 "sub-kernels"];
+            # nki-library's MoE kernels call their jitted sub-kernels this way
+            return self.fn(*args, **kwargs)
         return simulate(self)(*args, **kwargs)
 
     def __repr__(self):
@@ -92,14 +100,22 @@ def _check_lnc(lnc):
     return int(lnc)
 
 
+_MODES = ("auto", "trace", "torchxla", "jax", "baremetal")
+
+
 def jit(fn=None, **kwargs):
-    """``@nki.jit`` / ``@nki.jit(...)``. ``mode=`` and ``platform_target=`` are rejected (removed in NKI 0.3)."""
-    for bad in ("mode", "platform_target"):
-        if bad in kwargs:
-            raise NkiLaunchError(f"nki.jit: {bad}={kwargs[bad]!r} is not accepted by NKI 0.3+ (select the target "
-                                 "with NEURON_PLATFORM_TARGET_OVERRIDE or simulate(..., target=...))")
+    """``@nki.jit`` / ``@nki.jit(...)`` / ``nki.jit()(fn)``.
+
+    ``mode=`` chooses the launch path on hardware ("auto", "trace", "torchxla", ...), not the language: accepted
+    and recorded. ``platform_target=`` ("trn1" / "trn2" / "trn3" or gen2..gen4) fixes the target the kernel is
+    compiled for: ``simulate`` without a target uses it, and a different explicit target is an error.
+    Other compiler options (``debug_kernel``, ``additional_compile_opt``, ...) are accepted and ignored."""
+    if "mode" in kwargs and kwargs["mode"] not in _MODES:
+        raise NkiLaunchError(f"nki.jit: mode={kwargs['mode']!r} is not one of {_MODES}")
+    if "platform_target" in kwargs and kwargs["platform_target"] is not None:
+        _rt.parse_target(kwargs["platform_target"])  # a clear error for an unknown target
     if fn is None:
-        return lambda f: Kernel(f, kwargs)
+        return lambda f: f if isinstance(f, Kernel) else Kernel(f, kwargs)
     if isinstance(fn, Kernel):
         return fn
     return Kernel(fn, kwargs)
@@ -159,6 +175,12 @@ class Simulated:
             self.kernel = Kernel(kernel)
         else:
             raise NkiLaunchError(f"simulate: {kernel!r} is not a kernel or function")
+        pt = self.kernel.options.get("platform_target")
+        if pt is not None:
+            if target is not None and _rt.parse_target(target) != _rt.parse_target(pt):
+                raise NkiLaunchError(f"simulate: {self.kernel.fn.__name__} is compiled for platform_target={pt!r} "
+                                     f"(@nki.jit); it cannot run on target={target!r}")
+            target = pt if target is None else target
         self.gen = _rt.parse_target(target)
         self.strict = bool(strict)
         self.numerics = bool(numerics)
@@ -170,6 +192,31 @@ class Simulated:
         return s
 
     def __call__(self, *args, **kwargs):
+        """Run the kernel on one set of arguments (its ``lnc`` programs run concurrently: ``cores.py``)."""
+        ctx = self._prepare(args, kwargs, rank=0, nranks=1)
+        world = _cores.World()
+        ctx.add_to(world)
+        world.run()
+        return ctx.finish()
+
+    def ranks(self, per_rank, kwargs=None):
+        """Run the kernel on several ranks at once (the devices / logical cores of a collective's replica
+        group): ``per_rank`` is a list of argument tuples, one per rank, ``kwargs`` a dict (shared) or a list of
+        dicts. Every rank's programs run concurrently; ``nki.collectives`` calls rendezvous across the ranks of
+        their replica group. Returns the per-rank results; ``last_records`` the per-rank RunRecords."""
+        n = len(per_rank)
+        kws = kwargs if isinstance(kwargs, (list, tuple)) else [dict(kwargs or {})] * n
+        world = _cores.World()
+        ctxs = []
+        for r in range(n):
+            ctx = self._prepare(tuple(per_rank[r]), kws[r], rank=r, nranks=n)
+            ctx.add_to(world)
+            ctxs.append(ctx)
+        world.run()
+        self.last_records = [c.launch.record for c in ctxs]
+        return [c.finish() for c in ctxs]
+
+    def _prepare(self, args, kwargs, rank, nranks):
         global _LAST_RECORD
         k = self.kernel
         fn = k.fn
@@ -181,6 +228,7 @@ class Simulated:
         if lnc == 2 and self.gen == 2:
             raise NkiLaunchError(f"{fn.__name__}[2]: LNC=2 does not exist on trn1 (gen2); launch with [1]")
         launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__, sbuf_bytes=self.sbuf_bytes)
+        launch.rank, launch.nranks = rank, nranks
         launch.record.lint = list(k._lint_findings)
         self.last_record = launch.record
         _LAST_RECORD = launch.record
@@ -201,7 +249,8 @@ class Simulated:
             arr, dt, is_t = h
             any_torch |= is_t
             shape = tuple(int(s) for s in arr.shape) or (1,)
-            if self.numerics:
+            keep = self.numerics or dt.is_int or dt.is_bool  # trace mode keeps integer inputs (loop bounds)
+            if keep:
                 raw = np.empty(int(np.prod(shape)) * dt.itemsize, np.uint8)
                 view = raw.view(dt.np).reshape(shape)
                 view[...] = arr.reshape(shape)
@@ -222,27 +271,44 @@ class Simulated:
 
         targs = [convert(a, i) for i, a in enumerate(args)]
         tkw = {kk: convert(v, kk) for kk, v in kwargs.items()}
-        result = None
-        for pid in range(lnc):
-            prog = _rt.Program(launch, pid)
-            _rt.set_current(prog)
-            try:
-                r = fn(*targs, **tkw)
-            finally:
-                _rt.set_current(None)
-            if pid == 0:
-                result = r
-        # outputs
+        return _Launched(self, fn, launch, lnc, targs, tkw, wrote_back, arg_views, any_torch)
+
+
+class _Launched:
+    """One rank's launch: its programs (added to a World) and, after the run, its outputs."""
+
+    def __init__(self, sim, fn, launch, lnc, targs, tkw, wrote_back, arg_views, any_torch):
+        self.sim, self.fn, self.launch, self.lnc = sim, fn, launch, lnc
+        self.targs, self.tkw = targs, tkw
+        self.wrote_back, self.arg_views, self.any_torch = wrote_back, arg_views, any_torch
+        self.tasks = []
+
+    def add_to(self, world):
+        fn, targs, tkw = self.fn, self.targs, self.tkw
+        for pid in range(self.lnc):
+            prog = _rt.Program(self.launch, pid)
+            prog.rank = self.launch.rank
+            self.tasks.append(world.add(prog, lambda: fn(*targs, **tkw)))
+
+    def finish(self):
+        fn, numerics = self.fn, self.sim.numerics
+        arg_views, any_torch = self.arg_views, self.any_torch
+        result = self.tasks[0].result  # program 0's return value (both programs return the same tensors)
         outs = result if isinstance(result, (tuple, list)) else (result,) if result is not None else ()
         for j, o in enumerate(outs):
             if not isinstance(o, NkiTensor):
                 raise NkiLaunchError(f"{fn.__name__}: return value {j} is {type(o).__name__}; kernels return NKI "
-                                     "tensors allocated in nl.shared_hbm")
-            if o._st.buffer is not shared_hbm and _returned_input(o, arg_views) is None:
+                                     "tensors allocated in HBM (nl.shared_hbm or nl.hbm)")
+            if not o._st.buffer.is_hbm:
                 raise NkiLaunchError(f"{fn.__name__}: return value {j} ({o.name}{list(o.shape)}) is in "
-                                     f"{o._st.buffer.name}; kernel outputs must be allocated in nl.shared_hbm")
+                                     f"{o._st.buffer.name}; kernel outputs must be allocated in HBM (nl.shared_hbm, "
+                                     "or nl.hbm as production kernels also do)")
+            if id(o._st) in arg_views and _returned_input(o, arg_views) is None:
+                raise NkiLaunchError(f"{fn.__name__}: return value {j} ({o.name}{list(o.shape)}) is a part of an input; "
+                                     "kernel outputs must be allocated in nl.shared_hbm (or nl.hbm) by the kernel, "
+                                     "or be a whole input")
         # write back inputs the kernel modified
-        for a, st, view, dt, is_t in wrote_back:
+        for a, st, view, dt, is_t in self.wrote_back:
             if st.dirty:
                 if is_t:
                     a.detach().copy_(_numpy_to_torch(view, dt).reshape(a.shape))
@@ -253,7 +319,7 @@ class Simulated:
             aliased = _returned_input(o, arg_views)
             if aliased is not None:  # an input returned whole (production KV writers return their caches):
                 return aliased       # the caller's own object, already updated in place above
-            if self.numerics:
+            if numerics:
                 arr = np.array(o._npv())
             else:
                 arr = np.full(o.shape, _dt.sentinel(o.dtype), dtype=o.dtype.np)

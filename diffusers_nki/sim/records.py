@@ -77,6 +77,7 @@ class Instr:
     tile_size: Tuple[int, ...] = ()
     reads: Tuple[Tuple, ...] = ()
     writes: Tuple[Tuple, ...] = ()
+    loop: Tuple[Tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +97,7 @@ class RunRecord:
     numerics: bool = True
     warnings: List[str] = field(default_factory=list)
     lint: List[str] = field(default_factory=list)
+    loops: List[dict] = field(default_factory=list)
 
     def add(self, instr: Instr) -> None:
         self.instrs.append(instr)

@@ -1,7 +1,8 @@
 """Launch state of the emulator: targets, per-program state, capacity tracking, instruction recording.
 
-One ``Launch`` per ``simulate(...)(*args)`` call; one ``Program`` per logical core (LNC2 runs program 0
-then program 1, sequentially, sharing ``shared_hbm``; each program has its own SBUF/PSUM address spaces).
+One ``Launch`` per ``simulate(...)(*args)`` call (per rank of a multi-rank call); one ``Program`` per logical
+core (the programs of an LNC2 launch run concurrently, ``cores.py``, sharing ``shared_hbm``; each program has
+its own SBUF/PSUM address spaces).
 ``current()`` is the running program; every nl / nisa call reads it.
 """
 from __future__ import annotations
@@ -87,6 +88,7 @@ class Launch:
         self.sbuf_bytes = sbuf_bytes  # None = physical (a what-if of the usable SBUF otherwise)
         self.record.sbuf_bytes_per_partition = sbuf_bytes or SBUF_BYTES_PER_PARTITION[gen]
         self.shared_allocs = []  # shared_hbm tensors allocated by the kernel, in allocation order
+        self.rank, self.nranks = 0, 1  # set by a multi-rank launch (Simulated.ranks)
         self.warned = set()
 
     def warn_once(self, key, msg, category=NkiEmulatorWarning):
@@ -115,6 +117,13 @@ class Program:
         self.act_regs = None  # np.float32[128] once reset (True in trace mode)
         self.dve_regs = None  # VectorE accumulators (tensor_scalar_reduce / range_select): (op name, np.float32[128])
         self.last_dst = {}  # engine -> (space, p0, p1, byte lo, byte hi) of its last destination (dep_prev)
+        self.live = False  # trace mode: the instruction being issued computes its (integer) values
+        self.known_fps = set()  # trace mode: on-chip footprints written with computed integers
+        self.rank = getattr(launch, "rank", 0)  # multi-rank launches (collectives): this program's rank
+        self.world = None  # the cores.World running this program
+        self.task = None
+        self.sync_seq = {}  # per-kind sequence numbers of this program's rendezvous (cores.next_seq)
+        self.loop_stack = []  # the runtime (register-bounded) loops being executed, outermost first
         self.sbuf_budget = launch.sbuf_bytes or SBUF_BYTES_PER_PARTITION[self.gen]
         self.psum_banks = psum_num_banks(self.gen)
         self.sbuf = AddressSpace("sbuf", self.sbuf_budget, self.numerics, self)

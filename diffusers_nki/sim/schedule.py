@@ -18,10 +18,11 @@ Model
   cross-engine semaphore latency when that writer ran on another engine; the end of the last readers (WAR)
   and writer (WAW) of every byte it writes. Granularity: partitions by quadrant (32), bytes by 4 (on chip)
   and by a power of two keeping <= 2^18 granules per HBM tensor; HBM tensors never written are not tracked.
-- Cross-engine semaphore latency (RAW only, compute consumers): ``sem_cycles`` cycles of the consumer's
-  clock, default the published static instruction overhead DEP_OVH = 100 cycles [ARCH2 VectorE "Cost Model";
-  PERF Opt #5] -- ASSUMPTION that a semaphore wait costs what a dependent issue costs (no figure is
-  published for semaphores, COST_MODEL.md 1.3).
+- RAW latency (compute consumers): ``sem_cycles`` cycles of the consumer's clock after the producer's end,
+  default ``GenSpec.raw_latency_cycles`` = DEP_OVH 100 [ARCH2 VectorE "Cost Model"; PERF Opt #5] + SBUF/PSUM
+  access 60 [ARCH2 "Tensor access overhead"] + 40 (ASSUMPTION: the remainder of [PERF]'s measured 264-cycle
+  dependent issue), on every RAW edge into ScalarE / VectorE / GpSimd (same engine or not) and into TensorE
+  from another engine (accumulating matmul chains into one PSUM tile are pipelined in the array).
 - DMA: ``dma_queues`` queues per core (default 4, ASSUMPTION: [DMA] "The queue ID is typically tied to the
   trigger engine and the method of descriptor generation"; the SP, ACT and POOL trigger engines plus the
   second gen3 DGE), instructions assigned round-robin in program order (ASSUMPTION), or to the queue of
@@ -36,8 +37,13 @@ Model
   occupied for HBM bytes / that rate. A transfer's data moves in pieces whenever both are free (transfers
   are cut into descriptors, queues are served round-robin [DMA]); transfers processed earlier in program
   order have priority. Consumers of a DMA pay the semaphore latency above.
-- trn1 only: VectorE and GpSimd share the SBUF port, VectorE and ScalarE the PSUM port [ARCH2]: each port is
-  a lane the instruction must also hold.
+- trn1: VectorE and GpSimd share the SBUF port, VectorE and ScalarE the PSUM port [ARCH2]: each port is
+  a lane the instruction must also hold. trn2/trn3: VectorE perf-mode instructions and GpSimd SBUF
+  instructions share a bus [ARCH3 "Data Movement Updates" 1b], and ScalarE / VectorE accesses to one PSUM bank
+  serialise [ARCH3 2b]: a bus lane and a lane per PSUM bank.
+- Named hypotheses (``sim.cost.Hypotheses``): the ScalarE activation-table reload per function switch holds
+  ScalarE before the switching instruction (overlapping its wait for data); DMA-transpose throughput is the
+  cost model's; usable SBUF is checked (``fits_sbuf``), applied at trace time.
 - LNC2: each program runs on its own core (own lanes, own SBUF/PSUM state, own HBM share); HBM tensors are
   shared (``shared_hbm``) but no dependency is drawn across cores (nothing orders them without a barrier).
   On a target without LNC the programs share one core, in order.

@@ -24,10 +24,13 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import runtime as _rt
-from .errors import NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiValidationError
+from .errors import (NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiUninitializedReadWarning,
+                     NkiValidationError)
+from .registers import VirtualRegister, register_value
 
 ASSIGN_HOOK = None  # set by language.py: callable(target_view, value) implementing ``t[...] = value``
 _SERIAL = itertools.count(1)
+_USES = itertools.count(1)
 
 
 class MemoryRegion:
@@ -64,7 +67,7 @@ class Storage:
 
     __slots__ = ("raw", "mask", "dtype", "buffer", "shape", "nelem", "row", "row_bytes", "name", "dirty", "serial",
                  "p0", "base", "vbase", "pitch", "raw2d", "mask2d", "overflow", "sentinel", "mm", "consumed",
-                 "__weakref__")
+                 "interval", "last_use", "reclaimed", "__weakref__")
 
     def __init__(self, shape, dtype, buffer, name, numerics, track=True, raw=None):
         self.shape = shape
@@ -83,12 +86,15 @@ class Storage:
         self.overflow = False
         self.mm = None          # PSUM, numerics: per-element "written by a matmul through THIS tensor" (accumulate=None)
         self.consumed = False   # PSUM: read by a non-matmul instruction since the last matmul write
+        self.interval = None    # allocator-placed: the [lo, hi) byte range it occupies
+        self.last_use = next(_USES)  # the instruction counter of its latest use (PSUM reclaim by last use)
+        self.reclaimed = False  # PSUM: its bank(s) went to a later tile after its last use
         self.raw = self.mask = None
         if buffer.on_chip:
             return  # bytes live in the address space (memory.AddressSpace.place / place_at)
         if raw is not None:
             self.raw = raw
-        elif numerics:
+        elif numerics or dtype.is_int or dtype.is_bool:  # trace mode keeps integer data (isa_common)
             self.raw = np.empty(self.nelem * dtype.itemsize, np.uint8)
             self.raw.view(dtype.np)[...] = self.sentinel
             self.mask = np.zeros(self.nelem, np.uint8) if track else None
@@ -161,7 +167,7 @@ class NkiTensor:
     """A view of emulated storage. See the module docstring."""
 
     __slots__ = ("_st", "dtype", "shape", "strides", "offset", "_np", "_mv", "_dyn", "name", "P", "F",
-                 "_producer", "__weakref__")
+                 "_producer", "_bad", "__weakref__")
 
     def __init__(self, st, dtype, shape, strides, offset, dyn=None, name=None):
         self._st = st
@@ -173,6 +179,7 @@ class NkiTensor:
         self._mv = None
         self._dyn = dyn
         self._producer = None
+        self._bad = None  # a deferred .ap() bounds error (raised when an instruction uses the view)
         self.name = st.name if name is None else name
         if shape:
             self.P = shape[0]
@@ -253,8 +260,10 @@ class NkiTensor:
         return lo, hi
 
     def _view(self, shape, strides, offset, dtype=None, dyn=None):
-        return NkiTensor(self._st, self.dtype if dtype is None else dtype, tuple(shape), tuple(strides), offset,
-                         dyn=dyn if dyn is not None else self._dyn, name=self.name)
+        t = NkiTensor(self._st, self.dtype if dtype is None else dtype, tuple(shape), tuple(strides), offset,
+                      dyn=dyn if dyn is not None else self._dyn, name=self.name)
+        t._bad = self._bad
+        return t
 
     # -- NumPy materialisation (numerics mode) -----------------------------------------------------
     def _phys(self):
@@ -403,7 +412,9 @@ class NkiTensor:
         if on_chip and len(shp) < 2:
             shp.append(1)
             strd.append(dropped if dropped is not None else 1)
-        return NkiTensor(self._st, self.dtype, tuple(shp), tuple(strd), off, dyn=self._dyn, name=self.name)
+        t = NkiTensor(self._st, self.dtype, tuple(shp), tuple(strd), off, dyn=self._dyn, name=self.name)
+        t._bad = self._bad
+        return t
 
     def __setitem__(self, key, value):
         if ASSIGN_HOOK is None:  # pragma: no cover - language.py installs it at import
@@ -592,13 +603,13 @@ class NkiTensor:
             raise NkiShapeError(f"{self!r}.ap: pattern={pattern!r} must be a list of [step, num] pairs")
         if not pat or any(n < 1 for _, n in pat):
             raise NkiShapeError(f"{self!r}.ap: pattern={pattern!r} needs at least one pair and num >= 1")
-        if offset is None:
-            off = self.offset * self.dtype.itemsize
-            if off % dt.itemsize:
-                raise NkiShapeError(f"{self!r}.ap: inherited offset not aligned to {dt!r}")
-            off //= dt.itemsize
-        else:
-            off = int(offset)
+        base = self.offset * self.dtype.itemsize
+        if base % dt.itemsize:
+            raise NkiShapeError(f"{self!r}.ap: the view's offset is not aligned to {dt!r}")
+        base //= dt.itemsize
+        # offset=None inherits the view's storage offset; an int is ADDED to it ([API-nl] ``ap``: "offset=0
+        # keeps the base, offset=N shifts by N additional elements")
+        off = base if offset is None else base + int(offset)
         shape = tuple(n for _, n in pat)
         strides = tuple(s for s, _ in pat)
         total = st.nelem * st.dtype.itemsize // dt.itemsize
@@ -610,12 +621,15 @@ class NkiTensor:
                     f"equal the partition row size {row}; got pattern {pattern!r}")
         if scalar_offset is not None and vector_offset is not None:
             raise NkiValidationError(f"{self!r}.ap: scalar_offset and vector_offset are mutually exclusive")
-        base_shape = st.shape
+        # The indirect offset scales by the stride of dimension ``indirect_dim`` of THIS view ([API-nl] ``ap``:
+        # "dimension in self.shape whose stride scales the indirect scalar/vector offset"): a reshaped HBM view
+        # is indexed in its own rows, not in the rows of the tensor it was reshaped from.
+        base_shape = self.shape
         dyn = None
         if scalar_offset is not None:
             if not 0 <= indirect_dim < len(base_shape):
-                raise NkiShapeError(f"{self!r}.ap: indirect_dim={indirect_dim} out of range for base shape {base_shape}")
-            stride = _prod(base_shape[indirect_dim + 1:]) * st.dtype.itemsize // dt.itemsize
+                raise NkiShapeError(f"{self!r}.ap: indirect_dim={indirect_dim} out of range for shape {base_shape}")
+            stride = self._indirect_stride(indirect_dim, dt)
             if isinstance(scalar_offset, _INT_TYPES) and not isinstance(scalar_offset, bool):
                 off += int(scalar_offset) * stride
             elif isinstance(scalar_offset, NkiTensor):
@@ -623,9 +637,11 @@ class NkiTensor:
                 if so._st.buffer is not sbuf or so.P * so.F != 1:
                     raise NkiShapeError(f"{self!r}.ap: scalar_offset must be a (1,1) SBUF tensor, got {so!r}")
                 dyn = ("scalar", so, indirect_dim, stride, base_shape[indirect_dim])
+            elif isinstance(scalar_offset, VirtualRegister):
+                dyn = ("scalar", scalar_offset, indirect_dim, stride, base_shape[indirect_dim])
             else:
-                raise NkiValidationError(f"{self!r}.ap: scalar_offset={scalar_offset!r} must be an int or a (1,1) "
-                                         "SBUF tensor")
+                raise NkiValidationError(f"{self!r}.ap: scalar_offset={scalar_offset!r} must be an int, a (1,1) "
+                                         "SBUF tensor or a register")
         if vector_offset is not None:
             vo = vector_offset
             if not isinstance(vo, NkiTensor) or vo._st.buffer is not sbuf or vo.F != 1:
@@ -634,27 +650,43 @@ class NkiTensor:
                 raise NkiValidationError(f"{self!r}.ap: vector_offset needs indirect_dim=0 and an HBM tensor")
             if vo.P != shape[0]:
                 raise NkiShapeError(f"{self!r}.ap: vector_offset has {vo.P} rows, the pattern has {shape[0]}")
-            dyn = ("vector", vo, 0, _prod(base_shape[1:]) * st.dtype.itemsize // dt.itemsize, base_shape[0])
+            dyn = ("vector", vo, 0, self._indirect_stride(0, dt), base_shape[0])
         t = NkiTensor(st, dt, shape, strides, off, dyn=dyn, name=self.name)
+        # Bounds are checked when the pattern is USED (an instruction takes it as an operand), not here:
+        # kernels build patterns they then skip under a condition (nki-library attention_tkg).
         lo, hi = t.elem_range()
         if dyn is None or dyn[0] == "scalar":
             if lo < 0 or hi >= total:
-                raise NkiShapeError(f"{self!r}.ap: pattern {pattern!r} at offset {off} addresses elements "
-                                    f"[{lo}, {hi}] outside the storage (0..{total - 1})")
-            if st.buffer.on_chip and dyn is None:
+                t._bad = (f"{self!r}.ap: pattern {pattern!r} at offset {off} addresses elements [{lo}, {hi}] outside "
+                          f"the storage (0..{total - 1})")
+            elif st.buffer.on_chip and dyn is None:
                 row = st.row * st.dtype.itemsize // dt.itemsize
                 flo, fhi = t.free_byte_range()
                 if flo < 0 or fhi > row * dt.itemsize:
-                    raise NkiShapeError(f"{self!r}.ap: pattern {pattern!r} at offset {off} reaches bytes [{flo}, {fhi})"
-                                        f" of each partition, outside the tensor's {row * dt.itemsize} bytes per "
-                                        "partition")
+                    t._bad = (f"{self!r}.ap: pattern {pattern!r} at offset {off} reaches bytes [{flo}, {fhi}) of each "
+                              f"partition, outside the tensor's {row * dt.itemsize} bytes per partition")
         return t
+
+    def _indirect_stride(self, dim, dt):
+        """Stride of dimension ``dim`` of this view, in elements of ``dt`` (the indirect-offset scale)."""
+        b = self.strides[dim] * self.dtype.itemsize
+        if b % dt.itemsize:
+            raise NkiShapeError(f"{self!r}.ap: the stride of indirect_dim={dim} is not a whole number of {dt!r}")
+        return b // dt.itemsize
+
+    def check_bounds(self, op, arg):
+        """Raise the deferred ``.ap`` bounds error of this view (called when an instruction uses it)."""
+        if self._bad is not None:
+            raise NkiShapeError(f"{op}: {arg}: {self._bad}")
 
     # -- dynamic resolution (dma_copy) --------------------------------------------------------------
     def _resolve_scalar(self, op, arg):
         """Static view for a scalar_offset view, or None when the offset is out of bounds."""
         kind, so, idim, stride, dimsize = self._dyn
-        v = int(np.asarray(read(so, op, "scalar_offset"), dtype=np.float64).reshape(-1)[0])
+        if isinstance(so, VirtualRegister):
+            v = register_value(so, f"{op} {arg}")
+        else:
+            v = int(np.asarray(read(so, op, "scalar_offset"), dtype=np.float64).reshape(-1)[0])
         t = NkiTensor(self._st, self.dtype, self.shape, self.strides, self.offset + v * stride, name=self.name)
         total = self._st.nelem * self._st.dtype.itemsize // self.dtype.itemsize
         lo, hi = t.elem_range()
@@ -726,9 +758,16 @@ def read(t, op, arg):
     m = t._maskv()
     if m is not None and not m.all():
         n_bad = int(np.count_nonzero(t._state() == 0))
-        raise NkiUninitializedReadError(
-            f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {t.P * t.F} elements "
-            "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
+        msg = (f"{op}: {arg} {t.name or ''}{list(t.shape)} ({t._st.buffer.name}) reads {n_bad} of {t.P * t.F} elements "
+               "that were never written (fresh nl.ndarray memory holds the NaN/4 sentinel)")
+        prog = _rt.current()
+        if prog.strict:
+            raise NkiUninitializedReadError(msg)
+        # Hardware reads whatever the bytes hold, and production kernels do this on purpose (nki-library's
+        # attention_tkg computes on a half-written tile whose other half is overwritten before use): a warning,
+        # once per operation and operand; an error under strict=True.
+        prog.launch.warn_once(("uninit", op, arg), msg + " (warning; an error under strict=True)",
+                              NkiUninitializedReadWarning)
     st = t._st
     if st.buffer is psum:
         st.consumed = True

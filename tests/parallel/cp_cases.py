@@ -58,3 +58,33 @@ def causal_wan_direct(model):
         stock = model(hidden_states=lat[:, :, :2], timestep=torch.full((2,), 250.0), encoder_hidden_states=pe,
                       return_dict=False)[0]
     return out, stock
+
+
+def causal_wan_session(pipe):
+    """A session on the patched causal Wan pipeline (the LongLive-style cache above): 6 chunks with prompt switches
+    at chunk 2 (6 frames committed: all re-encoded) and chunk 5 (15 > 12: the sinks keep their K/V), then a
+    reset and 2 chunks with a switch at chunk 1. Returns the latents of every chunk, concatenated."""
+    import torch
+
+    from diffusers_nki.pipelines import original_step_noise
+    from diffusers_nki.tiny import TEXT_DIM
+
+    kw = causal_wan_kwargs()
+    g = torch.Generator().manual_seed(12)
+    pe2 = torch.randn(2, 5, TEXT_DIM, generator=g)
+    s = pipe.session(prompt_embeds=kw["prompt_embeds"], height=32, width=32, num_frames=None,
+                     num_frame_per_block=CAUSAL_WAN_BLOCK, denoising_timesteps=kw["denoising_timesteps"],
+                     generator=torch.Generator().manual_seed(4), output_type="latent", progress=False,
+                     step_noise=original_step_noise(torch.Generator().manual_seed(5)))
+    out = []
+    with torch.no_grad():
+        for c in range(6):
+            if c in (2, 5):
+                s.set_prompt(prompt_embeds=pe2 if c == 2 else kw["prompt_embeds"])
+            out.append(s.next_chunk().latents)
+        s.reset(generator=torch.Generator().manual_seed(6))
+        out.append(s.next_chunk().latents)
+        s.set_prompt(prompt_embeds=pe2)
+        out.append(s.next_chunk().latents)
+    s.close()
+    return torch.cat(out, dim=2)

@@ -134,6 +134,9 @@ def run_case(case, cfg, spy):
         c0 = ops.counters()
         res["direct"], res["stock"] = causal_wan_direct(pipe.transformer)
         res["direct_counters"] = _delta(c0, ops.counters())
+        from cp_cases import causal_wan_session
+
+        res["session"] = causal_wan_session(pipe)  # prompt switches (re-cache calls) and a reset, sharded
     elif case == "templates":
         res.update(templates_case(cfg))
     else:

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from cp_cases import (ANYFLOW_FAR_CACHE, CAUSAL_WAN_CACHE, CAUSAL_WAN_BLOCK, CAUSAL_WAN_CHUNKS,  # noqa: E402
-                      anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs, wan_inputs)
+                      anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs, causal_wan_session, wan_inputs)
 
 TIMEOUT_S = 600  # per spawn (all ranks); a hung collective fails the test instead of the suite
 CASES = "wan,anyflow_far,causal_wan,templates"
@@ -78,12 +78,13 @@ def references():
     causal = pipe(**causal_wan_kwargs()).frames
     causal_calls = {op: ops.counters()[op]["torch"] - c0[op]["torch"] for op in ("attention", "cache_write")}
     direct, stock = causal_wan_direct(pipe.transformer)
+    session = causal_wan_session(pipe)
     unbounded = tiny_pipeline("causal_wan")
     diffusers_nki.patch(unbounded, backend="torch", cache=StaticCacheConfig(capacity=None, rolling=False))
     causal_full = unbounded(**causal_wan_kwargs()).frames
     return {"wan": wan, "anyflow_far": far, "anyflow_far_calls": calls, "causal_wan": causal,
             "causal_wan_calls": causal_calls, "causal_wan_direct": direct, "causal_wan_stock": stock,
-            "causal_wan_full_window": causal_full}
+            "causal_wan_full_window": causal_full, "causal_wan_session": session}
 
 
 def _rel(a, b):
@@ -164,6 +165,9 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
         d = cw["direct_counters"]
         assert d["attention_lse"]["torch"] == (layers * 2 * 3 if R > 1 else 0)
         assert d["attention"]["torch"] == layers * (2 + 2 if R > 1 else 2 * 2 + 2)
+        # a session with prompt switches (LongLive's re-cache, before and after the window rolled) and a reset
+        assert _rel(cw["session"], references["causal_wan_session"]) <= 1e-5, \
+            (r, _rel(cw["session"], references["causal_wan_session"]))
         # --- diffusers' templates around our forward/backward ops
         t = res["templates"]
         assert t["torch_err"] <= 1e-5 and t["sim_err"] <= 1e-5, (t["torch_err"], t["sim_err"])

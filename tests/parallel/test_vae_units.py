@@ -30,5 +30,7 @@ def test_distributed_objects_need_an_initialized_process_group():
         vae_parallel.HeightShards(4)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         vae_parallel.Disaggregation(1, 1)
-    with pytest.raises(TypeError, match="layout must be a Disaggregation"):
-        vae_parallel.disaggregate(object(), (1, 1))
+    from diffusers_nki.pipelines.disaggregated import disaggregate
+
+    with pytest.raises(TypeError, match="split must be a Disaggregation"):
+        disaggregate(object(), (1, 1))

@@ -134,6 +134,7 @@ def disagg_case():
 
     from diffusers_nki import parallel, vae_parallel
     from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
+    from diffusers_nki.pipelines.disaggregated import disaggregate, undisaggregate
 
     from vae_cases import pipe_kwargs
 
@@ -144,7 +145,7 @@ def disagg_case():
     if split.role == "dit" and split.w_dit > 1:
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=split.w_dit, mesh=mesh),
                                             cp_plan=parallel.cp_plan(pipe.transformer))
-    vae_parallel.disaggregate(pipe, split)
+    disaggregate(pipe, split)
     marks = []
     decode = WanStreamingDecoder.decode
 
@@ -163,7 +164,8 @@ def disagg_case():
             chunks.append(c)
     finally:
         WanStreamingDecoder.decode = decode
-    vae_parallel.undisaggregate(pipe)
+    undisaggregate(pipe)
+    assert "stream" not in pipe.__dict__
     return {"role": split.role, "frames": [c.frames for c in chunks], "latents": [c.latents for c in chunks],
             "index": [c.index for c in chunks], "marks": marks, "stats": dict(split.stats),
             "layout": split.layout, "describe": split.describe()}

@@ -22,6 +22,11 @@ from diffusers_nki.caching import causal_wan
 from diffusers_nki.caching.core import find_hook
 
 SHIFT = 5.0
+TEXT_LEN = 512  # the published models attend to 512 text tokens, zero-padded (the pipeline pads user embeddings)
+
+
+def pad_text(pe, length=TEXT_LEN):
+    return torch.cat([pe, pe.new_zeros(pe.shape[0], length - pe.shape[1], pe.shape[2])], dim=1)
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +75,7 @@ def _visible(frames, block, window, sink):
 
 def reference_rollout(model, latents, prompt_embeds, timesteps, block, seed, window=None, sink=0, ctx=0.0):
     """The chunk latents of the cache-free dense-mask rollout (see the module doc)."""
+    prompt_embeds = pad_text(prompt_embeds)
     procs = [_DenseMask(b.attn1.processor) for b in model.blocks]
     saved = [b.attn1.processor for b in model.blocks]
     for b, p in zip(model.blocks, procs):

@@ -47,7 +47,8 @@ def test_published_checkpoint_loads_every_tensor_where_wan_naming_says():
     inner = _published_layout()
     ckpt = {"generator": inner, "generator_ema": _published_layout(seed=1), "step": torch.tensor(3)}
     model = _model()
-    sd = convert_causal_wan_checkpoint(ckpt, transformer=model)
+    sd = convert_causal_wan_checkpoint(ckpt, transformer=model, which="generator")
+    assert sd.source == "generator"
     got = model.state_dict()
     assert set(sd) == set(got)
     pairs = {  # original -> diffusers (the facts of diffusers' conversion script)
@@ -69,6 +70,24 @@ def test_published_checkpoint_loads_every_tensor_where_wan_naming_says():
     out = model(hidden_states=torch.randn(1, IN, 1, 4, 4), timestep=torch.tensor([500.0]),
                 encoder_hidden_states=torch.randn(1, 5, TEXT)).sample
     assert out.shape == (1, OUT, 1, 4, 4) and torch.isfinite(out).all()
+
+
+def test_default_is_the_ema_generator_and_says_so(caplog):
+    # Self-Forcing's documented inference (--use_ema) and its demo load generator_ema: so does the default
+    inner, ema = _published_layout(), _published_layout(seed=1)
+    ckpt = {"generator": inner, "generator_ema": ema}
+    model = _model()
+    with caplog.at_level("INFO", logger="diffusers_nki.pipelines"):
+        sd = convert_causal_wan_checkpoint(ckpt, transformer=model)
+    assert sd.source == "generator_ema"
+    assert "converting checkpoint['generator_ema'] (also present: ['generator']; pass which= to choose)" in caplog.text
+    assert torch.equal(model.state_dict()["proj_out.weight"], ema["model.head.head.weight"])
+    assert not torch.equal(model.state_dict()["proj_out.weight"], inner["model.head.head.weight"])
+    # only one of them, or a bare state dict: that one
+    assert convert_causal_wan_checkpoint({"generator": inner}).source == "generator"
+    assert convert_causal_wan_checkpoint({"generator_ema": ema}).source == "generator_ema"
+    assert convert_causal_wan_checkpoint(to_original_wan_state_dict(model.state_dict(), wrapper=None)).source == \
+        "(bare state dict)"
 
 
 def test_round_trip_and_wrapper_segments():

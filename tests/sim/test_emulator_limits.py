@@ -169,13 +169,24 @@ def test_sbuf_capacity_warns_by_default_and_raises_under_strict():
 
 
 def test_psum_bank_budget():
+    """PSUM tiles are live until their LAST USE (the compiler's liveness), not while Python holds them: a 9th
+    bank is taken from the least recently used tile; using that tile again is the over-budget error."""
     def body():
         keep = [_ps((128, 512)) for _ in range(7)]  # 7 banks
         small = _ps((1, 4))  # rounds up to a whole bank -> 8
-        _ps((1, 4))          # a 9th bank
+        for t in keep[1:] + [small]:
+            nisa.memset(t, 0.0)
+        _ps((1, 4))          # a 9th bank: keep[0] (never used since) gives its bank
+        return keep
 
-    with pytest.raises(NkiLimitError, match=r"would make 9 PSUM banks live; the limit is 8 banks"):
-        _run(body)
+    _run(body)
+
+    def reuse():
+        keep = body()
+        nisa.memset(keep[0], 1.0)   # its real lifetime overlaps the 9th tile: 9 banks live
+
+    with pytest.raises(NkiLimitError, match=r"more PSUM banks are live at once than exist"):
+        _run(reuse)
 
     with pytest.raises(NkiLimitError, match=r"needs 16384 bytes per partition = 8 banks|needs 16388 bytes"):
         _run(lambda: _ps((128, 4097)))  # one tensor above 8 banks
@@ -273,8 +284,13 @@ def test_tensor_scalar_engine_and_operand_rules():
     with pytest.raises(NkiValidationError, match=r"GpSimd tensor_scalar is only allowed for op0=nl.rsqrt"):
         _run(lambda: nisa.tensor_scalar(_sb((8, 8), init=False), _sb((8, 8)), nl.add, 1.0,
                                         engine=nisa.engine.gpsimd))
-    with pytest.raises(NkiValidationError, match=r"engine=1 must be a nisa.engine member"):
+    # production kernels pass enum values as plain ints (nki-library: dma_copy(dge_mode=3)): an int selects the
+    # member with that value, which is then checked like the member itself; other values are rejected
+    _run(lambda: nisa.tensor_copy(_sb((8, 8), init=False), _sb((8, 8)), engine=5))   # engine.vector
+    with pytest.raises(NkiValidationError, match=r"engine=<engine.tensor: 1> is not allowed here"):
         _run(lambda: nisa.tensor_copy(_sb((8, 8), init=False), _sb((8, 8)), engine=1))
+    with pytest.raises(NkiValidationError, match=r"engine=9 must be a nisa.engine member or its integer value"):
+        _run(lambda: nisa.tensor_copy(_sb((8, 8), init=False), _sb((8, 8)), engine=9))
 
 
 def test_memset_value_must_match_dtype_and_dtypes_must_be_nl_objects():

@@ -1,0 +1,53 @@
+"""Element-wise and scan kernels: nki-library cumsum, experimental dynamic_elementwise_add (runtime loop
+bound from a register)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import Case
+from ._util import BF16, randn, torch_call
+
+LIB = "nki-library"
+
+
+def _cumsum(shape, dtype):
+    def inputs(rng):
+        return {"x": randn(rng, shape, dtype)}
+
+    def reference(mods, kw):
+        return torch_call(mods("nkilib.core.cumsum.cumsum_torch").cumsum_torch_ref, kw)
+
+    bf = dtype is BF16
+    return dict(inputs=inputs, reference=reference, atol=1e-3, rtol=1e-2 if bf else 1e-3)
+
+
+def _dyn_add(m, h, n_tiles):
+    def inputs(rng):
+        return {"input_a": randn(rng, (m, h), BF16), "input_b": randn(rng, (m, h), BF16),
+                "num_m_tiles": np.array([[n_tiles]], np.int32)}
+
+    def reference(mods, kw):
+        ref = torch_call(mods("nkilib.experimental.dynamic_shapes.dynamic_elementwise_add_torch")
+                         .dynamic_elementwise_add_torch_ref, kw, keep=("input_a", "input_b"))[0]
+        return [ref[:n_tiles * 128]]
+
+    def outputs(res, kw):   # rows past num_m_tiles * 128 are left unwritten by design
+        return [np.asarray(res, np.float32)[:n_tiles * 128]]
+
+    return dict(inputs=inputs, reference=reference, outputs=outputs, atol=1e-2, rtol=1e-2)
+
+
+CASES = [
+    Case("elementwise", "nki-library core/cumsum", "2d fp32 [4,256]", LIB, "nkilib.core.cumsum.cumsum", "cumsum",
+         **_cumsum((4, 256), np.float32)),
+    Case("elementwise", "nki-library core/cumsum", "3d bf16 [2,3,512]", LIB, "nkilib.core.cumsum.cumsum", "cumsum",
+         **_cumsum((2, 3, 512), BF16)),
+    Case("elementwise", "nki-library core/cumsum", "2d fp32 [130,256] lnc2", LIB, "nkilib.core.cumsum.cumsum",
+         "cumsum", lnc=2, **_cumsum((130, 256), np.float32)),
+    Case("elementwise", "nki-library experimental/dynamic_elementwise_add", "M 512, 2 of 4 tiles at run time", LIB,
+         "nkilib.experimental.dynamic_shapes.dynamic_elementwise_add", "dynamic_elementwise_add",
+         **_dyn_add(512, 512, 2)),
+    Case("elementwise", "nki-library experimental/dynamic_elementwise_add", "M 256, 0 tiles", LIB,
+         "nkilib.experimental.dynamic_shapes.dynamic_elementwise_add", "dynamic_elementwise_add",
+         **_dyn_add(256, 512, 0)),
+]
