@@ -1,9 +1,19 @@
-"""`diffusers-nki bench budget`: the modeled per-chunk budget of chunk-causal Wan. The attention shapes are
-recorded from the patched pipeline at full geometry; FLOP counts are checked against hand arithmetic; the
-composition (sum of terms, fps), the chip's layout (attention = the context-parallel chip figure with its
-collectives, the other work under the same layout) and the command's output are checked with stand-in kernel
-times (the real kernel trace costs seconds and is exercised by the demo test)."""
+"""`diffusers-nki bench budget`: the modeled per-chunk budget of chunk-causal Wan, every term scheduled or labelled.
+
+What is checked here (the kernels' own models are tested in tests/kernels/ and exercised by the command):
+- the attention shapes are recorded from the patched pipeline at full geometry;
+- the VAE decode's recorded convolution / attention calls account for exactly the FLOPs torch's flop counter sees;
+- the composition, with stand-in kernel models (time from FLOPs at a fixed efficiency): every term labelled
+  "scheduled: <kernel>" or "ASSUMPTION: ...", the GEMM terms carry exactly the transformer's matmul FLOPs (per-token
+  work split over the ranks, the text k/v / embedders / patch embedding replicated), the halo'd height split of the
+  VAE, the layouts (serial, sharded, disaggregated = the slower group, latency = the sum), pruning by the
+  perfect-scaling bound, and that fps counts ONLY implemented layouts (``implemented_layouts`` reads the vae
+  workstream's ``IMPLEMENTED_LAYOUTS``);
+- the command prints the tables and the calibration line and writes the JSON where --json says.
+"""
 import json
+import sys
+import types
 
 import pytest
 
@@ -18,153 +28,231 @@ def probe():
     return budget.chunk_attention_calls(window=21, sink=0)
 
 
+@pytest.fixture(scope="module")
+def vae():
+    return budget.vae_decode_calls()
+
+
 def test_attention_shapes_recorded_from_the_patched_pipeline_at_full_geometry(probe):
     assert probe["unrouted"] == 0 and probe["passes"] == [5] * 7 + [4]  # no cache pass after the last chunk
     steady = {c.name: c for c in probe["chunks"][probe["steady"]]}
     assert probe["steady"] == 6
     self_attn, cross = steady["self (cache + chunk)"], steady["cross (text)"]
-    # the Self-Forcing chunk: 4680 queries over 18 cached frames (28080 slots, full at chunk 6) + the 4680-token
-    # chunk, frame-causal descriptor = the chunk; 30 layers x 5 passes
     assert (self_attn.sq, self_attn.skv, self_attn.cache, self_attn.cache_len) == (3 * TPF, 3 * TPF, 18 * TPF, 18 * TPF)
     assert self_attn.causal_block == 3 * TPF and self_attn.count == 30 * 5 and self_attn.heads == 12
     assert (cross.sq, cross.skv, cross.cache, cross.count) == (3 * TPF, 512, 0, 150)
-    # the cache has ONE shape for every chunk: the same call shapes from chunk 0 on (only cache_len differs)
     shapes = {(c.sq, c.skv, c.cache, c.causal_block) for ch in probe["chunks"] for c in ch}
     assert len(shapes) == 2
-    longlive = budget.chunk_attention_calls(window=12, sink=3, chunks=5)
-    ll = [c for c in longlive["chunks"][longlive["steady"]] if c.cache][0]
-    assert ll.cache == 9 * TPF and ll.cache_len == 9 * TPF
 
 
-def test_matmul_and_vae_flops():
-    S, d, f, T = 3 * TPF, 1536, 8960, 512
-    flops = budget.transformer_flops(S, 5)
-    by_hand = 5 * 30 * (4 * 2 * S * d * d + 2 * 2 * S * d * d + 2 * 2 * T * d * d + 2 * 2 * S * d * f)
-    layers = sum(v for k, v in flops.items() if "embed" not in k and k != "output head")
-    assert layers == pytest.approx(by_hand, rel=1e-12)
-    assert flops["patch embedding"] == flops["output head"] == 5 * 2 * S * 64 * d
-    # replicated under context parallelism: what does not scale with the chunk's tokens
-    assert set(budget.REPLICATED) <= set(flops) and "cross-attention text k/v projections" in budget.REPLICATED
-    assert 55e12 < sum(flops.values()) < 62e12  # ~30% of the ~201 TFLOP chunk (the field guide's 67 per frame)
-    steady = budget.vae_decode_flops(3)
-    first = budget.vae_decode_flops(1, first=True)
-    assert 30e12 < steady < 60e12 and first < steady / 2  # 12 frames vs 1 frame decoded
+def test_vae_calls_account_for_every_decoder_flop(vae):
+    conv = sum(2 * c["Cin"] * c["Cout"] * c["k"][0] * c["k"][1] * c["k"][2] * c["T"] * c["H"] * c["W"] * c["count"]
+               for c in vae["convs"])
+    att = sum(2 * 2 * (a["H"] * a["W"]) ** 2 * a["C"] * a["T"] * a["count"] for a in vae["attention"])
+    assert conv + att == pytest.approx(vae["flops"], rel=2e-3)
+    assert vae["video_frames"] == 12 and vae["latent_frames"] == 3
+    full = [c for c in vae["convs"] if c["H"] == 480 and c["k"] == (3, 3, 3)]
+    assert {(c["Cin"], c["Cout"], c["T"]) for c in full} == {(96, 96, 4), (96, 3, 4)}
+    assert all(c["causal"] == (c["k"][0] == 3) for c in vae["convs"])
+    assert 30e9 < vae["elementwise_bytes"] < 100e9 and vae["cache_update_bytes"] > 0
 
 
-SPREAD_S = 0.25  # the stand-in's collective-free "heads spread over the cores" chip figure: must NOT be used
+class FakeModel(budget._Model):
+    """Kernel times from FLOPs at 50% of the PE peak (memory-bound kernels: 1 us per call)."""
+
+    def __init__(self):
+        self.gemms = []
+
+    def _r(self, flops, target):
+        from diffusers_nki.sim import cost
+
+        t = max(flops / (0.5 * cost.get_spec(target).pe_peak_flops), 1e-6)
+        return {"scheduled_s": t, "ceiling_s": 0.8 * t, "efficiency": 0.5, "efficiency_ceiling": 0.625,
+                "flops": flops, "bottleneck": "pe"}
+
+    def gemm(self, M, K, N, bias, activation, target):
+        self.gemms.append((M, K, N))
+        return self._r(2 * M * K * N, target)
+
+    def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target):
+        hout = Hin + pad_top + pad_bottom - k[1] + 1
+        return self._r(2 * Cin * Cout * k[0] * k[1] * k[2] * T * hout * W, target)
+
+    def qk_norm_rope(self, S, target):
+        return {"scheduled_s": 1e-6, "ceiling_s": 1e-6, "efficiency": 0, "efficiency_ceiling": 0, "flops": 0,
+                "bottleneck": "pool"}
+
+    def cache_write(self, S, C, H, target):
+        return {"scheduled_s": 1e-6, "ceiling_s": 1e-6, "efficiency": 0, "efficiency_ceiling": 0, "flops": 0,
+                "bottleneck": "dma"}
+
+    def attention_kernel_time(self, call, target):
+        return 2e-13 * call.heads * call.sq * (call.skv + call.cache) * call.batch
 
 
-def _fake_attention(calls, targets):
-    return {"method": "stand-in", "targets": {t: {"chip_s": SPREAD_S, "core_s": 2.0, "efficiency": 0.5,
-                                                  "bottleneck": "pe", "useful_flops": 1e14} for t in targets}}
+def _labelled(terms):
+    for t in terms:
+        assert t["label"].startswith("scheduled: ") or t["label"].startswith("ASSUMPTION: "), t
+        assert t["seconds"] >= 0
 
 
-def _fake_kernel(call, target):
-    """Time proportional to the work: 0.2 ps per (query, key, head) pair (~0.4 s per chunk on one core)."""
-    return 2e-13 * call.heads * call.sq * (call.skv + call.cache) * call.batch
-
-
-def _run(probe, targets=("trn2", "trn3"), eff=None, kernel=_fake_kernel):
-    return budget.budget("self_forcing", targets, eff, _fake_attention, probe, 40e12, kernel_time=kernel)
-
-
-def test_budget_sums_its_terms(probe):
-    r = _run(probe)
-    for t, v in r["targets"].items():
-        assert v["chunk_s"] == pytest.approx(v["attention_s"] + v["matmul_s"] + v["elementwise_s"] +
-                                             v["output_gather_s"] + v["vae_decode_s"])
-        assert v["fps"] == pytest.approx(12 / v["chunk_s"])
-    assert r["targets"]["trn3"]["matmul_s"] < r["targets"]["trn2"]["matmul_s"]
-    custom = _run(probe, ("trn2",), {"trn2": 0.3})
-    assert custom["targets"]["trn2"]["matmul_s"] == pytest.approx(2 * r["targets"]["trn2"]["matmul_s"])
-
-
-def test_attention_is_the_context_parallel_chip_figure_with_collectives(probe):
-    from diffusers_nki.bench import scaling
-
+@pytest.mark.parametrize("W", [8, 4, 6])
+def test_dit_terms_are_the_transformers_matmuls_at_the_per_rank_shapes(probe, W):
     calls = probe["chunks"][probe["steady"]]
-    r = _run(probe)
-    for t, v in r["targets"].items():
-        fig = scaling.chip_figure(calls, t, TPF, kernel_time=lambda c, _t=t: _fake_kernel(c, _t))
-        # the scaling model's best layout over the chip's 8 cores, its collectives included (not the spread)
-        assert v["attention_s"] == pytest.approx(fig["chip_s"]) and v["attention_s"] != SPREAD_S
-        assert v["attention_spread_s"] == SPREAD_S  # kept for comparison only
-        assert v["attention_collective_s"] > 0 and not v["attention_uneven"]
-        assert v["attention_s"] == pytest.approx(v["attention_compute_s"] + v["attention_collective_s"])
-        lay = v["layout"]
-        assert (lay["ulysses_degree"], lay["ring_degree"]) == fig["layout"] and lay["ranks"] == 8
-        # a ring row is in the layout: the recorded descriptor (one block = the whole chunk) masks nothing
-        assert lay["ring_degree"] > 1
-        # the collective-free spread of the same per-core work: the budget is above it by the collectives
-        assert v["attention_s"] > v["attention_compute_s"]
-    assert r["targets"]["trn3"]["attention_collective_s"] < r["targets"]["trn2"]["attention_collective_s"]
-
-
-def test_other_work_follows_the_attention_layout(probe):
-    from diffusers_nki.sim import cost
-
-    r = _run(probe)
+    m = FakeModel()
+    d = budget.dit_terms(calls, W, "trn2", m)
+    _labelled(d["terms"])
+    assert d["tokens_per_rank"] == 3 * TPF // W
     flops = budget.transformer_flops(3 * TPF, 5)
-    replicated = sum(flops[k] for k in budget.REPLICATED)
-    sharded = sum(flops.values()) - replicated
-    for t, v in r["targets"].items():
-        spec, eff, W = cost.get_spec(t), v["tensor_e_efficiency"], v["layout"]["ranks"]
-        per_core = spec.pe_peak_flops * eff
-        # each rank: its token shard of the per-token matmuls + every replicated matmul (text k/v, embedders)
-        assert v["matmul_s"] == pytest.approx((sharded / W + replicated) / per_core)
-        assert v["matmul_s"] > sum(flops.values()) / (8 * per_core) * 1.05  # not a free even spread of everything
-        assert v["elementwise_s"] == pytest.approx(r["elementwise_hbm_bytes"] / W / (spec.hbm_per_core * 1e9))
-        # one all-gather of the output head's tokens per pass (bf16, 64 values per token)
-        assert v["output_gather_bytes_per_rank"] == pytest.approx(5 * 7 * (3 * TPF // 8) * 64 * 2)
-        assert v["output_gather_s"] > 5 * 2e-6
-        # VAE (ASSUMPTION, stated): split over the same cores; the one-core decode beside it
-        assert v["vae_decode_s"] == pytest.approx(40e12 / (W * per_core))
-        assert v["vae_decode_one_core_s"] == pytest.approx(W * v["vae_decode_s"]) and v["fps_vae_one_core"] < v["fps"]
-    # when one core is the best attention layout (here: no compute, so every collective is pure loss), everything
-    # else runs on that core too, without collectives
-    one = _run(probe, ("trn2",), kernel=lambda c, t: 0.0)["targets"]["trn2"]
-    assert one["layout"]["ranks"] == 1 and one["output_gather_s"] == 0 and one["attention_collective_s"] == 0
-    assert one["matmul_s"] == pytest.approx(sum(flops.values()) / (cost.get_spec("trn2").pe_peak_flops * 0.6))
-    with pytest.raises(ValueError, match="ranks=9"):
-        budget.chip_seconds(1.0, "trn2", 0.6, 9)
+    replicated = ("cross-attention text k/v projections", "patch embedding", "text + time embedders")
+    want = sum(v / W for k, v in flops.items() if k not in replicated) + sum(flops[k] for k in replicated)
+    got = sum(t.get("flops", 0) for t in d["terms"])
+    assert got == pytest.approx(want, rel=1e-9)
+    ffn = [t for t in d["terms"] if t["name"].startswith("feed-forward up")][0]
+    assert ffn["shape"] == f"[{3 * TPF // W}, 1536] x [1536, 8960] + GELU-tanh" and ffn["calls"] == 150
+    att = d["terms"][0]
+    assert att["label"].startswith("scheduled: attention")
+    coll = [t for t in d["terms"] if "collectives" in t["name"]][0]
+    assert coll["seconds"] > 0 and coll["label"].startswith("ASSUMPTION")
+    assert d["seconds"] == pytest.approx(sum(t["seconds"] for t in d["terms"]))
+    with pytest.raises(ValueError, match="W=7"):
+        budget.dit_terms(calls, 7, "trn2", m)
 
 
-def test_command_prints_the_table_and_writes_json(tmp_path, capsys, monkeypatch, probe):
-    from diffusers_nki.bench import _modeled
+def test_vae_shards_by_height_with_halos(vae):
+    assert budget._shard_rows(60, 1, 3) == (60, 1, 1, 1.0)             # the whole image, zero rows both sides
+    assert budget._shard_rows(60, 2, 3) == (31, 1, 0, 1.0)             # a border rank: one halo row
+    assert budget._shard_rows(60, 8, 3) == (10, 0, 0, 1.0)             # an interior rank: 8 rows + 2 halos
+    assert budget._shard_rows(480, 1, 3) == (66, 0, 0, 480 / 64)       # traced on 64 rows, scaled
+    assert budget._shard_rows(60, 8, 1) == (8, 0, 0, 1.0)              # a 1x1 conv needs no halo
+    m = FakeModel()
+    one, eight = budget.vae_terms(vae, 1, "trn2", m), budget.vae_terms(vae, 8, "trn2", m)
+    _labelled(one["terms"])
+    _labelled(eight["terms"])
+    conv = lambda v: sum(t["seconds"] for t in v["terms"] if "conv" in t["name"].lower())  # noqa: E731
+    # the 8-way split does 1/8 of the rows plus the halo rows' extra work; one core does it all
+    assert conv(one) / 8 < conv(eight) < conv(one) / 8 * 1.35
+    assert any("all-gathers" in t["name"] for t in eight["terms"])
+    assert not any("all-gather" in t["name"] for t in one["terms"])
 
-    monkeypatch.setattr(_modeled, "model_calls", _fake_attention)
-    monkeypatch.setattr(_modeled, "model_call", lambda call, target="trn2", dtype="bfloat16": {
-        "core_s": _fake_kernel(call, target)})
+
+def test_layouts_count_only_what_is_implemented(probe, vae):
+    calls = probe["chunks"][probe["steady"]]
+    only = {"serial_one_core": "WanStreamingDecoder"}
+    lay = budget.layouts(calls, vae, "trn2", FakeModel(), TPF, only)
+    rows = {r["name"]: r for r in lay["layouts"]}
+    serial = rows["serial, decode on one core"]
+    assert serial["implemented"] and serial["chunk_s"] == pytest.approx(serial["dit_s"] + serial["vae_s"])
+    sharded = rows["shared: DiT then decode, both over 8 cores (height-sharded)"]
+    assert not sharded["implemented"] and "not implemented" in sharded["status"]
+    for r in lay["layouts"]:
+        if r["kind"] == "disaggregated":
+            assert r["W_dit"] + r["W_vae"] == 8 and not r["implemented"]
+            assert r["chunk_s"] == pytest.approx(max(r["dit_s"], r["vae_s"] + lay["handover_s"]))
+            assert r["latency_s"] == pytest.approx(r["dit_s"] + r["vae_s"] + lay["handover_s"])
+    for p in lay["pruned"]:  # pruned splits could not have won: their DiT alone, perfectly scaled, is slower
+        assert p["lower_bound_s"] >= min(r["chunk_s"] for r in lay["layouts"])
+    res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), only)
+    t2 = res["targets"]["trn2"]
+    assert t2["headline"]["name"] == "serial, decode on one core" and t2["fps"] == pytest.approx(12 / serial["chunk_s"])
+    everything = dict(only, shared="x", **{f"disaggregated {w}/{8 - w}": "y" for w in range(1, 8)})
+    res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), everything)
+    t2 = res["targets"]["trn2"]
+    assert t2["headline"] is t2["best_modeled"] and t2["fps"] > 12 / serial["chunk_s"]
+
+
+def test_implemented_layouts_follow_the_vae_workstreams_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "diffusers_nki.vae_parallel", None)  # absent: only the one-core decode
+    assert set(budget.implemented_layouts()) == {"serial_one_core"}
+    monkeypatch.delitem(sys.modules, "diffusers_nki.vae_parallel")
+    from diffusers_nki import vae_parallel
+
+    got = budget.implemented_layouts()
+    want = {"serial_one_core", "shared"} | {f"disaggregated {8 - v}/{v}" for v in range(1, 8)}
+    assert set(got) == want == {"serial_one_core"} | {
+        ("shared" if lay.name == "shared" else f"disaggregated {lay.w_dit}/{lay.w_vae}")
+        for lay in vae_parallel.implemented_layouts(8) if lay.implemented}
+    fake = types.ModuleType("diffusers_nki.vae_parallel")  # a layout listed as not implemented does not count
+    fake.implemented_layouts = lambda cores: [vae_parallel.DecodeLayout("shared", cores, cores, False, implemented=False)]
+    monkeypatch.setitem(sys.modules, "diffusers_nki.vae_parallel", fake)
+    assert set(budget.implemented_layouts()) == {"serial_one_core"}
+
+
+def test_sharded_decode_collectives_are_the_vae_workstreams(vae):
+    """The sharded layouts cost the all-gathers caching.wan_vae.decode_collectives lists (3 decoder calls)."""
+    from diffusers import AutoencoderKLWan
+
+    import torch
+    from diffusers_nki.caching.wan_vae import decode_collectives
+
+    with torch.device("meta"):
+        m = AutoencoderKLWan()
+    per_call = decode_collectives(m, 1, 60, 104, 4, frames=1)
+    four = budget.vae_terms(vae, 4, "trn2", FakeModel())
+    coll = [t for t in four["terms"] if "all-gathers" in t["name"]][0]
+    assert coll["collectives"] == 3 * len(per_call) and coll["label"].startswith("ASSUMPTION")
+
+
+def test_calibration_row_comes_from_bench_calibrate(monkeypatch):
+    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
+    row = budget.calibration_row()
+    assert row["available"] is False and "bench calibrate" in row["why"]
+    fake = types.ModuleType("diffusers_nki.bench.calibrate")
+    seen = []
+
+    def run_anchor(a, quick=False):
+        seen.append((a.name, quick))
+        return {"status": "ok", "shape": "fp32 [4096,8192]@[8192,8192]", "published_s": 28.3e-3,
+                "modeled": {"scheduled_s": 29.0e-3}, "ratio": 29.0 / 28.3}
+
+    fake.anchors = lambda: [types.SimpleNamespace(name="tut2_v5_block_all", target="trn2"),
+                            types.SimpleNamespace(name="tut1_tiled", target="trn1")]
+    fake.run_anchor = run_anchor
+    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", fake)
+    row = budget.calibration_row("trn2")
+    assert row["available"] and seen == [("tut2_v5_block_all", True)]  # the trn2 tutorial rows, its suite mode
+    assert "published 28.30 ms, modeled 29.00 ms" in row["rows"][0]
+    assert "published 28.30 ms" in budget.render([], row)
+
+
+def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch, probe, vae):
     monkeypatch.setattr(budget, "chunk_attention_calls", lambda **kw: probe)
-    monkeypatch.setattr(budget, "vae_decode_flops", lambda *a, **k: 40e12)
+    monkeypatch.setattr(budget, "vae_decode_calls", lambda *a, **k: vae)
+    monkeypatch.setattr(budget, "_Model", FakeModel)
+    monkeypatch.setattr(budget, "implemented_layouts", lambda cores=8: {"serial_one_core": "WanStreamingDecoder"})
+    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
+    out_json = tmp_path / "sub" / "bench_budget.json"
     args = cli.build_parser().parse_args(["bench", "budget", "--setups", "self_forcing", "--targets", "trn2",
-                                          "--efficiency", "trn2=0.5", "--out", str(tmp_path)])
+                                          "--json", str(out_json), "--no-progress"])
     assert args._run(args) == 0
     out = capsys.readouterr().out
-    assert "MODELED" in out and "| Self-Forcing (21-frame window) | trn2 | 8 (" in out and "17 fps" in out
-    assert "collectives included" in out
-    data = json.loads((tmp_path / "budget.json").read_text())
-    assert data["modeled"] is True and data["results"][0]["targets"]["trn2"]["tensor_e_efficiency"] == 0.5
-    for bad in (["--setups", "nope"], ["--targets", "trn9"], ["--efficiency", "trn2=1.5"]):
+    assert "MODELED" in out and "fps counts ONLY layouts the code implements" in out
+    assert "| serial, decode on one core | 8 | 1 |" in out and "not counted" in out and "17 fps" in out
+    assert "| DiT | feed-forward up 1536 -> 8960 + GELU-tanh |" in out and "Calibration row" in out
+    data = json.loads(out_json.read_text())
+    assert data["modeled"] is True and data["results"][0]["targets"]["trn2"]["headline"]["implemented"]
+    for bad in (["--setups", "nope"], ["--targets", "trn9"]):
         args = cli.build_parser().parse_args(["bench", "budget", *bad, "--out", str(tmp_path)])
         assert args._run(args) == 2
-        assert bad[1].split("=")[0] in capsys.readouterr().err
+        assert bad[1] in capsys.readouterr().err
 
 
-def test_matrix_causal_wan_row_uses_the_context_parallel_chip_figure(monkeypatch, probe):
+def test_matrix_causal_wan_row_still_uses_the_recorded_calls(monkeypatch, probe):
     import argparse
 
     from diffusers_nki.bench import _modeled, matrix
 
+    def fake_calls(calls, targets):
+        return {"method": "stand-in", "targets": {t: {"chip_s": 0.25, "core_s": 2.0, "efficiency": 0.5,
+                                                      "bottleneck": "pe", "useful_flops": 1e14} for t in targets}}
+
+    kt = FakeModel().attention_kernel_time
     monkeypatch.setattr(budget, "chunk_attention_calls", lambda **kw: probe)
     monkeypatch.setattr(_modeled, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(_modeled, "model_calls", _fake_attention)
+    monkeypatch.setattr(_modeled, "model_calls", fake_calls)
     monkeypatch.setattr(_modeled, "model_call", lambda call, target="trn2", dtype="bfloat16": {
-        "core_s": _fake_kernel(call, target), "core_ceiling_s": 0.5 * _fake_kernel(call, target)})
+        "core_s": kt(call, target), "core_ceiling_s": 0.5 * kt(call, target)})
     md = matrix._modeled_row("causal_wan", argparse.Namespace(quick=True))
     t2 = md["targets"]["trn2"]
-    assert t2["chip_spread_s"] == SPREAD_S and t2["chip_s"] != SPREAD_S
-    # the ceiling is the same layout with ceiling kernel times and hidden collectives: below the headline
     assert 0 < t2["chip_ceiling_s"] < t2["chip_s"]
     assert t2["chip_layout"]["ulysses_degree"] * t2["chip_layout"]["ring_degree"] == 8
-    assert t2["chip_layout"]["collective_s"] > 0

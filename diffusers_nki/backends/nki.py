@@ -305,3 +305,70 @@ def prepare() -> None:
 def hardware_op(name: str):
     """The ``nki_op``-registered op for ``name`` ("attention", "cache_write", "qk_norm_rope"), or None."""
     return hardware_ops().get(name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the dense kernels (GEMM, causal conv3d): launched like the others, registered with nki_op on FIRST USE (they
+# are opt-in per op: diffusers_nki.dense_ops), so the default registration above is unchanged
+# ----------------------------------------------------------------------------------------------------------
+_KERNELS["gemm"] = ("gemm", "gemm_kernel")
+_KERNELS["causal_conv3d"] = ("causal_conv3d", "causal_conv3d_kernel")
+DENSE_OP_NAMES = {"gemm": ("diffusers_nki::gemm_nki", ()), "causal_conv3d": ("diffusers_nki::causal_conv3d_nki", ())}
+_dense_hw = None
+
+
+def gemm(x, w, bias=None, activation=None):
+    if is_real(x):
+        importlib.import_module("diffusers_nki.kernels.gemm_ref").check_inputs(x, w, bias, activation)
+    return launch("gemm", contiguous(x), contiguous(w), contiguous(bias), activation)
+
+
+def causal_conv3d(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
+    if is_real(x):
+        importlib.import_module("diffusers_nki.kernels.causal_conv3d_ref").check_inputs(x, w, bias, cache, pad_top,
+                                                                                        pad_bottom)
+    return launch("causal_conv3d", contiguous(x), contiguous(w), contiguous(bias), contiguous(cache), int(pad_top),
+                  int(pad_bottom))
+
+
+def _dense_count(op: str, anchor) -> None:
+    if is_real(anchor):
+        from diffusers_nki import dense_ops
+
+        dense_ops._count(op, "nki")
+
+
+def _gemm_nki(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+              activation: Optional[str]) -> torch.Tensor:
+    _dense_count("gemm", x)
+    return gemm(x, w, bias, activation)
+
+
+def _causal_conv3d_nki(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], cache: Optional[torch.Tensor],
+                       pad_top: int, pad_bottom: int) -> torch.Tensor:
+    _dense_count("causal_conv3d", x)
+    return causal_conv3d(x, w, bias, cache, pad_top, pad_bottom)
+
+
+def dense_hardware_op(name: str):
+    """The ``nki_op``-registered dense op ("gemm", "causal_conv3d"), registering both on the first call; None when
+    the backend is unavailable or torch-neuronx has no ``nki_op`` (the dense custom ops then launch directly)."""
+    regs = _dense_hw if _dense_hw is not None else _register_dense()
+    return regs.get(name)
+
+
+@torch.compiler.disable  # registration is host work: never traced
+def _register_dense() -> dict:
+    global _dense_hw
+    with _hw_lock:
+        if _dense_hw is None:
+            if unavailable_reason() is not None:
+                return {}  # not cached: the custom ops then raise, naming the reason
+            nki_op = getattr(_torch_neuronx(), "nki_op", None)
+            regs = {}
+            if nki_op is not None:
+                for op, fn in (("gemm", _gemm_nki), ("causal_conv3d", _causal_conv3d_nki)):
+                    reg, mutates = DENSE_OP_NAMES[op]
+                    regs[op] = nki_op(reg, mutates_args=mutates)(fn)
+            _dense_hw = regs
+    return _dense_hw

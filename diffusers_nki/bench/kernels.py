@@ -84,8 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
     parser.add_argument("--targets", default=",".join(TARGETS),
                         help="comma-separated targets among trn1,trn2,trn3 (default: all)")
-    parser.add_argument("--shapes", default=",".join(SHAPES),
-                        help=f"comma-separated shapes (default: all of {', '.join(SHAPES)})")
+    from diffusers_nki.bench import kernels_dense
+
+    every = list(SHAPES) + list(kernels_dense.SHAPES)
+    parser.add_argument("--shapes", default=",".join(every),
+                        help=f"comma-separated shapes (default: all of {', '.join(every)}; the dense GEMM / VAE "
+                             "convolution rows: diffusers_nki.bench.kernels_dense)")
     parser.add_argument("--heads", type=int, default=None,
                         help="trace this many heads instead of the model's 12 and scale the modeled times "
                              "linearly (the kernel's work per head is identical); default: all heads")
@@ -338,9 +342,12 @@ def run(args) -> int:
     for t in targets:
         if t not in TARGETS:
             raise SystemExit(f"diffusers-nki bench kernels: --targets entry {t!r} is not one of {TARGETS}")
+    from diffusers_nki.bench import kernels_dense
+
     for s in shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"diffusers-nki bench kernels: --shapes entry {s!r} is not one of {tuple(SHAPES)}")
+        if s not in SHAPES and s not in kernels_dense.SHAPES:
+            raise SystemExit(f"diffusers-nki bench kernels: --shapes entry {s!r} is not one of "
+                             f"{tuple(SHAPES) + tuple(kernels_dense.SHAPES)}")
     if args.lnc == 2 and "trn1" in targets:
         raise SystemExit("diffusers-nki bench kernels: --lnc 2 does not exist on trn1; pass --targets trn2,trn3")
     jobs = [("ours", s, t) for s in shapes for t in targets]
@@ -360,7 +367,9 @@ def run(args) -> int:
     for kind, s, t in it:
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(f"{s} {t}")
-        if kind == "ours":
+        if kind == "ours" and s in kernels_dense.SHAPES:
+            rows.append(kernels_dense.bench_dense(s, t, lnc=args.lnc))
+        elif kind == "ours":
             rows.append(bench_shape(s, t, heads=args.heads, lnc=args.lnc,
                                     sensitivity=sens and SHAPES[s]["kernel"] == "attention"))
         else:

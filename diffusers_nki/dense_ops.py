@@ -1,0 +1,324 @@
+"""The dense kernels (``kernels/gemm.py``, ``kernels/causal_conv3d.py``) as custom ops, with fake impls, counters,
+backends and an opt-in hook for models.
+
+``torch.ops.diffusers_nki.gemm(x, w, bias, activation, backend) -> Tensor`` (x [M, K], w [K, N]: the kernel's
+"in, out" weight layout) and ``torch.ops.diffusers_nki.causal_conv3d(x, w, bias, cache, pad_top, pad_bottom,
+backend) -> Tensor`` (x [B, Cin, T, H, W], w [kt, kh, kw, Cin, Cout], the static feature cache read in place; see
+``kernels/causal_conv3d_ref.py``). Backends: "torch" runs the twins, "sim" the kernels in the emulator, "nki" the
+kernels on a NeuronCore (``kernel[runtime LNC]``); on a Neuron host with TorchNeuron the wrappers call the
+``torch_neuronx.nki_op``-registered ``diffusers_nki::gemm_nki`` / ``diffusers_nki::causal_conv3d_nki`` instead (so
+under ``torch.compile(backend="neuron")`` the kernel is a node of the FX graph), registered on first use.
+Calls are counted per op and backend in ``counters()`` (inside the op implementations: compiled graphs count).
+
+Opt-in, per op (``apply_dense_kernels(module, DenseKernelsConfig(ops=...))``): nothing routes a model's layers
+here unless asked. What the model says, per op (the kernels' scheduled efficiency at the per-rank Wan shapes,
+``diffusers-nki bench kernels --shapes gemm_qkvo,gemm_text_kv,gemm_ffn_up,gemm_ffn_down,vae_conv_latent,
+vae_conv_r120,vae_conv_r240,vae_conv_full``, against compiled XLA's matmul efficiency, for which only published
+utilisation figures of other workloads exist -- 60% on trn2, above 90% on trn3 -- an ASSUMPTION):
+- "gemm" (every ``nn.Linear``; the tanh GELU of Wan's feed-forward fused into its first GEMM): on trn2 the kernel
+  schedules above the assumed 60% at every Wan projection and FFN shape, so enabling it is what the model
+  recommends there; on trn3 it schedules at or below the assumed 90%: compiled XLA is as fast, leave it off.
+- "causal_conv3d" (every ``WanCausalConv3d``, the static cache layout of ``caching.wan_vae``): on trn2 above the
+  assumed 60% at the 3x3x3 convolutions that carry the decode's FLOPs (every stage), below it only at conv_in
+  (16 input channels), conv_out (3 output channels) and the 1x1x1 shortcuts, which are a small share; on trn3
+  below the assumed 90% at every stage but the 384-channel 120x208 one: compiled XLA is as fast, leave it off.
+The hook is a named, removable forward override per module (``remove_dense_kernels``); unsupported calls fall
+back to the module's own forward, recorded in ``fallbacks()`` and warned once per reason.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from diffusers_nki import backends
+from diffusers_nki.kernels import causal_conv3d_ref as _conv_ref
+from diffusers_nki.kernels import gemm_ref as _gemm_ref
+
+__all__ = ["gemm", "causal_conv3d", "counters", "reset_counters", "fallbacks", "DenseKernelsConfig",
+           "apply_dense_kernels", "remove_dense_kernels", "DENSE_OPS"]
+
+DENSE_OPS = ("gemm", "causal_conv3d")
+_PATHS = backends.NAMES
+_lock = threading.Lock()
+_counts = {op: dict.fromkeys(_PATHS, 0) for op in DENSE_OPS}
+_fallbacks: Dict[str, int] = {}
+_warned = set()
+
+
+def _count(op: str, path: str) -> None:
+    with _lock:
+        _counts[op][path] += 1
+
+
+def counters() -> dict:
+    """``{"gemm": {"torch": n, "sim": n, "nki": n}, "causal_conv3d": {...}}``: kernel calls that ran."""
+    with _lock:
+        return {op: dict(c) for op, c in _counts.items()}
+
+
+def reset_counters() -> None:
+    with _lock:
+        for c in _counts.values():
+            for k in c:
+                c[k] = 0
+        _fallbacks.clear()
+
+
+def fallbacks() -> Dict[str, int]:
+    """``{reason: n}``: calls of hooked modules served by their own forward instead (visible fallbacks)."""
+    with _lock:
+        return dict(_fallbacks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backends (the "sim" path runs the kernels in the emulator; "nki" launches them through backends/nki.py)
+# ----------------------------------------------------------------------------------------------------------
+def _sim(kernel_module: str, kernel: str, *args):
+    import importlib
+
+    from diffusers_nki.sim import simulate
+
+    fn = getattr(importlib.import_module(f"diffusers_nki.kernels.{kernel_module}"), kernel)
+    conv = [a.detach().cpu().contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+    return simulate(fn)(*conv)
+
+
+def _run_gemm(x, w, bias, activation, backend):
+    if backend == "torch":
+        return _gemm_ref.gemm_ref(x, w, bias, activation)
+    if backend == "sim":
+        _gemm_ref.check_inputs(x, w, bias, activation)
+        return _sim("gemm", "gemm_kernel", x, w, bias, activation).to(device=x.device, dtype=x.dtype)
+    from diffusers_nki.backends import nki as hw
+
+    return hw.gemm(x, w, bias, activation)
+
+
+def _run_conv(x, w, bias, cache, pad_top, pad_bottom, backend):
+    if backend == "torch":
+        return _conv_ref.causal_conv3d_ref(x, w, bias, cache, pad_top, pad_bottom)
+    if backend == "sim":
+        _conv_ref.check_inputs(x, w, bias, cache, pad_top, pad_bottom)
+        return _sim("causal_conv3d", "causal_conv3d_kernel", x, w, bias, cache, pad_top,
+                    pad_bottom).to(device=x.device, dtype=x.dtype)
+    from diffusers_nki.backends import nki as hw
+
+    return hw.causal_conv3d(x, w, bias, cache, pad_top, pad_bottom)
+
+
+@torch.library.custom_op("diffusers_nki::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+             backend: str) -> torch.Tensor:
+    backends.require(backend)
+    _count("gemm", backend)
+    out = _run_gemm(x, w, bias, activation, backend)
+    want = (x.shape[0], w.shape[1])
+    if tuple(out.shape) != want or out.dtype != x.dtype:
+        raise RuntimeError(f"diffusers_nki::gemm backend {backend!r} returned {tuple(out.shape)} {out.dtype}, expected "
+                           f"{want} {x.dtype}")
+    return out.contiguous()
+
+
+@_gemm_op.register_fake
+def _gemm_fake(x, w, bias, activation, backend):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+def _conv_out_shape(x, w, pad_top, pad_bottom):
+    kh = w.shape[1]
+    pt, pb = _conv_ref.resolve_pads(kh, pad_top, pad_bottom)
+    return (x.shape[0], w.shape[4], x.shape[2], x.shape[3] + pt + pb - kh + 1, x.shape[4])
+
+
+@torch.library.custom_op("diffusers_nki::causal_conv3d", mutates_args=())
+def _conv_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], cache: Optional[torch.Tensor],
+             pad_top: int, pad_bottom: int, backend: str) -> torch.Tensor:
+    backends.require(backend)
+    _count("causal_conv3d", backend)
+    out = _run_conv(x, w, bias, cache, pad_top, pad_bottom, backend)
+    want = _conv_out_shape(x, w, pad_top, pad_bottom)
+    if tuple(out.shape) != want or out.dtype != x.dtype:
+        raise RuntimeError(f"diffusers_nki::causal_conv3d backend {backend!r} returned {tuple(out.shape)} {out.dtype}, "
+                           f"expected {want} {x.dtype}")
+    return out.contiguous()
+
+
+@_conv_op.register_fake
+def _conv_fake(x, w, bias, cache, pad_top, pad_bottom, backend):
+    return x.new_empty(_conv_out_shape(x, w, pad_top, pad_bottom))
+
+
+def _hardware_op(op: str, backend: str):
+    if backend != "nki":
+        return None
+    from diffusers_nki.backends import nki as hw
+
+    return hw.dense_hardware_op(op)
+
+
+def gemm(x, w, bias=None, activation=None, backend: str = "torch") -> torch.Tensor:
+    """``act(x @ w + bias)`` (x [M, K], w [K, N]; activation None or "gelu_tanh"). Unsupported inputs raise a
+    ValueError listing every reason (shapes and dtypes only, safe under ``torch.compile``)."""
+    backend = backends.resolve(backend)
+    reasons = _gemm_ref.not_supported_reasons(x, w, bias, activation)
+    if reasons:
+        raise ValueError("diffusers_nki.dense_ops.gemm: " + "; ".join(reasons))
+    hw = _hardware_op("gemm", backend)
+    if hw is not None:
+        return hw(x, w, bias, activation)
+    return _gemm_op(x, w, bias, activation, backend)
+
+
+def causal_conv3d(x, w, bias=None, cache=None, pad_top: int = -1, pad_bottom: int = -1,
+                  backend: str = "torch") -> torch.Tensor:
+    """The Wan VAE's causal 3-D convolution with the static cache read in place (``kernels/causal_conv3d_ref``)."""
+    backend = backends.resolve(backend)
+    reasons = _conv_ref.not_supported_reasons(x, w, bias, cache, pad_top, pad_bottom)
+    if reasons:
+        raise ValueError("diffusers_nki.dense_ops.causal_conv3d: " + "; ".join(reasons))
+    hw = _hardware_op("causal_conv3d", backend)
+    if hw is not None:
+        return hw(x, w, bias, cache, int(pad_top), int(pad_bottom))
+    return _conv_op(x, w, bias, cache, int(pad_top), int(pad_bottom), backend)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the opt-in model hook
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DenseKernelsConfig:
+    """``ops``: which of ``DENSE_OPS`` to route ("gemm": every ``nn.Linear``; "causal_conv3d": every
+    ``WanCausalConv3d``); ``backend``: as everywhere ("auto" = "nki" on a Neuron host, else "torch")."""
+
+    ops: Tuple[str, ...] = ("gemm",)
+    backend: str = "auto"
+
+    def __post_init__(self):
+        bad = [o for o in self.ops if o not in DENSE_OPS]
+        if bad or not self.ops:
+            raise ValueError(f"DenseKernelsConfig(ops={self.ops!r}): choose a non-empty subset of {DENSE_OPS}")
+        backends.check_name(self.backend)
+
+
+_HOOK = "_diffusers_nki_dense"
+
+
+def _fallback(reason: str) -> None:
+    with _lock:
+        _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(f"diffusers_nki dense kernels: falling back to the module's own forward: {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _gelu_tanh_owner(parent, child) -> bool:
+    """diffusers' ``GELU(approximate="tanh")`` (Wan's FFN) owns its ``proj`` Linear: its forward becomes ONE fused
+    GEMM + GELU-tanh call. Matched by exact class."""
+    from diffusers.models.activations import GELU
+
+    return type(parent) is GELU and parent.approximate == "tanh" and parent.proj is child
+
+
+def _kernel_weight(mod, layout):
+    """The layer's weight in the kernel's layout, remade whenever the parameter changed (version, storage,
+    dtype or device), so it never goes stale."""
+    p = mod.weight
+    key = (p._version, p.data_ptr(), p.dtype, p.device)
+    cached = mod.__dict__.get("_diffusers_nki_w")
+    if cached is None or cached[0] != key:
+        cached = (key, layout(p.detach()))
+        mod.__dict__["_diffusers_nki_w"] = cached
+    return cached[1]
+
+
+def _linear_forward(mod, fuse_gelu, backend):
+    """``mod`` (an nn.Linear) through the GEMM kernel; ``fuse_gelu``: the result of its owning tanh-GELU module."""
+    def forward(x):
+        w = _kernel_weight(mod, _gemm_ref.linear_weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        act = "gelu_tanh" if fuse_gelu else None
+        reasons = _gemm_ref.not_supported_reasons(x2, w, mod.bias, act)
+        if reasons or (torch.is_grad_enabled() and (x.requires_grad or mod.weight.requires_grad)):
+            _fallback("; ".join(reasons) or "gradients are enabled (the dense kernels serve inference)")
+            out = torch.nn.functional.linear(x, mod.weight, mod.bias)
+            return torch.nn.functional.gelu(out, approximate="tanh") if fuse_gelu else out
+        return gemm(x2, w, mod.bias, act, backend).reshape(*x.shape[:-1], w.shape[1])
+
+    return forward
+
+
+def apply_dense_kernels(module: torch.nn.Module, config: Optional[DenseKernelsConfig] = None) -> int:
+    """Route ``module``'s ``nn.Linear`` layers (op "gemm") and/or ``WanCausalConv3d`` layers (op "causal_conv3d")
+    through the dense kernels. Returns the number of hooked layers. ``remove_dense_kernels`` restores exactly."""
+    config = config or DenseKernelsConfig()
+    n = 0
+    parents = {}
+    for parent in module.modules():
+        for child in parent.children():
+            parents[id(child)] = parent
+    if "causal_conv3d" in config.ops:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    for name, mod in module.named_modules():
+        if _HOOK in mod.__dict__:
+            continue
+        if "gemm" in config.ops and type(mod) is torch.nn.Linear:
+            mod.__dict__[_HOOK] = mod.__dict__.get("forward")
+            mod.forward = _linear_forward(mod, False, config.backend)
+            parent = parents.get(id(mod))
+            if parent is not None and _HOOK not in parent.__dict__ and _gelu_tanh_owner(parent, mod):
+                parent.__dict__[_HOOK] = parent.__dict__.get("forward")
+                parent.forward = _linear_forward(mod, True, config.backend)
+            n += 1
+        elif "causal_conv3d" in config.ops and type(mod) is WanCausalConv3d:
+            mod.__dict__[_HOOK] = mod.__dict__.get("forward")
+            mod.forward = _conv_forward(mod, config.backend)
+            n += 1
+    return n
+
+
+def _conv_forward(mod, backend):
+    orig = type(mod).forward.__get__(mod)
+
+    def forward(x, cache_x=None):
+        kt, kh, kw = mod.kernel_size
+        ok = tuple(mod.stride) == (1, 1, 1) and mod._padding[0] == (kw - 1) // 2 and \
+            mod._padding[2] == (kh - 1) // 2 and mod._padding[4] == kt - 1
+        if not ok or (torch.is_grad_enabled() and x.requires_grad):
+            _fallback("WanCausalConv3d with a stride or padding the kernel does not take" if not ok
+                      else "gradients are enabled (the dense kernels serve inference)")
+            return orig(x, cache_x)
+        w = _kernel_weight(mod, _conv_ref.conv_weight_layout)
+        cache = None
+        if kt > 1 and cache_x is not None:  # diffusers' 1- or 2-frame cache as the static right-aligned layout
+            cache = cache_x.to(x.dtype)
+            if cache.shape[2] < kt - 1:
+                pad = x.new_zeros(x.shape[0], x.shape[1], kt - 1 - cache.shape[2], *x.shape[3:])
+                cache = torch.cat([pad, cache], dim=2)
+        reasons = _conv_ref.not_supported_reasons(x, w, mod.bias, cache)
+        if reasons:
+            _fallback("; ".join(reasons))
+            return orig(x, cache_x)
+        return causal_conv3d(x, w, mod.bias, cache, -1, -1, backend)
+
+    return forward
+
+
+def remove_dense_kernels(module: torch.nn.Module) -> int:
+    """Undo ``apply_dense_kernels`` on every module inside ``module``; returns how many were restored."""
+    n = 0
+    for mod in module.modules():
+        if _HOOK in mod.__dict__:
+            prev = mod.__dict__.pop(_HOOK)
+            if prev is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = prev
+            mod.__dict__.pop("_diffusers_nki_w", None)
+            n += 1
+    return n

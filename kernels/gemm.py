@@ -1,0 +1,341 @@
+"""NKI GEMM for the dense layers of diffusion transformers: out = act(x @ w + bias), any M, K, N.
+
+Twin: ``kernels/gemm_ref.py`` (same signature and semantics; ``not_supported_reasons`` below IS the twin's
+function, so the limits live in one place).
+
+Signature: ``gemm_kernel(x, w, bias=None, activation=None) -> out``; x [M, K] (tokens x features, row-major,
+as the activations are), w [K, N] (the "in, out" layout: an ``nn.Linear``'s weight transposed once at load
+time, ``gemm_ref.linear_weight``), bias [N] (fp32 or x's dtype) or None, activation None or "gelu_tanh"
+(``F.gelu(approximate="tanh")``: Wan's feed-forward 1536 -> 8960 -> 1536 fuses it into its first GEMM).
+out [M, N] in x's dtype (``nl.shared_hbm``).
+
+Algorithm (tokens on the output partitions, fp32 PSUM accumulation over the contraction):
+    TensorE computes ``dst[M_t, N_t] = stationary[K_t, M_t]^T @ moving[K_t, N_t]`` with the contraction K_t
+    <= 128 on the partitions, M_t <= 128 and N_t <= 512 (one fp32 PSUM bank). The stationary operand is x^T:
+    x's rows are loaded as they lie in HBM (contiguous rows of K) and transposed on TensorE, 128 x 128 blocks
+    at a time, into a PSUM transpose bank (8 blocks per bank in 16-bit, 4 in fp32) evicted by VectorE into a
+    RESIDENT x^T block in SBUF ([128, K tiles, tokens]; at most ``XT_BUDGET`` bytes per partition). The
+    moving operand is w, streamed from HBM once per group of token tiles in [128 rows of K, N_t] tiles
+    (each row contiguous) through a ring of ``N_WRING`` buffers, so the DMA of the next tiles overlaps the
+    matmuls of the current one.
+    Epilogue per output tile [<=128 tokens, N_t], one instruction per step, all in fp32 until the single
+    final rounding to x's dtype: no bias -> eviction copy (ScalarE and VectorE alternate); bias -> VectorE
+    add of the bias row (loaded once per N tile into all partitions by a partition-stride-0 DMA); GELU-tanh
+    -> ScalarE ``gelu_apprx_tanh`` (straight from PSUM without bias, from the fp32 sum with it). One DMA
+    stores the tile.
+
+Loop structure (unrolled at trace time; shapes are compile-time constants):
+    for each M block (the tokens whose x^T fits ``XT_BUDGET``; one block for every Wan shape per rank):
+        for each 128-token tile: x rows -> SBUF in column chunks of ``X_CHUNK``, PE transposes -> PSUM
+            transpose bank (2 banks, ping-pong) -> VectorE eviction into x^T
+        for each group of G <= 6 token tiles (``plan``: G tiles share every w tile; N_t = 512 for G <= 3,
+        256 for G <= 6, so that two groups of accumulators fit 6 PSUM banks and the epilogue of one N tile
+        overlaps the matmuls of the next):
+            for each N tile (under ``kernel[2]`` dealt to the two logical cores alternately):
+                for each K tile: w tile -> ring; for each token tile of the group: nc_matmul accumulate
+                epilogue of each token tile (above)
+    PSUM: banks 0-5 the accumulators (two sets), banks 6-7 the x^T transposes. SBUF buffers rotate through
+    explicit addresses (a bump allocator): x^T, x-row chunks (3), w tiles (``N_WRING``), bias rows (2),
+    fp32 sums (3), output tiles (4).
+
+Limits (``not_supported_reasons``; asserted at trace time too): x and w 2-D with matching K; M, K, N >= 1;
+x/w dtype fp32, bf16 or fp16 (the same for both; fp32 runs TensorE's fp32 path, 4x slower); bias [N] fp32 or
+x's dtype; K <= ``MAX_K`` (one 128-token block of x^T within ``XT_BUDGET``: 49152 in 16-bit, 24576 in fp32).
+M and N any size; tails (M % 128, N % N_t, K % 128) are partial tiles (fewer partitions / columns), never
+padding written to HBM.
+
+Tested (tests/kernels/test_gemm.py, emulator with numerics vs a float64 oracle on the same rounded inputs,
+flash-attention tolerance rule: error <= 2 x torch's own error in the same precision + floor): odd shapes
+(M, K, N) in {1, 7, 129, 300} x {1, 64, 130, 257} x {1, 200, 515, 1100} pairwise with fp32 / bf16 / fp16,
+with and without bias and GELU-tanh, token groups of 1-6 tiles and several M blocks, kernel[2]; trn1 / trn3;
+negative tests (shapes, dtypes, K limit, activation name). Full Wan shapes in trace mode only.
+
+Modeled figures: ``diffusers-nki bench kernels --shapes gemm_ffn_up,gemm_ffn_down,gemm_qkvo`` (the scheduled
+time with the roofline ceiling beside it; never measured). This docstring quotes none (they go stale).
+"""
+from __future__ import annotations
+
+from diffusers_nki.nki import nki, nl, nisa
+from diffusers_nki.kernels.gemm_ref import MAX_K, XT_BUDGET, not_supported_reasons  # noqa: F401  (the twin's)
+
+__all__ = ["gemm_kernel", "not_supported_reasons", "plan", "XT_BUDGET", "MAX_K", "N_WRING", "X_CHUNK"]
+
+P = 128            # partitions: K rows per matmul, tokens per output tile
+NT = 512           # fp32 columns per PSUM bank
+PSUM_BANK = 2048   # bytes per PSUM bank per partition
+SB_ALIGN = 64      # byte alignment of every SBUF buffer
+N_WRING = 4        # w slabs in flight (DMA ahead of the matmuls)
+W_SLAB = 4096      # bytes per partition of one w slab (several K tiles of one N tile per DMA)
+W_AHEAD = N_WRING - 1  # slabs loaded ahead of the one the matmuls consume
+N_BRING = W_AHEAD + 2  # bias rows: a job's row is loaded with its first slab and read by its epilogue
+N_ORING = 8        # output tiles (>= G_MAX: one job's stores are pending at a time)
+X_CHUNK = 2048     # x-row columns per load
+G_MAX = 6          # token tiles sharing one w stream (two sets of accumulators in 6 PSUM banks)
+ACC_BANKS = 3      # PSUM banks per accumulator set
+T_BANK0 = 6        # PSUM banks 6 and 7: x^T transposes (ping-pong)
+
+
+def _isz(dt):
+    if dt == nl.float32:
+        return 4
+    return 2
+
+
+def _is_float(dt):
+    return dt == nl.float32 or dt == nl.bfloat16 or dt == nl.float16
+
+
+def plan(M, K, isz):
+    """Compile-time plan: (rows per M block, token tiles per group G, N tile width). The M block is the most
+    128-token tiles whose x^T ([128, ceil(K/128), tokens] in x's dtype) fits ``XT_BUDGET``; groups are
+    balanced over the block's tiles."""
+    kt = (K + P - 1) // P
+    per_tile = kt * P * isz
+    tiles = XT_BUDGET // per_tile
+    if tiles < 1:
+        tiles = 1
+    mt = (M + P - 1) // P
+    if tiles > mt:
+        tiles = mt
+    ngroups = (tiles + G_MAX - 1) // G_MAX
+    g = (tiles + ngroups - 1) // ngroups
+    nw = NT if g <= ACC_BANKS else NT // 2
+    return tiles * P, g, nw
+
+
+def _check(x, w, bias, activation):
+    assert len(x.shape) == 2 and len(w.shape) == 2, (
+        f"gemm: x must be 2-D [M, K] and w 2-D [K, N]; got x {x.shape} and w {w.shape}")
+    assert x.shape[1] == w.shape[0], f"gemm: x's K={x.shape[1]} differs from w's K={w.shape[0]}"
+    assert x.shape[0] >= 1 and x.shape[1] >= 1 and w.shape[1] >= 1, f"gemm: empty operand x {x.shape}, w {w.shape}"
+    assert _is_float(x.dtype), f"gemm: x dtype {x.dtype} is not supported (float32, bfloat16, float16)"
+    assert w.dtype == x.dtype, f"gemm: w dtype {w.dtype} differs from x dtype {x.dtype}"
+    kt = (x.shape[1] + P - 1) // P
+    assert kt * P * _isz(x.dtype) <= XT_BUDGET, (
+        f"gemm: K={x.shape[1]} exceeds the limit: one 128-token block of x^T needs {kt * P * _isz(x.dtype)} bytes "
+        f"per partition, the budget is {XT_BUDGET}")
+    if bias is not None:
+        assert len(bias.shape) == 1 and bias.shape[0] == w.shape[1], (
+            f"gemm: bias shape {bias.shape} must be [N={w.shape[1]}]")
+        assert bias.dtype == nl.float32 or bias.dtype == x.dtype, (
+            f"gemm: bias dtype {bias.dtype} must be float32 or x's dtype {x.dtype}")
+    assert activation is None or activation == "gelu_tanh", (
+        f"gemm: activation={activation} must be None or 'gelu_tanh'")
+
+
+def _sb(ctx, shape, dtype, isz):
+    n = isz
+    for i in range(1, len(shape)):
+        n = n * shape[i]
+    off = ctx["top"]
+    ctx["top"] = off + ((n + SB_ALIGN - 1) // SB_ALIGN) * SB_ALIGN
+    return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, address=(0, off))
+
+
+def _ring(ctx, n, shape, dtype, isz):
+    out = []
+    for i in range(n):
+        out.append(_sb(ctx, shape, dtype, isz))
+    return out
+
+
+def _evict_copy(dst, src, on_act, gen2):
+    """PSUM/SBUF -> SBUF copy on ScalarE (``on_act``) or VectorE (casts through fp32)."""
+    if on_act:
+        if gen2:
+            nisa.activation(dst=dst, op=nl.copy, data=src)
+        else:
+            nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.scalar)
+    else:
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
+
+
+def _prep_chunk(ctx, x, xT, m_blk, blk_rows, c0):
+    """x^T of the M block's rows for x columns [c0, c0 + X_CHUNK): for every 128-token tile, the rows' chunk ->
+    SBUF (one DMA), PE transposes of its K blocks -> PSUM transpose bank(s) -> VectorE eviction into x^T."""
+    K = ctx["K"]
+    slots = ctx["tslots"]
+    cw = min(X_CHUNK, K - c0)
+    nblk = (cw + P - 1) // P
+    for i in range((blk_rows + P - 1) // P):
+        rows = min(P, blk_rows - i * P)
+        xs = ctx["xs"][ctx["xs_i"] % len(ctx["xs"])]
+        ctx["xs_i"] = ctx["xs_i"] + 1
+        nisa.dma_copy(dst=xs[0:rows, 0:cw], src=x[m_blk + i * P:m_blk + i * P + rows, c0:c0 + cw])
+        # `slots` K blocks per PSUM transpose bank; a partial K block is evicted on its own
+        kt = c0 // P
+        for j0 in range(0, nblk, slots):
+            j1 = min(nblk, j0 + slots)
+            full_end = j1
+            if cw - (j1 - 1) * P < P:
+                full_end = j1 - 1
+            if full_end > j0:
+                _transpose_run(ctx, xs, xT, rows, i * P, j0, full_end - j0, P, kt + j0)
+            if full_end < j1:
+                _transpose_run(ctx, xs, xT, rows, i * P, full_end, 1, cw - full_end * P, kt + full_end)
+
+
+def _transpose_run(ctx, xs, xT, rows, mcol, j, n, kb, kt):
+    """K blocks j..j+n of the staged chunk (kb rows each) -> one PSUM transpose bank -> x^T[:, kt:kt+n, ...]."""
+    bank = ctx["tbank"]
+    ctx["tbank"] = 1 - bank
+    tp = ctx["t_ps"][bank]
+    for s in range(n):
+        a = (j + s) * P
+        nisa.nc_transpose(dst=tp[0:kb, s, 0:rows], data=xs[0:rows, a:a + kb], engine=nisa.engine.tensor)
+    nisa.tensor_copy(dst=xT[0:kb, kt:kt + n, mcol:mcol + rows], src=tp[0:kb, 0:n, 0:rows],
+                     engine=nisa.engine.vector)
+
+
+def _epilogue(ctx, out, acc, rows, m0, n0, nw, bias_sb, activation):
+    """acc [rows, nw] fp32 PSUM -> act(acc + bias) in out's dtype -> HBM rows [m0, m0 + rows), cols [n0, +nw)."""
+    if len(ctx["pending"]) == len(ctx["o"]):  # the output tile about to be reused has a store pending
+        _flush_stores(ctx)
+    o = ctx["o"][ctx["o_i"] % len(ctx["o"])]
+    ctx["o_i"] = ctx["o_i"] + 1
+    gen2 = ctx["gen2"]
+    if bias_sb is not None:
+        if activation is None:
+            nisa.tensor_tensor(dst=o[0:rows, 0:nw], data1=acc, data2=bias_sb[0:rows, 0:nw], op=nl.add,
+                               engine=nisa.engine.vector)
+        else:
+            h = ctx["h"][ctx["h_i"] % len(ctx["h"])]
+            ctx["h_i"] = ctx["h_i"] + 1
+            nisa.tensor_tensor(dst=h[0:rows, 0:nw], data1=acc, data2=bias_sb[0:rows, 0:nw], op=nl.add,
+                               engine=nisa.engine.vector)
+            nisa.activation(dst=o[0:rows, 0:nw], op=nl.gelu_apprx_tanh, data=h[0:rows, 0:nw])
+    elif activation is None:
+        _evict_copy(o[0:rows, 0:nw], acc, ctx["o_i"] % 2 == 0, gen2)
+    else:
+        nisa.activation(dst=o[0:rows, 0:nw], op=nl.gelu_apprx_tanh, data=acc)
+    ctx["pending"].append((out[m0:m0 + rows, n0:n0 + nw], o[0:rows, 0:nw]))
+
+
+def _flush_stores(ctx):
+    for st in ctx["pending"]:
+        nisa.dma_copy(dst=st[0], src=st[1])
+    ctx["pending"] = []
+
+
+def _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, upto, K, N):
+    """Emit the DMAs of every w slab (and a job's bias row, with its first slab) up to slab ``upto``
+    (prefetch: the ring holds N_WRING slabs, so at most N_WRING - 1 ahead of the one being consumed)."""
+    while ctx["issued"] <= upto and ctx["issued"] < len(slabs):
+        si = ctx["issued"]
+        ctx["issued"] = si + 1
+        jb, k0, nk = slabs[si]
+        n0 = jobs[jb][4]
+        nw = jobs[jb][5]
+        if k0 == 0 and bias is not None:
+            nisa.dma_copy(dst=bring[jb % N_BRING][:, 0:nw], src=bias.ap(pattern=[[0, P], [1, nw]], offset=n0))
+        _load_w(w, wring[si % N_WRING], k0, nk, n0, nw, K, N)
+
+
+def _load_w(w, wt, k0, nk, n0, nw, K, N):
+    """w rows [k0*128, ...) of N columns [n0, n0 + nw) -> wt[p, j, :] = w[(k0 + j) * 128 + p, n0:n0 + nw]: the
+    whole K tiles in one DMA, a partial last K tile in a second one."""
+    full = nk
+    if (k0 + nk) * P > K:
+        full = nk - 1
+    if full > 0:
+        nisa.dma_copy(dst=wt[:, 0:full, 0:nw], src=w.ap(pattern=[[N, P], [P * N, full], [1, nw]],
+                                                       offset=k0 * P * N + n0))
+    if full < nk:
+        kb = K - (k0 + full) * P
+        nisa.dma_copy(dst=wt[0:kb, full, 0:nw], src=w[(k0 + full) * P:K, n0:n0 + nw])
+
+
+@nki.jit
+def gemm_kernel(x, w, bias=None, activation=None):
+    _check(x, w, bias, activation)
+    M, K = x.shape
+    N = w.shape[1]
+    dt = x.dtype
+    isz = _isz(dt)
+    KT = (K + P - 1) // P
+    MB, G, NW = plan(M, K, isz)
+    out = nl.ndarray((M, N), dtype=dt, buffer=nl.shared_hbm)
+    prg = nl.program_id(0)
+    nprg = nl.num_programs(0)
+    ctx = {"top": 0, "K": K, "gen2": nisa.get_nc_version() == nisa.nc_version.gen2, "xs_i": 0,
+           "o_i": 0, "h_i": 0, "tbank": 0, "tslots": PSUM_BANK // (P * isz)}
+    xT = _sb(ctx, (P, KT, MB), dt, isz)
+    xc = min(X_CHUNK, K)
+    ctx["xs"] = _ring(ctx, 3, (P, xc), dt, isz)
+    WK = max(1, min(KT, W_SLAB // (NW * isz)))   # K tiles per w DMA
+    wring = _ring(ctx, N_WRING, (P, WK, NW), dt, isz)
+    ctx["o"] = _ring(ctx, N_ORING, (P, NW), dt, isz)
+    ctx["h"] = _ring(ctx, 3, (P, NW), nl.float32, 4)
+    bring = []
+    if bias is not None:
+        bring = _ring(ctx, N_BRING, (P, NW), nl.float32, 4)
+    assert ctx["top"] <= nl.tile_size.sbuf_fmax_bytes, (
+        f"gemm: SBUF working set {ctx['top']} bytes per partition exceeds nl.tile_size.sbuf_fmax_bytes="
+        f"{nl.tile_size.sbuf_fmax_bytes}")
+    ctx["t_ps"] = []
+    for b in range(2):
+        ctx["t_ps"].append(nl.ndarray((P, ctx["tslots"], P), dtype=dt, buffer=nl.psum,
+                                      address=(0, (T_BANK0 + b) * PSUM_BANK)))
+    acc_sets = []
+    for s in range(2):
+        banks = []
+        for b in range(ACC_BANKS):
+            banks.append(nl.ndarray((P, NT), dtype=nl.float32, buffer=nl.psum,
+                                    address=(0, (s * ACC_BANKS + b) * PSUM_BANK)))
+        acc_sets.append(banks)
+    per_bank = NT // NW
+
+    # the work of this core in order: jobs (M block, token-tile group, N tile) and their w slabs
+    n_tiles = (N + NW - 1) // NW
+    jobs = []
+    for m_blk in range(0, M, MB):
+        blk_rows = min(MB, M - m_blk)
+        mt = (blk_rows + P - 1) // P
+        ngroups = (mt + G - 1) // G
+        gsz = (mt + ngroups - 1) // ngroups
+        for g0 in range(0, mt, gsz):
+            for j in range(n_tiles):
+                if j % nprg == prg:
+                    jobs.append((m_blk, blk_rows, g0, min(mt, g0 + gsz), j * NW, min(NW, N - j * NW)))
+    slabs = []   # (job, first K tile, K tiles)
+    for jb in range(len(jobs)):
+        for k0 in range(0, KT, WK):
+            slabs.append((jb, k0, min(WK, KT - k0)))
+    ctx["issued"] = 0
+    ctx["pending"] = []   # output stores, emitted after the next slabs' loads (no queue waits behind them)
+    blk_now = -1
+    prepped = 0   # x columns of the current M block already in x^T
+    for si in range(len(slabs)):
+        jb, k0, nk = slabs[si]
+        m_blk, blk_rows, g0, g1, n0, nw = jobs[jb]
+        if m_blk != blk_now:
+            blk_now = m_blk
+            prepped = 0
+        # x^T is made just in time, chunk by chunk, so the first matmuls start after one chunk's transposes
+        for c0 in range(prepped, min(K, (k0 + nk) * P), X_CHUNK):
+            _prep_chunk(ctx, x, xT, m_blk, blk_rows, c0)
+            prepped = min(K, c0 + X_CHUNK)
+        _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
+        _flush_stores(ctx)
+        wt = wring[si % N_WRING]
+        accs = acc_sets[jb % 2]
+        for kk in range(nk):
+            kt = k0 + kk
+            kb = min(P, K - kt * P)
+            for i in range(g0, g1):
+                rows = min(P, blk_rows - i * P)
+                a = (i - g0) // per_bank
+                c = ((i - g0) % per_bank) * NW
+                nisa.nc_matmul(dst=accs[a][0:rows, c:c + nw], stationary=xT[0:kb, kt, i * P:i * P + rows],
+                               moving=wt[0:kb, kk, 0:nw], accumulate=kt > 0)
+        if k0 + nk == KT:
+            bias_sb = None
+            if bias is not None:
+                bias_sb = bring[jb % N_BRING]
+            for i in range(g0, g1):
+                rows = min(P, blk_rows - i * P)
+                a = (i - g0) // per_bank
+                c = ((i - g0) % per_bank) * NW
+                _epilogue(ctx, out, accs[a][0:rows, c:c + nw], rows, m_blk + i * P, n0, nw, bias_sb, activation)
+    _flush_stores(ctx)
+    return out
