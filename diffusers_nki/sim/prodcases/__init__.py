@@ -317,7 +317,7 @@ def format_markdown(rows: List[dict]) -> str:
     for r in rows:
         e = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
         out.append(f"| {r['kernel']} | {r['config']} | {r['lnc']} | {r['status']} | {e} | "
-                   f"{r['reason'].replace('|', '/')[:200]} |")
+                   f"{r['reason'].replace('|', '/')[:300]} |")
     from .blocked import NOT_CONFIGURED
 
     out += ["", "Not run yet (no configuration claims them):", "", "| kernel | what it needs |", "|---|---|"]

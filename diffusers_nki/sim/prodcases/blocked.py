@@ -18,10 +18,9 @@ def _no_ref(mods, kw):
 CASES = [
     Case("blocked", "nki-library core/mlp", "import", LIB, "nkilib.core.mlp.mlp", "mlp", inputs=_none,
          reference=_no_ref,
-         blocked="the front end does not parse at the pinned commit (core/mlp/mlp.py, 14620 bytes, spaces only, "
-                 "complete: lines 201-212 repeat the last 12 docstring lines after its closing quotes, so line 203 is "
-                 "an IndentationError in any Python; the newest fetched commit is the pin). The kernels it "
-                 "dispatches to, mlp_cte and mlp_tkg, run unchanged (family 'mlp', our launch glue)",
+         blocked="front end core/mlp/mlp.py does not parse at the pin (complete, spaces only: lines 201-212 repeat "
+                 "the docstring's tail after its closing quotes, IndentationError at 203; the 2.29 tag ddbca35 still "
+                 "parses). mlp_cte / mlp_tkg run unchanged (family 'mlp')",
          blocked_match="IndentationError"),
     Case("blocked", "nki-library core/router_topk", "import", LIB, "nkilib.core.router_topk.router_topk",
          "router_topk", inputs=_none, reference=_no_ref,
