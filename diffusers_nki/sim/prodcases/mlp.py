@@ -19,20 +19,16 @@ CTE = "nkilib.core.mlp.mlp_cte.mlp_cte"
 TKG = "nkilib.core.mlp.mlp_tkg.mlp_tkg"
 
 
-def _params_module(kernel_mod, fn):
-    """The mlp_parameters / common_types names exactly as the kernel module imported them."""
-    return getattr(kernel_mod, fn).__globals__
-
-
 def _mlp_make(tkg):
     def make(mod):
         from .. import language as nl
 
-        g = mod.__dict__
-        MLPParameters = g["MLPParameters"]
-        if tkg:
-            from .. import production
+        from .. import production
 
+        params_mod = production.import_module(LIB, "nkilib.core.mlp.mlp_parameters")   # the kernel's own copy
+        MLPParameters = params_mod.MLPParameters
+        validate = params_mod.validate_mlp_arguments   # mlp.py validates before dispatching
+        if tkg:
             alloc = production.import_module(LIB, "nkilib.core.utils.allocator")
             logging = production.import_module(LIB, "nkilib.core.utils.logging")
 
@@ -43,7 +39,7 @@ def _mlp_make(tkg):
                                    fused_add_tensor=fused_add, activation_fn=act, normalization_type=norm,
                                    output_dtype=nl.bfloat16, use_tkg_gate_up_proj_column_tiling=True,
                                    use_tkg_down_proj_column_tiling=True)
-            g["validate_mlp_arguments"](params) if "validate_mlp_arguments" in g else None
+            validate(params)
             out = nl.ndarray(tuple(hidden.shape), dtype=nl.bfloat16, buffer=nl.shared_hbm)
             if tkg:
                 sbm = alloc.SbufManager(0, 200 * 1024, logging.Logger("mlp"))
