@@ -29,8 +29,9 @@ What is emulated
     reciprocal, dma_copy (casts, scalar/vector dynamic offsets with oob_mode error/skip), dma_transpose,
     dma_compute; the instructions of isa_extra.py (scans, top-8, gathers, predicated copies, partition
     reductions, nonzero compaction, batch-norm statistics); registers and runtime loop bounds
-    (isa_control.py, nl.dynamic_range / fori_loop / while_loop); core_barrier, sendrecv and nki.collectives.
-    The rest raise NotImplementedError (docs/NKI_SUBSET.md §3.13: MX matmul and quantization, rng, ...).
+    (isa_control.py, nl.dynamic_range / fori_loop / while_loop); core_barrier, sendrecv and nki.collectives;
+    on trn3 the MX instructions quantize_mx and nc_matmul_mx with the packed x4 dtypes (isa_mx.py).
+    The rest raise NotImplementedError (docs/NKI_SUBSET.md §3.13: rng, dropout, exponential, ...).
   * One ``records.Instr`` per instruction in the launch's ``RunRecord`` (engine, op, partitions, free,
     dtypes, buffers, flops, DMA bytes / contiguous bytes / partitions / direction / dge / transpose,
     inner stride, reduce_res, onezero, dep_prev, program, read/write footprints: space, partitions, bytes);

@@ -16,7 +16,8 @@ Semantics (the ranks of a group in the order the group lists them):
   ``collective_permute_implicit_current_processing_rank_id(i)`` = the rank whose data a rank holds after i
   ring steps (its own at 0), as a register;
 - ``rank_id()``: this rank's id, as a register.
-Tensors are all in HBM or all in SBUF (coalesced lists only in HBM); dsts match srcs in dtype.
+Tensors are all in HBM or all in SBUF (coalesced lists only in HBM; collective_permute_implicit takes one tensor
+per channel, in either memory); dsts match srcs in dtype.
 
 Records: one ``Instr`` per call on the DMA queues (op = the collective's name, ``nbytes`` = bytes written into
 the dsts, reads = the srcs, writes = the dsts) with ``extra["sync"] = ("collective", name, k)`` -- the same key
@@ -103,8 +104,9 @@ def _reduce_op(op, what):
     return _REDUCE[name]
 
 
-def _collective(name, srcs, dsts, group, compute, extra=None, allow_coalesced=True):
-    """Post this rank's src values, meet the group, write this rank's dsts with ``compute``."""
+def _collective(name, srcs, dsts, group, compute, extra=None, allow_coalesced=True, channels=False):
+    """Post this rank's src values, meet the group, write this rank's dsts with ``compute``. ``channels``: the
+    tensors are one per channel (collective_permute_implicit), not a coalesced list."""
     what = f"nki.collectives.{name}"
     prog = _rt.current()
     srcs = _tensors(srcs, what, "srcs")
@@ -112,7 +114,7 @@ def _collective(name, srcs, dsts, group, compute, extra=None, allow_coalesced=Tr
     if len(srcs) != len(dsts) or not srcs:
         raise NkiValidationError(f"{what}: srcs and dsts must be equally long, non-empty lists")
     in_hbm = _same_memory(srcs + dsts, what)
-    if len(srcs) > 1 and (not in_hbm or not allow_coalesced):
+    if len(srcs) > 1 and not channels and (not in_hbm or not allow_coalesced):
         raise NkiValidationError(f"{what}: coalesced lists (several tensors) are supported only in HBM")
     for s, d in zip(srcs, dsts):
         if s.dtype is not d.dtype:
@@ -250,6 +252,14 @@ def collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group,
     what = "nki.collectives.collective_permute_implicit"
     prog = _rt.current()
     group, me = _ring(prog, replica_group, what)
+    for arg, chans in (("srcs_by_channel", srcs_by_channel), ("dsts_by_channel", dsts_by_channel)):
+        for i, ch in enumerate(chans):
+            if isinstance(ch, (list, tuple)) and len(ch) != 1:
+                raise NkiValidationError(f"{what}: {arg}[{i}] holds {len(ch)} tensors; each channel carries exactly "
+                                         "one (coalesced lists are not supported for this collective)")
+    if len(srcs_by_channel) != len(channel_ids) or len(dsts_by_channel) != len(channel_ids):
+        raise NkiValidationError(f"{what}: {len(srcs_by_channel)} source / {len(dsts_by_channel)} destination channels "
+                                 f"for channel_ids={list(channel_ids)}; one of each per channel id")
     srcs = [s for ch in srcs_by_channel for s in (ch if isinstance(ch, (list, tuple)) else [ch])]
     dsts = [d for ch in dsts_by_channel for d in (ch if isinstance(ch, (list, tuple)) else [ch])]
 
@@ -258,7 +268,7 @@ def collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group,
         return None if v is None else np.asarray(v).reshape(d.shape)
 
     return _collective("collective_permute_implicit", srcs, dsts, tuple(group), compute,
-                       {"channels": tuple(int(c) for c in channel_ids)})
+                       {"channels": tuple(int(c) for c in channel_ids)}, channels=True)
 
 
 def collective_permute_implicit_reduce(srcs0_by_channel, srcs1_by_channel, dsts_by_channel, replica_group, op,

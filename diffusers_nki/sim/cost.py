@@ -500,6 +500,10 @@ _VEC_ONE_RATE_OPS |= {"register_move", "register_load", "register_store"}
 # nisa.core_barrier (sim/isa_control.py, free=1 on its engine, GpSimd by default): the semaphore update and
 # wait cost MIN_II here; the wait for the other core is the schedule's rendezvous (Instr.extra["sync"]).
 _VEC_ONE_RATE_OPS |= {"core_barrier"}
+# nisa.quantize_mx (sim/isa_mx.py, trn3 VectorE): "four input elements per partition, per cycle (4x Vector
+# performance mode)" [ARCH4 "MX data-type Quantization"]; its record's ``free`` is the packed outputs per
+# partition (src free / 4), so rate 1 on it is the documented 4 inputs per cycle.
+_VEC_ONE_RATE_OPS |= {"quantize_mx"}
 _TWO_INPUT_OPS = {"tensor_tensor", "scalar_tensor_tensor"}      # 2N rule [ARCH2]
 _KNOWN_VEC_OPS = {
     "activation", "activation_reduce", "tensor_tensor", "scalar_tensor_tensor", "tensor_scalar",

@@ -13,11 +13,12 @@ from .errors import NkiDtypeError
 
 
 class DType:
-    __slots__ = ("name", "np", "itemsize", "is_float", "is_int", "is_signed", "is_bool", "packed")
+    __slots__ = ("name", "np", "itemsize", "is_float", "is_int", "is_signed", "is_bool", "packed", "element")
 
-    def __init__(self, name, np_dtype, kind, packed=False):
+    def __init__(self, name, np_dtype, kind, packed=False, element=None):
         self.name = name
         self.packed = packed
+        self.element = element  # packed MX dtypes: the ml_dtypes type of each of the four packed elements
         self.np = np.dtype(np_dtype)
         self.itemsize = self.np.itemsize
         self.is_float = kind == "f"
@@ -70,10 +71,17 @@ for _n, _d in BY_NAME.items():
         _BY_NP[_d.np] = _d
 _BY_NP[np.dtype(np.float64)] = float32  # float64 host arrays are not a device dtype; see from_numpy_dtype
 
-# 4-packed MX data types (NC-v4): named so kernels can compare against them, never allocated (out of scope)
-PACKED = {"float8_e5m2_x4": DType("float8_e5m2_x4", np.uint32, "f", packed=True),
-          "float8_e4m3fn_x4": DType("float8_e4m3fn_x4", np.uint32, "f", packed=True),
-          "float4_e2m1fn_x4": DType("float4_e2m1fn_x4", np.uint16, "f", packed=True)}
+# 4-packed MX data types (NC-v4, [API-nl] float8_e5m2_x4 / float8_e4m3fn_x4 / float4_e2m1fn_x4): one element
+# holds four quantized values of the contraction dimension, stored as raw bits (fp8 x4: a 32-bit word, value i
+# in byte i; fp4 x4: a 16-bit word, value i in nibble i, little-endian as AWS's MX tutorial packs them). Neither
+# float nor integer: only copies of the same dtype, DMA, memset to 0, ``nisa.quantize_mx`` (writes) and
+# ``nisa.nc_matmul_mx`` (reads) touch them (sim/isa_mx.py); any arithmetic on them is an NkiDtypeError.
+PACKED = {"float8_e5m2_x4": DType("float8_e5m2_x4", np.uint32, "x", packed=True, element=ml_dtypes.float8_e5m2),
+          "float8_e4m3fn_x4": DType("float8_e4m3fn_x4", np.uint32, "x", packed=True,
+                                    element=ml_dtypes.float8_e4m3fn),
+          "float4_e2m1fn_x4": DType("float4_e2m1fn_x4", np.uint16, "x", packed=True,
+                                    element=ml_dtypes.float4_e2m1fn)}
+BY_NAME_ALL = dict(BY_NAME, **PACKED)
 
 FP8_NAMES = ("float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
 FP32_LIKE = ("float32", "tfloat32")
@@ -111,8 +119,8 @@ def to_dtype(d, arg="dtype", op="?") -> DType:
     if isinstance(d, DType):
         return d
     if isinstance(d, str):
-        if d in BY_NAME and op == "?":  # internal use (pickling)
-            return BY_NAME[d]
+        if d in BY_NAME_ALL and op == "?":  # internal use (pickling)
+            return BY_NAME_ALL[d]
         raise NkiDtypeError(f"{op}: {arg}={d!r} is a string; pass an nl dtype object such as nl.bfloat16 "
                             "(string dtypes are rejected since NKI 0.3)")
     if isinstance(d, (bool, int, float)):
@@ -143,7 +151,10 @@ def from_numpy_dtype(npd, arg="input") -> DType:
 
 
 def sentinel(d: DType):
-    """Poison value for fresh memory: NaN for floats, 4 for integers (as the official simulator)."""
+    """Poison value for fresh memory: NaN for floats, 4 for integers (as the official simulator); all-ones bits
+    for packed MX data (NaN in every fp8 lane)."""
+    if d.packed:
+        return np.iinfo(d.np).max
     if d.is_float:
         return np.nan
     if d.is_bool:

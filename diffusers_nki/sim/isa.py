@@ -442,7 +442,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     ops_ = [(op0, operand0, reverse0, "operand0")] + ([(op1, operand1, reverse1, "operand1")] if op1 else [])
     cols = []
     for o, x, rev, a in ops_:
-        c = None if o.arity == 1 else _operand_col(x, data, opn, a, need_f32=not bitvec)
+        # [API-isa tensor_scalar] says arithmetic operand tiles "must be float32"; nki-library's bwmm_shard_on_block
+        # (hardware-tested) passes bf16 [P,1] affinity tiles: any float tile is accepted, read as fp32
+        c = None if o.arity == 1 else _operand_col(x, data, opn, a, need_float=not bitvec)
         cols.append(c)
     E = _E
     eng = _pick_engine(engine, opn, (E.vector, E.scalar, E.gpsimd), E.vector)
@@ -512,7 +514,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
             raise NkiValidationError(f"{opn}: {a}={o!r} must be a binary arithmetic ALU operator")
     if data._st.buffer is psum and operand1._st.buffer is psum:
         raise NkiBufferError(f"{opn}: data and operand1 are both in psum; at most one tensor input may be in PSUM")
-    c0 = _operand_col(operand0, data, opn, "operand0", need_f32=True)
+    c0 = _operand_col(operand0, data, opn, "operand0")  # any dtype [API-isa scalar_tensor_tensor]
     if c0 is None:
         raise NkiValidationError(f"{opn}: operand0 is required")
     for t, a in ((data, "data"), (operand1, "operand1"), (dst, "dst")):
@@ -635,8 +637,14 @@ def memset(dst, value, engine=engine.unknown, name=None):
     eng = _pick_engine(engine, opn, (E.vector, E.gpsimd), E.vector)
     _no_psum_on_pool(eng, opn, dst=dst)
     _free_limit(dst, opn, "dst", "VectorE" if eng is E.vector else "GpSimd")
+    if dst.dtype.packed and value != 0:
+        raise NkiDtypeError(f"{opn}: dst is {dst.dtype!r} (packed MX data); only value=0 (all-zero bits) is "
+                            f"meaningful, got {value!r}")
     if _live(prog, (dst,)):
-        _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
+        if dst.dtype.packed:
+            _write(dst, np.zeros(dst.shape, dst.dtype.np))
+        else:
+            _write(dst, np.broadcast_to(np.asarray(F32(value) if dst.dtype.is_float else value), dst.shape))
     _emit(prog, _ENGINE_NAME[eng], "memset", dst, (), dst.P, dst.F, inner_stride_bytes=_inner_stride_bytes(dst),
           extra={"value": value})
     return _HANDLE
@@ -1264,9 +1272,9 @@ def _not_emulated(nm):
     return f
 
 
-for _nm in ("nc_matmul_mx", "tensor_scalar_cumulative",
+for _nm in ("tensor_scalar_cumulative",
             "topk", "rng", "rand2",
-            "dropout", "quantize_mx",
+            "dropout",
             "exponential", "activate2"):
     globals()[_nm] = _not_emulated(_nm)
 del _nm
@@ -1326,3 +1334,4 @@ from .isa_control import (VirtualRegister, core_barrier, register_alloc, registe
 from .isa_extra import (bn_aggr, bn_stats, local_gather, max8, nc_find_index8, nc_match_replace8,  # noqa: E402,F401
                         nc_n_gather, nonzero_with_count, select_reduce, tensor_copy_predicated,
                         tensor_partition_reduce, tensor_tensor_scan)
+from .isa_mx import nc_matmul_mx, quantize_mx  # noqa: E402,F401

@@ -343,6 +343,9 @@ def _mark_unknown(t, prog=None):
 # ----------------------------------------------------------------------------------------------------
 def _readf(t, op, arg):
     """float32 (P, F) copy-or-view of ``t``."""
+    if t.dtype.packed:
+        raise NkiDtypeError(f"{op}: {arg} {t.name or ''}{list(t.shape)} is {t.dtype!r}, packed MX data: only "
+                            "nisa.nc_matmul_mx reads it as numbers (copies and DMAs of the same dtype move its bits)")
     a = _read(t, op, arg)
     return a.reshape(t.P, t.F).astype(F32, copy=False)
 
@@ -352,8 +355,9 @@ def _readn(t, op, arg):
     return _read(t, op, arg).reshape(t.P, t.F)
 
 
-def _operand_col(x, data, op, arg, need_f32=False):
-    """A scalar (Python number -> fp32) or a [P,1] on-chip tile read as float32 (P,1)."""
+def _operand_col(x, data, op, arg, need_f32=False, need_float=False):
+    """A scalar (Python number -> fp32) or a [P,1] on-chip tile read as float32 (P,1). ``need_f32``: the tile must be
+    float32; ``need_float``: any floating-point dtype (read as fp32)."""
     if x is None:
         return None
     if _scalar_number(x):
@@ -364,6 +368,9 @@ def _operand_col(x, data, op, arg, need_f32=False):
             raise NkiShapeError(f"{op}: {arg} must be a [P,1] tile with P={data.P}, got shape {list(x.shape)}")
         if need_f32 and x.dtype is not _dt.float32:
             raise NkiDtypeError(f"{op}: {arg} tile has dtype {x.dtype!r}; it must be nl.float32")
+        if need_float and not x.dtype.is_float:
+            raise NkiDtypeError(f"{op}: {arg} tile has dtype {x.dtype!r}; an arithmetic operand tile must be floating "
+                                "point")
         return x
     raise NkiValidationError(f"{op}: {arg}={x!r} must be a number or a [P,1] tile")
 
@@ -470,6 +477,9 @@ def _dma_check(dst, src, op, dge, eng):
         if t._st.buffer is psum:
             raise NkiBufferError(f"{op}: {a} is in psum; DMA cannot access PSUM (since NKI 0.3); evict with "
                                  "nisa.tensor_copy first")
+    if (dst.dtype.packed or src.dtype.packed) and dst.dtype is not src.dtype:
+        raise NkiDtypeError(f"{op}: dst is {dst.dtype!r} and src is {src.dtype!r}; packed MX data moves only "
+                            "between tensors of the same dtype (view the other side with .ap(dtype=) / .view())")
     prog = _rt.current()
     dge = _enum(dge, dge_mode, op, "dge_mode")
     eng = _enum(eng, engine, op, "engine")

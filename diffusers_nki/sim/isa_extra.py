@@ -310,9 +310,12 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
 
 
 def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=None, name=None):
-    """GpSimd: each group of 16 partitions gathers, independently, ``num_elem_per_idx`` contiguous elements
-    per index from its own 16 partitions of ``src_buffer`` (indices uint16 = partition offsets within the
-    group's flattened [16 x F] slice, taken partition-first)."""
+    """GpSimd: each of the eight cores owns 16 partitions; it flattens its 16-partition slice of ``index``
+    partition-first into ``indices_1d`` (the first ``num_valid_indices``), and EVERY partition of the slice
+    gathers, from its own row of ``src_buffer``, the ``num_elem_per_idx`` contiguous elements starting at each
+    index (an element offset): ``dst[p, j * n : (j + 1) * n] = src_buffer[p, idx_j : idx_j + n]`` -- the numpy
+    semantics of AWS's local_gather example [API-isa local_gather]. Out-of-range indices are undefined on
+    hardware: an error here."""
     op = "nisa.local_gather"
     prog = _rt.current()
     _sbuf_only(op, dst=dst, src_buffer=src_buffer, index=index)
@@ -330,29 +333,21 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     nv = per_core if num_valid_indices is None else int(num_valid_indices)
     if not 0 < nv <= per_core or nv > 4096:
         raise NkiLimitError(f"{op}: num_valid_indices={nv} must be in 1..min({per_core}, 4096)")
-    if dst.P != P or dst.F * 16 < nv * num_elem_per_idx:
-        raise NkiShapeError(f"{op}: dst {list(dst.shape)} cannot hold {nv} x {num_elem_per_idx} elements per 16 "
-                            "partitions")
+    n = int(num_elem_per_idx)
+    if dst.P != P or dst.F < nv * n:
+        raise NkiShapeError(f"{op}: dst {list(dst.shape)} cannot hold {nv} x {n} elements per partition")
     if _live(prog, (dst,), (src_buffer, index)):
         src = _readn(src_buffer, op, "src_buffer")
         ix = _readn(index, op, "index").astype(np.int64)
-        out = np.array(dst._npv()).reshape(P, dst.F)
         F = src.shape[1]
+        out = np.array(dst._npv()).reshape(P, dst.F)
         for g in range(P // 16):
-            flat_idx = ix[g * 16:(g + 1) * 16].T.reshape(-1)[:nv] if False else \
-                ix[g * 16:(g + 1) * 16].reshape(-1, order="F")[:nv]
-            vals = []
-            for idx in flat_idx:
-                prt, col = divmod(int(idx) * num_elem_per_idx, F) if num_elem_per_idx > 1 else (int(idx), 0)
-                if num_elem_per_idx == 1:
-                    vals.append(src[g * 16 + prt % 16, col:col + 1])
-                else:
-                    vals.append(src[g * 16 + prt % 16, col:col + num_elem_per_idx])
-            v = np.concatenate(vals)
-            blk = out[g * 16:(g + 1) * 16]
-            flat = blk.reshape(-1, order="F")
-            flat[:v.size] = v
-            out[g * 16:(g + 1) * 16] = flat.reshape(blk.shape, order="F")
+            idx = ix[g * 16:(g + 1) * 16].reshape(-1, order="F")[:nv]
+            if idx.size and (idx.min() < 0 or idx.max() + n > F):
+                raise NkiLimitError(f"{op}: core {g} has an index outside 0..{F - n} (src_buffer has {F} elements per "
+                                    "partition): undefined on hardware")
+            cols = (idx[:, None] + np.arange(n)[None, :]).reshape(-1)
+            out[g * 16:(g + 1) * 16, :nv * n] = src[g * 16:(g + 1) * 16][:, cols]
         _write(dst, out)
     _emit(prog, "pool", "local_gather", dst, (src_buffer, index), P, dst.F,
           inner_stride_bytes=_inner_stride_bytes(index, dst))

@@ -498,6 +498,8 @@ tile_size = _TileSize()
 def __getattr__(name):  # PEP 562: names that would shadow builtins inside this module, and out-of-scope dtypes
     if name == "bool":
         return bool_
+    if name == "range":  # nl.range (nki-library's mxfp_load_utils): the loop iterator, as nl.affine_range
+        return affine_range
     if name in _dt.PACKED:
         return _dt.PACKED[name]
     raise AttributeError(f"module 'nki.language' (emulated) has no attribute {name!r}")

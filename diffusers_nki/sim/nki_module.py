@@ -168,7 +168,7 @@ def _numpy_to_torch(arr, dt):
 class Simulated:
     """The callable ``simulate`` returns. ``.last_record`` is the RunRecord of its latest call."""
 
-    def __init__(self, kernel, target=None, strict=False, numerics=True, sbuf_bytes=None):
+    def __init__(self, kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, mx_scale="ocp"):
         if isinstance(kernel, Kernel):
             self.kernel = kernel
         elif callable(kernel):
@@ -185,10 +185,16 @@ class Simulated:
         self.strict = bool(strict)
         self.numerics = bool(numerics)
         self.sbuf_bytes = _rt.check_sbuf_bytes(self.gen, sbuf_bytes)
+        from .isa_mx import MX_SCALE_RULES
+
+        if mx_scale not in MX_SCALE_RULES:
+            raise NkiLaunchError(f"simulate: mx_scale={mx_scale!r} must be one of {sorted(MX_SCALE_RULES)}")
+        self.mx_scale = mx_scale
         self.last_record = None
 
     def __getitem__(self, lnc):
-        s = Simulated(self.kernel[lnc], _rt.GEN_TO_TARGET[self.gen], self.strict, self.numerics, self.sbuf_bytes)
+        s = Simulated(self.kernel[lnc], _rt.GEN_TO_TARGET[self.gen], self.strict, self.numerics, self.sbuf_bytes,
+                      self.mx_scale)
         return s
 
     def __call__(self, *args, **kwargs):
@@ -227,7 +233,8 @@ class Simulated:
         lnc = k.lnc
         if lnc == 2 and self.gen == 2:
             raise NkiLaunchError(f"{fn.__name__}[2]: LNC=2 does not exist on trn1 (gen2); launch with [1]")
-        launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__, sbuf_bytes=self.sbuf_bytes)
+        launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__, sbuf_bytes=self.sbuf_bytes,
+                            mx_scale=self.mx_scale)
         launch.rank, launch.nranks = rank, nranks
         launch.record.lint = list(k._lint_findings)
         self.last_record = launch.record
@@ -343,7 +350,7 @@ def _returned_input(o, arg_views):
     return a
 
 
-def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None):
+def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, mx_scale="ocp"):
     """Emulate ``kernel`` on the CPU. Returns a callable taking NumPy arrays / CPU torch tensors.
 
     target: "trn1" | "trn2" | "trn3" (aliases gen2/gen3/gen4, inf2); default: NEURON_PLATFORM_TARGET_OVERRIDE or
@@ -351,6 +358,8 @@ def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None):
     instruction and check every limit, but skip the arithmetic; outputs are returned sentinel-filled).
     sbuf_bytes: SBUF bytes per partition the kernel may use (default: the physical size); what-if studies of
     the usable SBUF (``sim.cost.Hypotheses.simulate_kwargs``): ``nl.tile_size`` reports it and the allocator
-    and ``address=`` enforce it.
+    and ``address=`` enforce it. mx_scale: the ``nisa.quantize_mx`` block-scale rule (trn3; ``sim.isa_mx``):
+    "ocp" (default, what AWS's pinned hardware tests assert) or "x2" (the newer API page's two-times-larger scale).
     """
-    return Simulated(kernel, target=target, strict=strict, numerics=numerics, sbuf_bytes=sbuf_bytes)
+    return Simulated(kernel, target=target, strict=strict, numerics=numerics, sbuf_bytes=sbuf_bytes,
+                     mx_scale=mx_scale)

@@ -9,12 +9,13 @@ nki-library (core/ and experimental/), nki-samples (the NKI 0.3+ tutorials) and 
 Where the sources are found (``source_root``), first hit wins, per file a kernel needs:
 1. ``$DIFFUSERS_NKI_KERNEL_SOURCES/<name>/`` -- a folder of checkouts, one per repository name;
 2. for nki-library also ``$DIFFUSERS_NKI_NKILIB`` (a folder holding ``nkilib/``; the older variable);
-3. ``<repository root>/../shared/third_party/<name>`` -- the project's pinned copies (nki-library's
-   attention_cte subset at d2ad3a5 is there; README beside it);
-4. a cache of extracted checkouts, ``$DIFFUSERS_NKI_KERNEL_CACHE`` (default ``~/.cache/diffusers_nki/
+3. a cache of extracted checkouts, ``$DIFFUSERS_NKI_KERNEL_CACHE`` (default ``~/.cache/diffusers_nki/
    kernel_sources``), filled on first use from a local git mirror of the repository (``$DIFFUSERS_NKI_MIRROR``,
    default the ``.mirror`` folder beside the repository or one level up: ``<owner>+<name>/repo`` git
-   directories) -- only at the pinned commit, only the subfolder the kernels live in.
+   directories) -- only at the pinned commit, only the subfolder the kernels live in;
+4. ``<repository root>/../shared/third_party/<name>`` -- the project's pinned copies (nki-library's
+   attention_cte subset at d2ad3a5 is there; README beside it), used where no full checkout is found (a full
+   checkout comes first so that every module of a run comes from one copy).
 ``source_reason`` says where each was looked for when a file is absent; the tests skip with that reason.
 
 Import (``emulated_nki``, ``import_module``): within the import only, ``sys.modules['nki']``, ``nki.language``,
@@ -54,6 +55,7 @@ MIRROR_ENV = "DIFFUSERS_NKI_MIRROR"
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 _CACHE: Dict[str, SimpleNamespace] = {}
 _MODULES: Dict[Tuple[str, str], object] = {}
+_PACKAGES: Dict[Tuple[str, ...], Dict[str, object]] = {}  # per copy (sys.path roots): the modules it imported
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,9 @@ def _mirror_dirs() -> List[pathlib.Path]:
     return [_REPO_ROOT.parent / ".mirror", _REPO_ROOT.parent.parent / ".mirror"]
 
 
-def _candidates(name: str) -> List[Tuple[pathlib.Path, Optional[str], str]]:
-    """(root on sys.path, commit if known, how it was found) in search order, without the cache."""
+def _candidates(name: str, shared: bool = True) -> List[Tuple[pathlib.Path, Optional[str], str]]:
+    """(root on sys.path, commit if known, how it was found) in search order, without the cache; ``shared``:
+    include the project's shared copies."""
     pin = PINS[name]
     out = []
     env = os.environ.get(SOURCES_ENV)
@@ -113,10 +116,16 @@ def _candidates(name: str) -> List[Tuple[pathlib.Path, Optional[str], str]]:
         if legacy:
             out.append((pathlib.Path(legacy).expanduser(), None, f"${ENV}"))
             return out  # the explicit override is the only place looked at (as before)
-    shared = _REPO_ROOT.parent / "shared" / "third_party" / name
-    out.append((shared, _SHARED_COMMIT.get(name), "../shared/third_party"))
-    out.append((shared / pin.subdir, None, "../shared/third_party (checkout)"))
+    if shared:
+        out.extend(_shared_candidates(name))
     return out
+
+
+def _shared_candidates(name):
+    pin = PINS[name]
+    shared = _REPO_ROOT.parent / "shared" / "third_party" / name
+    return [(shared, _SHARED_COMMIT.get(name), "../shared/third_party"),
+            (shared / pin.subdir, None, "../shared/third_party (checkout)")]
 
 
 def _cached_root(name: str) -> Optional[pathlib.Path]:
@@ -161,14 +170,19 @@ def source_root(name: str, needs: str) -> Optional[Tuple[pathlib.Path, Optional[
     it (the shared copy, the cache), None for an override folder."""
     if name not in PINS:
         raise KeyError(f"unknown kernel source {name!r} (known: {', '.join(PINS)})")
-    for root, commit, _ in _candidates(name):
+    for root, commit, _ in _candidates(name, shared=False):
         if (root / needs).is_file():
             return root, commit
     if name == "nki-library" and os.environ.get(ENV):
         return None
+    # the full pinned checkout before the shared copy (a subset): every module of a run then comes from ONE copy,
+    # so the classes and enums a kernel imports are the ones its caller's modules see
     cached = _cached_root(name)
     if cached is not None and (cached / needs).is_file():
         return cached, PINS[name].commit
+    for root, commit, _ in _shared_candidates(name):
+        if (root / needs).is_file():
+            return root, commit
     return None
 
 
@@ -289,8 +303,15 @@ def import_module(name: str, module: str, needs: Optional[str] = None, *, extra:
                         del sys.modules[n]
             mod.__name__ = modname
         else:
+            # every module of one copy shares its packages: what earlier imports of this copy loaded is put back
+            # for the import, so ``mods("nkilib.core.utils.common_types")`` gives the very enums a kernel module
+            # imported (a fresh import would give equal-looking but different classes)
+            pkey = tuple(str(p) for p in paths)
             with emulated_nki(*paths):
+                sys.modules.update(_PACKAGES.get(pkey, {}))
                 mod = importlib.import_module(module)
+                _PACKAGES[pkey] = {n: m for n, m in sys.modules.items() if _aliased(n) and n != "nki"
+                                   and not n.startswith("nki.")}
         _MODULES[key] = mod
     return _MODULES[key]
 

@@ -27,6 +27,10 @@ Field meanings follow ``COST_MODEL.md`` section 2:
 - (emulator) further ``op`` values: "scalar_tensor_tensor" (VectorE, two tensor inputs), "dma_transpose"
   (engine "dma", ``transpose=True``). A TensorE transpose issued as ``nc_matmul(is_transpose=True)`` is
   recorded as op "nc_transpose" (flops 0) with ``extra["via"] = "nc_matmul"``.
+- (emulator, trn3 MX, isa_mx.py) "nc_matmul_mx" (engine "pe"): ``partitions`` K, ``free`` N, ``k`` = 4K (four
+  packed values per element), ``m`` M, ``flops`` 2 * 4K * M * N; the scale rows are extra reads.
+  "quantize_mx" (engine "dve"): ``free`` is the PACKED outputs per partition (src free / 4), the instruction
+  taking four inputs per partition per cycle; the scale rows are extra writes.
 
 - ``reads`` / ``writes`` (added for the schedule): the instruction's memory footprints, one tuple
   ``(space, partition lo, partition hi, byte lo, byte hi)`` per operand. ``space`` is "sbuf" / "psum" (the

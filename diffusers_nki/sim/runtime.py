@@ -76,8 +76,9 @@ def moving_fmax(gen: int, dst_itemsize: int = 4) -> int:
 # Launch / program state
 # ----------------------------------------------------------------------------------------------------
 class Launch:
-    def __init__(self, gen, strict, numerics, lnc, kernel_name, sbuf_bytes=None):
+    def __init__(self, gen, strict, numerics, lnc, kernel_name, sbuf_bytes=None, mx_scale="ocp"):
         self.gen = gen
+        self.mx_scale = mx_scale  # nisa.quantize_mx scale rule (isa_mx.MX_SCALE_RULES)
         self.target = GEN_TO_TARGET[gen]
         self.strict = strict
         self.numerics = numerics

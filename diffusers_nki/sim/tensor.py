@@ -24,8 +24,8 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import runtime as _rt
-from .errors import (NkiBufferError, NkiShapeError, NkiUninitializedReadError, NkiUninitializedReadWarning,
-                     NkiValidationError)
+from .errors import (NkiBufferError, NkiDtypeError, NkiShapeError, NkiUninitializedReadError,
+                     NkiUninitializedReadWarning, NkiValidationError)
 from .registers import VirtualRegister, register_value
 
 ASSIGN_HOOK = None  # set by language.py: callable(target_view, value) implementing ``t[...] = value``
@@ -220,7 +220,16 @@ class NkiTensor:
             f"{self!r}: tensor values are not available at compile time; Python control flow or int()/float()/"
             "bool() on a tensor is not valid NKI (use nisa ops, or .ap(scalar_offset=...) for dynamic offsets)")
 
-    __bool__ = __int__ = __float__ = __index__ = _no_python_value
+    __int__ = __float__ = __index__ = _no_python_value
+
+    def __bool__(self):
+        # A whole HBM tensor (a kernel argument, an HBM allocation) is a handle: its truth value is its presence, as
+        # in ``if params.expert_params.expert_index:`` (nki-library mlp_tkg_constants, hardware-tested). A tile or a
+        # view has run-time values only: control flow on it is an error.
+        st = self._st
+        if not st.buffer.on_chip and self.offset == 0 and tuple(self.shape) == tuple(st.shape) and self._dyn is None:
+            return True
+        self._no_python_value()
 
     def __iter__(self):
         raise NkiValidationError(f"{self!r}: iterating over a tensor is not valid NKI; index it explicitly")
@@ -700,8 +709,6 @@ def new_tensor(shape, dtype, buffer, name="", op="nl.ndarray", address=None):
     prog = _rt.current()
     dt = _dt.to_dtype(dtype, "dtype", op)
     buf = to_buffer(buffer, op)
-    if getattr(dt, "packed", False):
-        raise NkiValidationError(f"{op}: dtype {dt!r} (packed MX data) is not emulated")
     if isinstance(shape, _INT_TYPES):
         shape = (shape,)
     try:
@@ -781,6 +788,9 @@ def write(t, val, mark=1):
     if val.shape != v.shape:
         val = val.reshape(v.shape)
     dt = t.dtype
+    if dt.packed and val.dtype != dt.np:
+        raise NkiDtypeError(f"write to {t.name or '?'}{list(t.shape)}: {dt!r} is packed MX data; only "
+                            f"nisa.quantize_mx, copies and DMAs of the same dtype write it (got {val.dtype} values)")
     if dt.is_int and val.dtype.kind == "f":
         info = np.iinfo(dt.np)
         with np.errstate(invalid="ignore"):

@@ -15,6 +15,7 @@ diffusers_nki.sim.production --report``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import time
 import traceback
@@ -27,8 +28,8 @@ import numpy as np
 __all__ = ["Case", "FAMILIES", "all_cases", "cases_of", "run_case", "run_all", "format_table", "format_markdown",
            "summary", "tensors_close"]
 
-FAMILIES = ("attention", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "utils",
-            "collectives", "samples", "nxdi", "blocked")
+FAMILIES = ("attention", "attention_tkg", "norm_embed", "elementwise", "reduce_index", "matmul_proj", "conv_loss", "utils",
+            "collectives", "samples", "mx", "mlp", "qkv_quant", "moe", "nxdi", "blocked")
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Case:
     make: Optional[Callable] = None   # make(module) -> the kernel: a test wrapper around a helper (as the library's
     slow: bool = False                # own tests wrap their sub-kernels), the helper itself unchanged
     cost_s: float = 0.0               # CPU-seconds of one run, measured (informational)
+    needs: Tuple[str, ...] = ()       # Python packages the kernel's source imports beyond the pinned stack's core
 
     @property
     def id(self):
@@ -102,6 +104,10 @@ def unavailable(case: Case) -> Optional[str]:
 
     rel = case.module if case.file else case.module.replace(".", "/") + ".py"
     why = production.source_reason(case.source, rel)
+    for pkg in case.needs:
+        if why is None and importlib.util.find_spec(pkg) is None:
+            why = (f"{case.kernel} imports {pkg}, a test-only dependency (requirements-lock.txt) that is not installed "
+                   "in this environment")
     if why is None:
         for src, needs in case.extra:
             why = production.source_reason(src, needs)
@@ -280,6 +286,7 @@ def summary(rows: List[dict]) -> dict:
     return {"kernels": len(kernels), "kernels_matched_in_every_configuration": len(every),
             "kernels_matched_in_some_configuration": len(some), "configurations": len(rows),
             "configurations_matched": sum(1 for r in rows if r["status"] == "matched"),
+            "lnc2_configurations_matched": sum(1 for r in rows if r["status"] == "matched" and r["lnc"] == 2),
             "blocked": sorted({r["kernel"] for r in rows if r["status"] == "blocked"}),
             "cpu_s": round(sum(r["cpu_s"] for r in rows), 1)}
 
@@ -293,7 +300,8 @@ def format_table(rows: List[dict]) -> str:
     s = summary(rows)
     lines.append(f"\n{s['kernels_matched_in_every_configuration']} of {s['kernels']} kernels unchanged and matching in "
                  f"every configuration ({s['kernels_matched_in_some_configuration']} in at least one); "
-                 f"{s['configurations_matched']} of {s['configurations']} configurations; {s['cpu_s']} CPU-s")
+                 f"{s['configurations_matched']} of {s['configurations']} configurations "
+                 f"({s['lnc2_configurations_matched']} LNC2 matched); {s['cpu_s']} CPU-s")
     return "\n".join(lines)
 
 
@@ -302,14 +310,14 @@ def format_markdown(rows: List[dict]) -> str:
     from .blocked import NOT_CONFIGURED
 
     out = [f"{s['kernels_matched_in_every_configuration']} kernels run unchanged and match in every configuration "
-           f"({s['configurations_matched']} configurations); {len(s['blocked'])} are blocked (reason below, "
-           f"checked by the suite); {len(NOT_CONFIGURED)} kernel groups are not run yet (listed after the table). "
-           "Numerics only: nothing here is a time.",
+           f"({s['configurations_matched']} configurations, {s['lnc2_configurations_matched']} of them LNC2); "
+           f"{len(s['blocked'])} are blocked (reason below, checked by the suite); {len(NOT_CONFIGURED)} kernel "
+           "groups are not run yet (listed after the table). Numerics only: nothing here is a time.",
            "", "| kernel | configuration | LNC | status | max abs err | reason |", "|---|---|---|---|---|---|"]
     for r in rows:
         e = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
         out.append(f"| {r['kernel']} | {r['config']} | {r['lnc']} | {r['status']} | {e} | "
-                   f"{r['reason'].replace('|', '/')[:200]} |")
+                   f"{r['reason'].replace('|', '/')[:300]} |")
     from .blocked import NOT_CONFIGURED
 
     out += ["", "Not run yet (no configuration claims them):", "", "| kernel | what it needs |", "|---|---|"]

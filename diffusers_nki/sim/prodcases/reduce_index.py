@@ -121,3 +121,43 @@ CASES = [
     Case("reduce_index", "nki-library core/indexed_flatten", "T 4096 E 2 f 128 N 4 start 2", LIB,
          "nkilib.core.subkernels.indexed_flatten", "indexed_flatten", **_flatten(4096, 2, 128, N=4, start=2)),
 ]
+
+
+# ----------------------------------------------------------------------------------------------------
+# rotational_topk (needs scipy at import: its rotation matrix is scipy.linalg.circulant)
+# ----------------------------------------------------------------------------------------------------
+RTK = "nkilib.core.topk.rotational_topk"
+
+
+def _rtopk(B, S, V, K, lnc):
+    def inputs(rng):
+        from .. import language as nl
+        from .. import production
+
+        m = production.import_module(LIB, RTK)
+        x = rng.standard_normal((B * S, V)).astype(np.float32)
+        tc = m.create_topk_config(inp_shape=(B, S, V), inp_dtype=nl.float32, k=K, sorted=True, num_programs=lnc)
+        cfg = m.create_rotational_topk_config(inp_shape=(tc.BxS, tc.vocab_size), topk_config=tc)
+        return {"inp": x, "config": m.prepare_rotational_constants(cfg)}
+
+    def outputs(res, kw):
+        # the values, and the input gathered at the returned indices (ties make indices ambiguous; the values
+        # they point at are not)
+        vals, idx = res
+        x = np.asarray(kw["inp"])
+        return [np.sort(np.asarray(vals, np.float64), -1),
+                np.sort(np.take_along_axis(x, np.asarray(idx).astype(np.int64), -1).astype(np.float64), -1)]
+
+    def reference(mods, kw):   # the K largest of each row, sorted (the library test compares sorted values)
+        top = np.sort(np.asarray(kw["inp"], np.float64), axis=-1)[:, -K:]
+        return [top, top]
+
+    return dict(inputs=inputs, reference=reference, outputs=outputs, lnc=lnc, atol=1e-6, rtol=0, needs=("scipy",))
+
+
+CASES += [
+    Case("reduce_index", "nki-library core/rotational_topk", "B4 S1 V3168 K64 fp32", LIB, RTK, "rotational_topk",
+         **_rtopk(4, 1, 3168, 64, 1)),
+    Case("reduce_index", "nki-library core/rotational_topk", "B8 S5 V4058 K256 fp32 lnc2", LIB, RTK, "rotational_topk",
+         **_rtopk(8, 5, 4058, 256, 2)),
+]

@@ -1,0 +1,14 @@
+"""AWS's production NKI kernels, family 'attention_tkg', run UNCHANGED in the emulator at the pinned commits and
+compared with their reference in the same run (diffusers_nki/sim/prodcases/attention_tkg.py: configurations, references,
+tolerances). Skipped, with the reason, where the kernel sources are absent (sim/production.py says where it
+looks)."""
+import pytest
+
+from diffusers_nki.sim import prodcases
+
+CASES = prodcases.cases_of("attention_tkg")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_attention_tkg(case):
+    prodcases.check(case)
