@@ -2,7 +2,7 @@
 chunk through diffusers_nki.
 
 What it does (offline, CPU, well under a minute on 2 cores with the defaults):
-1. builds the tiny ``CausalWanPipeline`` (``diffusers_nki.tiny``: stock WanTransformer3DModel, AutoencoderKLWan and
+1. builds the tiny ``CausalWanPipeline`` (``diffusers_nki.testing.tiny``: stock WanTransformer3DModel, AutoencoderKLWan and
    UMT5 encoder with random weights, in-memory tokenizer);
 2. ``diffusers_nki.patch(pipe, backend=...)``: NKI-routed attention plus the static cache the pipeline's attention
    window needs (Self-Forcing's 21 latent frames by default; ``--window/--sink`` for LongLive's 12 + 3);
@@ -71,13 +71,13 @@ def _missing_pieces() -> List[str]:
     """Why streaming mode cannot run (empty: it can)."""
     reasons = []
     try:
-        from diffusers_nki import tiny
+        from diffusers_nki.testing import tiny
 
         bad = tiny.unavailable_pipelines().get(PIPELINE)
         if bad:
             reasons.append(bad)
     except Exception as e:
-        reasons.append(f"diffusers_nki.tiny: {type(e).__name__}: {e}")
+        reasons.append(f"diffusers_nki.testing.tiny: {type(e).__name__}: {e}")
     for name in ("patch", "explain", "StaticCacheConfig"):
         try:
             import diffusers_nki
@@ -92,7 +92,7 @@ def _missing_pieces() -> List[str]:
 # streaming mode
 # ------------------------------------------------------------------------------------------------------
 def _call_kwargs(args):
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     return tiny.tiny_call_kwargs(PIPELINE, chunks=args.chunks, steps=args.steps, seed=args.seed,
                                  frames_per_chunk=args.frames_per_chunk, height=args.height, width=args.width,
@@ -156,7 +156,8 @@ def _stream(args) -> dict:
     from tqdm.auto import tqdm
 
     import diffusers_nki
-    from diffusers_nki import ops, tiny
+    from diffusers_nki import ops
+    from diffusers_nki.testing import tiny
     from diffusers_nki.bench._measure import AttentionRecorder
 
     report: dict = {"mode": "stream", "pipeline": None, "args": {k: v for k, v in vars(args).items()

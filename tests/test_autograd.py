@@ -183,7 +183,7 @@ def test_cache_write_of_values_that_require_grad_is_detached_and_says_so():
 
 def test_explain_says_how_the_backward_runs():
     import diffusers_nki
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     model, _ = tiny.tiny_transformer("wan", num_layers=1)
     diffusers_nki.patch(model, backend="sim")

@@ -165,7 +165,7 @@ def test_compiled_graphs_stay_flat_with_the_static_cache():
 
 # --- published full-scale configurations (bench/_published.py) ---------------------------------------------
 def test_every_available_family_has_a_published_entry_with_cited_sources():
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
     from diffusers_nki.bench._published import published_for
 
     assert published_for("no-such-family") is None

@@ -48,7 +48,8 @@ def test_version():
 
 def test_every_subpackage_is_listed_in_pyproject():
     text = (ROOT / "pyproject.toml").read_text()
-    subs = sorted(p.parent.name for p in (ROOT / "diffusers_nki").glob("*/__init__.py"))
-    assert "pipelines" in subs
+    base = ROOT / "diffusers_nki"
+    subs = sorted(".".join(p.parent.relative_to(base).parts) for p in base.glob("**/__init__.py") if p.parent != base)
+    assert "pipelines" in subs and "testing.tiny" in subs
     for name in subs:
         assert f'"diffusers_nki.{name}"' in text, f"diffusers_nki.{name} is not in pyproject's packages list"

@@ -1,8 +1,8 @@
-"""Tests of diffusers_nki.tiny: tiny offline transformers and pipelines build, run and are deterministic."""
+"""Tests of diffusers_nki.testing.tiny: tiny offline transformers and pipelines build, run and are deterministic."""
 import pytest
 import torch
 
-from diffusers_nki import tiny, tiny_video
+from diffusers_nki.testing import tiny
 
 FAMILY_PARAMS = [
     pytest.param(name, marks=pytest.mark.skip(reason=tiny.unavailable_families()[name]))
@@ -19,21 +19,6 @@ def _sample(out):
     return out[0] if isinstance(out, list) else out
 
 
-def _expected_shape(family, model, inputs):
-    if family in tiny_video.FAMILIES:
-        return tiny_video.expected_output_shape(family, model, inputs)
-    hs = inputs["hidden_states"]
-    cfg = model.config
-    if family == "wan_animate2":
-        return (cfg.out_dim, *hs[0].shape[1:])
-    if family in ("anyflow", "anyflow_far"):
-        return (hs.shape[0], hs.shape[1], cfg.out_channels, *hs.shape[3:])
-    if family in ("ltx", "ltx2", "sana_wm_refiner"):
-        return (*hs.shape[:2], cfg.out_channels)
-    out_ch = getattr(cfg, "out_channels", None) or cfg.in_channels
-    return (hs.shape[0], out_ch, *hs.shape[2:])
-
-
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_family_builds_and_runs(family):
     model, make_inputs = tiny.tiny_transformer(family)
@@ -42,7 +27,7 @@ def test_family_builds_and_runs(family):
     inputs = make_inputs()
     with torch.no_grad():
         out = _sample(model(**inputs, return_dict=False))
-    assert tuple(out.shape) == _expected_shape(family, model, inputs)
+    assert tuple(out.shape) == tiny.expected_output_shape(family, model, inputs)
     assert torch.isfinite(out).all()
     # same seed -> same weights and inputs -> same output
     model2, make_inputs2 = tiny.tiny_transformer(family)
@@ -63,7 +48,7 @@ def test_seed_and_geometry(family):
     big = make_inputs(batch=2, height=8, width=8, frames=3)
     with torch.no_grad():
         out = _sample(model(**big, return_dict=False))
-    assert tuple(out.shape) == _expected_shape(family, model, big)
+    assert tuple(out.shape) == tiny.expected_output_shape(family, model, big)
     assert out.shape[0] == 2
     assert big["hidden_states"].numel() != base["hidden_states"].numel()
     ts = torch.full_like(base["timestep"], 7)

@@ -37,7 +37,7 @@ def far_chunk_calls(chunk_partition: Sequence[int] = (1, 3, 3, 3, 3, 3, 3, 2), s
     from diffusers.schedulers import FlowMapEulerDiscreteScheduler
 
     import diffusers_nki
-    from diffusers_nki.tiny import tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_transformer
 
     pub = PUBLISHED["anyflow_far"]
     cp = [int(c) for c in chunk_partition]

@@ -1,7 +1,7 @@
 """Published full-scale configurations, one per model family, for the MODELED Trainium columns of the
 benchmark matrix and the demo.
 
-The tiny models in ``diffusers_nki.tiny`` prove routing and parity; the modeled kernel cost only means
+The tiny models in ``diffusers_nki.testing.tiny`` prove routing and parity; the modeled kernel cost only means
 something at the scale the model is really used at. Each entry records the published checkpoint's
 attention geometry (layers, heads, head_dim), the published generation setting (resolution, frames,
 steps) and where each number comes from, and expands it into the attention calls one unit of work makes:

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
-    from diffusers_nki.tiny import tiny_config
+    from diffusers_nki.testing.tiny import tiny_config
 
     # the rolling run (1-frame chunks, sink 1) keeps full_chunk_limit - 1 full frames + the sink + >= 1 rolling frame
     window = tiny_config("anyflow_far")["full_chunk_limit"] + 1
@@ -65,7 +65,7 @@ def _check(args) -> None:
 # ------------------------------------------------------------------------------------------------------
 def _far_pipe(config=None):
     from diffusers_nki.cache import apply_static_cache
-    from diffusers_nki.tiny import tiny_pipeline
+    from diffusers_nki.testing.tiny import tiny_pipeline
 
     pipe = tiny_pipeline("anyflow_far")
     if config is not None:
@@ -74,7 +74,7 @@ def _far_pipe(config=None):
 
 
 def _far_kwargs(args, chunks):
-    from diffusers_nki.tiny import tiny_call_kwargs
+    from diffusers_nki.testing.tiny import tiny_call_kwargs
 
     return tiny_call_kwargs("anyflow_far", chunks=chunks, steps=args.steps, output_type="latent",
                             height=args.size, width=args.size)
@@ -194,7 +194,7 @@ def _kv_row_bytes(pipe, elem: int) -> int:
 def _skyreels(args) -> Dict[str, dict]:
     from diffusers_nki.cache import StaticCacheConfig, apply_static_cache
     from diffusers_nki.caching.core import find_hook
-    from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline
+    from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline
 
     kwargs = tiny_call_kwargs("skyreels_v2_df", chunks=3, steps=4, causal_block_size=2, ar_step=1,
                               output_type="latent")

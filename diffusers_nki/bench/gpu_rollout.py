@@ -96,15 +96,15 @@ def _build(args, torch, device):
         vae = None
         if not args.no_decode:
             if args.smoke:
-                from diffusers_nki.tiny import tiny_wan_vae
+                from diffusers_nki.testing.tiny import tiny_wan_vae
 
                 vae = tiny_wan_vae()
             else:
                 vae = AutoencoderKLWan().eval()  # the Wan2.1 VAE configuration (diffusers' defaults)
     if dtype != torch.float32:  # as from_pretrained(torch_dtype=...) does: _keep_in_fp32_modules stay fp32
-        from diffusers_nki.tiny import _cast_like_from_pretrained
+        from diffusers_nki.testing.tiny import cast_like_from_pretrained
 
-        _cast_like_from_pretrained(transformer, dtype)
+        cast_like_from_pretrained(transformer, dtype)
     pipe = CausalWanPipeline(None, None, transformer, vae, FlowMatchLCMScheduler(shift=5.0),
                              num_frame_per_block=args.chunk_frames, **CONFIGS[args.config])
     pipe.set_progress_bar_config(disable=True)

@@ -35,7 +35,7 @@ VALID_TOKENS = 7
 # SANA-WM's softmax modules run their attention in bf16 in stock too: its float32 model is not float32 attention
 LOOSE = {"sana_wm": 5e-3}
 TOL = 1e-4  # patched vs stock float32, relative to the largest reference gradient
-# families whose tiny layout packs one item per call (diffusers_nki.tiny_video): batch 1
+# families whose tiny layout packs one item per call (diffusers_nki.testing.tiny): batch 1
 ONE_ITEM = ("cosmos3",)
 
 
@@ -114,7 +114,8 @@ def gradient_parity(family: str, backend: str = "torch", *, batch: int = 2, seed
                     reference64: bool = True) -> dict:
     """One row: gradient errors of the patched model (``backend``) vs stock, and the routing counts."""
     import diffusers_nki
-    from diffusers_nki import ops, tiny
+    from diffusers_nki import ops
+    from diffusers_nki.testing import tiny
 
     model, make_inputs = tiny.tiny_transformer(family, seed=seed)
     model.train()  # dropout is 0 in the tiny configs; train mode is what training runs
@@ -202,7 +203,7 @@ def table(rows: List[dict]) -> str:
 
 
 def run(families: Optional[List[str]] = None, backends=("torch", "sim"), out=sys.stdout) -> List[dict]:
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     fams = families or tiny.available_families()
     rows = []

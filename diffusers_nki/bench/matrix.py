@@ -1,6 +1,6 @@
 """``diffusers-nki bench``: the cross-model benchmark matrix (also ``python -m diffusers_nki bench``).
 
-One row per model family that ``diffusers_nki.tiny`` covers (filter with ``--families``). MEASURED on this
+One row per model family that ``diffusers_nki.testing.tiny`` covers (filter with ``--families``). MEASURED on this
 CPU with the tiny models (stock diffusers vs ``diffusers_nki.patch``, side by side in one run):
 - the diffusers class(es) and the tiny pipeline, when there is one;
 - routing: attention calls that went through the diffusers_nki op (``ops.counters()``) over all softmax
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer repeats and chunks, trn2 only, no compile counting (< 5 min on 2 cores)")
     p.add_argument("--families", default=None,
-                   help="comma-separated families to run (default: all that diffusers_nki.tiny covers)")
+                   help="comma-separated families to run (default: all that diffusers_nki.testing.tiny covers)")
     p.add_argument("--backend", default="torch", choices=("auto", "torch", "sim", "nki"),
                    help="kernel backend for the patched runs (default torch)")
     p.add_argument("--chunks", type=int, default=None, help="AR rollout chunks (default 6, --quick 3)")
@@ -98,7 +98,8 @@ def _transformer_row(family: str, args, repeats: int) -> dict:
     import torch
 
     import diffusers_nki
-    from diffusers_nki import ops, tiny
+    from diffusers_nki import ops
+    from diffusers_nki.testing import tiny
     from diffusers_nki.bench._measure import AttentionRecorder, first_tensor, max_rel_err, median_s
 
     out: dict = {}
@@ -152,7 +153,7 @@ def _frames(out):
 def _pipeline_run(name, geometry, chunks, steps, pipe, timer_per_chunk: bool):
     import torch
 
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
     from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer
 
     kw = tiny.tiny_call_kwargs(name, chunks=chunks if geometry is not None else 1, steps=steps,
@@ -184,7 +185,7 @@ def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
     import torch
 
     import diffusers_nki
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
     from diffusers_nki.bench._measure import GraphCounter
 
     res = {}
@@ -212,7 +213,8 @@ def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
 
 def _pipeline_row(name: str, geometry, args, chunks: int, repeats: int) -> dict:
     import diffusers_nki
-    from diffusers_nki import ops, tiny
+    from diffusers_nki import ops
+    from diffusers_nki.testing import tiny
     from diffusers_nki.bench._measure import median_s, psnr
 
     steps = 2
@@ -332,7 +334,7 @@ def _modeled_row(family: str, args) -> dict:
 # matrix
 # ------------------------------------------------------------------------------------------------------
 def _families(args) -> List[str]:
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     if args.families:
         names = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -347,7 +349,7 @@ def build_matrix(args, log=print) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     families = _families(args)
     chunks = args.chunks or (3 if args.quick else 6)
@@ -387,7 +389,7 @@ def build_matrix(args, log=print) -> dict:
                     row["pipeline"] = {"pipeline": name, "status": "error", "reason": _err(e),
                                        "traceback": traceback.format_exc(limit=3)}
         elif not pipes:
-            row["pipeline"] = {"status": "n/a", "reason": "no tiny pipeline for this family in diffusers_nki.tiny"}
+            row["pipeline"] = {"status": "n/a", "reason": "no tiny pipeline for this family in diffusers_nki.testing.tiny"}
         if args.no_modeled:
             row["modeled"] = {"status": "n/a", "reason": "--no-modeled"}
         else:

@@ -69,7 +69,7 @@ def test_token_unit_capacity_error_speaks_of_tokens():
     import torch
 
     from diffusers_nki.cache import apply_static_cache, remove_static_cache
-    from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline
+    from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("anyflow_far")
     apply_static_cache(pipe, StaticCacheConfig(capacity=20, unit="tokens", backend="torch"))

@@ -10,7 +10,7 @@ import diffusers_nki
 from diffusers_nki.bench._measure import AttentionRecorder
 from diffusers_nki.cache import StaticCacheConfig, describe_cache
 from diffusers_nki.caching.core import find_hook
-from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline
+from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline
 
 
 def _far(chunks, frames=1, **kw):
@@ -109,7 +109,7 @@ def test_no_default_cache_where_no_exact_one_exists():
 
 
 def test_a_model_the_default_cache_cannot_serve_keeps_stock_caching_visibly():
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     model, _ = tiny.tiny_transformer("anyflow_far", full_chunk_limit=1)  # the FAR cache needs >= 2
     with pytest.warns(RuntimeWarning, match="no default static cache on AnyFlowFARTransformer3DModel.*full_chunk_limit"):

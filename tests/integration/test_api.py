@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import ops, tiny
+from diffusers_nki import ops
+from diffusers_nki.testing import tiny
 from diffusers_nki.patching import NotPatchedError, UnsupportedModelError
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import backends, bridge, masks, ops, routing, tiny
+from diffusers_nki import backends, bridge, masks, ops, routing
+from diffusers_nki.testing import tiny
 
 
 def test_diffusers_private_names_are_as_expected():
@@ -65,7 +66,8 @@ def test_env_var_selects_nki(tmp_path):
     code = (
         "import importlib.util, diffusers_nki, torch\n"
         "assert importlib.util.find_spec('diffusers.models.attention_dispatch')\n"  # a probe must not disarm it
-        "from diffusers_nki import ops, tiny\n"
+        "from diffusers_nki import ops\n"
+        "from diffusers_nki.testing import tiny\n"
         "from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R\n"
         "assert R._active_backend.value == 'nki', R._active_backend\n"
         "m, mk = tiny.tiny_transformer('wan', num_layers=1)\n"
@@ -188,7 +190,8 @@ def test_nki_first_used_inside_compiled_models_in_a_fresh_process(tmp_path):
     # fullgraph compile (the eager resolution undone), then a second model compiles too
     code = (
         "import sys, torch, diffusers_nki\n"
-        "from diffusers_nki import backends, ops, tiny\n"
+        "from diffusers_nki import backends, ops\n"
+        "from diffusers_nki.testing import tiny\n"
         "backends._auto_choice = None\n"
         "order = sys.argv[1].split(',')\n"
         "for fam in order:\n"

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import bridge, ops, tiny
+from diffusers_nki import bridge, ops
+from diffusers_nki.testing import tiny
 
 
 def test_patched_wan_compiles_fullgraph_without_recompiling(h):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import accounting, ops, tiny
+from diffusers_nki import accounting, ops
+from diffusers_nki.testing import tiny
 from diffusers_nki.patching import NotPatchedError, is_patched, patched_backend
 
 FAST = dict(frames=1, height=4, width=4)
@@ -177,7 +178,7 @@ def test_patch_pipeline_again_after_register_modules_patches_the_new_component(h
     diffusers_nki.patch(pipe, backend="torch")
     assert patched_backend(new) == "torch" and patched_backend(old) is None
     assert _our_state(old) == []  # the replaced component got its original processors back
-    h.run(new, tiny._SPECS["wan"].inputs(new, torch.Generator(), 1, 1, 4, 4, 12, torch.float32))
+    h.run(new, tiny.SPECS["wan"].inputs(new, torch.Generator(), 1, 1, 4, 4, 12, torch.float32))
     assert ops.counters()["attention"]["torch"] == 2 * len(new.blocks)
     diffusers_nki.unpatch(pipe)
     assert _our_state(new) == []
@@ -214,7 +215,7 @@ def test_unpatch_leaves_what_the_user_changed_after_patch():
 def test_deepcopy_carries_an_independent_patch(through, h):
     pipe = tiny.tiny_pipeline("wan")
     model = pipe.transformer
-    inputs = tiny._SPECS["wan"].inputs(model, torch.Generator().manual_seed(0), 1, 1, 4, 4, 12, torch.float32)
+    inputs = tiny.SPECS["wan"].inputs(model, torch.Generator().manual_seed(0), 1, 1, 4, 4, 12, torch.float32)
     stock = h.run(model, inputs)
     diffusers_nki.patch(model if through == "model" else pipe, backend="torch")
     twin = copy.deepcopy(model)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import bridge, ops, tiny
+from diffusers_nki import bridge, ops
+from diffusers_nki.testing import tiny
 
 
 @pytest.fixture

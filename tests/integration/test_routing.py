@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import masks, ops, routing, tiny
+from diffusers_nki import masks, ops, routing
+from diffusers_nki.testing import tiny
 from diffusers_nki.kernels.attention_ref import attention_oracle
 def _qkv(B=2, Sq=12, Sk=12, H=2, D=8, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import ops, routing, tiny
+from diffusers_nki import ops, routing
+from diffusers_nki.testing import tiny
 
 DIRECT_SDPA = ("cogvideox", "allegro", "latte", "easyanimate", "mochi", "consisid")
 NOTE = "set_attention_backend / DIFFUSERS_ATTN_BACKEND does not reach"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import bridge, ops, tiny
+from diffusers_nki import bridge, ops
+from diffusers_nki.testing import tiny
 from diffusers_nki.processors_wan import NKIWanAttnProcessor
 
 

@@ -65,7 +65,7 @@ def run_case(case, cfg, spy):
     import diffusers_nki
     from diffusers_nki import ops, parallel
     from diffusers_nki.cache import StaticCacheConfig
-    from diffusers_nki.tiny import tiny_pipeline, tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_pipeline, tiny_transformer
 
     from cp_cases import anyflow_far_kwargs, ANYFLOW_FAR_CACHE, wan_inputs
 

@@ -109,7 +109,7 @@ def test_registered_for_context_parallelism_and_return_lse_through_dispatch():
 
 
 def test_cp_plan_and_describe_without_parallelism():
-    from diffusers_nki.tiny import tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_transformer
 
     wan, _ = tiny_transformer("wan")
     far, _ = tiny_transformer("anyflow_far")

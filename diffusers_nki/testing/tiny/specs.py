@@ -1,36 +1,104 @@
-"""Tiny configs and input builders for the video transformers added by the video-family patches
-(``patches/{allegro,chronoedit,cogvideox,...}.py``), merged into ``diffusers_nki.tiny``'s tables.
+"""Every tiny family's record: its diffusers class (``Family``), its tiny config and input builder (``Spec``),
+the smallest shapes it accepts (``SIM_GEOMETRY``) and the output shape of one forward.
 
-Same contract as the families of ``diffusers_nki.tiny`` (read its docstring): configs are the tiny configs of
-diffusers' own model tests (``tests/models/transformers/test_models_transformer_<name>.py``), adapted where the
-family note says so; ``make_inputs(batch, frames=, height=, width=, text_len=, seed=, **overrides)`` builds one
-forward call from a seeded generator, with ``(frames, height, width)`` in LATENT units.
+Configs are the tiny configs of diffusers' own model tests (``tests/models/transformers/
+test_models_transformer_<name>.py``), adapted where the family note says so. An input builder is
+``(model, generator, batch, F, H, W, L, dtype) -> forward kwargs``, with ``(F, H, W)`` in LATENT units and ``L`` the
+text length; ``diffusers_nki.testing.tiny.tiny_transformer`` wraps it into ``make_inputs``.
 
 Where a model takes its rotary tables from the caller (CogVideoX, ConsisID, Allegro), the builder makes them with
-the pipeline's own ``_prepare_rotary_positional_embeddings`` (called on a stand-in holding the transformer config),
-so the tiny forward runs the RoPE path the pipeline runs.
-
-``SIM_GEOMETRY``: the smallest latent shapes each family accepts (the emulated-kernel parity tests);
-``expected_output_shape(family, model, inputs)``: the output shape of one forward (for ``tests/test_tiny.py``).
+the pipeline's own rotary helper (through ``diffusers_nki.compat``), called on a stand-in holding the transformer
+config, so the tiny forward runs the RoPE path the pipeline runs.
 """
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-__all__ = ["FAMILIES", "SPECS", "SIM_GEOMETRY", "expected_output_shape"]
+__all__ = ["Family", "Spec", "FAMILIES", "SPECS", "SIM_GEOMETRY", "expected_output_shape"]
+
+
+@dataclass(frozen=True)
+class Family:
+    class_path: str  # "diffusers.models.transformers.<module>.<Class>"
+    note: str
+
 
 _T = "diffusers.models.transformers."
+FAMILIES: dict[str, Family] = {
+    "wan": Family(_T + "transformer_wan.WanTransformer3DModel", "Wan 2.1/2.2 bidirectional DiT (dispatch attention)"),
+    "wan_animate2": Family(
+        _T + "transformer_wan_animate_2.WanAnimate2Transformer3DModel",
+        "Wan-Animate-2; make_inputs gives the reference ('extract') pass, kv_cache_mode='cached' runs it first "
+        "and returns a denoising pass against the filled reference KV cache (flex block mask)",
+    ),
+    "skyreels_v2": Family(
+        _T + "transformer_skyreels_v2.SkyReelsV2Transformer3DModel",
+        "SkyReels-V2 (Wan-like); diffusion forcing takes a per-frame timestep (B, F) with enable_diffusion_forcing",
+    ),
+    "anyflow": Family(
+        _T + "transformer_anyflow.AnyFlowTransformer3DModel",
+        "AnyFlow bidirectional Wan variant; layout (B, F, C, H, W)",
+    ),
+    "anyflow_far": Family(
+        _T + "transformer_anyflow_far.AnyFlowFARTransformer3DModel",
+        "AnyFlow FAR causal transformer (flex-only causal attention); layout (B, F, C, H, W) + chunk_partition",
+    ),
+    "hunyuan_video": Family(
+        _T + "transformer_hunyuan_video.HunyuanVideoTransformer3DModel", "HunyuanVideo dual/single-stream DiT"
+    ),
+    "framepack": Family(
+        _T + "transformer_hunyuan_video_framepack.HunyuanVideoFramepackTransformer3DModel",
+        "FramePack: HunyuanVideo + clean/2x/4x history latents as extra tokens",
+    ),
+    "helios": Family(
+        _T + "transformer_helios.HeliosTransformer3DModel", "Helios: Wan-like with short/mid/long history latents"
+    ),
+    "ltx": Family(_T + "transformer_ltx.LTXVideoTransformer3DModel", "LTX-Video; packed tokens (B, F*H*W, C)"),
+    "ltx2": Family(
+        _T + "transformer_ltx2.LTX2VideoTransformer3DModel", "LTX-2 audio+video; packed video and audio tokens"
+    ),
+    "cosmos": Family(
+        _T + "transformer_cosmos.CosmosTransformer3DModel",
+        "Cosmos; concat_padding_mask=True only when torchvision is importable (its resize needs it), otherwise "
+        "the tiny config sets it False (same attention path)",
+    ),
+    "sana_video": Family(
+        _T + "transformer_sana_video.SanaVideoTransformer3DModel",
+        "SANA-Video: LINEAR self-attention (no softmax); only its cross-attention is softmax",
+    ),
+    "sana_wm": Family(
+        _T + "transformer_sana_wm.SanaWMTransformer3DModel",
+        "SANA-WM stage 1: GDN linear blocks + a softmax block every softmax_every_n (direct SDPA); camera inputs",
+    ),
+    "sana_wm_refiner": Family(
+        _T + "transformer_sana_wm_refiner.SanaWMLTX2RefinerTransformer3DModel",
+        "SANA-WM stage-2 LTX-2 refiner; caller-supplied video RoPE, optional SanaWMRefinerKVCache",
+    ),
+}
 
 
-def _family(path, note):
-    """(class path, note): ``diffusers_nki.tiny`` wraps it in its ``Family`` (this module never imports tiny)."""
-    return _T + path, note
+def _torchvision_available() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
-def _spec(config, inputs, geometry, text_len=12):
-    """(config factory, input builder, default latent (F, H, W), text length) for ``diffusers_nki.tiny._Spec``."""
-    return config, inputs, geometry, text_len
+# ----------------------------------------------------------------------------------------------------------
+# Tiny configs (from diffusers' model tests) and input builders.
+# Each builder: (model, g, batch, F, H, W, L, dtype) -> kwargs; (F, H, W) in latent units, L text length.
+# ----------------------------------------------------------------------------------------------------------
+
+_WAN_CONFIG = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+    text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+)
 
 
 def _randn(g, shape, dtype):
@@ -39,6 +107,342 @@ def _randn(g, shape, dtype):
 
 def _timesteps(g, batch, dtype):
     return torch.randint(0, 1000, (batch,), generator=g).to(dtype)
+
+
+def _wan_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    return {
+        "hidden_states": _randn(g, (B, cfg.in_channels, F, H, W), dtype),
+        "timestep": _timesteps(g, B, dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.text_dim), dtype),
+    }
+
+
+def _anyflow_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    return {
+        "hidden_states": _randn(g, (B, F, cfg.in_channels, H, W), dtype),
+        "timestep": torch.full((B, F), 500.0, dtype=dtype),
+        "r_timestep": torch.full((B, F), 250.0, dtype=dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.text_dim), dtype),
+    }
+
+
+def _anyflow_far_inputs(model, g, B, F, H, W, L, dtype):
+    inputs = _anyflow_inputs(model, g, B, F, H, W, L, dtype)
+    # Training-rollout path: chunks of 2 latent frames (the last one shorter when F is odd).
+    inputs["chunk_partition"] = [2] * (F // 2) + ([F % 2] if F % 2 else [])
+    return inputs
+
+
+def _hunyuan_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    return {
+        "hidden_states": _randn(g, (B, cfg.in_channels, F, H, W), dtype),
+        "timestep": _timesteps(g, B, dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.text_embed_dim), dtype),
+        "encoder_attention_mask": torch.ones((B, L), dtype=dtype),
+        "pooled_projections": _randn(g, (B, cfg.pooled_projection_dim), dtype),
+        "guidance": _timesteps(g, B, dtype),
+    }
+
+
+def _framepack_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    C = cfg.in_channels
+    inputs = _hunyuan_inputs(model, g, B, F, H, W, L, dtype)
+    inputs.update(
+        image_embeds=_randn(g, (B, L, cfg.image_proj_dim), dtype),
+        indices_latents=torch.arange(F),
+        latents_clean=_randn(g, (B, C, 2, H, W), dtype),
+        indices_latents_clean=torch.arange(F, F + 2),
+        latents_history_2x=_randn(g, (B, C, 2, H, W), dtype),
+        indices_latents_history_2x=torch.arange(F + 2, F + 4),
+        latents_history_4x=_randn(g, (B, C, 16, H, W), dtype),
+        indices_latents_history_4x=torch.arange(F + 4, F + 20),
+    )
+    return inputs
+
+
+def _helios_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    C = cfg.in_channels
+    inputs = _wan_inputs(model, g, B, F, H, W, L, dtype)
+    # history: short 1, mid 2, long 4 latent frames, indices before the current chunk
+    inputs.update(
+        indices_hidden_states=torch.arange(7, 7 + F).repeat(B, 1),
+        indices_latents_history_short=torch.arange(6, 7).repeat(B, 1),
+        indices_latents_history_mid=torch.arange(4, 6).repeat(B, 1),
+        indices_latents_history_long=torch.arange(0, 4).repeat(B, 1),
+        latents_history_short=_randn(g, (B, C, 1, H, W), dtype),
+        latents_history_mid=_randn(g, (B, C, 2, H, W), dtype),
+        latents_history_long=_randn(g, (B, C, 4, H, W), dtype),
+    )
+    return inputs
+
+
+def _ltx_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    return {
+        "hidden_states": _randn(g, (B, F * H * W, cfg.in_channels), dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.caption_channels), dtype),
+        "timestep": _timesteps(g, B, dtype),
+        "encoder_attention_mask": torch.ones((B, L), dtype=torch.bool),
+        "num_frames": F,
+        "height": H,
+        "width": W,
+    }
+
+
+def _ltx2_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    audio_frames = 9
+    inputs = _ltx_inputs(model, g, B, F, H, W, L, dtype)
+    inputs.update(
+        audio_hidden_states=_randn(g, (B, audio_frames, cfg.audio_in_channels), dtype),
+        audio_encoder_hidden_states=_randn(g, (B, L, cfg.caption_channels), dtype),
+        audio_num_frames=audio_frames,
+        fps=25.0,
+    )
+    return inputs
+
+
+def _cosmos_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    return {
+        "hidden_states": _randn(g, (B, cfg.in_channels, F, H, W), dtype),
+        "timestep": _timesteps(g, B, dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.text_embed_dim), dtype),
+        "attention_mask": torch.ones((B, L), dtype=dtype),
+        "fps": 30,
+        "padding_mask": torch.zeros((B, 1, H, W), dtype=dtype),
+    }
+
+
+def _sana_video_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    return {
+        "hidden_states": _randn(g, (B, cfg.in_channels, F, H, W), dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.caption_channels), dtype),
+        "timestep": _timesteps(g, B, dtype),
+    }
+
+
+def _sana_wm_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    # camera: identity rotation, forward translation, pinhole intrinsics centred on the latent grid
+    c2w = torch.eye(4).repeat(B, F, 1, 1)
+    c2w[..., 2, 3] = torch.arange(F, dtype=torch.float32) * 0.1
+    intrinsics = torch.tensor([float(W), float(H), W / 2, H / 2]).expand(B, F, 4)
+    camera = torch.cat([c2w.flatten(start_dim=-2), intrinsics], dim=-1)
+    return {
+        "hidden_states": _randn(g, (B, cfg.in_channels, F, H, W), dtype),
+        "timestep": torch.randint(0, 1000, (B, 1, F), generator=g).to(dtype),
+        "encoder_hidden_states": _randn(g, (B, 1, L, cfg.caption_channels), dtype),
+        "encoder_attention_mask": torch.ones((B, L), dtype=torch.long),
+        "camera_conditions": camera.to(dtype),
+        "chunk_plucker": _randn(g, (B, cfg.chunk_plucker_channels, F, H, W), dtype),
+    }
+
+
+def _sana_wm_refiner_inputs(model, g, B, F, H, W, L, dtype):
+    cfg = model.config
+    n = F * H * W
+    rope = model.build_rotary_emb_for_absolute_positions(
+        batch_size=B, frame_positions=list(range(F)), height=H, width=W, device=torch.device("cpu"), fps=24.0
+    )
+    return {
+        "hidden_states": _randn(g, (B, n, cfg.in_channels), dtype),
+        "encoder_hidden_states": _randn(g, (B, L, cfg.caption_channels), dtype),
+        "timestep": torch.rand((B, n), generator=g).to(dtype) * 1000,
+        "video_rotary_emb": tuple(t.to(dtype) for t in rope),
+        "encoder_attention_mask": torch.ones((B, L), dtype=dtype),
+    }
+
+
+_WAN_ANIMATE2_LATENT = 16
+_WAN_ANIMATE2_COND = 20  # conditioning latents + 4-channel i2v mask
+
+
+def _wan_animate2_inputs(model, g, B, F, H, W, L, dtype, kv_cache_mode="extract"):
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    cfg = model.config
+    pt, ph, pw = cfg.patch_size
+    grid = torch.tensor([[F // pt, H // ph, W // pw]] * B, dtype=torch.long)
+    ref = {
+        "hidden_states": [_randn(g, (_WAN_ANIMATE2_LATENT, F, H, W), dtype) for _ in range(B)],
+        "timestep": torch.ones(B, dtype=dtype),
+        "encoder_hidden_states": [_randn(g, (L, cfg.text_dim), dtype) for _ in range(B)],
+        "condition_latents": [_randn(g, (_WAN_ANIMATE2_COND, F, H, W), dtype) for _ in range(B)],
+        "kv_cache": WanAnimate2KVCache(cfg.num_layers),
+        "kv_cache_mode": "extract",
+        "seq_len": (F // pt) * (H // ph) * (W // pw),
+        "offset_grid_sizes": grid,
+    }
+    if kv_cache_mode == "extract":
+        return ref
+    if kv_cache_mode != "cached":
+        raise ValueError(f"kv_cache_mode={kv_cache_mode!r} is not supported; use 'extract' or 'cached'")
+    with torch.no_grad():
+        model(**ref)  # fills ref["kv_cache"]
+    Fg = F + 1  # the generation stream carries one extra latent frame: the reference image's slot
+    return {
+        "hidden_states": [_randn(g, (_WAN_ANIMATE2_LATENT, Fg, H, W), dtype) for _ in range(B)],
+        "timestep": torch.full((B,), 500.0, dtype=dtype),
+        "encoder_hidden_states": ref["encoder_hidden_states"],
+        "condition_latents": [_randn(g, (_WAN_ANIMATE2_COND, Fg, H, W), dtype) for _ in range(B)],
+        "kv_cache": ref["kv_cache"],
+        "kv_cache_mode": "cached",
+        "seq_len": (Fg // pt) * (H // ph) * (W // pw),
+        "reference_grid_sizes": grid,
+        # pixel geometry of the whole video: (origin_len // 4 + 1) latent frames, 8x VAE downsampling
+        "origin_len": 4 * (Fg - 1) + 1,
+        "origin_area": [8 * H, 8 * W],
+    }
+
+
+@dataclass(frozen=True)
+class Spec:
+    config: Callable[[], dict]
+    inputs: Callable
+    geometry: tuple[int, int, int]  # default latent (F, H, W)
+    text_len: int = 12
+
+
+SPECS: dict[str, Spec] = {
+    "wan": Spec(lambda: dict(_WAN_CONFIG), _wan_inputs, (2, 16, 16)),
+    "skyreels_v2": Spec(lambda: dict(_WAN_CONFIG), _wan_inputs, (2, 16, 16)),
+    "wan_animate2": Spec(
+        lambda: dict(
+            patch_size=(1, 2, 2), text_len=16, in_dim=_WAN_ANIMATE2_LATENT + _WAN_ANIMATE2_COND, dim=32,
+            ffn_dim=64, freq_dim=64, text_dim=16, out_dim=_WAN_ANIMATE2_LATENT, num_heads=4, num_layers=2,
+            cross_attn_norm=True, use_img_emb=False,
+        ),
+        _wan_animate2_inputs,
+        (2, 4, 4),
+        text_len=8,
+    ),
+    "anyflow": Spec(
+        lambda: dict(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
+            gate_value=0.25, deltatime_type="r",
+        ),
+        _anyflow_inputs,
+        (2, 16, 16),
+    ),
+    "anyflow_far": Spec(
+        lambda: dict(
+            patch_size=(1, 2, 2), compressed_patch_size=(1, 4, 4), full_chunk_limit=3, num_attention_heads=2,
+            attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32,
+            num_layers=2, cross_attn_norm=True, rope_max_seq_len=32, gate_value=0.25, deltatime_type="r",
+        ),
+        _anyflow_far_inputs,
+        (4, 16, 16),
+    ),
+    "hunyuan_video": Spec(
+        lambda: dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None,
+        ),
+        _hunyuan_inputs,
+        (2, 8, 8),
+    ),
+    "framepack": Spec(
+        lambda: dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None,
+            has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True,
+        ),
+        _framepack_inputs,
+        (3, 8, 8),
+    ),
+    "helios": Spec(
+        lambda: dict(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_dim=(4, 4, 4), has_multi_term_memory_patch=True,
+            guidance_cross_attn=True, zero_history_timestep=True, is_amplify_history=False,
+        ),
+        _helios_inputs,
+        (2, 16, 16),
+    ),
+    "ltx": Spec(
+        lambda: dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            num_layers=1, qk_norm="rms_norm_across_heads", caption_channels=16,
+        ),
+        _ltx_inputs,
+        (2, 8, 8),
+        text_len=16,
+    ),
+    "ltx2": Spec(
+        lambda: dict(
+            in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+            attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+            qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False,
+        ),
+        _ltx2_inputs,
+        (2, 8, 8),
+        text_len=16,
+    ),
+    "cosmos": Spec(
+        lambda: dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
+            mlp_ratio=2, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+            rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=_torchvision_available(),
+            extra_pos_embed_type="learnable",
+        ),
+        _cosmos_inputs,
+        (2, 16, 16),
+    ),
+    "sana_video": Spec(
+        lambda: dict(
+            in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=12, num_layers=2,
+            num_cross_attention_heads=2, cross_attention_head_dim=12, cross_attention_dim=24, caption_channels=16,
+            mlp_ratio=2.5, dropout=0.0, attention_bias=False, sample_size=8, patch_size=(1, 2, 2),
+            norm_elementwise_affine=False, norm_eps=1e-6, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        ),
+        _sana_video_inputs,
+        (2, 16, 16),
+    ),
+    "sana_wm": Spec(
+        lambda: dict(
+            in_channels=4, num_layers=2, hidden_size=32, num_attention_heads=2, patch_size=(1, 1, 1),
+            softmax_every_n=2, linear_head_dim=16, t_kernel_size=3, conv_kernel_size=4, caption_channels=8,
+            mlp_ratio=2.0, chunk_plucker_channels=8, chunk_plucker_post_attn_blocks=2,
+        ),
+        _sana_wm_inputs,
+        (4, 8, 8),
+        text_len=16,
+    ),
+    "sana_wm_refiner": Spec(
+        lambda: dict(
+            in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+            attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+            qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False,
+        ),
+        _sana_wm_refiner_inputs,
+        (2, 4, 4),
+        text_len=8,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the other video transformers (softmax attention through direct SDPA, flex or a hand-written softmax)
+# ----------------------------------------------------------------------------------------------------------
+def _family(path, note):
+    return Family(_T + path, note)
+
+
+def _spec(config, inputs, geometry, text_len=12):
+    return Spec(config, inputs, geometry, text_len)
 
 
 def _text_mask(B, L, dtype=torch.bool):
@@ -321,7 +725,7 @@ def _joyimage_plus_inputs(model, g, B, F, H, W, L, dtype):
 _JOY = dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=32, num_attention_heads=2, text_dim=16, num_layers=2,
             rope_dim_list=[4, 6, 6], theta=256)
 
-FAMILIES = {
+FAMILIES.update({
     "cogvideox": _family(
         "cogvideox_transformer_3d.CogVideoXTransformer3DModel",
         "CogVideoX: joint [text | video] attention, direct SDPA (routed processor); 3D RoPE on the video part; "
@@ -385,9 +789,9 @@ FAMILIES = {
     "joyimage_edit_plus": _family(
         "transformer_joyimage_edit_plus.JoyImageEditPlusTransformer3DModel",
         "JoyImage-Edit-Plus: multi-image joint attention with batched RoPE through dispatch; two images per item"),
-}
+})
 
-SPECS = {
+SPECS.update({
     "cogvideox": _spec(lambda: dict(_COGVIDEOX), _cogvideox_inputs, (2, 8, 8), text_len=8),
     "consisid": _spec(lambda: dict(_CONSISID), _consisid_inputs, (2, 8, 8), text_len=8),
     "allegro": _spec(
@@ -458,11 +862,18 @@ SPECS = {
         _cosmos3_inputs, (1, 4, 4), text_len=3),
     "joyimage_edit": _spec(lambda: dict(_JOY), _joyimage_inputs, (1, 4, 4)),
     "joyimage_edit_plus": _spec(lambda: dict(_JOY), _joyimage_plus_inputs, (1, 2, 2)),
-}
+})
 assert set(SPECS) == set(FAMILIES)
 
-# the smallest latent shapes each family accepts (kernel-in-the-emulator parity)
+# the smallest latent shapes each family accepts (kernel-in-the-emulator parity tests)
 SIM_GEOMETRY = {
+    "wan": dict(frames=1, height=4, width=4), "skyreels_v2": dict(frames=1, height=4, width=4),
+    "anyflow": dict(frames=1, height=4, width=4), "anyflow_far": dict(frames=2, height=4, width=4),
+    "wan_animate2": dict(frames=1, height=4, width=4), "hunyuan_video": dict(frames=1, height=2, width=2),
+    "framepack": dict(frames=1, height=4, width=4), "helios": dict(frames=1, height=4, width=4),
+    "ltx": dict(frames=1, height=2, width=2), "ltx2": dict(frames=1, height=2, width=2),
+    "cosmos": dict(frames=1, height=4, width=4), "sana_video": dict(frames=1, height=4, width=4),
+    "sana_wm": dict(frames=2, height=4, width=4), "sana_wm_refiner": dict(frames=1, height=2, width=2),
     "cogvideox": dict(frames=1, height=4, width=4), "consisid": dict(frames=1, height=4, width=4),
     "allegro": dict(frames=1, height=4, width=4), "latte": dict(frames=3, height=4, width=4),
     "easyanimate": dict(frames=1, height=4, width=4), "mochi": dict(frames=1, height=4, width=4),
@@ -479,6 +890,15 @@ def expected_output_shape(family: str, model, inputs) -> tuple:
     """Shape of the sample a forward of these inputs returns (``out[0]``, the first list item for list outputs)."""
     cfg = model.config
     hs = inputs.get("hidden_states")
+    if family == "wan_animate2":
+        return (cfg.out_dim, *hs[0].shape[1:])
+    if family in ("anyflow", "anyflow_far"):
+        return (hs.shape[0], hs.shape[1], cfg.out_channels, *hs.shape[3:])
+    if family in ("ltx", "ltx2", "sana_wm_refiner"):
+        return (*hs.shape[:2], cfg.out_channels)
+    if family in ("wan", "skyreels_v2", "hunyuan_video", "framepack", "helios", "cosmos", "sana_video", "sana_wm"):
+        out_ch = getattr(cfg, "out_channels", None) or cfg.in_channels
+        return (hs.shape[0], out_ch, *hs.shape[2:])
     if family in ("cogvideox", "consisid"):
         return (hs.shape[0], hs.shape[1], cfg.out_channels, *hs.shape[3:])
     if family in ("kandinsky5", "kandinsky6", "kandinsky6_sr"):
@@ -493,4 +913,4 @@ def expected_output_shape(family: str, model, inputs) -> tuple:
                   "mochi"):
         out_ch = getattr(cfg, "out_channels", None) or cfg.in_channels
         return (hs.shape[0], out_ch, *hs.shape[2:])
-    raise ValueError(f"family={family!r} is not a video family of diffusers_nki.tiny_video")
+    raise ValueError(f"family={family!r} is not a tiny family; known families: {sorted(FAMILIES)}")
