@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer
-from diffusers_nki.bench._published import PUBLISHED, AttnCall
+from diffusers_nki.bench.published import PUBLISHED, AttnCall
 
 __all__ = ["far_chunk_calls"]
 

@@ -102,7 +102,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: int = 8, step
 
     import diffusers_nki
     from diffusers_nki.bench._measure import AttentionRecorder
-    from diffusers_nki.bench._published import AttnCall
+    from diffusers_nki.bench.published import AttnCall
     from diffusers_nki.caching.causal_wan import CHUNK_KEY
     from diffusers_nki.pipelines import CausalWanPipeline
     from diffusers_nki.testing.tiny import tiny_transformer

@@ -10,7 +10,7 @@ CPU with the tiny models (stock diffusers vs ``diffusers_nki.patch``, side by si
 - distinct attention shapes over an N-chunk rollout, stock -> patched (pipelines), and torch.compile graph
   compilations over that rollout (a counting backend that runs graphs eagerly; AR pipelines, not --quick);
 - CPU time per transformer forward (and per chunk for AnyFlow-FAR), medians over interleaved repeats.
-MODELED (never measured) at each family's published full scale (``bench/_published.py`` cites each
+MODELED (never measured) at each family's published full scale (``bench/published/configs.py`` cites each
 number): attention time per unit (AR chunk or one-shot forward) on trn2 (+ trn1, trn3 unless --quick)
 from the attention kernel's emulator trace + its dependency-aware schedule (the roofline ceiling beside it),
 and full-scale KV-cache bytes.
@@ -277,7 +277,7 @@ def _pipeline_row(name: str, geometry, args, chunks: int, repeats: int) -> dict:
 # ------------------------------------------------------------------------------------------------------
 def _modeled_row(family: str, args) -> dict:
     from diffusers_nki.bench import _modeled
-    from diffusers_nki.bench._published import published_for
+    from diffusers_nki.bench.published import published_for
 
     if family == "causal_wan":  # Self-Forcing at full scale: shapes recorded from the patched pipeline
         from diffusers_nki.bench.budget import chunk_attention_calls
@@ -300,7 +300,7 @@ def _modeled_row(family: str, args) -> dict:
     pub = published_for(family)
     if pub is None:
         return {"status": "n/a", "reason": "no published full-scale configuration recorded for this family in "
-                                          "diffusers_nki/bench/_published.py"}
+                                          "diffusers_nki/bench/published/configs.py"}
     why = _modeled.unavailable_reason()
     if why:
         return {"status": "n/a", "reason": why}
@@ -405,7 +405,7 @@ def build_matrix(args, log=print) -> dict:
     reference = None
     if not args.no_modeled:
         from diffusers_nki.bench import _modeled
-        from diffusers_nki.bench._published import SELF_FORCING
+        from diffusers_nki.bench.published import SELF_FORCING
 
         if _modeled.available():
             from diffusers_nki.bench.scaling import add_chip_figures
