@@ -6,7 +6,7 @@ Public API (kept small):
   the exact static KV cache wherever the family has one; ``False``: none; a ``StaticCacheConfig``: that one);
 - ``unpatch(pipe_or_model)`` -> the same object, restored bit-for-bit;
 - ``explain(pipe_or_model)`` -> a printable report (``.to_dict()``) of every attention module's path;
-- ``StaticCacheConfig`` (from ``diffusers_nki.cache``) and ``__version__``.
+- ``StaticCacheConfig`` (``diffusers_nki.caching.config``) and ``__version__``.
 
 Importing this package is cheap (no torch, no diffusers). It arranges for the "nki" attention backend to be
 registered with diffusers as soon as ``diffusers.models.attention_dispatch`` is imported (or right away if it
@@ -25,7 +25,7 @@ _LAZY = {
     "patch": ("diffusers_nki.patching", "patch"),
     "unpatch": ("diffusers_nki.patching", "unpatch"),
     "explain": ("diffusers_nki.patching", "explain"),
-    "StaticCacheConfig": ("diffusers_nki.cache", "StaticCacheConfig"),
+    "StaticCacheConfig": ("diffusers_nki.caching.config", "StaticCacheConfig"),
 }
 
 

@@ -170,7 +170,7 @@ def _cache_config(pipe):
     """A StaticCacheConfig when the pipeline's transformer has a static cache family, else None."""
     try:
         from diffusers_nki import caching
-        from diffusers_nki.cache import StaticCacheConfig
+        from diffusers_nki.caching.config import StaticCacheConfig
     except ImportError:
         return None, "diffusers_nki.cache is not available"
     fam = caching.family_for_component(pipe, "transformer", pipe.transformer)

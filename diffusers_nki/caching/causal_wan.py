@@ -114,7 +114,7 @@ class CausalChunk:
 
 
 def _config(**kw):
-    from diffusers_nki.cache import StaticCacheConfig
+    from diffusers_nki.caching.config import StaticCacheConfig
 
     return StaticCacheConfig(**kw)
 

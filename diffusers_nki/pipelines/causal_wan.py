@@ -180,7 +180,7 @@ class CausalWanPipeline(DiffusionPipeline):
     # ------------------------------------------------------------------------------------------------------
     def default_cache_config(self, **overrides):
         """The static cache this pipeline's attention semantics need (its config's window and sinks)."""
-        from diffusers_nki.cache import StaticCacheConfig
+        from diffusers_nki.caching.config import StaticCacheConfig
 
         w = self.config.window_frames
         kw = dict(capacity=w, sink=self.config.sink_frames, rolling=w is not None, grow=w is None)

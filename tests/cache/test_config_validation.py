@@ -5,14 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from diffusers_nki import cache as cache_mod
 from diffusers_nki.cache import StaticCacheConfig
+from diffusers_nki.caching import config as cache_config
 
 BOOLS = ("rolling", "reuse", "strict")
 
 
 def test_every_field_has_a_rule():
-    assert {f.name for f in dataclasses.fields(StaticCacheConfig)} == set(cache_mod._RULES)
+    assert {f.name for f in dataclasses.fields(StaticCacheConfig)} == set(cache_config.RULES)
 
 
 @pytest.mark.parametrize("name", BOOLS)
