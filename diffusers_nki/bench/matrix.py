@@ -30,6 +30,18 @@ import time
 import traceback
 from typing import Dict, List, Optional
 
+import diffusers_nki
+from diffusers_nki import caching, compat, ops
+from diffusers_nki.bench import _modeled
+from diffusers_nki.bench._fullscale import far_chunk_calls
+from diffusers_nki.bench._measure import (AttentionRecorder, ChunkTimer, GraphCounter, first_tensor, json_safe,
+                                          max_rel_err, median_s, psnr)
+from diffusers_nki.bench.budget import chunk_attention_calls
+from diffusers_nki.bench.published import SELF_FORCING, published_for
+from diffusers_nki.bench.scaling import add_chip_figures
+from diffusers_nki.caching.config import StaticCacheConfig
+from diffusers_nki.testing import tiny
+
 __all__ = ["add_arguments", "run", "build_matrix"]
 
 # tiny pipeline -> (family, call-kwarg geometry for an AR rollout; None: one-shot)
@@ -97,10 +109,6 @@ def _routing(counters: dict, rec) -> dict:
 def _transformer_row(family: str, args, repeats: int) -> dict:
     import torch
 
-    import diffusers_nki
-    from diffusers_nki import ops
-    from diffusers_nki.testing import tiny
-    from diffusers_nki.bench._measure import AttentionRecorder, first_tensor, max_rel_err, median_s
 
     out: dict = {}
     stock, make_inputs = tiny.tiny_transformer(family)
@@ -141,7 +149,6 @@ def _transformer_row(family: str, args, repeats: int) -> dict:
 def _frames(out):
     import torch
 
-    from diffusers_nki.bench._measure import first_tensor
 
     fr = getattr(out, "frames", out)
     if isinstance(fr, list):
@@ -153,8 +160,6 @@ def _frames(out):
 def _pipeline_run(name, geometry, chunks, steps, pipe, timer_per_chunk: bool):
     import torch
 
-    from diffusers_nki.testing import tiny
-    from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer
 
     kw = tiny.tiny_call_kwargs(name, chunks=chunks if geometry is not None else 1, steps=steps,
                                **(geometry or {}))
@@ -168,11 +173,7 @@ def _pipeline_run(name, geometry, chunks, steps, pipe, timer_per_chunk: bool):
 
 def _cache_config(pipe):
     """A StaticCacheConfig when the pipeline's transformer has a static cache family, else None."""
-    try:
-        from diffusers_nki import caching
-        from diffusers_nki.caching.config import StaticCacheConfig
-    except ImportError:
-        return None, "diffusers_nki.cache is not available"
+
     fam = caching.family_for_component(pipe, "transformer", pipe.transformer)
     if fam is None:
         return None, "no static cache for this transformer class (attention routing only)"
@@ -184,9 +185,6 @@ def _cache_config(pipe):
 def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
     import torch
 
-    import diffusers_nki
-    from diffusers_nki.testing import tiny
-    from diffusers_nki.bench._measure import GraphCounter
 
     res = {}
     for side in ("stock", "patched"):
@@ -197,7 +195,7 @@ def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
             diffusers_nki.patch(pipe, backend=backend, cache=cfg)
         gc = GraphCounter()
         t = pipe.transformer
-        if getattr(t, "_repeated_blocks", None):  # regional compilation, as diffusers recommends
+        if compat.repeated_blocks(t):  # regional compilation, as diffusers recommends
             t.compile_repeated_blocks(backend=gc, dynamic=False)
             res["mode"] = "regional (compile_repeated_blocks), static shapes"
         else:
@@ -212,11 +210,6 @@ def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
 
 
 def _pipeline_row(name: str, geometry, args, chunks: int, repeats: int) -> dict:
-    import diffusers_nki
-    from diffusers_nki import ops
-    from diffusers_nki.testing import tiny
-    from diffusers_nki.bench._measure import median_s, psnr
-
     steps = 2
     ar = geometry is not None
     per_chunk = name == "anyflow_far"  # the only pipeline that tells the transformer its chunk index
@@ -276,11 +269,7 @@ def _pipeline_row(name: str, geometry, args, chunks: int, repeats: int) -> dict:
 # modeled (full scale)
 # ------------------------------------------------------------------------------------------------------
 def _modeled_row(family: str, args) -> dict:
-    from diffusers_nki.bench import _modeled
-    from diffusers_nki.bench.published import published_for
-
     if family == "causal_wan":  # Self-Forcing at full scale: shapes recorded from the patched pipeline
-        from diffusers_nki.bench.budget import chunk_attention_calls
 
         why = _modeled.unavailable_reason()
         if why:
@@ -290,7 +279,6 @@ def _modeled_row(family: str, args) -> dict:
             return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls bypass diffusers_nki"}
         calls = probe["chunks"][probe["steady"]]
         res = _modeled.model_calls(calls, _targets(args))
-        from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
 
         add_chip_figures(res, calls, probe["geometry"]["tokens_per_frame"])
         res.update(status="ok", unit="chunk", shapes_from=f"recorded from the patched CausalWanPipeline at 480x832 "
@@ -307,8 +295,6 @@ def _modeled_row(family: str, args) -> dict:
     calls, shapes_from = list(pub.calls), "analytic, from the published configuration"
     kv = {}
     if family == "anyflow_far":
-        from diffusers_nki.bench._fullscale import far_chunk_calls
-
         probe = far_chunk_calls()
         if probe["unrouted"]:
             return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls of the patched rollout at "
@@ -323,7 +309,6 @@ def _modeled_row(family: str, args) -> dict:
               "patched_tokens_per_layer": cap,
               "note": "stock: the FAR pipeline's full + compressed allocation; patched: the static cache"}
     res = _modeled.model_calls(calls, _targets(args))
-    from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
 
     add_chip_figures(res, calls, pub.tokens_per_latent_frame)
     res.update(status="ok", unit=pub.unit, published=pub.to_dict(), shapes_from=shapes_from, kv_cache=kv)
@@ -334,8 +319,6 @@ def _modeled_row(family: str, args) -> dict:
 # matrix
 # ------------------------------------------------------------------------------------------------------
 def _families(args) -> List[str]:
-    from diffusers_nki.testing import tiny
-
     if args.families:
         names = [f.strip() for f in args.families.split(",") if f.strip()]
         bad = [f for f in names if f not in tiny.FAMILIES and f not in EXTRA_ROWS]
@@ -349,7 +332,6 @@ def build_matrix(args, log=print) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from diffusers_nki.testing import tiny
 
     families = _families(args)
     chunks = args.chunks or (3 if args.quick else 6)
@@ -404,12 +386,7 @@ def build_matrix(args, log=print) -> dict:
     bar.close()
     reference = None
     if not args.no_modeled:
-        from diffusers_nki.bench import _modeled
-        from diffusers_nki.bench.published import SELF_FORCING
-
         if _modeled.available():
-            from diffusers_nki.bench.scaling import add_chip_figures
-
             reference = dict(add_chip_figures(_modeled.model_calls(SELF_FORCING.calls, _targets(args)),
                                               SELF_FORCING.calls, SELF_FORCING.tokens_per_latent_frame),
                              published=SELF_FORCING.to_dict(), unit="chunk")
@@ -587,8 +564,6 @@ def render_chart(result: dict, path: str) -> Optional[str]:
 
 
 def run(args) -> int:
-    from diffusers_nki.bench._measure import json_safe
-
     if args.chunks is not None and args.chunks < 2:
         print(f"diffusers-nki bench: --chunks={args.chunks} must be >= 2", file=sys.stderr)
         return 2

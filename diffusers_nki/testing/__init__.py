@@ -1,12 +1,17 @@
-"""Helpers shared by the kernel test suites: the pairwise test design and the flash-attention tolerance
-constants (kernel error vs a float64 oracle <= K_TOL x plain torch's error in the same precision + a
-rounding floor scaled by the output magnitude)."""
+"""What tests (ours and users') need: ``reset_state()`` (the process-wide diagnostic state, cleared), the tiny
+offline models and pipelines (``diffusers_nki.testing.tiny``), the pairwise test design and the flash-attention
+tolerance constants of the kernel suites (kernel error vs a float64 oracle <= K_TOL x plain torch's error in the
+same precision + a rounding floor scaled by the output magnitude)."""
 from __future__ import annotations
 
 import itertools
 from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
+
+from diffusers_nki import accounting, errors
+
+__all__ = ["reset_state", "K_TOL", "FLOOR", "pairs_of", "all_pairs", "pairwise_rows"]
 
 K_TOL = 2.0
 FLOOR = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -10, torch.float16: 2.0 ** -12}
@@ -52,3 +57,12 @@ def pairwise_rows(factors: Dict[str, Sequence], base: Tuple[str, str]) -> List[D
         p, x, q, y = sorted(todo, key=str)[0]
         add(complete({p: x, q: y}, len(rows)))
     return [{n: r[n] for n in factors} for r in rows]
+
+
+def reset_state() -> None:
+    """Forget the process-wide state diffusers_nki keeps for diagnostics, so a test starts clean: the warn-once
+    registry (every fallback, prologue and cache warning can fire again), the fallbacks and kernel calls no module
+    could be named for, and the op counters (``diffusers_nki.ops.counters()``)."""
+    errors.reset_warnings()
+    accounting.reset_unattributed()
+    accounting.reset_counters()

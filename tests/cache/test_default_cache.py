@@ -97,7 +97,7 @@ def test_cache_argument_semantics():
 
 
 def test_no_default_cache_where_no_exact_one_exists():
-    from diffusers_nki.cache import NOT_BY_DEFAULT
+    from diffusers_nki.caching import not_by_default
 
     pipe = tiny_pipeline("wan")  # bidirectional: nothing to cache
     diffusers_nki.patch(pipe, backend="torch")
@@ -105,7 +105,7 @@ def test_no_default_cache_where_no_exact_one_exists():
         assert find_hook(pipe.transformer) is None and diffusers_nki.explain(pipe).cache is None
     finally:
         diffusers_nki.unpatch(pipe)
-    assert "framepack" in NOT_BY_DEFAULT
+    assert "framepack" in not_by_default()
 
 
 def test_a_model_the_default_cache_cannot_serve_keeps_stock_caching_visibly():

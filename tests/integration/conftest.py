@@ -67,21 +67,20 @@ def spy(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _clean_state():
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    import diffusers.models.attention_dispatch  # noqa: F401 (the active backend below is diffusers')
 
-    from diffusers_nki import bridge
+    from diffusers_nki import compat
+    from diffusers_nki.testing import reset_state
 
-    ops.reset_counters()
-    bridge._warned.clear()  # fallbacks warn once per reason per process
-    bridge._global.clear()  # process-wide unattributed fallbacks
-    active = _AttentionBackendRegistry._active_backend
+    reset_state()  # counters, warned-once reasons, unattributed fallbacks
+    active = compat.active_backend()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention.*")
             warnings.filterwarnings("ignore", category=FutureWarning)
             yield
     finally:
-        _AttentionBackendRegistry.set_active_backend(active)  # a test that selects "nki" globally
+        compat.set_active_backend(active)  # a test that selects "nki" globally
 
 
 def run(model, inputs):

@@ -5,7 +5,7 @@ import torch
 import diffusers_nki
 from diffusers_nki import ops
 from diffusers_nki.testing import tiny
-from diffusers_nki.patching import NotPatchedError, UnsupportedModelError
+from diffusers_nki.errors import NotPatchedError, StrictFallbackError, UnsupportedModelError
 
 
 def test_public_exports():
@@ -13,7 +13,8 @@ def test_public_exports():
     from diffusers_nki.cache import StaticCacheConfig
 
     assert diffusers_nki.StaticCacheConfig is StaticCacheConfig
-    assert set(diffusers_nki.__all__) == {"patch", "unpatch", "explain", "StaticCacheConfig", "__version__"}
+    assert set(diffusers_nki.__all__) == {"patch", "unpatch", "explain", "StaticCacheConfig", "errors", "__version__"}
+    assert diffusers_nki.errors.StrictFallbackError.__mro__[1:3] == (diffusers_nki.errors.DiffusersNkiError, RuntimeError)
     with pytest.raises(AttributeError):
         diffusers_nki.not_a_name
 
@@ -153,23 +154,6 @@ def test_cache_argument_applies_and_removes_static_cache():
     assert describe_cache(pipe) == ""
 
 
-def test_cache_without_cache_module(monkeypatch):
-    import importlib
-
-    real_import_module = importlib.import_module
-
-    def fake_import_module(name, *args, **kwargs):
-        if name == "diffusers_nki.cache":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real_import_module(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib, "import_module", fake_import_module)
-    model, _ = tiny.tiny_transformer("wan", num_layers=1)
-    with pytest.raises(NotImplementedError, match="diffusers_nki.cache"):
-        diffusers_nki.patch(model, cache=object())
-    assert not diffusers_nki.patching.is_patched(model)
-
-
 def test_strict_unsupported_denoiser_in_pipeline():
     pipe = tiny.tiny_pipeline("wan")
     from diffusers import AutoencoderKLWan
@@ -184,7 +168,7 @@ def test_strict_unsupported_denoiser_in_pipeline():
 
 
 def test_family_with_a_class_diffusers_lacks_is_skipped_with_reason():
-    from diffusers_nki.patching import FamilyPatch
+    from diffusers_nki.family import FamilyPatch
     from diffusers_nki.patches import coverage
 
     fam = FamilyPatch(name="future", models=("diffusers.models.transformers.transformer_future.FutureModel",),
@@ -207,7 +191,7 @@ def test_uncovered_processor_stays_stock_visibly_and_strict_refuses(recwarn, h):
 
     model, make_inputs = tiny.tiny_transformer("wan")
     model.blocks[1].attn2.set_processor(MyProcessor())
-    with pytest.raises(diffusers_nki.bridge.StrictFallbackError, match=r"blocks.1.attn2 \(MyProcessor\)"):
+    with pytest.raises(StrictFallbackError, match=r"blocks.1.attn2 \(MyProcessor\)"):
         diffusers_nki.patch(model, backend="torch", strict=True)
     assert not diffusers_nki.patching.is_patched(model)
     assert all("_attention_backend" not in vars(m.processor) for m in model.modules() if hasattr(m, "processor"))

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import backends, bridge, masks, ops, routing
+from diffusers_nki import backends, bridge, compat, ops
 from diffusers_nki.testing import tiny
 
 
 def test_diffusers_private_names_are_as_expected():
     # fails loudly when diffusers renames or reshapes what the bridge relies on
-    assert bridge.check_diffusers() == []
+    assert compat.check_diffusers() == []
 
 
 def test_registration():
@@ -80,14 +80,6 @@ def test_env_var_selects_nki(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "2"
 
 
-def test_router_names_stay_importable_from_bridge():
-    # the router and the mask analysis moved out (routing.py, masks.py); callers of the first release keep working
-    assert bridge.route is routing.route and bridge.fallback is routing.fallback
-    assert bridge.StrictFallbackError is routing.StrictFallbackError
-    assert bridge.analyse_mask is masks.analyse_mask and bridge.Plan is masks.Plan
-    assert bridge._warned is routing._warned and bridge._global is routing._global
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the dispatch-only route (env var / set_attention_backend / attention_backend) says what it does not reach
 # ---------------------------------------------------------------------------------------------------------
@@ -107,7 +99,7 @@ def test_set_attention_backend_says_once_per_model_what_it_misses(h):
     assert len(msgs) == 1, msgs
     assert "HunyuanVideoTransformer3DModel" in msgs[0] and "token_refiner" in msgs[0]
     assert "AttnProcessor2_0" in msgs[0] and "diffusers_nki.patch(model)" in msgs[0]
-    assert [p for p, _ in routing.unreached(model)] == [
+    assert [p for p, _ in bridge.unreached(model)] == [
         p for p, m in model.named_modules() if type(getattr(m, "processor", None)).__name__ == "AttnProcessor2_0"]
     other, _ = tiny.tiny_transformer("hunyuan_video", seed=1)  # another model: its own warning
     other.set_attention_backend("nki")
@@ -131,7 +123,7 @@ def test_dispatch_only_route_is_silent_where_it_reaches_everything(h):
         warnings.simplefilter("always")
         h.run(model, make_inputs())
     assert not _unreached_warnings(caught)
-    assert routing.unreached(model) == ()
+    assert bridge.unreached(model) == ()
 
 
 def test_attention_backend_context_on_anyflow_far_names_its_causal_processors(h):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import bridge, ops
+from diffusers_nki import accounting, bridge, ops
 from diffusers_nki.testing import tiny
 
 
@@ -91,7 +91,7 @@ def test_attention_forward_that_raises_leaves_no_record_behind(h):
     handle = model.blocks[0].attn1.register_forward_pre_hook(boom)  # runs after our record was pushed
     with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
         model(**make_inputs(), return_dict=False)
-    assert bridge.current_record() is None
+    assert accounting.current_record() is None
     handle.remove()
 
 

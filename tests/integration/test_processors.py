@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import bridge, ops
+from diffusers_nki import masks, ops
+from diffusers_nki.errors import StrictFallbackError
 from diffusers_nki.testing import tiny
 
 
@@ -111,7 +112,7 @@ def test_anyflow_far_train_with_clean_context_falls_back_to_flex(h, spy, recwarn
     assert all(m.path_taken == "stock" and "not contiguous" in next(iter(m.fallbacks)) for m in causal)
     assert any("not contiguous" in str(w.message) for w in recwarn.list)
     diffusers_nki.patch(model, backend="torch", strict=True)
-    with pytest.raises(bridge.StrictFallbackError, match="blocks.0.attn1"):
+    with pytest.raises(StrictFallbackError, match="blocks.0.attn1"):
         h.run(model, inputs(make_inputs))
 
 
@@ -124,9 +125,9 @@ def test_blockmask_segments_of_a_chunk_causal_mask():
         return (idx[q] >= idx[kv]) & (q < 12) & (kv < 12)
 
     bm = create_block_mask(mod, None, None, 128, 128, device="cpu", _compile=False)
-    segs, reason = bridge.blockmask_segments(bm, 12, 128)
+    segs, reason = masks.blockmask_segments(bm, 12, 128)
     assert reason is None and segs == ((0, 3, 0, 3), (3, 8, 0, 8), (8, 12, 0, 12))
-    assert bridge.blockmask_segments(bm, 12, 128)[0] is segs  # cached per BlockMask object
+    assert masks.blockmask_segments(bm, 12, 128)[0] is segs  # cached per BlockMask object
 
 
 def test_anyflow_far_inconsistent_cache_step_falls_back_visibly(h):
@@ -150,7 +151,7 @@ def test_anyflow_far_inconsistent_cache_step_falls_back_visibly(h):
     assert torch.equal(out, ref) and all(torch.equal(cache[n], ref_cache[n]) for n in cache)
     assert ops.counters()["attention"]["stock"] == 1
     diffusers_nki.patch(model, backend="torch", strict=True)
-    with pytest.raises(bridge.StrictFallbackError, match="num_full_tokens 3"):
+    with pytest.raises(StrictFallbackError, match="num_full_tokens 3"):
         call(attn.processor)
 
 

@@ -6,6 +6,8 @@ import torch
 
 import diffusers_nki
 from diffusers_nki import masks, ops, routing
+from diffusers_nki.backends import Route
+from diffusers_nki.errors import StrictFallbackError
 from diffusers_nki.testing import tiny
 from diffusers_nki.kernels.attention_ref import attention_oracle
 def _qkv(B=2, Sq=12, Sk=12, H=2, D=8, seed=0):
@@ -20,7 +22,7 @@ def _sdpa(q, k, v, mask=None, is_causal=False):
 
 
 def _route(q, k, v, mask=None, strict=False, **kw):
-    return routing.route(q, k, v, mask, backend="torch", strict=strict, stock=lambda: _sdpa(q, k, v, mask), **kw)
+    return routing.route(q, k, v, mask, route=Route("torch", strict), stock=lambda: _sdpa(q, k, v, mask), **kw)
 
 
 def test_key_padding_masks_become_kv_len():
@@ -51,7 +53,7 @@ def test_dense_block_causal_mask_becomes_causal_block():
     out = _route(q, k, v, mask)
     torch.testing.assert_close(out, attention_oracle(q, k, v, causal_block=4).float(), rtol=1e-5, atol=1e-6)
     # is_causal -> causal_block=1
-    out = routing.route(q, k, v, None, is_causal=True, backend="torch", strict=True,
+    out = routing.route(q, k, v, None, is_causal=True, route=Route("torch", True),
                        stock=lambda: _sdpa(q, k, v, is_causal=True))
     torch.testing.assert_close(out, _sdpa(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
 
@@ -113,7 +115,7 @@ def test_finite_additive_mask_blocks_only_when_it_provably_dominates_the_logits(
     assert (n["torch"], n["stock"]) == ((1, 0) if blocked else (0, 1))
     if not blocked:
         assert any("does not provably block" in str(w.message) for w in recwarn.list)
-        with pytest.raises(routing.StrictFallbackError, match="does not provably block"):
+        with pytest.raises(StrictFallbackError, match="does not provably block"):
             _route(q, k, v, mask, strict=True)
 
 
@@ -196,11 +198,11 @@ def test_unrepresentable_calls_fall_back_visibly_or_raise_in_strict(case, recwar
         mask, kw = torch.ones(2, 1, 12, 12, dtype=torch.bool), {"is_causal": True}
     plan, reason = routing.plan(q, k, v, mask, **kw)
     assert plan is None and reason
-    with pytest.raises(routing.StrictFallbackError, match="strict"):
+    with pytest.raises(StrictFallbackError, match="strict"):
         _route(q, k, v, mask, strict=True, **kw)
     ops.reset_counters()
     sentinel = torch.zeros(1)
-    out = routing.route(q, k, v, mask, backend="torch", strict=False, stock=lambda: sentinel, **kw)
+    out = routing.route(q, k, v, mask, route=Route("torch", False), stock=lambda: sentinel, **kw)
     assert out is sentinel  # the stock path ran: the mask was not dropped
     assert ops.counters()["attention"] == {"torch": 0, "sim": 0, "nki": 0, "stock": 1}
     assert any(reason in str(w.message) for w in recwarn.list)
@@ -228,7 +230,7 @@ def test_fallback_is_warned_once_and_recorded_for_explain(recwarn, h):
     assert "fallbacks=2x additive attn_mask is a real bias" in str(rep)
     # strict mode raises on the same call
     diffusers_nki.patch(model, backend="torch", strict=True)
-    with pytest.raises(routing.StrictFallbackError, match="transformer_blocks.0.attn2.*real bias"):
+    with pytest.raises(StrictFallbackError, match="transformer_blocks.0.attn2.*real bias"):
         h.run(model, inputs)
 
 
@@ -281,7 +283,7 @@ def test_compiled_route_computes_descriptors_in_graph_and_checks_them_at_run_tim
         q = q * 300
 
     def f(q, k, v, mask):
-        return routing.route(q, k, v, mask, backend="torch", strict=False, stock=lambda: _sdpa(q, k, v, mask))
+        return routing.route(q, k, v, mask, route=Route("torch", False), stock=lambda: _sdpa(q, k, v, mask))
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -302,7 +304,7 @@ def test_compiled_route_follows_new_mask_values_without_recompiling():
     q, k, v = _qkv()
 
     def f(q, k, v, mask):
-        return routing.route(q, k, v, mask, backend="torch", strict=True, stock=lambda: _sdpa(q, k, v, mask))
+        return routing.route(q, k, v, mask, route=Route("torch", True), stock=lambda: _sdpa(q, k, v, mask))
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -319,11 +321,11 @@ def test_strict_compiled_route_raises_at_run_time():
     q, k, v = _qkv()
 
     def f(q, k, v, mask):
-        return routing.route(q, k, v, mask, backend="torch", strict=True, stock=lambda: _sdpa(q, k, v, mask))
+        return routing.route(q, k, v, mask, route=Route("torch", True), stock=lambda: _sdpa(q, k, v, mask))
 
     torch._dynamo.reset()
     g = torch.compile(f, fullgraph=True, backend="aot_eager")
-    with pytest.raises(routing.StrictFallbackError, match="checked at run time.*more than 2 distinct"):
+    with pytest.raises(StrictFallbackError, match="checked at run time.*more than 2 distinct"):
         g(q, k, v, mask)
     good, _ = _mask_case("bool_key")  # same shapes, exact: no error
     torch.testing.assert_close(g(q, k, v, good.expand(2, 1, 12, 12)), _sdpa(q, k, v, good), rtol=1e-5, atol=1e-6)
@@ -338,9 +340,8 @@ def test_compiled_route_gradients_match_stock_through_both_branches():
         q, k, v = (t.requires_grad_() for t in _qkv())
 
         def f(q, k, v, mask):
-            return routing.route(q * (300 if case == "non_dominant" else 1), k, v, mask, backend="torch",
-                                 strict=False, stock=lambda: _sdpa(q * (300 if case == "non_dominant" else 1), k, v,
-                                                                   mask))
+            return routing.route(q * (300 if case == "non_dominant" else 1), k, v, mask, route=Route("torch", False),
+                                 stock=lambda: _sdpa(q * (300 if case == "non_dominant" else 1), k, v, mask))
 
         torch._dynamo.reset()
         out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, mask)

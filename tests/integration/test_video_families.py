@@ -11,7 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import diffusers_nki
-from diffusers_nki import bridge, ops, processors_video, video_coverage
+from diffusers_nki import caching, ops, video_coverage
+from diffusers_nki.backends import Route
+from diffusers_nki.errors import StrictFallbackError
+from diffusers_nki.processors import base as processors_base
+from diffusers_nki.processors import mochi as processors_mochi
 from diffusers_nki.testing import tiny
 from diffusers_nki.patches import family_for
 
@@ -41,18 +45,19 @@ def _rel(a, b):
 
 
 class _OpSpy:
-    """Records the shapes and descriptors of every ``ops.attention`` call."""
+    """Records the shapes and descriptors of every attention op call (``ops.run_attention``: the call every
+    path ends in, ``ops.attention`` after its shape check included)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = ops.attention
+        real = ops.run_attention
 
         def spy(q, k, v, *a, **kw):
             self.calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), kv_len=kw.get("kv_len"),
                                    causal_block=kw.get("causal_block", 0)))
             return real(q, k, v, *a, **kw)
 
-        monkeypatch.setattr(ops, "attention", spy)
+        monkeypatch.setattr(ops, "run_attention", spy)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,7 +92,7 @@ def test_new_families_record_the_static_cache_decision():
         fam = family_for(cls)
         assert any(n.startswith("static KV cache: not applicable") for n in fam.notes), (name, fam.notes)
         # and no cache family claims the class (patch(cache=...) has no cache to install for it)
-        assert cls.__name__ not in caching.SUPPORTED, name
+        assert cls.__name__ not in caching.supported_classes(), name
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -265,15 +270,15 @@ def test_block_sparse_matches_dense_masked_attention(backend):
     q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
     counts, indices = _random_full_blocks(g, B, H, S // blk, S // blk)
     bm = _block_mask(counts, indices, block=blk)
-    assert processors_video.block_sparse_reason(bm, q, k) is None
+    assert processors_base.block_sparse_reason(bm, q, k) is None
     ref = _dense_reference(q, k, v, _visibility(counts, indices, S, blk))
     ops.reset_counters()
-    out = processors_video.block_sparse_attention(q, k, v, bm, backend)
+    out = processors_base.block_sparse_attention(q, k, v, bm, backend)
     assert ops.counters()["attention"][backend] == 1
     assert _rel(out, ref) <= 1e-5
     # a small budget splits the rows over several kernel calls, same result
     ops.reset_counters()
-    out2 = processors_video.block_sparse_attention(q, k, v, bm, "torch", budget=3 * S * D)
+    out2 = processors_base.block_sparse_attention(q, k, v, bm, "torch", budget=3 * S * D)
     assert ops.counters()["attention"]["torch"] >= 2
     assert _rel(out2, ref) <= 1e-5
 
@@ -290,15 +295,15 @@ def test_block_sparse_partial_blocks_and_mask_mods():
     part_idx = torch.tensor([[[[0, 1, 2], [2, 0, 1], [0, 2, 1]]]], dtype=torch.int32)
     # no-op mask_mod: a partial block is fully visible, the union is attended
     bm = _block_mask(full, full_idx, part, part_idx, mask_mod=noop_mask, block=blk)
-    assert processors_video.block_sparse_reason(bm, q, k) is None
+    assert processors_base.block_sparse_reason(bm, q, k) is None
     vis = _visibility(full, full_idx, S, blk) | _visibility(part, part_idx, S, blk)
-    out = processors_video.block_sparse_attention(q, k, v, bm, "torch")
+    out = processors_base.block_sparse_attention(q, k, v, bm, "torch")
     assert _rel(out, _dense_reference(q, k, v, vis)) <= 1e-5
     # a real mask_mod deciding the partial blocks is not served (the caller falls back visibly)
     causal = _block_mask(full, full_idx, part, part_idx, mask_mod=lambda b, h, i, j: j <= i, block=blk)
-    assert "partial blocks" in processors_video.block_sparse_reason(causal, q, k)
-    assert "does not tile" in processors_video.block_sparse_reason(bm, q[:, :40], k[:, :40])
-    assert "BlockMask" in processors_video.block_sparse_reason(torch.ones(1), q, k)
+    assert "partial blocks" in processors_base.block_sparse_reason(causal, q, k)
+    assert "does not tile" in processors_base.block_sparse_reason(bm, q[:, :40], k[:, :40])
+    assert "BlockMask" in processors_base.block_sparse_reason(torch.ones(1), q, k)
 
 
 def _kandinsky5_sparse_inputs(model, make_inputs):
@@ -357,7 +362,7 @@ def test_kandinsky6_sr_unservable_block_mask_falls_back_visibly_or_raises(monkey
     rep = diffusers_nki.explain(model)
     assert rep.summary()["calls_fallback"] == model.config.num_visual_blocks
     diffusers_nki.patch(model, backend="torch", strict=True)
-    with pytest.raises(bridge.StrictFallbackError, match="partial blocks"):
+    with pytest.raises(StrictFallbackError, match="partial blocks"):
         _run(model, inputs)
 
 
@@ -373,17 +378,17 @@ def test_mochi_attention_pool_beyond_head_dim_limit_falls_back_visibly():
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
         ref = pool(x, mask)
-        pool.forward = types.MethodType(processors_video.mochi_attention_pool_forward(pool, "torch", False), pool)
+        pool.forward = types.MethodType(processors_mochi.mochi_attention_pool_forward(pool, Route("torch", False)), pool)
         ops.reset_counters()
         with pytest.warns(RuntimeWarning, match="head_dim"):
             out = pool(x, mask)
         assert torch.equal(out, ref) and ops.counters()["attention"]["stock"] == 1
-        pool.forward = types.MethodType(processors_video.mochi_attention_pool_forward(pool, "torch", True), pool)
-        with pytest.raises(bridge.StrictFallbackError, match="head_dim"):
+        pool.forward = types.MethodType(processors_mochi.mochi_attention_pool_forward(pool, Route("torch", True)), pool)
+        with pytest.raises(StrictFallbackError, match="head_dim"):
             pool(x, mask)
         small = MochiAttentionPool(num_attention_heads=2, embed_dim=16).eval()
         ref = small(x[..., :16], mask)
-        small.forward = types.MethodType(processors_video.mochi_attention_pool_forward(small, "torch", True), small)
+        small.forward = types.MethodType(processors_mochi.mochi_attention_pool_forward(small, Route("torch", True)), small)
         ops.reset_counters()
         out = small(x[..., :16], mask)
         assert _rel(out, ref) <= 1e-5 and ops.counters()["attention"]["torch"] == 1

@@ -1,4 +1,4 @@
-"""The Wan processor with the fused q/k prologue (``diffusers_nki.processors_wan.NKIWanAttnProcessor``): parity
+"""The Wan processor with the fused q/k prologue (``diffusers_nki.processors.wan.NKIWanAttnProcessor``): parity
 with stock Wan (torch backend bit-identical, sim within the model tolerance), the prologue op replacing the
 module's own norm calls, explain() saying what ran, visible fallback (and strict errors) when the prologue
 cannot apply, Wan-VACE and I2V, torch.compile."""
@@ -11,7 +11,10 @@ import torch
 import diffusers_nki
 from diffusers_nki import bridge, ops
 from diffusers_nki.testing import tiny
-from diffusers_nki.processors_wan import NKIWanAttnProcessor
+from diffusers_nki.backends import Route
+from diffusers_nki.errors import StrictFallbackError
+from diffusers_nki.processors.wan import NKIWanAttnProcessor
+from diffusers_nki.testing import reset_state
 
 
 def _count_norm_calls(model):
@@ -100,7 +103,7 @@ def test_bf16_sim_prologue_within_the_kernel_tolerance():
         seen.setdefault("qk", []).append((query, key))
         return orig(query, key, value, *a, **kw)
 
-    ours = NKIWanAttnProcessor(WanAttnProcessor(), "sim", strict=True)
+    ours = NKIWanAttnProcessor(WanAttnProcessor(), Route("sim", strict=True))
     try:
         tw.dispatch_attention_fn = spy
         with torch.no_grad():
@@ -169,9 +172,7 @@ def _with_layernorm_q(model):
 
 
 def test_prologue_falls_back_visibly_when_it_cannot_apply(h, monkeypatch):
-    from diffusers_nki import processors_wan
-
-    monkeypatch.setattr(processors_wan, "_warned", set())  # warned once per reason per process
+    reset_state()  # warned once per reason per process
     model, make_inputs = tiny.tiny_transformer("wan")
     _with_layernorm_q(model)
     ref = h.run(copy.deepcopy(model), make_inputs())
@@ -194,7 +195,7 @@ def test_prologue_fallback_raises_in_strict_mode(h):
     model, make_inputs = tiny.tiny_transformer("wan", num_layers=1)
     _with_layernorm_q(model)
     diffusers_nki.patch(model, backend="torch", strict=True)
-    with pytest.raises(bridge.StrictFallbackError, match="blocks.0.attn1: the qk_norm_rope prologue kernel cannot "
+    with pytest.raises(StrictFallbackError, match="blocks.0.attn1: the qk_norm_rope prologue kernel cannot "
                                                          "serve this call: norm_q is LayerNorm"):
         h.run(model, make_inputs())
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from diffusers_nki import compat
 from diffusers_nki.testing.tiny.specs import FAMILIES, SPECS
 
 __all__ = ["family_class", "unavailable_families", "available_families", "tiny_config", "tiny_transformer",
@@ -80,11 +81,11 @@ def _build(cls, config: dict, seed: int, dtype: torch.dtype, zero_init: bool):
 
 
 def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating parameters/buffers to ``dtype``, keeping ``_keep_in_fp32_modules`` in float32 (as
+    """Cast floating parameters/buffers to ``dtype``, keeping the model's fp32 modules (``compat.keep_in_fp32_modules``) in float32 (as
     ``from_pretrained(torch_dtype=...)`` does; ``model.to(dtype)`` would cast those too)."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point dtype")
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    keep = compat.keep_in_fp32_modules(model)
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if tensor.is_floating_point() and not any(k in name.split(".") for k in keep):

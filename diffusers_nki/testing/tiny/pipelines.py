@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from diffusers_nki.pipelines import CausalWanPipeline
 from diffusers_nki.testing.tiny.models import tiny_transformer, unavailable_families
 from diffusers_nki.testing.tiny.specs import SPECS
 
@@ -431,7 +432,6 @@ def tiny_umt5_encoder(seed: int = 0, vocab_size: int = 128):
 def _causal_wan_pipeline(seed):
     from diffusers import FlowMatchLCMScheduler
 
-    from diffusers_nki.pipelines import CausalWanPipeline
 
     transformer, _ = tiny_transformer("wan", seed=seed, in_channels=16, out_channels=16, text_dim=TEXT_DIM)
     return CausalWanPipeline(tokenizer=tiny_tokenizer(), text_encoder=tiny_umt5_encoder(seed), transformer=transformer,

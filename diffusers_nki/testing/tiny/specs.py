@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from diffusers_nki import compat
+
 __all__ = ["Family", "Spec", "FAMILIES", "SPECS", "SIM_GEOMETRY", "expected_output_shape"]
 
 
@@ -462,15 +464,13 @@ def _config_ns(model, **attrs):
 # CogVideoX / ConsisID: (B, F, C, H, W) latents; joint [text | video] attention; 3D RoPE from the pipeline
 # ----------------------------------------------------------------------------------------------------------
 def _cog_rope(model, F, H, W):
-    """CogVideoXPipeline._prepare_rotary_positional_embeddings (ConsisID's pipeline helper is the CogVideoX 1.0
+    """The CogVideoX pipeline's rotary tables (ConsisID's pipeline helper is the CogVideoX 1.0
     branch of it; ConsisID's config has no ``patch_size_t``)."""
-    from diffusers import CogVideoXPipeline
-
     cfg = dict(model.config)
     cfg.setdefault("patch_size_t", None)
     ns = types.SimpleNamespace(transformer=types.SimpleNamespace(config=types.SimpleNamespace(**cfg)),
                                vae_scale_factor_spatial=1)
-    return CogVideoXPipeline._prepare_rotary_positional_embeddings(ns, H, W, F, torch.device("cpu"))
+    return compat.cogvideox_rotary_embeddings(ns, H, W, F, torch.device("cpu"))
 
 
 def _cogvideox_inputs(model, g, B, F, H, W, L, dtype):
@@ -518,11 +518,9 @@ _CONSISID = dict(
 # Allegro, Latte, EasyAnimate, Mochi: (B, C, F, H, W) latents
 # ----------------------------------------------------------------------------------------------------------
 def _allegro_inputs(model, g, B, F, H, W, L, dtype):
-    from diffusers import AllegroPipeline
-
     cfg = model.config
     ns = _config_ns(model, vae_scale_factor_spatial=1)
-    rope = AllegroPipeline._prepare_rotary_positional_embeddings(ns, B, H, W, F, torch.device("cpu"))
+    rope = compat.allegro_rotary_embeddings(ns, B, H, W, F, torch.device("cpu"))
     return {
         "hidden_states": _randn(g, (B, cfg.in_channels, F, H, W), dtype),
         "encoder_hidden_states": _randn(g, (B, L, cfg.caption_channels), dtype),

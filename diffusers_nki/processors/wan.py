@@ -7,7 +7,7 @@ the model passes in, with one change: for self-attention (``rotary_emb`` given),
 ONE fused prologue op, ``diffusers_nki.prologue_ops.qk_norm_rope`` (RMSNorm across heads * weight, unflatten
 to BSHD, Wan's RoPE; ``kernels/qk_norm_rope.py``), instead of the three separate torch steps. The attention
 itself then goes through diffusers' dispatch with our registered backend member, exactly as the dispatch
-patch did before (masks, fallbacks and context parallelism are handled there, by ``diffusers_nki.bridge``).
+patch did before (masks, fallbacks and context parallelism are handled there: ``diffusers_nki.bridge``).
 
 The prologue applies when the module's ``norm_q``/``norm_k`` are ``torch.nn.RMSNorm`` over all heads' channels
 with a weight (Wan's ``qk_norm="rms_norm_across_heads"``), ``rotary_emb`` is the (cos, sin) pair of
@@ -18,30 +18,27 @@ or, with ``strict=True``, a ``StrictFallbackError``. Cross-attention (no RoPE) a
 have no prologue to fuse and run the stock norm, as diffusers does.
 
 Parity: with the "torch" backend the prologue is diffusers' own torch calls (bit-identical to stock); with
-"sim" it is the kernel's numbers, within the kernel's tolerance rule (tests/integration/test_wan_prologue.py).
+"sim" it is the kernel's numbers, within the kernel's tolerance rule (tests/processors/test_wan_prologue.py).
 ``explain()`` shows, per module, how many calls ran the prologue and every fallback reason
 (``explain_note``), counted in eager mode (inside ``torch.compile`` the op counters
 ``diffusers_nki.ops.counters()["qk_norm_rope"]`` count the calls).
 """
 from __future__ import annotations
 
-import importlib
-import threading
-import warnings
+import inspect
 from collections import Counter
 
 import torch
 
-from diffusers_nki import bridge
+from diffusers_nki import accounting, bridge, compat, routing
+from diffusers_nki.backends import Route
+from diffusers_nki.errors import warn_once
 from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan
-from diffusers_nki.processors import _Routed
+from diffusers_nki.processors.base import _Routed
 from diffusers_nki.prologue_ops import qk_norm_rope, qk_norm_rope_not_supported_reasons
 
-__all__ = ["NKIWanAttnProcessor", "prologue_reason"]
 
-_WAN = "diffusers.models.transformers.transformer_wan"
-_warned = set()
-_warn_lock = threading.Lock()
+__all__ = ['NKIWanAttnProcessor', 'prologue_reason']
 
 
 def prologue_reason(attn, query, key, rotary_emb):
@@ -66,8 +63,6 @@ def prologue_reason(attn, query, key, rotary_emb):
 
 
 def _accepts_parallel_config(fn) -> bool:
-    import inspect
-
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # pragma: no cover
@@ -79,24 +74,21 @@ def _dispatch(tw, query, key, value, mask, backend, parallel_config, pass_pc):
     """diffusers' ``dispatch_attention_fn`` as the stock processor calls it (``parallel_config`` only where this
     diffusers accepts it)."""
     kw = {"parallel_config": parallel_config} if pass_pc else {}
-    return tw.dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
-                                    backend=backend, **kw)
+    return tw.dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=backend,
+                                    **kw)
 
 
-class NKIWanAttnProcessor(_Routed):
+class NKIWanAttnProcessor(compat.DispatchAttributes, _Routed):
     """``WanAttnProcessor`` with the fused q/k prologue op and attention through our dispatch backend."""
 
-    _attention_backend = None
-    _parallel_config = None
-
-    def __init__(self, stock, backend: str, strict: bool):
-        super().__init__(stock, backend, strict)
-        self._attention_backend = bridge.member(backend, strict)
-        self._parallel_config = getattr(stock, "_parallel_config", None)
+    def __init__(self, stock, route: Route):
+        super().__init__(stock, route)
+        compat.set_processor_backend(self, bridge.member(route))
+        compat.set_processor_parallel_config(self, compat.processor_parallel_config(stock))
         self.prologue_calls = 0  # eager calls that ran the fused prologue
         self.no_rope_calls = 0  # calls without RoPE (cross-attention): nothing to fuse
         self.prologue_fallbacks = Counter()  # reason -> calls that should have, but could not, run it
-        self._wan = importlib.import_module(_WAN)  # looked up here, once: the call must stay traceable
+        self._wan = compat.wan_module()  # looked up here, once: the call never imports
         self._pass_pc = _accepts_parallel_config(self._wan.dispatch_attention_fn)
 
     # -- copies (deepcopy / torch.save of a patched model): the diffusers module is looked up again -------
@@ -107,7 +99,7 @@ class NKIWanAttnProcessor(_Routed):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._wan = importlib.import_module(_WAN)
+        self._wan = compat.wan_module()
 
     # -- what ran (explain) ------------------------------------------------------------------------------
     def explain_note(self) -> str:
@@ -121,29 +113,21 @@ class NKIWanAttnProcessor(_Routed):
         return "; ".join(parts)
 
     def _ran(self) -> None:
-        if not bridge._compiling():
+        if not accounting.compiling():
             self.prologue_calls += 1
 
     def _no_rope(self) -> None:
-        if not bridge._compiling():
+        if not accounting.compiling():
             self.no_rope_calls += 1
 
     def _fallback(self, reason: str) -> None:
         if self.strict:
-            rec = bridge.current_record()
-            place = getattr(rec, "path", "") if rec is not None else ""
-            raise bridge.StrictFallbackError(
-                f"diffusers_nki (strict): {place + ': ' if place else ''}the qk_norm_rope prologue kernel cannot "
-                f"serve this call: {reason}")
-        if bridge._compiling():
+            raise routing.strict_error(reason, what="the qk_norm_rope prologue kernel")
+        if accounting.compiling():
             return
         self.prologue_fallbacks[reason] += 1
-        with _warn_lock:
-            new = reason not in _warned
-            _warned.add(reason)
-        if new:
-            warnings.warn(f"diffusers_nki: qk_norm_rope prologue not applied (stock norm and RoPE run in torch): "
-                          f"{reason}", RuntimeWarning, stacklevel=3)
+        warn_once(("qk_norm_rope", reason), "diffusers_nki: qk_norm_rope prologue not applied (stock norm and RoPE "
+                  f"run in torch): {reason}", stacklevel=4)
 
     # -- the call ----------------------------------------------------------------------------------------
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
@@ -155,7 +139,7 @@ class NKIWanAttnProcessor(_Routed):
             encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
             encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
 
-        query, key, value = tw._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = compat.wan_qkv_projections(tw, attn, hidden_states, encoder_hidden_states)
         reason = prologue_reason(attn, query, key, rotary_emb) if rotary_emb is not None else "no rotary_emb"
         if reason is None:
             cos, sin = rotary_emb
@@ -177,16 +161,17 @@ class NKIWanAttnProcessor(_Routed):
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V image cross-attention: no RoPE, nothing to fuse
-            key_img, value_img = tw._get_added_kv_projections(attn, encoder_hidden_states_img)
+            key_img, value_img = compat.wan_added_kv_projections(tw, attn, encoder_hidden_states_img)
             key_img = attn.norm_added_k(key_img)
             key_img = key_img.unflatten(2, (attn.heads, -1))
             value_img = value_img.unflatten(2, (attn.heads, -1))
-            hidden_states_img = _dispatch(tw, query, key_img, value_img, None, self._attention_backend, None,
+            hidden_states_img = _dispatch(tw, query, key_img, value_img, None, compat.processor_backend(self), None,
                                           self._pass_pc)
             hidden_states_img = hidden_states_img.flatten(2, 3).type_as(query)
 
-        hidden_states = _dispatch(tw, query, key, value, attention_mask, self._attention_backend,
-                                  self._parallel_config if encoder_hidden_states is None else None, self._pass_pc)
+        pc = compat.processor_parallel_config(self) if encoder_hidden_states is None else None
+        hidden_states = _dispatch(tw, query, key, value, attention_mask, compat.processor_backend(self), pc,
+                                  self._pass_pc)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
