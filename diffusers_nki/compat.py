@@ -34,7 +34,8 @@ import types
 from typing import Dict
 
 __all__ = [
-    "MIN_DIFFUSERS", "DISPATCH_MODULE", "check_diffusers", "check_model_internals", "check_context_parallel",
+    "MIN_DIFFUSERS", "DISPATCH_MODULE", "check_diffusers", "check_model_internals", "check_pipeline_internals",
+    "check_context_parallel",
     "attention_classes", "add_backend_member", "register_backend", "is_registered", "backend_member",
     "native_attention", "active_backend", "set_active_backend", "active_backend_value", "env_backend",
     "set_env_backend", "NO_VALUE", "DispatchAttributes", "get_processor_backend", "processor_backend",
@@ -121,15 +122,24 @@ MODEL_INTERNALS = (
     (_D + "transformers.transformer_sana_wm", None, "_apply_rotary_emb"),
     (_D + "transformers.transformer_sana_wm", None, "_apply_ucpe_transform"),
     (_D + "transformers.transformer_sana_wm", None, "_downscale_to_reference_rms"),
+)
+# the pipelines' private helpers the tiny builders call (diffusers_nki.testing.tiny), checked apart: a pipeline
+# module must not be imported while diffusers' attention dispatch is (registration runs check_diffusers then)
+PIPELINE_INTERNALS = (
     ("diffusers.pipelines.cogvideo.pipeline_cogvideox", "CogVideoXPipeline", "_prepare_rotary_positional_embeddings"),
     ("diffusers.pipelines.allegro.pipeline_allegro", "AllegroPipeline", "_prepare_rotary_positional_embeddings"),
 )
 
 
-def check_model_internals() -> list:
+def check_pipeline_internals() -> list:
+    """``check_model_internals`` for ``PIPELINE_INTERNALS``."""
+    return check_model_internals(PIPELINE_INTERNALS)
+
+
+def check_model_internals(internals=MODEL_INTERNALS) -> list:
     """Private model methods we call that the installed diffusers lacks (modules / classes it lacks are skipped)."""
     problems = []
-    for mod_name, cls_name, attr in MODEL_INTERNALS:
+    for mod_name, cls_name, attr in internals:
         try:
             owner = importlib.import_module(mod_name)
             if cls_name is not None:

@@ -70,7 +70,7 @@ import torch.distributed as dist
 
 from diffusers_nki import compat, ops, routing
 from diffusers_nki.backends import Route
-from diffusers_nki.caching.core import find_hook
+from diffusers_nki.caching.config import find_hook
 from diffusers_nki.kernels.attention_ref import attention_ref, key_mask
 
 __all__ = ["Layout", "layout", "dispatch", "forward_op", "backward_op", "CacheParallel", "cp_plan", "describe",

@@ -85,4 +85,20 @@ def test_compat_finds_every_private_name_in_this_diffusers():
     from diffusers_nki import compat
 
     assert compat.check_diffusers() == []
+    assert compat.check_pipeline_internals() == []
     assert compat.check_context_parallel() == []
+
+
+def test_importing_diffusers_after_diffusers_nki_works():
+    # registration runs while diffusers imports its attention dispatch: it must import nothing that imports back
+    # into a half-initialised diffusers (a pipeline module did: "cannot import name 'AutoencoderMixin'")
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('error', RuntimeWarning)\n"
+            "import diffusers_nki\n"
+            "from diffusers import AutoencoderKLCogVideoX, AutoencoderKLWan, CogVideoXPipeline, WanPipeline\n"
+            "from diffusers.models.attention_dispatch import AttentionBackendName\n"
+            "print(AttentionBackendName('nki').value)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "nki", out.stderr[-3000:]

@@ -15,6 +15,12 @@ number): attention time per unit (AR chunk or one-shot forward) on trn2 (+ trn1,
 from the attention kernel's emulator trace + its dependency-aware schedule (the roofline ceiling beside it),
 and full-scale KV-cache bytes.
 
+``--quick`` is a cheaper pass (about 2 minutes on 2 cores; the modeled one-shot traces are what the full matrix
+spends most of its time on): 3-chunk rollouts, 3 timing repeats, no compile counting, the modeled columns on trn2
+only and only for the AR chunk workloads (``QUICK_MODELED``) unless ``--families`` names others. It lists what
+it skipped in bench.md and on stdout, and prints its wall time and CPU time at the end. The full matrix is
+unchanged.
+
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out`` (default ``outputs/bench``). A family
 whose piece is missing or fails gets a row with the reason, never a number that was not computed.
 """
@@ -62,13 +68,19 @@ EXTRA_ROWS: Dict[str, tuple] = {
                    "chunk-causal Wan (Self-Forcing / LongLive class): diffusers_nki.pipelines.CausalWanPipeline over the "
                    "stock WanTransformer3DModel, whose transformer row is the wan row"),
 }
+# --quick models the full-scale attention of these families only (the chunk-causal AR workloads, each a few
+# seconds); the one-shot families' full-scale traces take about half an hour on 2 cores. Families named with
+# --families are modeled whatever --quick says.
+QUICK_MODELED = ("causal_wan", "anyflow_far", "framepack", "helios", "sana_wm_refiner")
 PARITY_RTOL = 1e-4  # fp32 tiny models: patched vs stock transformer output, max relative error
 PSNR_MIN_DB = 60.0  # fp32 tiny pipelines: decoded frames, patched vs stock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="fewer repeats and chunks, trn2 only, no compile counting (< 5 min on 2 cores)")
+                   help="a cheaper pass (about 2 minutes on 2 cores): fewer repeats and chunks, no compile counting, "
+                        "modeled columns on trn2 only and only for the AR chunk workloads (or the --families named); "
+                        "it lists what it skipped")
     p.add_argument("--families", default=None,
                    help="comma-separated families to run (default: all that diffusers_nki.testing.tiny covers)")
     p.add_argument("--backend", default="torch", choices=("auto", "torch", "sim", "nki"),
@@ -92,6 +104,18 @@ def _err(e: BaseException) -> str:
 
 def _targets(args):
     return ("trn2",) if args.quick else ("trn1", "trn2", "trn3")
+
+
+def quick_skips(args) -> List[str]:
+    """What ``--quick`` leaves out (said in its output); [] for the full matrix."""
+    if not args.quick:
+        return []
+    out = ["torch.compile graph counting over the AR rollouts", "the trn1 / trn3 modeled columns",
+           f"{args.chunks or 3}-chunk rollouts and {args.repeats or 3} timing repeats (full: 6 and 7)"]
+    if not args.families:
+        out.append("the modeled full-scale columns of every family but " + ", ".join(QUICK_MODELED)
+                   + " (the AR chunk workloads); name families with --families to model them too")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -352,12 +376,14 @@ def build_matrix(args, log=print) -> dict:
             row.update(status="unavailable", reason=unavailable[fam])
             rows.append(row)
             continue
-        t_fam = time.perf_counter()
+        t_fam = t_part = time.perf_counter()
         try:
             row["transformer"] = _transformer_row(fam, args, 3 * repeats) if fam not in EXTRA_ROWS else \
                 {"status": "n/a", "reason": EXTRA_ROWS[fam][1]}  # forwards are cheap: more samples
         except Exception as e:
             row["transformer"] = {"status": "error", "reason": _err(e), "traceback": traceback.format_exc(limit=3)}
+        parts = {"transformer": time.perf_counter() - t_part}
+        t_part = time.perf_counter()
         pipes = [n for n, (f, _) in PIPELINES.items() if f == fam]
         if pipes and not args.no_pipelines:
             name = pipes[0]
@@ -372,15 +398,22 @@ def build_matrix(args, log=print) -> dict:
                                        "traceback": traceback.format_exc(limit=3)}
         elif not pipes:
             row["pipeline"] = {"status": "n/a", "reason": "no tiny pipeline for this family in diffusers_nki.testing.tiny"}
+        parts["pipeline"] = time.perf_counter() - t_part
+        t_part = time.perf_counter()
         if args.no_modeled:
             row["modeled"] = {"status": "n/a", "reason": "--no-modeled"}
+        elif args.quick and not args.families and fam not in QUICK_MODELED:
+            row["modeled"] = {"status": "n/a", "reason": "skipped by --quick (a one-shot family's full-scale trace; "
+                                                       "run without --quick, or name it with --families)"}
         else:
             try:
                 row["modeled"] = _modeled_row(fam, args)
             except Exception as e:
                 row["modeled"] = {"status": "error", "reason": _err(e), "traceback": traceback.format_exc(limit=3)}
+        parts["modeled"] = time.perf_counter() - t_part
         row["status"] = "ok"
         row["seconds"] = time.perf_counter() - t_fam
+        row["seconds_by_part"] = parts
         rows.append(row)
         torch._dynamo.reset()
     bar.close()
@@ -401,6 +434,7 @@ def build_matrix(args, log=print) -> dict:
         "legend": {"measured": "CPU, tiny models, this run", "modeled": "emulator trace + dependency-aware "
                    "schedule (roofline ceiling beside it) at the published full scale; never measured"},
         "rows": rows, "self_forcing_reference": reference, "seconds": time.perf_counter() - t0,
+        "skipped": quick_skips(args),
     }
 
 
@@ -485,6 +519,8 @@ def render_markdown(result: dict) -> str:
     ]
     for row in result["rows"]:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
+    if result.get("skipped"):
+        lines += ["", "Skipped by --quick: " + "; ".join(result["skipped"]) + "."]
     ref = result.get("self_forcing_reference")
     if ref:
         t = ", ".join(f"{k} {1e3 * v['chip_s']:.0f} ms ({100 * v['efficiency']:.0f}%)" for k, v in ref["targets"].items())
@@ -575,6 +611,7 @@ def run(args) -> int:
         return 2
     import torch
 
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -594,7 +631,12 @@ def run(args) -> int:
     print(md)
     if chart_err:
         print(f"(no chart: {chart_err})")
-    print(f"wrote {os.path.join(args.out, 'bench.json')}, bench.md, bench.png in {result['seconds']:.0f} s")
+    print(f"wrote {os.path.join(args.out, 'bench.json')}, bench.md, bench.png")
+    if result.get("skipped"):
+        print("skipped by --quick: " + "; ".join(result["skipped"]))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"bench{' --quick' if args.quick else ''}: {time.perf_counter() - wall0:.0f} s wall, "
+          f"{time.process_time() - cpu0:.0f} CPU-s, {os.cpu_count()} cores, load average {load:.1f}")
     bad = [r["family"] for r in result["rows"]
            if r.get("transformer", {}).get("parity", {}).get("ok") is False
            or r.get("pipeline", {}).get("parity", {}).get("ok") is False]

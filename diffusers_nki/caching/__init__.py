@@ -15,8 +15,7 @@ import torch
 
 from diffusers_nki import compat, patches
 from diffusers_nki.backends import Route
-from diffusers_nki.caching.config import StaticCacheConfig
-from diffusers_nki.caching.core import HOOK_NAME, find_hook
+from diffusers_nki.caching.config import HOOK_NAME, StaticCacheConfig, find_hook
 from diffusers_nki.family import CacheSpec, resolve_object
 
 __all__ = ["specs", "family_for_component", "family_of", "install", "default_config", "supported_classes",

@@ -1,4 +1,6 @@
-"""``StaticCacheConfig``: the configuration of the static KV caches (``diffusers_nki.StaticCacheConfig``).
+"""``StaticCacheConfig``: the configuration of the static KV caches (``diffusers_nki.StaticCacheConfig``), and
+``find_hook`` / ``HOOK_NAME``: the cache installed on a model. Light on purpose (no diffusers import): the
+dispatch bridge and the context-parallel layer read it while diffusers is still importing.
 
 Every field is validated when the config is built AND when it is assigned later (a TypeError / ValueError naming
 the field, the value and what is expected); the cross-field rules (``sink < capacity``, ``grow`` xor ``rolling``,
@@ -11,9 +13,17 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from diffusers_nki import compat
 from diffusers_nki.backends import CHOICES
 
-__all__ = ["StaticCacheConfig", "RULES"]
+__all__ = ["StaticCacheConfig", "RULES", "HOOK_NAME", "find_hook"]
+
+HOOK_NAME = "diffusers_nki.static_cache"  # the name of every static cache hook in diffusers' hook registry
+
+
+def find_hook(module):
+    """The static cache installed on ``module`` (a ``caching.core.StaticCacheHook``), or None."""
+    return compat.model_hook(module, HOOK_NAME)
 
 _UNITS = ("frames", "tokens")
 

@@ -23,10 +23,9 @@ import torch
 from diffusers.hooks import ModelHook
 
 from diffusers_nki import accounting, compat, errors, ops
+from diffusers_nki.caching.config import HOOK_NAME, find_hook  # noqa: F401 (the families' names)
 
 logger = logging.getLogger("diffusers_nki.cache")
-
-HOOK_NAME = "diffusers_nki.static_cache"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -205,11 +204,6 @@ class StaticCacheHook(ModelHook):
 
 
 compat.make_stateful(StaticCacheHook)
-
-
-def find_hook(module: torch.nn.Module) -> Optional[StaticCacheHook]:
-    """The static cache installed on ``module`` (None: none)."""
-    return compat.model_hook(module, HOOK_NAME)
 
 
 def warn_once(key: str, message: str) -> None:

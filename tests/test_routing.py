@@ -10,6 +10,8 @@ from diffusers_nki.backends import Route
 from diffusers_nki.errors import StrictFallbackError
 from diffusers_nki.testing import tiny
 from diffusers_nki.kernels.attention_ref import attention_oracle
+
+pytestmark = pytest.mark.usefixtures("clean_state")  # a clean diagnostic state per test
 def _qkv(B=2, Sq=12, Sk=12, H=2, D=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(B, Sq, H, D, generator=g), torch.randn(B, Sk, H, D, generator=g),

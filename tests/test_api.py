@@ -7,6 +7,8 @@ from diffusers_nki import ops
 from diffusers_nki.testing import tiny
 from diffusers_nki.errors import NotPatchedError, StrictFallbackError, UnsupportedModelError
 
+pytestmark = pytest.mark.usefixtures("clean_state")  # a clean diagnostic state per test
+
 
 def test_public_exports():
     assert callable(diffusers_nki.patch) and callable(diffusers_nki.unpatch) and callable(diffusers_nki.explain)

@@ -16,6 +16,8 @@ from diffusers_nki import accounting, ops
 from diffusers_nki.testing import tiny
 from diffusers_nki.patching import NotPatchedError, is_patched, patched_backend
 
+pytestmark = pytest.mark.usefixtures("clean_state")  # a clean diagnostic state per test
+
 FAST = dict(frames=1, height=4, width=4)
 
 

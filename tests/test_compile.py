@@ -7,6 +7,8 @@ import diffusers_nki
 from diffusers_nki import accounting, bridge, ops
 from diffusers_nki.testing import tiny
 
+pytestmark = pytest.mark.usefixtures("clean_state")  # a clean diagnostic state per test
+
 
 def test_patched_wan_compiles_fullgraph_without_recompiling(h):
     from torch._dynamo.testing import CompileCounterWithBackend

@@ -13,6 +13,8 @@ import diffusers_nki
 from diffusers_nki import backends, bridge, compat, ops
 from diffusers_nki.testing import tiny
 
+pytestmark = pytest.mark.usefixtures("clean_state")  # a clean diagnostic state per test
+
 
 def test_diffusers_private_names_are_as_expected():
     # fails loudly when diffusers renames or reshapes what the bridge relies on
@@ -197,7 +199,11 @@ def test_nki_first_used_inside_compiled_models_in_a_fresh_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, "ltx,wan"], capture_output=True, text=True, cwd=tmp_path,
                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["torch", "4", "0"], out.stdout  # ltx 2 calls + wan 2 calls, all routed
+    # ltx 2 calls + wan 2 calls, all routed. The "nki" member's Route is resolved when it is registered (here:
+    # when the tiny builders import diffusers, before the reset), so nothing is left to resolve inside the trace;
+    # a first resolution inside a trace itself: test_first_resolution_inside_a_fullgraph_trace_is_graph_safe
+    choice, routed, stock = out.stdout.split()
+    assert choice in ("torch", "None") and (routed, stock) == ("4", "0"), out.stdout
 
 
 def test_explain_lists_what_the_dispatch_only_route_misses(h):
