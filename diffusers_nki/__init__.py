@@ -6,7 +6,12 @@ Public API (kept small):
   the exact static KV cache wherever the family has one; ``False``: none; a ``StaticCacheConfig``: that one);
 - ``unpatch(pipe_or_model)`` -> the same object, restored bit-for-bit;
 - ``explain(pipe_or_model)`` -> a printable report (``.to_dict()``) of every attention module's path;
-- ``StaticCacheConfig`` (from ``diffusers_nki.cache``) and ``__version__``.
+- ``StaticCacheConfig`` (``diffusers_nki.caching.config``), ``errors`` (the exceptions it raises) and
+  ``__version__``.
+
+Everything else has its own module (``diffusers_nki.cache``: the static caches; ``diffusers_nki.ops``: the custom
+ops and counters; ``diffusers_nki.testing``: tiny models, test helpers, ``reset_state()``); docs/ARCHITECTURE.md
+draws the layers.
 
 Importing this package is cheap (no torch, no diffusers). It arranges for the "nki" attention backend to be
 registered with diffusers as soon as ``diffusers.models.attention_dispatch`` is imported (or right away if it
@@ -19,13 +24,14 @@ import sys
 
 __version__ = "0.1.0"
 
-__all__ = ["patch", "unpatch", "explain", "StaticCacheConfig", "__version__"]
+__all__ = ["patch", "unpatch", "explain", "StaticCacheConfig", "errors", "__version__"]
 
 _LAZY = {
     "patch": ("diffusers_nki.patching", "patch"),
     "unpatch": ("diffusers_nki.patching", "unpatch"),
-    "explain": ("diffusers_nki.patching", "explain"),
-    "StaticCacheConfig": ("diffusers_nki.cache", "StaticCacheConfig"),
+    "explain": ("diffusers_nki.explanation", "explain"),
+    "StaticCacheConfig": ("diffusers_nki.caching.config", "StaticCacheConfig"),
+    "errors": ("diffusers_nki.errors", None),
 }
 
 
@@ -38,7 +44,7 @@ def __getattr__(name):
             if exc.name == module:
                 raise AttributeError(f"diffusers_nki.{name} is not available in this build ({module} is missing)")
             raise
-        value = getattr(mod, attr)
+        value = mod if attr is None else getattr(mod, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'diffusers_nki' has no attribute {name!r}")
@@ -92,11 +98,13 @@ def _import_order_hint():
         return None
     dispatch = sys.modules.get(_DispatchImportHook.target)
     if dispatch is not None:
-        active = getattr(getattr(dispatch, "_AttentionBackendRegistry", None), "_active_backend", None)
-        if getattr(active, "value", active) == value:
+        from diffusers_nki import compat  # (a leaf: imports neither torch nor diffusers)
+
+        active = compat.active_backend_value(dispatch)
+        if active == value:
             return None
         return (f"DIFFUSERS_ATTN_BACKEND={value!r} has no effect: diffusers' attention dispatch was imported before "
-                f"diffusers_nki (it read the variable as {getattr(active, 'value', active)!r}). Import diffusers_nki "
+                f"diffusers_nki (it read the variable as {active!r}). Import diffusers_nki "
                 "before any diffusers model, or use diffusers_nki.patch(model) / model.set_attention_backend('nki').")
     if any(name.startswith("diffusers.models.") for name in sys.modules):
         return (f"DIFFUSERS_ATTN_BACKEND={value!r}: diffusers model modules were imported before diffusers_nki. If "

@@ -1,17 +1,27 @@
 """What ran, per attention module and per model: the evidence ``explain()`` reports (never intent).
 
-Every kernel call is counted where it runs (``diffusers_nki.ops`` calls ``observe(op, backend)`` from inside
-the custom ops, so calls made from compiled graphs and from static-cache processors are counted too) and
-every visible fallback where it is recorded (``diffusers_nki.bridge``). Each is attributed to:
+A leaf: it imports nothing of diffusers_nki but ``compat`` (the attention module classes) and is told the rest
+(``register_covered``: which model classes a family covers; ``diffusers_nki.patches`` registers itself).
 
-1. the attention module being run, when a patched model's record hooks put its ``ModuleRecord`` on the
-   per-thread record stack (eager mode);
-2. otherwise the owner found on the Python call stack at call time: the innermost frame whose ``self`` is
-   an attention module (an unpatched model routed through ``set_attention_backend("nki")``,
-   ``attention_backend("nki")`` or ``DIFFUSERS_ATTN_BACKEND``; a static cache applied without ``patch``),
-   else a patched (or covered) model (code compiled with ``torch.compile``: the module forwards are
-   inlined into the graph, so only the model is known; ``explain`` reports those counts per model);
-3. otherwise process-wide (``bridge.unattributed_fallbacks()`` / ``unattributed_calls()``).
+- ``compiling()``: True while ``torch.compile`` traces (values cannot be read, module hooks are inlined).
+- The record stack (per thread): a patched model's record hooks push each attention module's ``ModuleRecord``
+  around its forward (eager only; ``push_record`` / ``pop_record`` / ``record_mark`` / ``reset_records``), so
+  ``current_record()`` names the module a call belongs to.
+- Counters (huggingface/kernels style, their own lock): ``count(op, path)`` is called by the custom ops
+  (``diffusers_nki.ops``, ``prologue_ops``, ``autograd``, the TorchNeuron bodies of ``backends.nki``) for every
+  kernel call that runs, and by the router for every visible fallback (``path="stock"``); ``counters()`` /
+  ``reset_counters()`` (re-exported as ``diffusers_nki.ops.counters`` / ``reset_counters``).
+
+Every kernel call that runs (calls made from compiled graphs and from static-cache processors included) is
+attributed to:
+
+1. the attention module being run, when a patched model's record hooks put its record on the stack (eager);
+2. otherwise the owner found on the Python call stack at call time: the innermost frame whose ``self`` is an
+   attention module (an unpatched model routed through ``set_attention_backend("nki")``,
+   ``attention_backend("nki")`` or ``DIFFUSERS_ATTN_BACKEND``; a static cache applied without ``patch``), else a
+   patched (or covered) model (code compiled with ``torch.compile``: the module forwards are inlined into the
+   graph, so only the model is known; ``explain`` reports those counts per model);
+3. otherwise process-wide (``unattributed_calls()``; fallbacks: ``unattributed_fallbacks()``).
 
 Records hold no reference to their module or model (they are stored ON the module, or in weak-keyed maps
 for modules diffusers_nki did not patch), so they never keep a model alive. A deep copy of a record starts
@@ -24,17 +34,107 @@ import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
-__all__ = ["ModuleRecord", "RECORD_ATTR", "observe", "owner_from_stack", "observed_record", "observed_model_record",
-           "unattributed_calls", "reset_unattributed"]
+from diffusers_nki import compat
+
+__all__ = ["ModuleRecord", "RECORD_ATTR", "MODEL_ATTR", "PATHS", "compiling", "count", "counters", "reset_counters",
+           "push_record", "pop_record", "record_mark", "reset_records", "current_record", "observe",
+           "owner_from_stack", "observed_record", "observed_model_record", "unattributed_calls",
+           "unattributed_fallbacks", "note_unattributed_fallback", "reset_unattributed", "register_covered"]
 
 RECORD_ATTR = "_diffusers_nki_record"  # on a patched attention module: its ModuleRecord
-MODEL_ATTR = "_diffusers_nki_patch"  # on a patched model: its patching.ModelPatch (read here by name only)
+MODEL_ATTR = "_diffusers_nki_patch"  # on a patched model: its lifecycle.ModelPatch (read here by duck typing)
 MAX_FRAMES = 96
+PATHS = ("torch", "sim", "nki", "stock")  # the backends (diffusers_nki.backends.NAMES) and stock fallbacks
+OPS = ("attention", "attention_lse", "cache_write", "attention_backward", "qk_norm_rope")
 
+
+def compiling() -> bool:
+    """True while torch.compile traces (values cannot be read, module hooks are inlined)."""
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# counters
+# ----------------------------------------------------------------------------------------------------------
+_count_lock = threading.Lock()
+_counts = {op: dict.fromkeys(PATHS, 0) for op in OPS}
+
+
+def count(op: str, path: str) -> None:
+    """One call of ``op`` that ran on ``path`` (a backend, or "stock" for a visible fallback); kernel calls are
+    also attributed to their module / model (``observe``)."""
+    with _count_lock:
+        _counts[op][path] += 1
+    if path != "stock":  # fallbacks are attributed where they are recorded (diffusers_nki.routing)
+        observe(op, path)
+
+
+def counters() -> dict:
+    """A copy of the call counters: ``{op: {"torch": n, "sim": n, "nki": n, "stock": n}}``."""
+    with _count_lock:
+        return {op: dict(c) for op, c in _counts.items()}
+
+
+def reset_counters() -> None:
+    with _count_lock:
+        for c in _counts.values():
+            for key in c:
+                c[key] = 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the record stack (which attention module is running)
+# ----------------------------------------------------------------------------------------------------------
+_tls = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    return stack
+
+
+def push_record(record) -> None:
+    if not compiling():
+        _stack().append(record)
+
+
+def pop_record(record) -> None:
+    if not compiling():
+        stack = _stack()
+        if stack and stack[-1] is record:
+            stack.pop()
+
+
+def record_mark() -> int:
+    """The record stack's depth (restored by ``reset_records`` once a patched model's forward ends)."""
+    return 0 if compiling() else len(_stack())
+
+
+def reset_records(mark: int) -> None:
+    """Drop records left above ``mark`` by attention forwards that raised (their pop hook did not run)."""
+    if not compiling():
+        del _stack()[mark:]
+
+
+def current_record():
+    if compiling():
+        return None
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# records
+# ----------------------------------------------------------------------------------------------------------
 _lock = threading.Lock()
 
 
@@ -76,12 +176,19 @@ class ModuleRecord:
         return new
 
 
-# ----------------------------------------------------------------------------------------------------------
 # records of modules and models diffusers_nki did not patch (weak keys: they never keep a module alive)
-# ----------------------------------------------------------------------------------------------------------
 _observed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> ModuleRecord
 _observed_models: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> ModuleRecord(kind=model)
 _unattributed: Dict[str, Counter] = {"attention": Counter(), "cache_write": Counter()}
+_unattributed_fallbacks: Counter = Counter()  # reason -> count, for fallbacks no module or model was named for
+_covered: Optional[Callable[[torch.nn.Module], bool]] = None
+
+
+def register_covered(predicate: Callable[[torch.nn.Module], bool]) -> None:
+    """Tell accounting which models a family covers (``diffusers_nki.patches`` registers its ``family_for``):
+    the calls of such a model inside compiled code are counted for it, patched or not."""
+    global _covered
+    _covered = predicate
 
 
 def observed_record(module) -> Optional[ModuleRecord]:
@@ -100,22 +207,22 @@ def unattributed_calls() -> Dict[str, Dict[str, int]]:
         return {op: dict(c) for op, c in _unattributed.items()}
 
 
+def unattributed_fallbacks() -> dict:
+    """Fallback reasons recorded outside any patched module (e.g. via set_attention_backend("nki"))."""
+    with _lock:
+        return dict(_unattributed_fallbacks)
+
+
+def note_unattributed_fallback(reason: str) -> None:
+    with _lock:
+        _unattributed_fallbacks[reason] += 1
+
+
 def reset_unattributed() -> None:
     with _lock:
         for c in _unattributed.values():
             c.clear()
-
-
-_attention_classes = None
-
-
-def _attention_types():
-    global _attention_classes
-    if _attention_classes is None:
-        from diffusers_nki.patching import _attention_classes as classes
-
-        _attention_classes = classes()
-    return _attention_classes
+        _unattributed_fallbacks.clear()
 
 
 def _model_record(model) -> Optional[ModuleRecord]:
@@ -123,9 +230,7 @@ def _model_record(model) -> Optional[ModuleRecord]:
     installed = getattr(patch, "installed", None)
     if installed is not None:
         return installed.unattributed
-    from diffusers_nki.patches import family_for
-
-    if family_for(type(model)) is None:
+    if _covered is None or not _covered(model):
         return None
     rec = _observed_models.get(model)
     if rec is None:
@@ -140,6 +245,7 @@ def owner_from_stack(depth: int = 1) -> Optional[ModuleRecord]:
         frame = sys._getframe(depth + 1)
     except ValueError:  # pragma: no cover
         return None
+    attention_types = None
     n = 0
     while frame is not None and n < MAX_FRAMES:
         code = frame.f_code
@@ -152,7 +258,9 @@ def owner_from_stack(depth: int = 1) -> Optional[ModuleRecord]:
                     return rec
                 if MODEL_ATTR in d:
                     return _model_record(obj)
-                if isinstance(obj, _attention_types()):
+                if attention_types is None:
+                    attention_types = compat.attention_classes()
+                if isinstance(obj, attention_types):
                     rec = _observed.get(obj)
                     if rec is None:
                         rec = _observed[obj] = ModuleRecord(
@@ -168,10 +276,8 @@ def owner_from_stack(depth: int = 1) -> Optional[ModuleRecord]:
 
 
 def observe(op: str, backend: str) -> None:
-    """Called by the custom ops for every kernel call that runs (not for fallbacks, recorded by the bridge)."""
-    from diffusers_nki import bridge
-
-    rec = bridge.current_record()
+    """Attribute one kernel call that ran (``count`` calls this; fallbacks are recorded by the router)."""
+    rec = current_record()
     if rec is None:
         rec = owner_from_stack(1)
     with _lock:

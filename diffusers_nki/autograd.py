@@ -25,10 +25,11 @@ from typing import List, Optional
 
 import torch
 
-from diffusers_nki import ops
+from diffusers_nki.accounting import count
+from diffusers_nki.errors import warn_once
 from diffusers_nki.kernels.attention_ref import key_mask
 
-__all__ = ["attention_backward_ref", "BACKWARD_PATHS", "backward_path"]
+__all__ = ["attention_backward_ref", "BACKWARD_PATHS", "backward_path", "register_backward"]
 
 BACKWARD_PATHS = {
     "torch": "exact (the torch twin's gradient)",
@@ -105,9 +106,7 @@ def attention_backward_ref(dout, q, k, v, k_cache=None, v_cache=None, cache_len=
 
 def warn_detached_cache_write() -> None:
     """``ops.cache_write`` of values that require grad: the static cache stores them detached (once per process)."""
-    from diffusers_nki import routing
-
-    routing.warn_once("cache_write_detached",
+    warn_once("cache_write_detached",
                       "diffusers_nki: cache_write stores k/v that require grad DETACHED: the static KV cache is a "
                       "constant for autograd, so no gradient flows through it into the chunks that filled it (the "
                       "attention over the cache still gives gradients to the new chunk's q, k and v). Fill the "
@@ -129,11 +128,9 @@ def _attention_backward_op(
     backend: str,
     cache_grads: bool,
 ) -> List[torch.Tensor]:
-    ops._count("attention_backward", backend)
+    count("attention_backward", backend)
     if backend != "torch":
-        from diffusers_nki import routing
-
-        routing.warn_once(("attention_backward", backend),
+        warn_once(("attention_backward", backend),
                           f"diffusers_nki: the backward of the {backend!r} attention backend is "
                           f"{backward_path(backend)}: gradients are the torch twin's", stacklevel=2)
     return list(attention_backward_ref(dout, q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block,
@@ -166,4 +163,7 @@ def _backward(ctx, dout):
             dkc if need[3] else None, dvc if need[4] else None, None, None, None, None, None)
 
 
-ops._attention_op.register_autograd(_backward, setup_context=_setup_context)
+def register_backward(attention_op) -> None:
+    """Register the backward above on the ``diffusers_nki::attention`` custom op (``diffusers_nki.ops`` calls this
+    once, right after defining the op)."""
+    attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,7 @@
-"""Command line: ``diffusers-nki demo | serve | bench [kernels|cache|scaling]`` (also ``python -m diffusers_nki``).
+"""The ``diffusers-nki`` command (also ``python -m diffusers_nki``): ``demo``, ``serve`` (the live viewer), ``bench``
+(the cross-model matrix) and ``bench kernels | cache | budget | scaling | calibrate``.
 
-Each subcommand lives in its own module and is imported lazily, so ``--help`` stays fast.
-
+Only the chosen subcommand's module is imported (``diffusers-nki --help`` imports neither torch nor diffusers).
 Arguments are validated BEFORE any work (``validate``), the same way for every subcommand, and a bad one is
 reported as ONE line on stderr (``diffusers-nki <command>: <what is wrong>``) with exit code 2:
 - every integer option is a count that must be >= 1 (``--seed`` and the others in ``NONNEGATIVE``: >= 0);
@@ -22,9 +22,9 @@ from typing import List, Optional
 
 # subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "demo": ("diffusers_nki.demo", "stream a tiny AR video pipeline chunk by chunk (the main job)"),
-    "bench": ("diffusers_nki.bench.matrix", "the cross-model benchmark matrix"),
+    "demo": ("diffusers_nki.demo", "stream a tiny autoregressive video pipeline chunk by chunk and write the video"),
     "serve": ("diffusers_nki.serve", "watch a causal Wan session live in a browser: prompt switches, reset"),
+    "bench": ("diffusers_nki.bench.matrix", "the cross-model benchmark matrix (--quick: a few minutes)"),
 }
 BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
@@ -35,39 +35,58 @@ BENCH_SUBCOMMANDS = {
     "calibrate": ("diffusers_nki.bench.calibrate", "modeled vs AWS's published hardware figures (the cost model's "
                   "calibration table)"),
 }
+DESCRIPTION = """diffusers_nki: NKI attention and static KV caches for Diffusers' autoregressive video pipelines on
+AWS Trainium. Without a Trainium host the kernels run in the NKI emulator, and Trainium times are MODELED from
+its instruction trace (never measured)."""
+EPILOG = """commands:
+  diffusers-nki demo                 stream the tiny chunk-causal Wan pipeline (outputs/demo)
+  diffusers-nki serve                the live viewer on 127.0.0.1 (prompt switches, reset)
+  diffusers-nki bench --quick        the benchmark matrix, a cheaper pass (outputs/bench)
+  diffusers-nki bench                the full matrix
+  diffusers-nki bench kernels        modeled cost of the attention kernels at full scale
+  diffusers-nki bench cache          stock vs static-cache rollouts
+  diffusers-nki bench budget         modeled end-to-end time and fps per chunk (trn2 / trn3)
+  diffusers-nki bench scaling        modeled context-parallel attention, per chip and multi-chip
+  diffusers-nki bench calibrate      modeled vs published hardware figures (the cost model's calibration)
+Each command takes --help. In Python: diffusers_nki.patch(pipe), then pipe(...); diffusers_nki.explain(pipe)."""
 
 
-def _add(sub, name, module, help_):
-    p = sub.add_parser(name, help=help_)
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise
-        p.set_defaults(_missing=module)
+def _add(sub, name, module, help_, load: bool):
+    p = sub.add_parser(name, help=help_, description=help_)
+    if not load:  # not the chosen command: listed with its help, never imported
         return p
+    mod = importlib.import_module(module)
     mod.add_arguments(p)
     p.set_defaults(_run=mod.run, _parser=p, _module=mod, _prog=f"diffusers-nki {p.prog.split(' ', 1)[-1]}")
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffusers-nki", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add(sub, "demo", *COMMANDS["demo"])
-    _add(sub, "serve", *COMMANDS["serve"])
-    bench = sub.add_parser("bench", help=COMMANDS["bench"][1])
-    bsub = bench.add_subparsers(dest="bench_command")
+def _chosen(argv) -> tuple:
+    """(command, bench subcommand) named by ``argv`` (None where absent), from its first two positionals."""
+    words = [a for a in argv if not a.startswith("-")]
+    command = words[0] if words and words[0] in COMMANDS else None
+    sub = words[1] if command == "bench" and len(words) > 1 and words[1] in BENCH_SUBCOMMANDS else None
+    return command, sub
+
+
+def build_parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
+    """The parser. With ``argv``, only the subcommand it names is imported (the others are listed); without, every
+    subcommand is (the whole option tree)."""
+    command, sub_name = _chosen(argv) if argv is not None else (None, None)
+    load_all = argv is None
+    parser = argparse.ArgumentParser(prog="diffusers-nki", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,bench}")
+    _add(sub, "demo", *COMMANDS["demo"], load=load_all or command == "demo")
+    _add(sub, "serve", *COMMANDS["serve"], load=load_all or command == "serve")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"][1], description=COMMANDS["bench"][1])
+    bsub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(BENCH_SUBCOMMANDS) + "}")
     for name, (module, help_) in BENCH_SUBCOMMANDS.items():
-        _add(bsub, name, module, help_)
-    try:
+        _add(bsub, name, module, help_, load=load_all or (command == "bench" and sub_name == name))
+    if load_all or (command == "bench" and sub_name is None):
         matrix = importlib.import_module(COMMANDS["bench"][0])
         matrix.add_arguments(bench)
         bench.set_defaults(_run=matrix.run, _parser=bench, _module=matrix, _prog="diffusers-nki bench")
-    except ModuleNotFoundError as e:
-        if e.name != COMMANDS["bench"][0]:
-            raise
-        bench.set_defaults(_missing=COMMANDS["bench"][0])
     return parser
 
 
@@ -132,8 +151,7 @@ def check_file(flag: str, value: str) -> None:
 
 
 def check_backend(flag: str, value) -> None:
-    from diffusers_nki import backends
-
+    backends = importlib.import_module("diffusers_nki.backends")  # (torch: only for a command that has --backend)
     try:
         backends.check_name(value)
     except ValueError:
@@ -176,12 +194,9 @@ def validate(args) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     prog = getattr(args, "_prog", "diffusers-nki")
-    if getattr(args, "_missing", None):
-        print(f"diffusers-nki: this command is not available in this build ({args._missing} is missing)",
-              file=sys.stderr)
-        return 2
     try:
         validate(args)
     except UsageError as exc:

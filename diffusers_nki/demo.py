@@ -2,7 +2,7 @@
 chunk through diffusers_nki.
 
 What it does (offline, CPU, well under a minute on 2 cores with the defaults):
-1. builds the tiny ``CausalWanPipeline`` (``diffusers_nki.tiny``: stock WanTransformer3DModel, AutoencoderKLWan and
+1. builds the tiny ``CausalWanPipeline`` (``diffusers_nki.testing.tiny``: stock WanTransformer3DModel, AutoencoderKLWan and
    UMT5 encoder with random weights, in-memory tokenizer);
 2. ``diffusers_nki.patch(pipe, backend=...)``: NKI-routed attention plus the static cache the pipeline's attention
    window needs (Self-Forcing's 21 latent frames by default; ``--window/--sink`` for LongLive's 12 + 3);
@@ -26,6 +26,17 @@ import os
 import sys
 import time
 from typing import Dict, List, Optional
+
+import diffusers_nki
+from diffusers_nki import ops
+from diffusers_nki.bench import _modeled
+from diffusers_nki.bench._measure import AttentionRecorder, json_safe
+from diffusers_nki.bench.budget import chunk_attention_calls
+from diffusers_nki.bench.scaling import add_chip_figures
+from diffusers_nki.caching.core import find_hook
+from diffusers_nki.kernels.attention_ref import attention_ref
+from diffusers_nki.pipelines.causal_wan import denormalize_latents
+from diffusers_nki.testing import tiny
 
 PIPELINE = "causal_wan"
 
@@ -71,17 +82,13 @@ def _missing_pieces() -> List[str]:
     """Why streaming mode cannot run (empty: it can)."""
     reasons = []
     try:
-        from diffusers_nki import tiny
-
         bad = tiny.unavailable_pipelines().get(PIPELINE)
         if bad:
             reasons.append(bad)
     except Exception as e:
-        reasons.append(f"diffusers_nki.tiny: {type(e).__name__}: {e}")
+        reasons.append(f"diffusers_nki.testing.tiny: {type(e).__name__}: {e}")
     for name in ("patch", "explain", "StaticCacheConfig"):
         try:
-            import diffusers_nki
-
             getattr(diffusers_nki, name)
         except Exception as e:
             reasons.append(f"diffusers_nki.{name}: {e}")
@@ -92,8 +99,6 @@ def _missing_pieces() -> List[str]:
 # streaming mode
 # ------------------------------------------------------------------------------------------------------
 def _call_kwargs(args):
-    from diffusers_nki import tiny
-
     return tiny.tiny_call_kwargs(PIPELINE, chunks=args.chunks, steps=args.steps, seed=args.seed,
                                  frames_per_chunk=args.frames_per_chunk, height=args.height, width=args.width,
                                  output_type="np")
@@ -101,7 +106,6 @@ def _call_kwargs(args):
 
 def _cache_fill(transformer) -> Dict[str, int]:
     """Valid and total history slots of the installed causal static cache (per layer), read from its state."""
-    from diffusers_nki.caching.core import find_hook
 
     hook = find_hook(transformer)
     st = getattr(hook, "current", None) or getattr(hook, "state", None) or getattr(hook, "last", None)
@@ -114,15 +118,12 @@ def _cache_fill(transformer) -> Dict[str, int]:
 def _modeled_per_chunk(args) -> dict:
     """Modeled attention time of each chunk at full scale (Wan2.1-1.3B, 480x832), shapes recorded from the
     patched pipeline at that geometry (``bench/budget.py``), costed by ``bench/_modeled.py``."""
-    from diffusers_nki.bench import _modeled
-    from diffusers_nki.bench.budget import chunk_attention_calls
 
     why = _modeled.unavailable_reason()
     if why:
         return {"available": False, "reason": why}
     probe = chunk_attention_calls(window=args.window, sink=args.sink, chunks=args.chunks, steps=args.steps,
                                   chunk_frames=args.frames_per_chunk)
-    from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
 
     per_chunk = [add_chip_figures(_modeled.model_calls(calls), calls) for calls in probe["chunks"]]
     return {"available": True, "modeled": True, "geometry": probe["geometry"], "unrouted_calls": probe["unrouted"],
@@ -155,9 +156,6 @@ def _stream(args) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    import diffusers_nki
-    from diffusers_nki import ops, tiny
-    from diffusers_nki.bench._measure import AttentionRecorder
 
     report: dict = {"mode": "stream", "pipeline": None, "args": {k: v for k, v in vars(args).items()
                                                                if not k.startswith("_") and not callable(v)}}
@@ -221,7 +219,6 @@ def _stream(args) -> dict:
     report["routing"] = {"attention_calls": routed + unrouted, "routed_to_diffusers_nki": routed,
                          "share": routed / (routed + unrouted) if routed + unrouted else 0.0}
     if not args.no_check:  # the streamed frames == a one-shot decode of the same latents
-        from diffusers_nki.pipelines.causal_wan import denormalize_latents
 
         with torch.no_grad():
             one_shot = pipe.vae.decode(denormalize_latents(pipe.vae, torch.cat(latents, dim=2)), return_dict=False)[0]
@@ -270,7 +267,6 @@ def _kernel_mode(args, why: List[str]) -> dict:
     import torch
 
     from diffusers_nki.kernels.attention import attention_kernel
-    from diffusers_nki.kernels.attention_ref import attention_ref
     from diffusers_nki.sim import last_record, schedule, simulate
 
     g = torch.Generator().manual_seed(args.seed)
@@ -299,7 +295,6 @@ def run(args) -> int:
     except ValueError as e:
         print(f"diffusers-nki demo: {e}", file=sys.stderr)
         return 2
-    from diffusers_nki.bench._measure import json_safe
 
     missing = _missing_pieces()
     report = _stream(args) if not missing else _kernel_mode(args, missing)

@@ -9,7 +9,6 @@ package is installed.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 __all__ = ["nki", "nl", "nisa", "HAVE_REAL_NKI", "simulate"]
@@ -19,9 +18,9 @@ def _load_real():
     if os.environ.get("DIFFUSERS_NKI_FORCE_EMULATOR", "").strip().lower() in ("1", "true", "yes", "on"):
         return None
     try:
-        real = importlib.import_module("nki")
-        lang = importlib.import_module("nki.language")
-        isa = importlib.import_module("nki.isa")
+        import nki as real  # the Neuron SDK's package: optional
+        import nki.isa as isa
+        import nki.language as lang
     except Exception:  # the placeholder distributions of that name are empty; treat any failure as absent
         return None
     if not hasattr(real, "jit") or not hasattr(isa, "nc_matmul"):
@@ -42,6 +41,6 @@ else:
 
 def simulate(kernel, target: str = "trn2"):
     """Always the emulator's ``simulate`` (CPU), whatever the real package offers; see ``diffusers_nki.sim``."""
-    from diffusers_nki.sim import simulate as _sim
+    from diffusers_nki.sim import simulate as _sim  # the emulator: imported on first use
 
     return _sim(kernel, target=target)

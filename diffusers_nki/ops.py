@@ -1,56 +1,49 @@
-"""The two custom ops every patched model calls, their fake (meta) implementations, backend dispatch and
-call counters.
+"""The attention and cache custom ops every patched model calls, their fake (meta) implementations and Python
+wrappers, and the backend dispatch behind them.
 
-``torch.ops.diffusers_nki.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block,
-backend) -> Tensor`` and ``torch.ops.diffusers_nki.cache_write(k_cache, v_cache, k, v, slot, backend)``
-(mutates the caches) follow the contract of docs/ARCHITECTURE.md (BSHD layout; ``cache_len``, ``kv_len``
-and ``slot`` are runtime int tensors so shapes never depend on them). ``torch.compile`` sees each op as one
-opaque node with a fake implementation, so a patched model traces with ``fullgraph=True`` and does not
-recompile when only those runtime values change.
+Defined here (docs/ARCHITECTURE.md has the contract; BSHD layout; ``cache_len``, ``kv_len`` and ``slot`` are
+runtime int tensors, so shapes never depend on them):
+
+- ``torch.ops.diffusers_nki.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend)
+  -> Tensor``;
+- ``torch.ops.diffusers_nki.attention_lse(...same...) -> (out, lse)``: with the log-sum-exp (context parallelism:
+  diffusers' ring attention merges partial results with it);
+- ``torch.ops.diffusers_nki.cache_write(k_cache, v_cache, k, v, slot, backend)``: mutates the caches.
+
+The other custom ops of the package: ``diffusers_nki::attention_backward`` (``diffusers_nki.autograd``, the
+registered backward of ``attention``), ``diffusers_nki::qk_norm_rope`` (``diffusers_nki.prologue_ops``),
+``diffusers_nki::stock_fallback`` and ``diffusers_nki::mask_check`` (``diffusers_nki.routing``: records of visible
+fallbacks from inside compiled graphs), and on a TorchNeuron host the ``torch_neuronx.nki_op`` registrations
+``diffusers_nki::<op>_nki`` (``diffusers_nki.backends.nki``). ``torch.compile`` sees each op as one opaque node with
+a fake implementation, so a patched model traces with ``fullgraph=True`` and does not recompile when only those
+runtime values change.
+
+Shapes and dtypes are validated ONCE per call, at this boundary: ``attention`` / ``attention_lse`` /
+``cache_write`` check ``*_not_supported_reasons`` and raise a ValueError listing every reason; the router and the
+processors, which must fall back (not raise) when the kernel cannot serve a call, check the same reasons
+themselves and then call ``run_attention`` / ``run_attention_lse``, which do not check again. Runtime values
+(``kv_len`` within the chunk's keys, ``cache_len`` within the capacity) are checked where they are read.
 
 Counters (huggingface/kernels style) prove which path ran: ``counters()`` ->
-``{"attention": {"torch": n, "sim": n, "nki": n, "stock": n}, "cache_write": {...}}``. The backend counts are
-taken inside the op implementations, so they also count calls made from compiled graphs; "stock" counts the
-visible fallbacks to stock SDPA taken by the router (``diffusers_nki.bridge``).
+``{"attention": {"torch": n, "sim": n, "nki": n, "stock": n}, "cache_write": {...}, ...}`` (kept by
+``diffusers_nki.accounting``). The backend counts are taken inside the op implementations, so they also count
+calls made from compiled graphs; "stock" counts the visible fallbacks to stock SDPA taken by the router.
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 
-from diffusers_nki import accounting as _accounting
-from diffusers_nki import backends
+from diffusers_nki import autograd, backends
+from diffusers_nki.accounting import count as _count
+from diffusers_nki.accounting import counters, reset_counters
+from diffusers_nki.backends import nki as _hw
 from diffusers_nki.kernels import attention_ref as _att_ref
 from diffusers_nki.kernels import cache_write_ref as _cw_ref
 
-__all__ = ["attention", "cache_write", "counters", "reset_counters", "attention_not_supported_reasons"]
-
-_PATHS = backends.NAMES + ("stock",)
-_lock = threading.Lock()
-_counts = {op: dict.fromkeys(_PATHS, 0) for op in ("attention", "cache_write", "attention_backward")}
-_counts["qk_norm_rope"] = dict.fromkeys(_PATHS, 0)  # the Wan prologue op (diffusers_nki.prologue_ops)
-
-
-def _count(op: str, path: str) -> None:
-    with _lock:
-        _counts[op][path] += 1
-    if path != "stock":  # per-module / per-model attribution for explain() (fallbacks: the bridge records them)
-        _accounting.observe(op, path)
-
-
-def counters() -> dict:
-    """A copy of the call counters: ``{op: {"torch": n, "sim": n, "nki": n, "stock": n}}``."""
-    with _lock:
-        return {op: dict(c) for op, c in _counts.items()}
-
-
-def reset_counters() -> None:
-    with _lock:
-        for c in _counts.values():
-            for key in c:
-                c[key] = 0
+__all__ = ["attention", "attention_lse", "cache_write", "run_attention", "run_attention_lse", "counters",
+           "reset_counters", "attention_not_supported_reasons", "hardware_op"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -107,15 +100,13 @@ def _cache_write_fake(k_cache, v_cache, k, v, slot, backend):
 # ----------------------------------------------------------------------------------------------------------
 # hardware-dispatch hook (diffusers_nki.backends.nki)
 # ----------------------------------------------------------------------------------------------------------
-def _hardware_op(op: str, backend: str):
+def hardware_op(op: str, backend: str):
     """For backend "nki" on a Neuron host with TorchNeuron: the kernel op registered with
     ``torch_neuronx.nki_op`` (``diffusers_nki::<op>_nki``), which the wrappers call INSTEAD of the custom ops
     above so that the kernel is a node of ``torch.compile(backend="neuron")``'s FX graph. None otherwise
     (every other backend, or a torch-neuronx without ``nki_op``): the custom ops above are used."""
     if backend != "nki":
         return None
-    from diffusers_nki.backends import nki as _hw
-
     return _hw.hardware_op(op)
 
 
@@ -139,7 +130,15 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
     reasons = _att_ref.not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     if reasons:
         raise ValueError("diffusers_nki.ops.attention: " + "; ".join(reasons))
-    hw = _hardware_op("attention", backend)
+    return run_attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend)
+
+
+def run_attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
+                  backend: str = "torch") -> torch.Tensor:
+    """``attention`` for a caller that has checked ``attention_not_supported_reasons`` itself (the router, the
+    processors, the static caches): the op call, without a second shape check."""
+    backend = backends.resolve(backend)
+    hw = hardware_op("attention", backend)
     if hw is not None:
         return hw(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
                   int(causal_block))
@@ -156,10 +155,8 @@ def cache_write(k_cache, v_cache, k, v, slot, backend: str = "torch") -> None:
     if reasons:
         raise ValueError("diffusers_nki.ops.cache_write: " + "; ".join(reasons))
     if (k.requires_grad or v.requires_grad) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        from diffusers_nki import autograd
-
         autograd.warn_detached_cache_write()
-    hw = _hardware_op("cache_write", backend)
+    hw = hardware_op("cache_write", backend)
     if hw is not None:
         hw(k_cache, v_cache, k, v, slot)
         return
@@ -172,7 +169,6 @@ def cache_write(k_cache, v_cache, k, v, slot, backend: str = "torch") -> None:
 # ``torch.ops.diffusers_nki.attention_lse(...same arguments as attention...) -> (out, lse)``: out as
 # ``attention``; lse float32 [B, H, Sq], the natural log-sum-exp of the scaled logits over the visible keys
 # (-inf for a row with no visible key). Counted under ``counters()["attention_lse"]``.
-_counts["attention_lse"] = dict.fromkeys(_PATHS, 0)
 
 
 @torch.library.custom_op("diffusers_nki::attention_lse", mutates_args=())
@@ -214,7 +210,14 @@ def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
     reasons = _att_ref.not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     if reasons:
         raise ValueError("diffusers_nki.ops.attention_lse: " + "; ".join(reasons))
-    hw = _hardware_op("attention_lse", backend)
+    return run_attention_lse(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend)
+
+
+def run_attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
+                      backend: str = "torch"):
+    """``attention_lse`` for a caller that has checked ``attention_not_supported_reasons`` itself."""
+    backend = backends.resolve(backend)
+    hw = hardware_op("attention_lse", backend)
     if hw is not None:
         return hw(q, k, v, k_cache, v_cache, cache_len, kv_len, None if scale is None else float(scale),
                   int(causal_block))
@@ -222,4 +225,4 @@ def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
                              int(causal_block), backend)
 
 
-from diffusers_nki import autograd as _autograd  # noqa: E402,F401  (registers the attention op's backward)
+autograd.register_backward(_attention_op)  # the attention op's backward (diffusers_nki::attention_backward)

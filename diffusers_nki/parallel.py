@@ -1,10 +1,10 @@
 """Context parallelism with the "nki" backend: diffusers' own Ulysses / ring attention around our kernel op,
 and static caches sharded with it. No parallel engine of our own: the mesh, the sequence split of the model's
 inputs, the all-to-alls and the ring are diffusers' (``ContextParallelConfig``, ``ModelMixin.enable_parallelism``,
-the model's ``_cp_plan``); this module supplies the attention op those templates call, and the few lines the
+the model's plan); this module supplies the attention op those templates call, and the few lines the
 static caches need so that each rank keeps its shard in place.
 
-Usage (one process per NeuronCore or CPU rank; see docs/notes_i12.md for the Trainium launch)::
+Usage (one process per NeuronCore or CPU rank; docs/CONTEXT_PARALLEL.md has the Trainium launch)::
 
     torch.distributed.init_process_group(...)                       # torchrun sets the env
     diffusers_nki.patch(pipe, cache=StaticCacheConfig(...))          # patch FIRST (stock AnyFlow-FAR is flex-only)
@@ -68,7 +68,10 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from diffusers_nki import backends, bridge, ops
+from diffusers_nki import compat, ops, routing
+from diffusers_nki.backends import Route
+from diffusers_nki.caching.config import find_hook
+from diffusers_nki.kernels.attention_ref import attention_ref, key_mask
 
 __all__ = ["Layout", "layout", "dispatch", "forward_op", "backward_op", "CacheParallel", "cp_plan", "describe",
            "merge_partials"]
@@ -106,10 +109,10 @@ class Layout:
 
 def layout(parallel_config) -> Optional[Layout]:
     """The Layout of diffusers' (set-up) parallel config, or None when there is none or its degree is 1."""
-    cp = bridge.cp_config(parallel_config)
-    if cp is None or getattr(cp, "_ulysses_mesh", None) is None:
+    cp = compat.cp_config(parallel_config)
+    if cp is None or not compat.cp_is_set_up(cp):
         return None
-    g = bridge.cp_groups(cp)
+    g = compat.cp_groups(cp)
     if g["ulysses_degree"] * g["ring_degree"] <= 1:
         return None
     return Layout(g["ulysses_degree"], g["ring_degree"], g["ulysses_rank"], g["ring_rank"],
@@ -121,56 +124,54 @@ def layout(parallel_config) -> Optional[Layout]:
 # dispatch: diffusers' templates around our op
 # ----------------------------------------------------------------------------------------------------------
 def dispatch(query, key, value, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-             return_lse=False, parallel_config=None, backend="auto", strict=False, stock: Callable = None):
+             return_lse=False, parallel_config=None, route: Route, stock: Callable = None):
     """What the registered "nki" backend function does with a parallel config or ``return_lse=True``."""
-    backend = backends.resolve(backend)
+    backend = route.backend
     if layout(parallel_config) is None and not return_lse:  # a parallel config of degree 1: the plain router
-        return bridge.route(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                            enable_gqa=enable_gqa, backend=backend, strict=strict, stock=stock)
+        return routing.route(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                             enable_gqa=enable_gqa, route=route, stock=stock)
     if layout(parallel_config) is None:  # single device, log-sum-exp requested
-        p, reason = bridge.plan(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+        p, reason = routing.plan(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                                 enable_gqa=enable_gqa)
         if reason is not None:
             raise ValueError(f"diffusers_nki: return_lse=True cannot be served ({reason}); stock attention has no "
                              f"log-sum-exp either")
         out, lse = _run_plan(p, query, key, value, scale, backend, True)
         return out, lse.transpose(1, 2).contiguous()  # diffusers' layout [B, S, H]
-    fwd = functools.partial(forward_op, backend=backend, strict=strict)
-    return bridge.templated_cp_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    fwd = functools.partial(forward_op, route=route)
+    return compat.templated_cp_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                          return_lse, fwd, backward_op, parallel_config)
 
 
 def _run_plan(p, q, k, v, scale, backend, want_lse):
     """The kernel call(s) of a router Plan; with ``want_lse`` through ``attention_lse`` -> (out, lse [B, H, Sq])."""
     if not want_lse:
-        return bridge.run_plan(p, q, k, v, scale, backend), None
+        return routing.run_plan(p, q, k, v, scale, backend), None
     if not p.groups:
-        out, lse = ops.attention_lse(q, k, v, kv_len=p.kv_len, scale=scale, causal_block=p.causal_block,
-                                     backend=backend)
-        bridge.note_routed()
+        out, lse = ops.run_attention_lse(q, k, v, kv_len=p.kv_len, scale=scale, causal_block=p.causal_block,
+                                         backend=backend)
         return out, lse
     out = lse = None
     for kvl, rows in p.groups:
-        o, l_ = ops.attention_lse(q, k, v, kv_len=kvl, scale=scale, backend=backend)
+        o, l_ = ops.run_attention_lse(q, k, v, kv_len=kvl, scale=scale, backend=backend)
         out = o if out is None else torch.where(rows[:, :, None, None], o, out)
         lse = l_ if lse is None else torch.where(rows[:, None, :], l_, lse)
-    bridge.note_routed(len(p.groups))
     return out, lse
 
 
 def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-               return_lse=False, _save_ctx=True, _parallel_config=None, *, backend="auto", strict=False):
+               return_lse=False, _save_ctx=True, _parallel_config=None, *, route: Route):
     """diffusers' templated forward_op (BSHD in; out BSHD, lse [B, S, H] fp32 when ``return_lse``)."""
-    p, reason = bridge.plan(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+    p, reason = routing.plan(query, key, value, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                             enable_gqa=enable_gqa)
     if reason is not None:
         if return_lse:
             raise ValueError(f"diffusers_nki: ring attention (context parallelism) cannot serve this call: {reason}; "
                              f"no stock fallback exists (diffusers' native attention has no log-sum-exp)")
-        bridge.fallback(reason, strict, anchor=query)
+        routing.fallback(reason, route.strict, anchor=query)
         if _save_ctx:
             ctx.nki_stock = True
-        return bridge.native_forward_op()(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        return compat.native_forward_op()(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                           False, _save_ctx=_save_ctx, _parallel_config=_parallel_config)
     if return_lse and attn_mask is not None and _ring_degree(_parallel_config) > 1:
         raise ValueError("diffusers_nki: an attention mask with ring attention: diffusers' ring applies the same mask "
@@ -178,14 +179,14 @@ def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if _save_ctx:
         ctx.save_for_backward(query, key, value)
         ctx.nki_stock, ctx.nki_plan, ctx.nki_scale = False, p, scale
-    out, lse = _run_plan(p, query, key, value, scale, backends.resolve(backend), return_lse)
+    out, lse = _run_plan(p, query, key, value, scale, route.backend, return_lse)
     if return_lse:
         return out, lse.transpose(1, 2).contiguous()
     return out
 
 
 def _ring_degree(parallel_config) -> int:
-    cp = bridge.cp_config(parallel_config)
+    cp = compat.cp_config(parallel_config)
     return int(getattr(cp, "ring_degree", 1) or 1)
 
 
@@ -194,7 +195,7 @@ def backward_op(ctx, grad_out, *args, query=None, key=None, value=None, out=None
     With ``out``/``lse`` (ring: the global output and log-sum-exp [B, S, H]) the gradient of this key/value
     chunk against the global softmax; without (Ulysses) the local attention's own gradient."""
     if getattr(ctx, "nki_stock", False):
-        return bridge.native_backward_op()(ctx, grad_out, *args, **kwargs)
+        return compat.native_backward_op()(ctx, grad_out, *args, **kwargs)
     saved = ctx.saved_tensors
     q = saved[0] if query is None else query
     k = saved[1] if key is None else key
@@ -208,8 +209,6 @@ def backward_op(ctx, grad_out, *args, query=None, key=None, value=None, out=None
 
 
 def _twin_plan(p, q, k, v, scale):
-    from diffusers_nki.kernels.attention_ref import attention_ref
-
     if not p.groups:
         return attention_ref(q, k, v, kv_len=p.kv_len, scale=scale, causal_block=p.causal_block, return_lse=True)
     out = lse = None
@@ -222,8 +221,6 @@ def _twin_plan(p, q, k, v, scale):
 
 def _plan_mask(p, q, k):
     """Boolean visibility [B or 1, 1, Sq, Skv] of a router Plan (None: all visible), the twin's semantics."""
-    from diffusers_nki.kernels.attention_ref import key_mask
-
     if not p.groups:
         return key_mask(q, k, kv_len=p.kv_len, causal_block=p.causal_block)
     mask = None
@@ -441,10 +438,10 @@ class CacheParallel:
 def cache_parallel(model, backend: str = "auto", what: str = "static cache") -> Optional[CacheParallel]:
     """The CacheParallel for a model on which ``enable_parallelism`` set a context-parallel config (None
     without one). Raises when diffusers' plan hooks also split the model's inputs (the cache shards them)."""
-    lay = layout(bridge.model_parallel_config(model))
+    lay = layout(compat.model_parallel_config(model))
     if lay is None:
         return None
-    hooks = bridge.cp_hooks(model)
+    hooks = compat.cp_hooks(model)
     if hooks:
         raise ValueError(f"{what}: diffusers' context-parallel plan hooks are registered ({', '.join(hooks[:3])}); "
                          f"the static cache shards its own tokens: install the cache first (diffusers_nki.patch), "
@@ -459,13 +456,11 @@ SELF_SHARDED = ("diffusers.models.transformers.transformer_anyflow_far.AnyFlowFA
 def cp_plan(model) -> dict:
     """The ``cp_plan`` to pass to ``enable_parallelism`` for a patched model: ``{}`` for a model whose static cache
     shards its own calls (AnyFlow-FAR; a ``WanTransformer3DModel`` carrying the causal Wan cache, so install that
-    cache FIRST: ``diffusers_nki.patch(pipe)``), else the model's own ``_cp_plan`` (diffusers' default)."""
-    from diffusers_nki.caching.core import find_hook
-
+    cache FIRST: ``diffusers_nki.patch(pipe)``), else the model's own plan (diffusers' default)."""
     path = f"{type(model).__module__}.{type(model).__qualname__}"
     if path in SELF_SHARDED or getattr(find_hook(model), "shards_own_tokens", False):
         return {}
-    plan = getattr(model, "_cp_plan", None)
+    plan = compat.cp_plan_of(model)
     if plan is None:
         raise ValueError(f"{type(model).__name__} has no _cp_plan in this diffusers; pass your own cp_plan")
     return plan
@@ -476,7 +471,7 @@ def cp_plan(model) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 def describe(model) -> Optional[str]:
     """One line for ``explain()``: the parallel layout of ``model`` and what this rank holds (None: no CP)."""
-    lay = layout(bridge.model_parallel_config(model))
+    lay = layout(compat.model_parallel_config(model))
     if lay is None:
         return None
     U, R = lay.ulysses, lay.ring
@@ -486,8 +481,6 @@ def describe(model) -> Optional[str]:
     parts.append(f"attention: sequence slice {lay.flat_rank} of {lay.world} in, "
                  + (f"heads slice {lay.ulysses_rank} of {U} after the all-to-all" if U > 1 else "all heads")
                  + (f", keys of the {R} ring rows merged with the log-sum-exp" if R > 1 else ""))
-    from diffusers_nki.caching.core import find_hook
-
     hook = find_hook(model)
     cp = getattr(hook, "parallel", None) if hook is not None else None
     if cp is not None:

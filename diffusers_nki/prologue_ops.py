@@ -8,7 +8,7 @@ BSHD [B, S, H, D] in x's dtype (``kernels/qk_norm_rope.py`` and its twin ``kerne
 Backends (``diffusers_nki.backends``): "torch" runs the twin (diffusers' own torch calls, bit for bit),
 "sim" the NKI kernel in the emulator, "nki" the kernel on a NeuronCore; on a Neuron host with TorchNeuron
 the wrapper calls the ``torch_neuronx.nki_op``-registered ``diffusers_nki::qk_norm_rope_nki`` instead
-(``diffusers_nki.ops._hardware_op``). Calls are counted in ``diffusers_nki.ops.counters()["qk_norm_rope"]``
+(``diffusers_nki.ops.hardware_op``). Calls are counted in ``diffusers_nki.ops.counters()["qk_norm_rope"]``
 inside the op implementation (so compiled graphs count too).
 
 Autograd: the backward recomputes the twin in torch (the kernel is forward-only), so a patched Wan model
@@ -20,8 +20,10 @@ from typing import Optional
 
 import torch
 
-from diffusers_nki import backends, ops
+from diffusers_nki import backends
+from diffusers_nki.accounting import count
 from diffusers_nki.kernels import qk_norm_rope_ref as _ref
+from diffusers_nki.ops import hardware_op
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_not_supported_reasons"]
 
@@ -30,7 +32,7 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_not_supported_reasons"]
 def _qk_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: Optional[float], cos: torch.Tensor,
                      sin: torch.Tensor, heads: int, backend: str) -> torch.Tensor:
     impl = backends.require(backend)
-    ops._count("qk_norm_rope", backend)
+    count("qk_norm_rope", backend)
     out = impl.qk_norm_rope(x, weight, eps, cos, sin, heads)
     want = (x.shape[0], x.shape[1], heads, x.shape[2] // heads)
     if tuple(out.shape) != want or out.dtype != x.dtype:
@@ -81,7 +83,7 @@ def qk_norm_rope(x, weight, eps, cos, sin, heads, backend: str = "torch") -> tor
     if reasons:
         raise ValueError("diffusers_nki.ops.qk_norm_rope: " + "; ".join(reasons))
     eps = None if eps is None else float(eps)
-    hw = ops._hardware_op("qk_norm_rope", backend)
+    hw = hardware_op("qk_norm_rope", backend)
     if hw is not None:
         return hw(x, weight, eps, cos, sin, int(heads))
     return _qk_norm_rope_op(x, weight, eps, cos, sin, int(heads), backend)

@@ -14,6 +14,8 @@ import pkgutil
 import re
 from typing import Dict, List, Tuple
 
+from diffusers_nki import patches
+
 __all__ = ["LEFT_OUT", "VIDEO_NAMES", "video_transformer_classes", "report", "uncovered"]
 
 _D = "diffusers.models."
@@ -78,7 +80,6 @@ def video_transformer_classes() -> Dict[str, type]:
 def report() -> Dict[str, Tuple[str, str]]:
     """``{class path: ("covered", family name) | ("left out", reason) | ("uncovered", "")}`` for every video
     transformer of the installed diffusers and every ``LEFT_OUT`` entry it has."""
-    from diffusers_nki import patches
 
     out = {}
     classes = video_transformer_classes()

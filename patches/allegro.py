@@ -1,12 +1,13 @@
 """Allegro: self- and text cross-attention through direct SDPA in ``AllegroAttnProcessor2_0`` (swapped); Allegro's
 3D RoPE on self-attention; the model's -10000 key-padding biases become ``kv_len``."""
-from diffusers_nki.patching import FamilyPatch
-from diffusers_nki.processors_video import NKIAllegroAttnProcessor2_0
+from diffusers_nki.family import FamilyPatch
+
+_P = "diffusers_nki.processors."  # the routed processors / forwards of this family
 
 PATCH = FamilyPatch(
     name="allegro",
     models=("diffusers.models.transformers.transformer_allegro.AllegroTransformer3DModel",),
-    swap={"diffusers.models.attention_processor.AllegroAttnProcessor2_0": NKIAllegroAttnProcessor2_0},
+    swap={"diffusers.models.attention_processor.AllegroAttnProcessor2_0": _P + "allegro.NKIAllegroAttnProcessor2_0"},
     notes=("-10000 additive key-padding bias (prompt and video masks) -> kv_len",
            "static KV cache: not applicable (bidirectional one-shot); the text cross-attention K/V are "
            "step-invariant but are recomputed by stock each step as well"),

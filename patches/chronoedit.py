@@ -1,6 +1,6 @@
 """ChronoEdit (Wan 2.1 I2V derivative for image editing via temporal reasoning): its Wan processor copy goes
 through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_chronoedit."
 

@@ -1,12 +1,13 @@
 """CogVideoX (2B / 5B / 1.5): joint [text | video] attention through direct SDPA in ``CogVideoXAttnProcessor2_0``
 (and ``FusedCogVideoXAttnProcessor2_0`` after ``fuse_qkv_projections``): both swapped for routed equivalents.
 The 3D RoPE rotates the video part of the joint sequence only, exactly as stock."""
-from diffusers_nki.patching import FamilyPatch
-from diffusers_nki.processors_video import NKICogVideoXAttnProcessor2_0, NKIFusedCogVideoXAttnProcessor2_0
+from diffusers_nki.family import FamilyPatch
+
+_P = "diffusers_nki.processors."  # the routed processors / forwards of this family
 
 _AP = "diffusers.models.attention_processor."
-SWAP = {_AP + "CogVideoXAttnProcessor2_0": NKICogVideoXAttnProcessor2_0,
-        _AP + "FusedCogVideoXAttnProcessor2_0": NKIFusedCogVideoXAttnProcessor2_0}
+SWAP = {_AP + "CogVideoXAttnProcessor2_0": _P + "cogvideox.NKICogVideoXAttnProcessor2_0",
+        _AP + "FusedCogVideoXAttnProcessor2_0": _P + "cogvideox.NKIFusedCogVideoXAttnProcessor2_0"}
 
 PATCH = FamilyPatch(
     name="cogvideox",

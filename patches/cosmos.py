@@ -3,7 +3,7 @@ active backend). patch() replaces each one, per module, by the same processor co
 (``patching.dispatch_bound``): nothing process-wide is switched, so other models and other threads are
 untouched, and torch.compile traces it as before. (Cosmos pipelines need torchvision; the transformer's
 attention does not.)"""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_cosmos."
 

@@ -1,6 +1,6 @@
 """Cosmos 3 Omni (packed mixture-of-transformers): the causal GQA understanding path (``is_causal=True`` ->
 ``causal_block=1``) and the full GQA generation path over [und | gen] keys, both through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_cosmos3."
 

@@ -1,5 +1,5 @@
 """Helios: Wan-like with short/mid/long history latents; every attention through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_helios."
 

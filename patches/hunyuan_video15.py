@@ -1,5 +1,5 @@
 """HunyuanVideo-1.5: main blocks through dispatch; its token refiner's AttnProcessor2_0 (direct SDPA) is swapped."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 from .hunyuan_video import SWAP
 

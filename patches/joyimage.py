@@ -1,6 +1,6 @@
 """JoyImage-Edit and JoyImage-Edit-Plus (image editing on 3D latents, multi-image for Plus): joint [image | text]
 attention through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _T = "diffusers.models.transformers."
 

@@ -1,6 +1,6 @@
 """Kandinsky 6 TI2VA (text/image to video + audio): video/audio text encoders and the fused video/audio blocks,
 through dispatch; the prompt padding mask becomes ``kv_len``."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_kandinsky6."
 

@@ -1,5 +1,5 @@
 """LTX-Video: dispatch processors; the additive (-10000) text mask becomes kv_len."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_ltx."
 

@@ -1,5 +1,5 @@
 """LTX-2 (audio + video): every attention (video, audio, a2v/v2a cross, STG perturbed) through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_ltx2."
 

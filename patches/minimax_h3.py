@@ -1,6 +1,6 @@
 """MiniMax-H3: one packed [text | audio | video] self-attention sequence per request (no cross-attention), partial
 rotary (RoPE on part of the head dims), through dispatch; the token refiner's attention too."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_minimax_h3."
 

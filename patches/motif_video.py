@@ -1,6 +1,6 @@
 """Motif-Video: dual-stream and single-stream joint [video | image | text] attention and the optional text
 cross-attention, through dispatch; the bool text-padding mask becomes ``kv_len``."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_motif_video."
 

@@ -1,6 +1,6 @@
 """SANA-Video: self-attention is LINEAR attention (no softmax) and stays stock; the softmax cross-attention
 goes through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_sana_video."
 

@@ -1,6 +1,6 @@
 """Wan-Animate (v1, Wan 2.2 Animate 14B): Wan blocks and the face-block cross-attention (motion vectors, one key set
 per latent frame), all through dispatch."""
-from diffusers_nki.patching import FamilyPatch
+from diffusers_nki.family import FamilyPatch
 
 _M = "diffusers.models.transformers.transformer_wan_animate."
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_nki import autograd, ops, routing
+from diffusers_nki import autograd, ops
+from diffusers_nki.testing import reset_state
 from diffusers_nki.kernels.attention_ref import key_mask
 
 
 @pytest.fixture(autouse=True)
 def _reset():
-    ops.reset_counters()
-    routing._warned.clear()
+    reset_state()
 
 
 def _qkv(B=2, Sq=9, Skv=11, H=4, Hkv=2, D=8, seed=0, dtype=torch.float32):
@@ -183,7 +183,7 @@ def test_cache_write_of_values_that_require_grad_is_detached_and_says_so():
 
 def test_explain_says_how_the_backward_runs():
     import diffusers_nki
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     model, _ = tiny.tiny_transformer("wan", num_layers=1)
     diffusers_nki.patch(model, backend="sim")

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from diffusers_nki.bench import scaling as sc
-from diffusers_nki.bench._published import AttnCall
+from diffusers_nki.bench.published import AttnCall
 
 
 def _fake_kernel(call: AttnCall) -> float:

@@ -150,3 +150,15 @@ def test_env_var_set_after_dispatch_was_imported_gets_a_hint(monkeypatch):
         _AttentionBackendRegistry.set_active_backend(active)
     monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "native")
     assert diffusers_nki._import_order_hint() is None
+
+
+def test_top_level_help_is_user_help_lists_every_command_and_imports_nothing_heavy():
+    code = ("import sys\nfrom diffusers_nki import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY', [m for m in ('torch', 'diffusers') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout
+    for name in ("demo", "bench --quick", *cli.BENCH_SUBCOMMANDS):
+        assert f"diffusers-nki {name}" in out.stdout or f"diffusers-nki bench {name}" in out.stdout, name
+    assert "validate" not in out.stdout and "_check_args" not in out.stdout  # not the developer notes

@@ -48,7 +48,18 @@ def test_version():
 
 def test_every_subpackage_is_listed_in_pyproject():
     text = (ROOT / "pyproject.toml").read_text()
-    subs = sorted(p.parent.name for p in (ROOT / "diffusers_nki").glob("*/__init__.py"))
-    assert "pipelines" in subs
+    base = ROOT / "diffusers_nki"
+    subs = sorted(".".join(p.parent.relative_to(base).parts) for p in base.glob("**/__init__.py") if p.parent != base)
+    assert "pipelines" in subs and "testing.tiny" in subs
     for name in subs:
         assert f'"diffusers_nki.{name}"' in text, f"diffusers_nki.{name} is not in pyproject's packages list"
+
+
+def test_readme_is_a_front_page_and_the_docs_index_lists_every_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail into docs/ (docs/README.md indexes it)"
+    assert any("docs/README.md" in line for line in lines)
+    index = (ROOT / "docs" / "README.md").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name != "README.md" and page.name != "NKI_SUBSET.md":
+            assert f"]({page.name})" in index, f"docs/README.md does not list {page.name}"

@@ -63,7 +63,7 @@ def test_plugin_patches_covered_models_and_attributes_counters_per_file(harness,
     (tmp_path / "test_models_transformer_tiny.py").write_text(textwrap.dedent("""\
         import torch
         import diffusers_nki
-        from diffusers_nki import tiny
+        from diffusers_nki.testing import tiny
 
         def test_covered_is_patched():
             model, make_inputs = tiny.tiny_transformer("latte")

@@ -12,17 +12,28 @@ heads)`` (the Wan q/k prologue, returns BSHD), plus ``unavailable_reason() -> st
   on TorchNeuron registered as ``torch_neuronx.nki_op`` ops, launched with the runtime's LNC degree).
 - ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"``. Resolved once per process, before
   any trace: ``bridge.install()`` and ``patch()`` resolve it eagerly, and a first resolution that does happen
-  inside ``torch.compile`` runs as a constant (``torch.compiler.assume_constant_result``: executed for real at
-  trace time, logging included, never traced), so it is graph-safe and the choice is kept even if that trace
-  fails later for another reason.
+  inside ``torch.compile`` (a direct ``ops.attention(..., backend="auto")``) runs as a constant
+  (``torch.compiler.assume_constant_result``: executed for real at trace time, logging included, never traced),
+  so it is graph-safe and the choice is kept even if that trace fails later for another reason.
+
+``Route(backend, strict)``: the route of a patch as one frozen value, resolved once (``Route.resolve``: "auto" ->
+a concrete backend, the arguments validated) by ``patch()`` and the dispatch registration, and handed as is to
+the processors, the static caches and the dispatch backend functions.
+
+The backend modules are imported here, eagerly: none imports anything heavy at module import (the Neuron SDK
+and the emulator are imported when a kernel first runs).
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
+from dataclasses import dataclass
 
-import torch
+from torch import compiler as _compiler  # (no global named "torch": that name is the submodule backends.torch)
+
+from diffusers_nki.backends import nki as _nki
+from diffusers_nki.backends import sim as _sim
+from diffusers_nki.backends import torch as _torch
 
 NAMES = ("torch", "sim", "nki")
 CHOICES = ("auto",) + NAMES
@@ -38,11 +49,14 @@ def check_name(backend) -> str:
     return backend
 
 
+_MODULES = {"torch": _torch, "sim": _sim, "nki": _nki}
+
+
 def get(name: str):
     """The backend module for a concrete backend name ("torch", "sim" or "nki")."""
     if name not in NAMES:
         raise ValueError(f"backend={name!r} is not a concrete diffusers_nki backend; choose one of {list(NAMES)}")
-    return importlib.import_module(f"diffusers_nki.backends.{name}")
+    return _MODULES[name]
 
 
 def resolve(backend: str) -> str:
@@ -56,13 +70,11 @@ def resolve(backend: str) -> str:
 _auto_lock = threading.Lock()
 
 
-@torch.compiler.assume_constant_result
+@_compiler.assume_constant_result
 def _resolve_auto() -> str:
     global _auto_choice
     with _auto_lock:
         if _auto_choice is None:
-            from . import nki as _nki
-
             reason = _nki.unavailable_reason()
             _auto_choice = "nki" if reason is None else "torch"
             if reason is None:
@@ -82,3 +94,27 @@ def require(name: str):
     if prepare is not None:
         prepare()
     return mod
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a patch sends its attention: a concrete ``backend`` ("torch", "sim" or "nki") and ``strict`` (raise
+    instead of falling back visibly to stock attention). Build it with ``Route.resolve``."""
+
+    backend: str
+    strict: bool = False
+
+    def __post_init__(self):
+        if self.backend not in NAMES:
+            raise ValueError(f"Route.backend={self.backend!r} must be a concrete diffusers_nki backend, one of "
+                             f"{list(NAMES)} (Route.resolve maps 'auto')")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict={self.strict!r} must be a bool (True or False)")
+
+    @classmethod
+    def resolve(cls, backend: str = "auto", strict: bool = False) -> "Route":
+        """The route for ``patch(backend=..., strict=...)``: the name checked, "auto" resolved (once per process)."""
+        check_name(backend)
+        if not isinstance(strict, bool):
+            raise ValueError(f"strict={strict!r} must be a bool (True or False)")
+        return cls(resolve(backend), strict)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import importlib
 import os
 import re
 import threading
@@ -47,7 +46,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from diffusers_nki import accounting
 from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind
+from diffusers_nki.kernels import attention_ref, cache_write_ref
 
 __all__ = ["unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
            "hardware_op", "prepare", "attention", "attention_lse", "cache_write", "qk_norm_rope", "force_emulator",
@@ -55,12 +56,6 @@ __all__ = ["unavailable_reason", "runtime_lnc", "platform_target", "launch", "ke
 
 _TRUTHY = ("1", "true", "yes", "on")
 
-# kernel name -> (module in diffusers_nki.kernels, kernel function)
-_KERNELS = {
-    "attention": ("attention", "attention_kernel"),
-    "cache_write": ("cache_write", "cache_write_kernel"),
-    "qk_norm_rope": ("qk_norm_rope", "qk_norm_rope_kernel"),
-}
 
 # op -> (registered name, mutates_args) of the torch_neuronx.nki_op registrations
 HW_OP_NAMES = {
@@ -85,16 +80,35 @@ def _has_device() -> bool:
 
 
 def _torch_neuronx():
-    return importlib.import_module("torch_neuronx")
+    import torch_neuronx  # the Neuron SDK: optional, imported only here
+
+    return torch_neuronx
+
+
+def _shim():
+    from diffusers_nki import nki as shim  # the real nki, else the emulator
+
+    return shim
+
+
+def _kernel_function(name: str):
+    """The NKI kernel function ``name`` of ``diffusers_nki.kernels`` (imports the NKI shim)."""
+    if name == "attention":
+        from diffusers_nki.kernels.attention import attention_kernel as fn
+    elif name == "cache_write":
+        from diffusers_nki.kernels.cache_write import cache_write_kernel as fn
+    elif name == "qk_norm_rope":
+        from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel as fn
+    else:
+        raise ValueError(f"kernel={name!r} is not one of 'attention', 'cache_write', 'qk_norm_rope'")
+    return fn
 
 
 def unavailable_reason():
     """Why the "nki" backend cannot run here (None: it can)."""
-    from diffusers_nki import nki as shim
-
     if force_emulator():
         return f"DIFFUSERS_NKI_FORCE_EMULATOR={os.environ.get('DIFFUSERS_NKI_FORCE_EMULATOR')}"
-    if not shim.HAVE_REAL_NKI:
+    if not _shim().HAVE_REAL_NKI:
         return "the Neuron SDK's `nki` package is not installed"
     try:
         _torch_neuronx()
@@ -174,11 +188,8 @@ def kernel(name: str):
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"diffusers_nki backend 'nki' is unavailable: {reason}")
-        from diffusers_nki import nki as shim
-
-        module, attr = _KERNELS[name]
-        fn = getattr(importlib.import_module(f"diffusers_nki.kernels.{module}"), attr)
-        _jitted[name] = fn if hasattr(fn, "__wrapped__") else shim.nki.jit(fn)
+        fn = _kernel_function(name)
+        _jitted[name] = fn if hasattr(fn, "__wrapped__") else _shim().nki.jit(fn)
     return _jitted[name]
 
 
@@ -189,7 +200,7 @@ def launch(name: str, *args):
 
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
     if is_real(q):  # runtime checks the kernel cannot make (cache_len <= capacity), with the twin's text
-        importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+        attention_ref.check_inputs(
             q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     return launch("attention", contiguous(q), contiguous(k), contiguous(v), contiguous(k_cache),
                   contiguous(v_cache), as_int32(cache_len), as_int32(kv_len),
@@ -199,7 +210,7 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
 def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
     """(out, lse float32 [B, H, Sq]): the attention kernel launched with ``return_lse=True``."""
     if is_real(q):
-        importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+        attention_ref.check_inputs(
             q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     out, lse = launch("attention", contiguous(q), contiguous(k), contiguous(v), contiguous(k_cache),
                       contiguous(v_cache), as_int32(cache_len), as_int32(kv_len),
@@ -210,7 +221,7 @@ def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
     """Write the chunk at ``slot``; the kernel returns the caches and they are rebound into the caller's."""
     if is_real(k):
-        importlib.import_module("diffusers_nki.kernels.cache_write_ref").check_inputs(k_cache, v_cache, k, v, slot)
+        cache_write_ref.check_inputs(k_cache, v_cache, k, v, slot)
     res = launch("cache_write", contiguous(k_cache), contiguous(v_cache), contiguous(k), contiguous(v),
                  as_int32(slot))
     if not isinstance(res, (tuple, list)) or len(res) != 2:
@@ -229,9 +240,7 @@ def qk_norm_rope(x, weight, eps, cos, sin, heads):
 # ----------------------------------------------------------------------------------------------------------
 def _count(op: str, anchor) -> None:
     if is_real(anchor):  # eager calls; a trace (fake tensors) is not a call
-        from diffusers_nki import ops
-
-        ops._count(op, "nki")
+        accounting.count(op, "nki")
 
 
 def _attention_nki(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Optional[torch.Tensor],

@@ -9,19 +9,20 @@ kernels' contract; the ops accept int64); the cache writer's returned caches are
 tensors exactly as the "nki" backend does (no copy when they are the caller's own buffers)."""
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from diffusers_nki.backends._launch import rebind
+from diffusers_nki.kernels import attention_ref, cache_write_ref, qk_norm_rope_ref
 
 
 def _load():
-    sim = importlib.import_module("diffusers_nki.sim")
-    att = importlib.import_module("diffusers_nki.kernels.attention")
-    cw = importlib.import_module("diffusers_nki.kernels.cache_write")
-    qk = importlib.import_module("diffusers_nki.kernels.qk_norm_rope")
-    return sim.simulate, att.attention_kernel, cw.cache_write_kernel, qk.qk_norm_rope_kernel
+    # the emulator and the kernels written against it: imported when a kernel first runs here
+    from diffusers_nki.kernels.attention import attention_kernel
+    from diffusers_nki.kernels.cache_write import cache_write_kernel
+    from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
+    from diffusers_nki.sim import simulate
+
+    return simulate, attention_kernel, cache_write_kernel, qk_norm_rope_kernel
 
 
 def unavailable_reason():
@@ -43,7 +44,7 @@ def _i32(t):
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
     simulate, attention_kernel, _, _ = _load()
     # runtime checks the kernel cannot make (cache_len <= capacity): the twin's, so the error text is shared
-    importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+    attention_ref.check_inputs(
         q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     out = simulate(attention_kernel)(_cpu(q), _cpu(k), _cpu(v), _cpu(k_cache), _cpu(v_cache), _i32(cache_len),
                                      _i32(kv_len), scale, int(causal_block))
@@ -52,7 +53,7 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
 
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
     simulate, _, cache_write_kernel, _ = _load()
-    importlib.import_module("diffusers_nki.kernels.cache_write_ref").check_inputs(k_cache, v_cache, k, v, slot)
+    cache_write_ref.check_inputs(k_cache, v_cache, k, v, slot)
     on_cpu = k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
     kc, vc = (k_cache, v_cache) if on_cpu else (_cpu(k_cache), _cpu(v_cache))
     # the kernel returns the caches; the emulator hands back the caller's own objects (updated in place,
@@ -64,7 +65,7 @@ def cache_write(k_cache, v_cache, k, v, slot) -> None:
 
 def qk_norm_rope(x, weight, eps, cos, sin, heads):
     simulate, _, _, qk_norm_rope_kernel = _load()
-    importlib.import_module("diffusers_nki.kernels.qk_norm_rope_ref").check_inputs(x, weight, eps, cos, sin, heads)
+    qk_norm_rope_ref.check_inputs(x, weight, eps, cos, sin, heads)
     out = simulate(qk_norm_rope_kernel)(_cpu(x).contiguous(), _cpu(weight).contiguous(), eps,
                                         _cpu(cos).contiguous(), _cpu(sin).contiguous(), int(heads))
     return out.to(device=x.device, dtype=x.dtype)
@@ -73,7 +74,7 @@ def qk_norm_rope(x, weight, eps, cos, sin, heads):
 def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
     """(out, lse float32 [B, H, Sq]): the kernel's ``return_lse=True`` output, run in the emulator."""
     simulate, attention_kernel, _, _ = _load()
-    importlib.import_module("diffusers_nki.kernels.attention_ref").check_inputs(
+    attention_ref.check_inputs(
         q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     out, lse = simulate(attention_kernel)(_cpu(q), _cpu(k), _cpu(v), _cpu(k_cache), _cpu(v_cache), _i32(cache_len),
                                           _i32(kv_len), scale, int(causal_block), True)

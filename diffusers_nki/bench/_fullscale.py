@@ -17,8 +17,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
+import diffusers_nki
 from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer
-from diffusers_nki.bench._published import PUBLISHED, AttnCall
+from diffusers_nki.bench.published import PUBLISHED, AttnCall
+from diffusers_nki.testing.tiny import tiny_transformer
 
 __all__ = ["far_chunk_calls"]
 
@@ -36,8 +38,6 @@ def far_chunk_calls(chunk_partition: Sequence[int] = (1, 3, 3, 3, 3, 3, 3, 2), s
     from diffusers import AnyFlowFARPipeline
     from diffusers.schedulers import FlowMapEulerDiscreteScheduler
 
-    import diffusers_nki
-    from diffusers_nki.tiny import tiny_transformer
 
     pub = PUBLISHED["anyflow_far"]
     cp = [int(c) for c in chunk_partition]

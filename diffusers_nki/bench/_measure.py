@@ -1,7 +1,7 @@
 """Measurement helpers shared by the benchmark matrix and the demo (CPU-side, measured, never modeled).
 
 - ``AttentionRecorder``: records every softmax-attention call a model makes, whichever path it takes
-  (``F.scaled_dot_product_attention``, ``flex_attention``, or the ``diffusers_nki`` custom op), with the
+  (``F.scaled_dot_product_attention``, ``flex_attention``, or the ``diffusers_nki`` attention op), with the
   input shapes, so distinct shapes (= what torch.compile keys graphs on) can be counted per rollout. Calls
   nested inside another recorded call (our torch backend calling SDPA) count once, as the outer call.
 - ``ChunkTimer``: forward hooks on an AR transformer that split a pipeline call into chunks (by the
@@ -13,13 +13,15 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.attention.flex_attention as flex_attention
+
+from diffusers_nki import ops
 
 __all__ = ["AttentionRecorder", "ChunkTimer", "GraphCounter", "max_rel_err", "psnr", "median_s", "sync"]
 
@@ -94,19 +96,10 @@ class AttentionRecorder(contextlib.AbstractContextManager):
 
     # -- targets -----------------------------------------------------------------------------------
     def _targets(self):
-        out = [(torch.nn.functional, "scaled_dot_product_attention", "sdpa")]
-        try:
-            fa = importlib.import_module("torch.nn.attention.flex_attention")
-            out.append((fa, "flex_attention", "flex"))
-        except ImportError:  # pragma: no cover - old torch
-            pass
-        try:
-            ops = importlib.import_module("diffusers_nki.ops")
-            if callable(getattr(ops, "attention", None)):
-                out.append((ops, "attention", "diffusers_nki"))
-        except ImportError:
-            pass
-        return out
+        # the diffusers_nki op: ``run_attention``, the call every path ends in (``ops.attention`` calls it after its
+        # shape check; the router and the processors call it directly)
+        return [(torch.nn.functional, "scaled_dot_product_attention", "sdpa"),
+                (flex_attention, "flex_attention", "flex"), (ops, "run_attention", "diffusers_nki")]
 
     def _wrap(self, fn, path):
         rec = self

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from diffusers_nki.bench._published import AttnCall
+from diffusers_nki.bench.published import AttnCall
 
 __all__ = ["TARGETS", "model_call", "model_calls", "available", "unavailable_reason"]
 

@@ -103,10 +103,10 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: int = 8, step
 
     import diffusers_nki
     from diffusers_nki.bench._measure import AttentionRecorder
-    from diffusers_nki.bench._published import AttnCall
+    from diffusers_nki.bench.published import AttnCall
     from diffusers_nki.caching.causal_wan import CHUNK_KEY
     from diffusers_nki.pipelines import CausalWanPipeline
-    from diffusers_nki.tiny import tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_transformer
 
     transformer, _ = tiny_transformer("wan", num_layers=1, in_channels=WAN13["in_channels"],
                                       out_channels=WAN13["in_channels"], text_dim=32, rope_max_seq_len=1024)

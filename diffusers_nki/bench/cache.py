@@ -34,6 +34,9 @@ from typing import Dict, List
 import torch
 
 from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer, GraphCounter, max_rel_err
+from diffusers_nki.cache import StaticCacheConfig, apply_static_cache
+from diffusers_nki.caching.core import find_hook
+from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_config, tiny_pipeline
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,8 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
-    from diffusers_nki.tiny import tiny_config
-
     # the rolling run (1-frame chunks, sink 1) keeps full_chunk_limit - 1 full frames + the sink + >= 1 rolling frame
     window = tiny_config("anyflow_far")["full_chunk_limit"] + 1
     for name, low in (("chunks", 3), ("steps", 1), ("repeats", 1), ("window", window)):
@@ -64,9 +65,6 @@ def _check(args) -> None:
 # AnyFlow-FAR
 # ------------------------------------------------------------------------------------------------------
 def _far_pipe(config=None):
-    from diffusers_nki.cache import apply_static_cache
-    from diffusers_nki.tiny import tiny_pipeline
-
     pipe = tiny_pipeline("anyflow_far")
     if config is not None:
         apply_static_cache(pipe, config)
@@ -74,8 +72,6 @@ def _far_pipe(config=None):
 
 
 def _far_kwargs(args, chunks):
-    from diffusers_nki.tiny import tiny_call_kwargs
-
     return tiny_call_kwargs("anyflow_far", chunks=chunks, steps=args.steps, output_type="latent",
                             height=args.size, width=args.size)
 
@@ -130,9 +126,6 @@ def _graphs_per_chunk(pipe, kwargs) -> List[int]:
 
 
 def _anyflow(args) -> Dict[str, dict]:
-    from diffusers_nki.cache import StaticCacheConfig
-    from diffusers_nki.caching.core import find_hook
-
     kwargs = _far_kwargs(args, args.chunks)
     # the timing rollout has one chunk more, so that chunk N (like chunk 2) includes its cache step
     timed = _far_kwargs(args, args.chunks + 1)
@@ -192,10 +185,6 @@ def _kv_row_bytes(pipe, elem: int) -> int:
 # SkyReels-V2 diffusion forcing (asynchronous)
 # ------------------------------------------------------------------------------------------------------
 def _skyreels(args) -> Dict[str, dict]:
-    from diffusers_nki.cache import StaticCacheConfig, apply_static_cache
-    from diffusers_nki.caching.core import find_hook
-    from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline
-
     kwargs = tiny_call_kwargs("skyreels_v2_df", chunks=3, steps=4, causal_block_size=2, ar_step=1,
                               output_type="latent")
     res: Dict[str, dict] = {}

@@ -32,6 +32,11 @@ import sys
 import time
 from typing import List, Optional
 
+import diffusers_nki
+from diffusers_nki.cache import describe_cache
+from diffusers_nki.pipelines import CausalWanPipeline
+from diffusers_nki.testing.tiny import cast_like_from_pretrained, tiny_wan_vae
+
 SELF_FORCING_FPS_H100 = 17.0  # published (FIELD_GUIDE section 5): Self-Forcing, Wan2.1-1.3B, one H100
 LONGLIVE_FPS_H100 = 20.7  # published (FIELD_GUIDE section 5): LongLive-1.3B, one H100, 832x480
 
@@ -86,7 +91,6 @@ def _video_frames(latent_frames: int) -> int:
 def _build(args, torch, device):
     from diffusers import AutoencoderKLWan, FlowMatchLCMScheduler, WanTransformer3DModel
 
-    from diffusers_nki.pipelines import CausalWanPipeline
 
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
     cfg = dict(WAN13_CONFIG, **(SMOKE_CONFIG if args.smoke else {}))
@@ -96,15 +100,12 @@ def _build(args, torch, device):
         vae = None
         if not args.no_decode:
             if args.smoke:
-                from diffusers_nki.tiny import tiny_wan_vae
-
                 vae = tiny_wan_vae()
             else:
                 vae = AutoencoderKLWan().eval()  # the Wan2.1 VAE configuration (diffusers' defaults)
     if dtype != torch.float32:  # as from_pretrained(torch_dtype=...) does: _keep_in_fp32_modules stay fp32
-        from diffusers_nki.tiny import _cast_like_from_pretrained
 
-        _cast_like_from_pretrained(transformer, dtype)
+        cast_like_from_pretrained(transformer, dtype)
     pipe = CausalWanPipeline(None, None, transformer, vae, FlowMatchLCMScheduler(shift=5.0),
                              num_frame_per_block=args.chunk_frames, **CONFIGS[args.config])
     pipe.set_progress_bar_config(disable=True)
@@ -170,8 +171,6 @@ def run(args) -> int:
         pipe = _build(args, torch, device)
         info = {}
         if mode == "patched":
-            import diffusers_nki
-
             diffusers_nki.patch(pipe, backend="torch")
         if not args.no_compile:
             # regional compilation (diffusers' recommended way): the repeated blocks are compiled, the
@@ -186,7 +185,6 @@ def run(args) -> int:
             results["modes"][mode] = info
             print(f"[{mode}] failed: {info['error']}", file=sys.stderr)
             continue
-        from diffusers_nki.cache import describe_cache
 
         med = statistics.median(times)
         info.update(rollout_s=times, median_s=med, fps=frames / med, ms_per_chunk=1e3 * med / args.chunks,

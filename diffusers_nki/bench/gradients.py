@@ -18,6 +18,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+import diffusers_nki
+from diffusers_nki import ops
+from diffusers_nki.kernels.attention_ref import attention_ref
+from diffusers_nki.testing import tiny
+
 # latent geometry per family for the gradient check (small, but with more than one frame block where it matters)
 GEOMETRY = {
     "wan": dict(frames=1, height=4, width=4), "skyreels_v2": dict(frames=1, height=4, width=4),
@@ -35,7 +40,7 @@ VALID_TOKENS = 7
 # SANA-WM's softmax modules run their attention in bf16 in stock too: its float32 model is not float32 attention
 LOOSE = {"sana_wm": 5e-3}
 TOL = 1e-4  # patched vs stock float32, relative to the largest reference gradient
-# families whose tiny layout packs one item per call (diffusers_nki.tiny_video): batch 1
+# families whose tiny layout packs one item per call (diffusers_nki.testing.tiny): batch 1
 ONE_ITEM = ("cosmos3",)
 
 
@@ -74,24 +79,22 @@ def _grads(model, inputs, w_seed=123):
 
 
 class _TwinAutograd:
-    """Within: ``ops.attention`` is the torch twin itself, differentiated by autograd through SDPA (an
-    independent reference for the op's registered backward, used where stock has no CPU backward: flex)."""
+    """Within: the attention op (``ops.run_attention``, the call every path ends in) is the torch twin itself,
+    differentiated by autograd through SDPA (an independent reference for the op's registered backward, used where
+    stock has no CPU backward: flex)."""
 
     def __enter__(self):
-        from diffusers_nki import ops
-        from diffusers_nki.kernels.attention_ref import attention_ref
-
-        self._ops, self._saved = ops, ops.attention
+        self._saved = ops.run_attention
 
         def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
                       backend="torch"):
             return attention_ref(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
 
-        ops.attention = attention
+        ops.run_attention = attention
         return self
 
     def __exit__(self, *exc):
-        self._ops.attention = self._saved
+        ops.run_attention = self._saved
         return False
 
 
@@ -113,8 +116,6 @@ def _err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 def gradient_parity(family: str, backend: str = "torch", *, batch: int = 2, seed: int = 0,
                     reference64: bool = True) -> dict:
     """One row: gradient errors of the patched model (``backend``) vs stock, and the routing counts."""
-    import diffusers_nki
-    from diffusers_nki import ops, tiny
 
     model, make_inputs = tiny.tiny_transformer(family, seed=seed)
     model.train()  # dropout is 0 in the tiny configs; train mode is what training runs
@@ -202,8 +203,6 @@ def table(rows: List[dict]) -> str:
 
 
 def run(families: Optional[List[str]] = None, backends=("torch", "sim"), out=sys.stdout) -> List[dict]:
-    from diffusers_nki import tiny
-
     fams = families or tiny.available_families()
     rows = []
     for i, fam in enumerate(fams):

@@ -1,6 +1,6 @@
 """``diffusers-nki bench``: the cross-model benchmark matrix (also ``python -m diffusers_nki bench``).
 
-One row per model family that ``diffusers_nki.tiny`` covers (filter with ``--families``). MEASURED on this
+One row per model family that ``diffusers_nki.testing.tiny`` covers (filter with ``--families``). MEASURED on this
 CPU with the tiny models (stock diffusers vs ``diffusers_nki.patch``, side by side in one run):
 - the diffusers class(es) and the tiny pipeline, when there is one;
 - routing: attention calls that went through the diffusers_nki op (``ops.counters()``) over all softmax
@@ -10,10 +10,16 @@ CPU with the tiny models (stock diffusers vs ``diffusers_nki.patch``, side by si
 - distinct attention shapes over an N-chunk rollout, stock -> patched (pipelines), and torch.compile graph
   compilations over that rollout (a counting backend that runs graphs eagerly; AR pipelines, not --quick);
 - CPU time per transformer forward (and per chunk for AnyFlow-FAR), medians over interleaved repeats.
-MODELED (never measured) at each family's published full scale (``bench/_published.py`` cites each
+MODELED (never measured) at each family's published full scale (``bench/published/configs.py`` cites each
 number): attention time per unit (AR chunk or one-shot forward) on trn2 (+ trn1, trn3 unless --quick)
 from the attention kernel's emulator trace + its dependency-aware schedule (the roofline ceiling beside it),
 and full-scale KV-cache bytes.
+
+``--quick`` is a cheaper pass (about 2 minutes on 2 cores; the modeled one-shot traces are what the full matrix
+spends most of its time on): 3-chunk rollouts, 3 timing repeats, no compile counting, the modeled columns on trn2
+only and only for the AR chunk workloads (``QUICK_MODELED``) unless ``--families`` names others. It lists what
+it skipped in bench.md and on stdout, and prints its wall time and CPU time at the end. The full matrix is
+unchanged.
 
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out`` (default ``outputs/bench``). A family
 whose piece is missing or fails gets a row with the reason, never a number that was not computed.
@@ -29,6 +35,18 @@ import sys
 import time
 import traceback
 from typing import Dict, List, Optional
+
+import diffusers_nki
+from diffusers_nki import caching, compat, ops
+from diffusers_nki.bench import _modeled
+from diffusers_nki.bench._fullscale import far_chunk_calls
+from diffusers_nki.bench._measure import (AttentionRecorder, ChunkTimer, GraphCounter, first_tensor, json_safe,
+                                          max_rel_err, median_s, psnr)
+from diffusers_nki.bench.budget import chunk_attention_calls
+from diffusers_nki.bench.published import SELF_FORCING, published_for
+from diffusers_nki.bench.scaling import add_chip_figures
+from diffusers_nki.caching.config import StaticCacheConfig
+from diffusers_nki.testing import tiny
 
 __all__ = ["add_arguments", "run", "build_matrix"]
 
@@ -50,15 +68,21 @@ EXTRA_ROWS: Dict[str, tuple] = {
                    "chunk-causal Wan (Self-Forcing / LongLive class): diffusers_nki.pipelines.CausalWanPipeline over the "
                    "stock WanTransformer3DModel, whose transformer row is the wan row"),
 }
+# --quick models the full-scale attention of these families only (the chunk-causal AR workloads, each a few
+# seconds); the one-shot families' full-scale traces take about half an hour on 2 cores. Families named with
+# --families are modeled whatever --quick says.
+QUICK_MODELED = ("causal_wan", "anyflow_far", "framepack", "helios", "sana_wm_refiner")
 PARITY_RTOL = 1e-4  # fp32 tiny models: patched vs stock transformer output, max relative error
 PSNR_MIN_DB = 60.0  # fp32 tiny pipelines: decoded frames, patched vs stock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="fewer repeats and chunks, trn2 only, no compile counting (< 5 min on 2 cores)")
+                   help="a cheaper pass (about 2 minutes on 2 cores): fewer repeats and chunks, no compile counting, "
+                        "modeled columns on trn2 only and only for the AR chunk workloads (or the --families named); "
+                        "it lists what it skipped")
     p.add_argument("--families", default=None,
-                   help="comma-separated families to run (default: all that diffusers_nki.tiny covers)")
+                   help="comma-separated families to run (default: all that diffusers_nki.testing.tiny covers)")
     p.add_argument("--backend", default="torch", choices=("auto", "torch", "sim", "nki"),
                    help="kernel backend for the patched runs (default torch)")
     p.add_argument("--chunks", type=int, default=None, help="AR rollout chunks (default 6, --quick 3)")
@@ -82,6 +106,18 @@ def _targets(args):
     return ("trn2",) if args.quick else ("trn1", "trn2", "trn3")
 
 
+def quick_skips(args) -> List[str]:
+    """What ``--quick`` leaves out (said in its output); [] for the full matrix."""
+    if not args.quick:
+        return []
+    out = ["torch.compile graph counting over the AR rollouts", "the trn1 / trn3 modeled columns",
+           f"{args.chunks or 3}-chunk rollouts and {args.repeats or 3} timing repeats (full: 6 and 7)"]
+    if not args.families:
+        out.append("the modeled full-scale columns of every family but " + ", ".join(QUICK_MODELED)
+                   + " (the AR chunk workloads); name families with --families to model them too")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------
 # transformer level
 # ------------------------------------------------------------------------------------------------------
@@ -97,9 +133,6 @@ def _routing(counters: dict, rec) -> dict:
 def _transformer_row(family: str, args, repeats: int) -> dict:
     import torch
 
-    import diffusers_nki
-    from diffusers_nki import ops, tiny
-    from diffusers_nki.bench._measure import AttentionRecorder, first_tensor, max_rel_err, median_s
 
     out: dict = {}
     stock, make_inputs = tiny.tiny_transformer(family)
@@ -140,7 +173,6 @@ def _transformer_row(family: str, args, repeats: int) -> dict:
 def _frames(out):
     import torch
 
-    from diffusers_nki.bench._measure import first_tensor
 
     fr = getattr(out, "frames", out)
     if isinstance(fr, list):
@@ -152,8 +184,6 @@ def _frames(out):
 def _pipeline_run(name, geometry, chunks, steps, pipe, timer_per_chunk: bool):
     import torch
 
-    from diffusers_nki import tiny
-    from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer
 
     kw = tiny.tiny_call_kwargs(name, chunks=chunks if geometry is not None else 1, steps=steps,
                                **(geometry or {}))
@@ -167,11 +197,7 @@ def _pipeline_run(name, geometry, chunks, steps, pipe, timer_per_chunk: bool):
 
 def _cache_config(pipe):
     """A StaticCacheConfig when the pipeline's transformer has a static cache family, else None."""
-    try:
-        from diffusers_nki import caching
-        from diffusers_nki.cache import StaticCacheConfig
-    except ImportError:
-        return None, "diffusers_nki.cache is not available"
+
     fam = caching.family_for_component(pipe, "transformer", pipe.transformer)
     if fam is None:
         return None, "no static cache for this transformer class (attention routing only)"
@@ -183,9 +209,6 @@ def _cache_config(pipe):
 def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
     import torch
 
-    import diffusers_nki
-    from diffusers_nki import tiny
-    from diffusers_nki.bench._measure import GraphCounter
 
     res = {}
     for side in ("stock", "patched"):
@@ -196,7 +219,7 @@ def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
             diffusers_nki.patch(pipe, backend=backend, cache=cfg)
         gc = GraphCounter()
         t = pipe.transformer
-        if getattr(t, "_repeated_blocks", None):  # regional compilation, as diffusers recommends
+        if compat.repeated_blocks(t):  # regional compilation, as diffusers recommends
             t.compile_repeated_blocks(backend=gc, dynamic=False)
             res["mode"] = "regional (compile_repeated_blocks), static shapes"
         else:
@@ -211,10 +234,6 @@ def _graph_counts(name, geometry, chunks, steps, backend, cache: bool) -> dict:
 
 
 def _pipeline_row(name: str, geometry, args, chunks: int, repeats: int) -> dict:
-    import diffusers_nki
-    from diffusers_nki import ops, tiny
-    from diffusers_nki.bench._measure import median_s, psnr
-
     steps = 2
     ar = geometry is not None
     per_chunk = name == "anyflow_far"  # the only pipeline that tells the transformer its chunk index
@@ -274,11 +293,7 @@ def _pipeline_row(name: str, geometry, args, chunks: int, repeats: int) -> dict:
 # modeled (full scale)
 # ------------------------------------------------------------------------------------------------------
 def _modeled_row(family: str, args) -> dict:
-    from diffusers_nki.bench import _modeled
-    from diffusers_nki.bench._published import published_for
-
     if family == "causal_wan":  # Self-Forcing at full scale: shapes recorded from the patched pipeline
-        from diffusers_nki.bench.budget import chunk_attention_calls
 
         why = _modeled.unavailable_reason()
         if why:
@@ -288,7 +303,6 @@ def _modeled_row(family: str, args) -> dict:
             return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls bypass diffusers_nki"}
         calls = probe["chunks"][probe["steady"]]
         res = _modeled.model_calls(calls, _targets(args))
-        from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
 
         add_chip_figures(res, calls, probe["geometry"]["tokens_per_frame"])
         res.update(status="ok", unit="chunk", shapes_from=f"recorded from the patched CausalWanPipeline at 480x832 "
@@ -298,15 +312,13 @@ def _modeled_row(family: str, args) -> dict:
     pub = published_for(family)
     if pub is None:
         return {"status": "n/a", "reason": "no published full-scale configuration recorded for this family in "
-                                          "diffusers_nki/bench/_published.py"}
+                                          "diffusers_nki/bench/published/configs.py"}
     why = _modeled.unavailable_reason()
     if why:
         return {"status": "n/a", "reason": why}
     calls, shapes_from = list(pub.calls), "analytic, from the published configuration"
     kv = {}
     if family == "anyflow_far":
-        from diffusers_nki.bench._fullscale import far_chunk_calls
-
         probe = far_chunk_calls()
         if probe["unrouted"]:
             return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls of the patched rollout at "
@@ -321,7 +333,6 @@ def _modeled_row(family: str, args) -> dict:
               "patched_tokens_per_layer": cap,
               "note": "stock: the FAR pipeline's full + compressed allocation; patched: the static cache"}
     res = _modeled.model_calls(calls, _targets(args))
-    from diffusers_nki.bench.scaling import add_chip_figures  # chip_s: context parallelism, collectives included
 
     add_chip_figures(res, calls, pub.tokens_per_latent_frame)
     res.update(status="ok", unit=pub.unit, published=pub.to_dict(), shapes_from=shapes_from, kv_cache=kv)
@@ -332,8 +343,6 @@ def _modeled_row(family: str, args) -> dict:
 # matrix
 # ------------------------------------------------------------------------------------------------------
 def _families(args) -> List[str]:
-    from diffusers_nki import tiny
-
     if args.families:
         names = [f.strip() for f in args.families.split(",") if f.strip()]
         bad = [f for f in names if f not in tiny.FAMILIES and f not in EXTRA_ROWS]
@@ -347,7 +356,6 @@ def build_matrix(args, log=print) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from diffusers_nki import tiny
 
     families = _families(args)
     chunks = args.chunks or (3 if args.quick else 6)
@@ -368,12 +376,14 @@ def build_matrix(args, log=print) -> dict:
             row.update(status="unavailable", reason=unavailable[fam])
             rows.append(row)
             continue
-        t_fam = time.perf_counter()
+        t_fam = t_part = time.perf_counter()
         try:
             row["transformer"] = _transformer_row(fam, args, 3 * repeats) if fam not in EXTRA_ROWS else \
                 {"status": "n/a", "reason": EXTRA_ROWS[fam][1]}  # forwards are cheap: more samples
         except Exception as e:
             row["transformer"] = {"status": "error", "reason": _err(e), "traceback": traceback.format_exc(limit=3)}
+        parts = {"transformer": time.perf_counter() - t_part}
+        t_part = time.perf_counter()
         pipes = [n for n, (f, _) in PIPELINES.items() if f == fam]
         if pipes and not args.no_pipelines:
             name = pipes[0]
@@ -387,27 +397,29 @@ def build_matrix(args, log=print) -> dict:
                     row["pipeline"] = {"pipeline": name, "status": "error", "reason": _err(e),
                                        "traceback": traceback.format_exc(limit=3)}
         elif not pipes:
-            row["pipeline"] = {"status": "n/a", "reason": "no tiny pipeline for this family in diffusers_nki.tiny"}
+            row["pipeline"] = {"status": "n/a", "reason": "no tiny pipeline for this family in diffusers_nki.testing.tiny"}
+        parts["pipeline"] = time.perf_counter() - t_part
+        t_part = time.perf_counter()
         if args.no_modeled:
             row["modeled"] = {"status": "n/a", "reason": "--no-modeled"}
+        elif args.quick and not args.families and fam not in QUICK_MODELED:
+            row["modeled"] = {"status": "n/a", "reason": "skipped by --quick (a one-shot family's full-scale trace; "
+                                                       "run without --quick, or name it with --families)"}
         else:
             try:
                 row["modeled"] = _modeled_row(fam, args)
             except Exception as e:
                 row["modeled"] = {"status": "error", "reason": _err(e), "traceback": traceback.format_exc(limit=3)}
+        parts["modeled"] = time.perf_counter() - t_part
         row["status"] = "ok"
         row["seconds"] = time.perf_counter() - t_fam
+        row["seconds_by_part"] = parts
         rows.append(row)
         torch._dynamo.reset()
     bar.close()
     reference = None
     if not args.no_modeled:
-        from diffusers_nki.bench import _modeled
-        from diffusers_nki.bench._published import SELF_FORCING
-
         if _modeled.available():
-            from diffusers_nki.bench.scaling import add_chip_figures
-
             reference = dict(add_chip_figures(_modeled.model_calls(SELF_FORCING.calls, _targets(args)),
                                               SELF_FORCING.calls, SELF_FORCING.tokens_per_latent_frame),
                              published=SELF_FORCING.to_dict(), unit="chunk")
@@ -422,6 +434,7 @@ def build_matrix(args, log=print) -> dict:
         "legend": {"measured": "CPU, tiny models, this run", "modeled": "emulator trace + dependency-aware "
                    "schedule (roofline ceiling beside it) at the published full scale; never measured"},
         "rows": rows, "self_forcing_reference": reference, "seconds": time.perf_counter() - t0,
+        "skipped": quick_skips(args),
     }
 
 
@@ -506,6 +519,8 @@ def render_markdown(result: dict) -> str:
     ]
     for row in result["rows"]:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
+    if result.get("skipped"):
+        lines += ["", "Skipped by --quick: " + "; ".join(result["skipped"]) + "."]
     ref = result.get("self_forcing_reference")
     if ref:
         t = ", ".join(f"{k} {1e3 * v['chip_s']:.0f} ms ({100 * v['efficiency']:.0f}%)" for k, v in ref["targets"].items())
@@ -585,8 +600,6 @@ def render_chart(result: dict, path: str) -> Optional[str]:
 
 
 def run(args) -> int:
-    from diffusers_nki.bench._measure import json_safe
-
     if args.chunks is not None and args.chunks < 2:
         print(f"diffusers-nki bench: --chunks={args.chunks} must be >= 2", file=sys.stderr)
         return 2
@@ -598,6 +611,7 @@ def run(args) -> int:
         return 2
     import torch
 
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -617,7 +631,12 @@ def run(args) -> int:
     print(md)
     if chart_err:
         print(f"(no chart: {chart_err})")
-    print(f"wrote {os.path.join(args.out, 'bench.json')}, bench.md, bench.png in {result['seconds']:.0f} s")
+    print(f"wrote {os.path.join(args.out, 'bench.json')}, bench.md, bench.png")
+    if result.get("skipped"):
+        print("skipped by --quick: " + "; ".join(result["skipped"]))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"bench{' --quick' if args.quick else ''}: {time.perf_counter() - wall0:.0f} s wall, "
+          f"{time.process_time() - cpu0:.0f} CPU-s, {os.cpu_count()} cores, load average {load:.1f}")
     bad = [r["family"] for r in result["rows"]
            if r.get("transformer", {}).get("parity", {}).get("ok") is False
            or r.get("pipeline", {}).get("parity", {}).get("ok") is False]

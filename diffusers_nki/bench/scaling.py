@@ -46,7 +46,7 @@ Sources: [TRN1] aws-neuron-sdk about-neuron/arch/neuron-hardware/trainium.rst (2
 [TRN2] .../trainium2.rst (8 cores, 2.9 TB/s HBM, 3.5 TB/s DMA, NeuronLink-v3 1.28 TB/s per chip);
 [TRN3] .../trainium3.rst (8 cores, 4.9 TB/s HBM and DMA); [TRN2_48XL] .../trn2-arch.rst (16 chips, 4x4 2D torus,
 intra-instance NeuronLink-v3 1,024 GB/s per chip); [CC] neuron-runtime/explore/intranode-collective-comm.rst.
-Workloads: Self-Forcing (``_published.SELF_FORCING``: Wan2.1-1.3B, 12 heads); the same AR schedule on the Wan-14B
+Workloads: Self-Forcing (``published.SELF_FORCING``: Wan2.1-1.3B, 12 heads); the same AR schedule on the Wan-14B
 geometry (40 heads x 128, 40 layers [Wan2.1 wan_t2v_14B.py]; the Krea-Realtime-14B class, [ASSUMPTION] its
 schedule = Self-Forcing's); Wan2.1-T2V-14B one-shot at 480x832, 81 frames (32760 tokens) per forward.
 """
@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from diffusers_nki.bench._published import SELF_FORCING, AttnCall
+from diffusers_nki.bench.published import SELF_FORCING, AttnCall
 
 __all__ = ["Fabric", "FABRICS", "WORKLOADS", "Workload", "layouts", "model_layout", "model_workload",
            "add_chip_figures", "add_arguments", "run"]
@@ -122,7 +122,7 @@ _TPF = 1560  # 480x832
 WORKLOADS: Dict[str, Workload] = {
     "self_forcing_1.3b": Workload(
         "self_forcing_1.3b", "chunk", tuple(SELF_FORCING.calls), _TPF, SELF_FORCING.setting,
-        "bench/_published.py SELF_FORCING (Wan2.1-1.3B: 30 layers, 12 heads x 128)"),
+        "bench/published/configs.py SELF_FORCING (Wan2.1-1.3B: 30 layers, 12 heads x 128)"),
     "wan14b_realtime": Workload(
         "wan14b_realtime", "chunk", _reheaded(SELF_FORCING.calls, 40, 30, 40), _TPF,
         "the Self-Forcing chunk schedule on the Wan-14B geometry (40 layers, 40 heads x 128): 4680 queries over a "

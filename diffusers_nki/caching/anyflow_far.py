@@ -67,7 +67,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from diffusers_nki import bridge, parallel
+from diffusers_nki import compat, parallel
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write, round_up
 
@@ -94,10 +94,10 @@ class _Rope:
     def _build(self, size: int):
         rope = self.rope
         if size <= rope.max_seq_len:
-            freqs = bridge.rope_freqs(rope, self.device)
+            freqs = compat.rope_freqs(rope, self.device)
         else:
             longer = type(rope)(rope.attention_head_dim, rope.patch_size, rope.compressed_patch_size, size, rope.theta)
-            freqs = bridge.rope_freqs(longer, self.device)
+            freqs = compat.rope_freqs(longer, self.device)
         D = rope.attention_head_dim
         t, h, w = freqs.split_with_sizes([D // 2 - 2 * (D // 6), D // 6, D // 6], dim=1)
         down = [rope.compressed_patch_size[i] // rope.patch_size[i] for i in range(3)]
@@ -433,7 +433,7 @@ class _Rollout:
             hidden = self.cp.gather(hidden, groups)
         out = _head(module, hidden, temb)
         B, Cin, H, W = self.geometry
-        out = bridge.unpack_latent_sequence(module, out, num_frames=n, height=H, width=W,
+        out = compat.unpack_latent_sequence(module, out, num_frames=n, height=H, width=W,
                                            patch_size=module.config.patch_size[1])
         self.stats["denoise_steps"] += 1
         return out[:, :n_real]

@@ -98,6 +98,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from diffusers_nki import parallel
+from diffusers_nki.caching.config import StaticCacheConfig
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
 from .skyreels_v2 import _rope as wan_rope  # Wan's interleaved RoPE arithmetic (SkyReels-V2 is Wan's)
@@ -192,8 +193,6 @@ class CausalChunk:
 
 
 def _config(**kw):
-    from diffusers_nki.cache import StaticCacheConfig
-
     return StaticCacheConfig(**kw)
 
 

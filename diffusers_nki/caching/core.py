@@ -8,7 +8,10 @@
 - ``Plan``: the runtime integers of one call (cache lengths, key lengths, write slots) packed into ONE small
   int32 tensor, so kernels receive them as tensors (never Python ints in the traced path) and shapes never
   depend on them.
-- ``StaticCacheHook``: the diffusers ``ModelHook`` every family's hook derives from (one name, removable).
+- ``StaticCacheHook``: the diffusers ``ModelHook`` every family's hook derives from (one name, removable); its
+  ``route`` (the kernels' backend) is handed in by the installer (``diffusers_nki.caching.install``).
+- ``find_hook`` / ``HOOK_NAME``: the installed cache of a model; ``warn_once``: the families' one-time log lines
+  (the package's one warn-once registry, ``diffusers_nki.errors``).
 """
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from diffusers.hooks import ModelHook
 
-logger = logging.getLogger("diffusers_nki.cache")
+from diffusers_nki import accounting, compat, errors, ops
+from diffusers_nki.caching.config import HOOK_NAME, find_hook  # noqa: F401 (the families' names)
 
-HOOK_NAME = "diffusers_nki.static_cache"
+logger = logging.getLogger("diffusers_nki.cache")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -30,9 +34,6 @@ HOOK_NAME = "diffusers_nki.static_cache"
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
               backend="auto"):
     """``diffusers_nki.ops.attention`` (the custom op: counted, backend-dispatched); see docs/ARCHITECTURE.md."""
-    from diffusers_nki import bridge, ops
-
-    bridge.note_routed(1)  # explain() counts the kernel calls of the module running it (not under compile)
     return ops.attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, backend)
 
 
@@ -40,8 +41,6 @@ def cache_write(k_cache, v_cache, k, v, slot, backend="auto") -> None:
     """``diffusers_nki.ops.cache_write``: writes ``k``/``v`` at slots ``[slot, slot + S)`` in place, whatever the
     backend (the NKI kernel returns the caches; the "sim"/"nki" backends rebind them into these buffers, which
     are contiguous, so no staging copy is made before the launch)."""
-    from diffusers_nki import ops
-
     ops.cache_write(k_cache, v_cache, k, v, slot, backend)
 
 
@@ -161,19 +160,24 @@ def round_up(n: int, m: int) -> int:
 # hook base
 # ------------------------------------------------------------------------------------------------------
 class StaticCacheHook(ModelHook):
-    """Base of every family's hook: registered under ``HOOK_NAME`` on the transformer; holds the config,
-    the processors it swapped in (restored on removal) and the current rollout's state."""
+    """Base of every family's hook: registered under ``HOOK_NAME`` on the transformer; holds the config, the route
+    its kernels run on (``route``, set by the installer before the hook is registered), the processors it swapped
+    in (restored on removal) and the current rollout's state."""
 
-    _is_stateful = True
     family = "?"
+    route = None  # diffusers_nki.backends.Route
 
     def __init__(self, config, model=None):
         super().__init__()
         self.config = config
-        self.backend = config.backend or _patched_backend(model) or "auto"
         self.state = None
         self._saved_processors: Dict[str, object] = {}
         self._signature: Optional[inspect.Signature] = None
+
+    @property
+    def backend(self) -> str:
+        """The kernels' backend ("torch", "sim" or "nki")."""
+        return self.route.backend
 
     # -- processors ------------------------------------------------------------------------------------
     def swap_processor(self, name: str, attn: torch.nn.Module, processor) -> None:
@@ -208,19 +212,11 @@ class StaticCacheHook(ModelHook):
         return [f"{self.family}: static cache installed"]
 
 
-def _patched_backend(model) -> Optional[str]:
-    """The backend ``diffusers_nki.patch`` recorded for ``model`` (None when it was not patched)."""
-    from diffusers_nki.patching import patched_backend
-
-    return patched_backend(model)
+compat.make_stateful(StaticCacheHook)
 
 
-def find_hook(module: torch.nn.Module) -> Optional[StaticCacheHook]:
-    registry = getattr(module, "_diffusers_hook", None)
-    return None if registry is None else registry.get_hook(HOOK_NAME)
-
-
-def warn_once(key: str, message: str, _seen=set()) -> None:  # noqa: B006 - module-level memo on purpose
-    if key not in _seen:
-        _seen.add(key)
-        logger.warning(message)
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` (a warning of the "diffusers_nki.cache" logger) the first time ``key`` is seen. Not while
+    torch.compile traces (a log call cannot be part of a graph): the first eager call logs it."""
+    if not accounting.compiling():
+        errors.log_once(("cache", key), message, logger)

@@ -46,7 +46,7 @@ from typing import List, Optional
 
 import torch
 
-from diffusers_nki import bridge
+from diffusers_nki import compat
 
 from .core import Plan, StaticCacheHook, attention, warn_once
 
@@ -235,7 +235,7 @@ class FramePackStaticCache(StaticCacheHook):
         clean, h2, h4 = module.clean_x_embedder(a["latents_clean"], a["latents_history_2x"], a["latents_history_4x"])
         ropes = [module.rope(frame_indices=a[f"indices_{n}"], height=H, width=W, device=dev)
                  for n in ("latents_clean", "latents_history_2x", "latents_history_4x")]
-        x, (cos, sin) = bridge.pack_history_states(module, x, clean, h2, h4, rope, *ropes, hp, wp)
+        x, (cos, sin) = compat.pack_history_states(module, x, clean, h2, h4, rope, *ropes, hp, wp)
         if x.shape[1] - n_lat != n_hist:  # shapes only: free under torch.compile
             raise RuntimeError(f"FramePack static cache: {x.shape[1] - n_lat} packed history tokens, expected "
                                f"{n_hist} from the history latents' shapes")

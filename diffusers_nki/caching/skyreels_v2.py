@@ -68,6 +68,8 @@ from typing import Dict, List, Optional
 import torch
 from diffusers.hooks.hooks import StateManager
 
+from diffusers_nki import compat
+
 from .core import KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write, warn_once
 
 __all__ = ["SkyReelsV2StaticCache", "SkyReelsV2CacheProcessor", "make_hook"]
@@ -200,7 +202,7 @@ def _model_key(module, block: int) -> tuple:
     for name, m in module.named_modules():
         proc = getattr(m, "processor", None)
         if proc is not None:
-            procs.append((name, id(proc), str(getattr(proc, "_attention_backend", None))))
+            procs.append((name, id(proc), str(compat.processor_backend(proc))))
         scaling = getattr(m, "scaling", None)
         if isinstance(scaling, dict):
             adapters.append((name, tuple(sorted(scaling.items())), str(getattr(m, "active_adapters", None)),

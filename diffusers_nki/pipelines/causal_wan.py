@@ -62,6 +62,10 @@ from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
+from diffusers_nki.cache import PIPELINE_ORIGIN, apply_static_cache
+from diffusers_nki.caching.causal_wan import CHUNK_KEY, CausalChunk
+from diffusers_nki.caching.config import StaticCacheConfig
+from diffusers_nki.caching.core import find_hook
 
 logger = logging.get_logger(__name__)
 
@@ -541,7 +545,6 @@ class CausalWanPipeline(DiffusionPipeline):
     # ------------------------------------------------------------------------------------------------------
     def default_cache_config(self, **overrides):
         """The static cache this pipeline's attention semantics need (its config's window and sinks)."""
-        from diffusers_nki.cache import StaticCacheConfig
 
         w = self.config.window_frames
         kw = dict(capacity=w, sink=self.config.sink_frames, rolling=w is not None, grow=w is None)
@@ -549,9 +552,6 @@ class CausalWanPipeline(DiffusionPipeline):
         return StaticCacheConfig(**kw)
 
     def _cache_hook(self, block_frames: int):
-        from diffusers_nki.cache import PIPELINE_ORIGIN, apply_static_cache
-        from diffusers_nki.caching.core import find_hook
-
         hook = find_hook(self.transformer)
         if hook is None:
             apply_static_cache(self, self.default_cache_config(), families=("causal_wan",))

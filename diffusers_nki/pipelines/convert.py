@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -226,9 +226,3 @@ def to_original_wan_state_dict(state_dict: Mapping[str, torch.Tensor], wrapper: 
         raise CheckpointKeyError(f"{_listing('diffusers keys with no original Wan name', unmapped)}",
                                  unexpected=unmapped)
     return inner if wrapper is None else {wrapper: inner}
-
-
-def original_keys(keys: Iterable[str]) -> List[str]:
-    """Original Wan names of diffusers keys (for messages and tests)."""
-    return sorted(next(iter(to_original_wan_state_dict({k: torch.empty(0)}, wrapper=None, prefix="")))
-                  for k in keys)

@@ -5,14 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from diffusers_nki import cache as cache_mod
 from diffusers_nki.cache import StaticCacheConfig
+from diffusers_nki.caching import config as cache_config
 
 BOOLS = ("rolling", "reuse", "strict")
 
 
 def test_every_field_has_a_rule():
-    assert {f.name for f in dataclasses.fields(StaticCacheConfig)} == set(cache_mod._RULES)
+    assert {f.name for f in dataclasses.fields(StaticCacheConfig)} == set(cache_config.RULES)
 
 
 @pytest.mark.parametrize("name", BOOLS)
@@ -69,7 +69,7 @@ def test_token_unit_capacity_error_speaks_of_tokens():
     import torch
 
     from diffusers_nki.cache import apply_static_cache, remove_static_cache
-    from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline
+    from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("anyflow_far")
     apply_static_cache(pipe, StaticCacheConfig(capacity=20, unit="tokens", backend="torch"))

@@ -10,7 +10,7 @@ import diffusers_nki
 from diffusers_nki.bench._measure import AttentionRecorder
 from diffusers_nki.cache import StaticCacheConfig, describe_cache
 from diffusers_nki.caching.core import find_hook
-from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline
+from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline
 
 
 def _far(chunks, frames=1, **kw):
@@ -97,7 +97,7 @@ def test_cache_argument_semantics():
 
 
 def test_no_default_cache_where_no_exact_one_exists():
-    from diffusers_nki.cache import NOT_BY_DEFAULT
+    from diffusers_nki.caching import not_by_default
 
     pipe = tiny_pipeline("wan")  # bidirectional: nothing to cache
     diffusers_nki.patch(pipe, backend="torch")
@@ -105,11 +105,11 @@ def test_no_default_cache_where_no_exact_one_exists():
         assert find_hook(pipe.transformer) is None and diffusers_nki.explain(pipe).cache is None
     finally:
         diffusers_nki.unpatch(pipe)
-    assert "framepack" in NOT_BY_DEFAULT
+    assert "framepack" in not_by_default()
 
 
 def test_a_model_the_default_cache_cannot_serve_keeps_stock_caching_visibly():
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     model, _ = tiny.tiny_transformer("anyflow_far", full_chunk_limit=1)  # the FAR cache needs >= 2
     with pytest.warns(RuntimeWarning, match="no default static cache on AnyFlowFARTransformer3DModel.*full_chunk_limit"):

@@ -9,7 +9,7 @@ import torch
 from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching.core import find_hook
-from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline, tiny_transformer
+from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline, tiny_transformer
 
 TPF = 64  # tokens per latent frame (8x8 latent, patch 1)
 

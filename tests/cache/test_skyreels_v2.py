@@ -9,7 +9,7 @@ import torch
 from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching.core import find_hook
-from diffusers_nki.tiny import tiny_call_kwargs, tiny_pipeline, tiny_transformer
+from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline, tiny_transformer
 
 BLOCK = 2  # causal_block_size (latent frames); tiny: 4x4 latent, patch 1x2x2 -> 4 tokens/frame, 8 tokens/block
 TPF = 4
@@ -223,10 +223,10 @@ def test_non_forcing_calls_go_to_stock_visibly(caplog):
     x = make_inputs()  # 1-D timestep, no diffusion forcing (SkyReelsV2Pipeline)
     ref = model(**x).sample
     apply_static_cache(model, _config())
-    from diffusers_nki.caching.core import warn_once
+    from diffusers_nki.testing import reset_state
 
     # warned once per process: another test of this worker (patch() installs this cache by default) may have
-    warn_once.__defaults__[0].discard("skyreels_v2:stock:the call is not diffusion forcing")
+    reset_state()
     try:
         with caplog.at_level("WARNING", logger="diffusers_nki.cache"):
             out = model(**x).sample

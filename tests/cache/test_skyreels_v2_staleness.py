@@ -9,7 +9,7 @@ import torch
 
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching.core import find_hook
-from diffusers_nki.tiny import tiny_transformer
+from diffusers_nki.testing.tiny import tiny_transformer
 
 
 def _inputs(frames=8, seed=0):

@@ -1,4 +1,4 @@
-"""Covered models that diffusers_nki.tiny does not build: Wan-VACE, HunyuanVideo-1.5, Wan I2V (image
+"""Covered models that diffusers_nki.testing.tiny does not build: Wan-VACE, HunyuanVideo-1.5, Wan I2V (image
 cross-attention). Tiny configs in the style of diffusers' model tests."""
 import pytest
 import torch
@@ -50,7 +50,7 @@ def _hunyuan_video15():
 
 
 def _wan_i2v():
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     model, make_inputs = tiny.tiny_transformer("wan", image_dim=8, added_kv_proj_dim=24)
 

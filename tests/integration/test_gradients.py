@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diffusers_nki import tiny
+from diffusers_nki.testing import tiny
 from diffusers_nki.bench import gradients
 
 FAMILIES = [

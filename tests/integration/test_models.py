@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import ops, tiny, tiny_video
+from diffusers_nki import ops
+from diffusers_nki.testing import tiny
 from diffusers_nki.patches import coverage, family_for
 
 FAMILIES = [
@@ -56,16 +57,7 @@ def test_patched_matches_stock_and_routes_everything(family, spy, h):
     assert torch.equal(back, ref)
 
 
-SIM_GEOMETRY = {  # the smallest latent shapes each tiny model accepts
-    "wan": dict(frames=1, height=4, width=4), "skyreels_v2": dict(frames=1, height=4, width=4),
-    "anyflow": dict(frames=1, height=4, width=4), "anyflow_far": dict(frames=2, height=4, width=4),
-    "wan_animate2": dict(frames=1, height=4, width=4), "hunyuan_video": dict(frames=1, height=2, width=2),
-    "framepack": dict(frames=1, height=4, width=4), "helios": dict(frames=1, height=4, width=4),
-    "ltx": dict(frames=1, height=2, width=2), "ltx2": dict(frames=1, height=2, width=2),
-    "cosmos": dict(frames=1, height=4, width=4), "sana_video": dict(frames=1, height=4, width=4),
-    "sana_wm": dict(frames=2, height=4, width=4), "sana_wm_refiner": dict(frames=1, height=2, width=2),
-}
-SIM_GEOMETRY.update(tiny_video.SIM_GEOMETRY)  # the video families of diffusers_nki.tiny_video
+SIM_GEOMETRY = tiny.SIM_GEOMETRY  # the smallest latent shapes each tiny model accepts
 # fp32 models: the kernel keeps fp32 operands and fp32 statistics. SANA-WM's softmax modules run their
 # attention in bf16 (as stock): the kernel's bf16 P matrix rounds differently from SDPA's.
 SIM_TOL = {"sana_wm": 1e-3}

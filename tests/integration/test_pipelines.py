@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import ops, tiny
+from diffusers_nki import ops
+from diffusers_nki.testing import tiny
 
 CASES = {
     # 4 chunks: 2 steps each + 3 cache-prefill calls; the AR steps read the KV cache, the 4th chunk through

@@ -7,7 +7,8 @@ import os
 import torch
 
 import diffusers_nki
-from diffusers_nki import accounting, tiny
+from diffusers_nki import accounting
+from diffusers_nki.testing import tiny
 
 CYCLES, WARMUP = 200, 20
 

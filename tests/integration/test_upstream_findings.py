@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import ops, routing, tiny
+from diffusers_nki import bridge, compat, ops
+from diffusers_nki.testing import tiny
 
 DIRECT_SDPA = ("cogvideox", "allegro", "latte", "easyanimate", "mochi", "consisid")
 NOTE = "set_attention_backend / DIFFUSERS_ATTN_BACKEND does not reach"
@@ -34,23 +35,21 @@ def test_explain_names_what_the_dispatch_route_misses_when_nothing_reached_it(fa
         h.run(model, make_inputs())
         notes = _notes(model)
     assert sum(ops.counters()["attention"].values()) == 0  # the route reached nothing of this model
-    assert routing.unreached(model) is None  # ... so the once-per-model warning had no call to fire from
-    missed = routing.unreached_modules(model)
+    assert bridge.unreached(model) is None  # ... so the once-per-model warning had no call to fire from
+    missed = bridge.unreached_modules(model)
     assert missed and len(notes) == 1 and f"does not reach {len(missed)} module(s)" in notes[0]
     assert missed[0][0] in notes[0] and "diffusers_nki.patch(model)" in notes[0]
     # a processor's own choice (set_attention_backend sets it and the active backend; only the former here)
-    from diffusers_nki import bridge
-
     procs = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
     if procs:
-        saved = [bridge.get_processor_backend(p) for p in procs]
+        saved = [compat.get_processor_backend(p) for p in procs]
         try:
             for p in procs:
                 p._attention_backend = "nki"
             assert len(_notes(model)) == 1
         finally:
             for p, v in zip(procs, saved):
-                bridge.set_processor_backend(p, v)
+                compat.set_processor_backend(p, v)
     assert _notes(model) == []
     # patch() routes them: no such note, every call through the op
     diffusers_nki.patch(model, backend="torch")

@@ -105,7 +105,7 @@ def _capture_wan_prologue(monkeypatch, dtype):
     """Run a tiny Wan forward; return block 0's self-attention module, its input hidden states and rotary
     tables, and the (query, key) that diffusers' WanAttnProcessor handed to dispatch_attention_fn."""
     from diffusers.models.transformers import transformer_wan
-    from diffusers_nki.tiny import tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_transformer
 
     model, make_inputs = tiny_transformer("wan", dtype=dtype)
     attn = model.blocks[0].attn1

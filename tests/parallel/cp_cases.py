@@ -1,5 +1,5 @@
 """Inputs shared by the context-parallel workers and the single-process references (same seeds, same calls)."""
-from diffusers_nki.tiny import tiny_call_kwargs
+from diffusers_nki.testing.tiny import tiny_call_kwargs
 
 # 5 chunks of 1-2 frames (padded to 2-frame slots), 64x64 px: 16 full / 4 compressed tokens per frame (divisible
 # by 4 ranks); 3 chunks get compressed, the cache holds the whole video (parity with unbounded history)
@@ -29,7 +29,7 @@ CAUSAL_WAN_CHUNKS, CAUSAL_WAN_BLOCK = 5, 3
 def causal_wan_kwargs():
     import torch
 
-    from diffusers_nki.tiny import TEXT_DIM
+    from diffusers_nki.testing.tiny import TEXT_DIM
 
     g = torch.Generator().manual_seed(11)
     F = CAUSAL_WAN_CHUNKS * CAUSAL_WAN_BLOCK

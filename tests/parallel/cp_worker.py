@@ -65,7 +65,7 @@ def run_case(case, cfg, spy):
     import diffusers_nki
     from diffusers_nki import ops, parallel
     from diffusers_nki.cache import StaticCacheConfig
-    from diffusers_nki.tiny import tiny_pipeline, tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_pipeline, tiny_transformer
 
     from cp_cases import anyflow_far_kwargs, ANYFLOW_FAR_CACHE, wan_inputs
 
@@ -155,7 +155,8 @@ def templates_case(cfg):
     from diffusers.models._modeling_parallel import ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    from diffusers_nki import bridge, ops, parallel
+    from diffusers_nki import compat, ops, parallel
+    from diffusers_nki.backends import Route
 
     r, w = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
@@ -173,9 +174,9 @@ def templates_case(cfg):
     out = {}
     for backend in ("torch", "sim"):
         ql, kl, vl = (t[:, sl].clone().requires_grad_(backend == "torch") for t in (q, k, v))
-        fwd = functools.partial(parallel.forward_op, backend=backend, strict=True)
+        fwd = functools.partial(parallel.forward_op, route=Route(backend, strict=True))
         c0 = ops.counters()
-        o = bridge.templated_cp_attention(ql, kl, vl, None, 0.0, False, None, False, False, fwd, parallel.backward_op,
+        o = compat.templated_cp_attention(ql, kl, vl, None, 0.0, False, None, False, False, fwd, parallel.backward_op,
                                           pc)
         out[f"{backend}_counters"] = _delta(c0, ops.counters())
         out[f"{backend}_err"] = (o.detach() - ref[:, sl].detach()).abs().max().item()

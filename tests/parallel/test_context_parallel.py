@@ -60,7 +60,7 @@ def references():
     import diffusers_nki
     from diffusers_nki import ops
     from diffusers_nki.cache import StaticCacheConfig
-    from diffusers_nki.tiny import tiny_pipeline, tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_pipeline, tiny_transformer
 
     model, make = tiny_transformer("wan")
     diffusers_nki.patch(model, backend="torch")

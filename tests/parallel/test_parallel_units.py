@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from diffusers_nki import bridge, ops, parallel
+from diffusers_nki import bridge, compat, masks, ops, parallel
+from diffusers_nki.backends import Route
 from diffusers_nki.kernels.attention_ref import attention_oracle, attention_ref
 
 
@@ -39,7 +40,7 @@ def test_merge_partials_is_exact_including_parts_and_rows_without_keys():
 
 
 def _plan(kv_len=None, causal_block=0):
-    return bridge.Plan(kv_len=kv_len, causal_block=causal_block)
+    return masks.Plan(kv_len=kv_len, causal_block=causal_block)
 
 
 @pytest.mark.parametrize("Hkv,kv_len,cb", [(4, None, 0), (2, [30, 17], 0), (4, None, 5)])
@@ -76,7 +77,7 @@ def test_backward_ops_equal_autograd(Hkv, kv_len, cb):
 def test_forward_op_lse_layout_and_ring_mask_refusal():
     q, k, v = _qkv()
     ctx = types.SimpleNamespace(save_for_backward=lambda *t: None)
-    out, lse = parallel.forward_op(ctx, q, k, v, return_lse=True, backend="torch")
+    out, lse = parallel.forward_op(ctx, q, k, v, return_lse=True, route=Route("torch"))
     ref_o, ref_l = attention_ref(q, k, v, return_lse=True)
     assert torch.equal(out, ref_o) and torch.equal(lse, ref_l.transpose(1, 2))  # diffusers' layout [B, S, H]
     assert ctx.nki_plan.kv_len is None and ctx.nki_stock is False
@@ -84,17 +85,17 @@ def test_forward_op_lse_layout_and_ring_mask_refusal():
     mask = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
     mask[:, -3:] = False
     with pytest.raises(ValueError, match="same mask"):
-        parallel.forward_op(ctx, q, k, v, mask, return_lse=True, _parallel_config=ring, backend="torch")
+        parallel.forward_op(ctx, q, k, v, mask, return_lse=True, _parallel_config=ring, route=Route("torch"))
     # an unrepresentable mask under ring attention: no fallback exists (native has no lse)
     bias = torch.randn(q.shape[0], 1, q.shape[1], k.shape[1])
     with pytest.raises(ValueError, match="no stock fallback"):
-        parallel.forward_op(ctx, q, k, v, bias, return_lse=True, _parallel_config=ring, backend="torch")
+        parallel.forward_op(ctx, q, k, v, bias, return_lse=True, _parallel_config=ring, route=Route("torch"))
 
 
 def test_registered_for_context_parallelism_and_return_lse_through_dispatch():
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
 
-    assert bridge.check_context_parallel() == []
+    assert compat.check_context_parallel() == []
     member = bridge.member("torch", False)
     assert _AttentionBackendRegistry._is_context_parallel_available(member)
     assert _AttentionBackendRegistry._is_context_parallel_available(bridge.member("auto", False))
@@ -109,7 +110,7 @@ def test_registered_for_context_parallelism_and_return_lse_through_dispatch():
 
 
 def test_cp_plan_and_describe_without_parallelism():
-    from diffusers_nki.tiny import tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_transformer
 
     wan, _ = tiny_transformer("wan")
     far, _ = tiny_transformer("anyflow_far")
@@ -118,7 +119,7 @@ def test_cp_plan_and_describe_without_parallelism():
     with pytest.raises(ValueError, match="no _cp_plan"):
         parallel.cp_plan(torch.nn.Linear(2, 2))
     assert parallel.describe(wan) is None and parallel.layout(None) is None
-    assert bridge.cp_hooks(wan) == []
+    assert compat.cp_hooks(wan) == []
 
 
 def _fake_layout(U, R, ulysses_rank=0, ring_rank=0, anything=False):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from diffusers_nki import tiny
+from diffusers_nki.testing import tiny
 from diffusers_nki.pipelines import CheckpointKeyError, convert_causal_wan_checkpoint, to_original_wan_state_dict
 
 DIM, FFN, TEXT, FREQ, IN, OUT, LAYERS = 24, 32, 32, 256, 16, 16, 2
