@@ -10,7 +10,10 @@ A leaf: it imports nothing of diffusers_nki but ``compat`` (the attention module
 - Counters (huggingface/kernels style, their own lock): ``count(op, path)`` is called by the custom ops
   (``diffusers_nki.ops``, ``prologue_ops``, ``autograd``, the TorchNeuron bodies of ``backends.nki``) for every
   kernel call that runs, and by the router for every visible fallback (``path="stock"``); ``counters()`` /
-  ``reset_counters()`` (re-exported as ``diffusers_nki.ops.counters`` / ``reset_counters``).
+  ``reset_counters()`` (re-exported as ``diffusers_nki.ops.counters`` / ``reset_counters``). The dense kernels
+  (``diffusers_nki.dense_ops``: GEMM, causal conv3d) have their own table (``count_dense`` / ``dense_counters`` /
+  ``reset_dense_counters``, re-exported by ``dense_ops``), counted per op and backend and not attributed to
+  attention modules.
 
 Every kernel call that runs (calls made from compiled graphs and from static-cache processors included) is
 attributed to:
@@ -43,13 +46,15 @@ from diffusers_nki import compat
 __all__ = ["ModuleRecord", "RECORD_ATTR", "MODEL_ATTR", "PATHS", "compiling", "count", "counters", "reset_counters",
            "push_record", "pop_record", "record_mark", "reset_records", "current_record", "observe",
            "owner_from_stack", "observed_record", "observed_model_record", "unattributed_calls",
-           "unattributed_fallbacks", "note_unattributed_fallback", "reset_unattributed", "register_covered"]
+           "unattributed_fallbacks", "note_unattributed_fallback", "reset_unattributed", "register_covered",
+           "DENSE_OPS", "count_dense", "dense_counters", "reset_dense_counters"]
 
 RECORD_ATTR = "_diffusers_nki_record"  # on a patched attention module: its ModuleRecord
 MODEL_ATTR = "_diffusers_nki_patch"  # on a patched model: its lifecycle.ModelPatch (read here by duck typing)
 MAX_FRAMES = 96
 PATHS = ("torch", "sim", "nki", "stock")  # the backends (diffusers_nki.backends.NAMES) and stock fallbacks
 OPS = ("attention", "attention_lse", "cache_write", "attention_backward", "qk_norm_rope")
+DENSE_OPS = ("gemm", "causal_conv3d")
 
 
 def compiling() -> bool:
@@ -85,6 +90,28 @@ def counters() -> dict:
 def reset_counters() -> None:
     with _count_lock:
         for c in _counts.values():
+            for key in c:
+                c[key] = 0
+
+
+_dense_counts = {op: dict.fromkeys(PATHS[:-1], 0) for op in DENSE_OPS}  # backends only: no stock fallback path
+
+
+def count_dense(op: str, path: str) -> None:
+    """One dense-kernel call (``op`` in ``DENSE_OPS``) that ran on backend ``path``."""
+    with _count_lock:
+        _dense_counts[op][path] += 1
+
+
+def dense_counters() -> dict:
+    """A copy: ``{"gemm": {"torch": n, "sim": n, "nki": n}, "causal_conv3d": {...}}``."""
+    with _count_lock:
+        return {op: dict(c) for op, c in _dense_counts.items()}
+
+
+def reset_dense_counters() -> None:
+    with _count_lock:
+        for c in _dense_counts.values():
             for key in c:
                 c[key] = 0
 

@@ -46,6 +46,7 @@ import torch
 
 from diffusers_nki import caching, compat, lifecycle
 from diffusers_nki.caching import DEFAULT_ORIGIN, HOOK_NAME, PIPELINE_ORIGIN, find_hook
+from diffusers_nki.caching import wan_vae
 from diffusers_nki.caching.config import StaticCacheConfig
 from diffusers_nki.caching.core import warn_once
 
@@ -151,8 +152,6 @@ def describe_cache(obj) -> str:
                 default = caching.specs()[hook.family].default
                 lines.append(f"  default: {default}; patch(..., cache=False) turns it off")
             lines.extend("  " + line for line in hook.describe())
-    from diffusers_nki.caching import wan_vae
-
     vae_hook = wan_vae.find_wan_vae_cache(getattr(obj, "vae", None))
     if vae_hook is not None:  # the streaming VAE decode cache (a pipeline's vae)
         lines.append(f"{type(obj.vae).__name__}: static streaming decode cache installed by {vae_hook.origin}")

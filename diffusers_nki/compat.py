@@ -17,7 +17,9 @@ What is here, by concern:
 - private helpers of model modules the processors and caches reuse (exact math, never re-implemented):
   ``MODEL_INTERNALS`` (Wan's q/k/v projections, Wan-Animate-2's, SANA-WM's rotary / UCPE helpers, AnyFlow-FAR's
   rotary table and unpacking, FramePack's history packing, the CogVideoX / Allegro pipelines' rotary tables) and
-  ``ModelMixin`` class attributes (``_keep_in_fp32_modules``, ``_cp_plan``, ``_repeated_blocks``);
+  ``ModelMixin`` class attributes (``_keep_in_fp32_modules``, ``_cp_plan``, ``_repeated_blocks``); the Wan VAE's
+  module and ``WanCausalConv3d._padding`` (the streaming decode cache, the dense conv hook);
+  ``DiffusionPipeline._execution_device``;
 - diffusers' hook registry on a module (``_diffusers_hook``; ``model_hook`` / ``remove_model_hook`` /
   ``hook_names``) and ``ModelHook._is_stateful`` (``make_stateful``);
 - context parallelism: ``_templated_context_parallel_attention``, the native forward / backward ops,
@@ -35,6 +37,7 @@ from typing import Dict
 
 __all__ = [
     "MIN_DIFFUSERS", "DISPATCH_MODULE", "check_diffusers", "check_model_internals", "check_pipeline_internals",
+    "check_vae_internals",
     "check_context_parallel",
     "attention_classes", "add_backend_member", "register_backend", "is_registered", "backend_member",
     "native_attention", "active_backend", "set_active_backend", "active_backend_value", "env_backend",
@@ -42,7 +45,8 @@ __all__ = [
     "set_processor_backend", "processor_parallel_config", "dispatch_bound", "model_hook", "remove_model_hook",
     "hook_names", "make_stateful", "keep_in_fp32_modules", "cp_plan_of", "repeated_blocks", "cp_config",
     "cp_groups", "templated_cp_attention", "native_forward_op", "native_backward_op", "model_parallel_config",
-    "cp_hooks",
+    "cp_hooks", "wan_vae_module", "wan_causal_padding", "execution_device", "has_hook_registry",
+    "hook_registry_empty", "drop_hook_registry", "register_model_hook",
 ]
 
 MIN_DIFFUSERS = (0, 35)
@@ -128,12 +132,29 @@ MODEL_INTERNALS = (
 PIPELINE_INTERNALS = (
     ("diffusers.pipelines.cogvideo.pipeline_cogvideox", "CogVideoXPipeline", "_prepare_rotary_positional_embeddings"),
     ("diffusers.pipelines.allegro.pipeline_allegro", "AllegroPipeline", "_prepare_rotary_positional_embeddings"),
+    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline", "_execution_device"),
 )
 
 
 def check_pipeline_internals() -> list:
     """``check_model_internals`` for ``PIPELINE_INTERNALS``."""
     return check_model_internals(PIPELINE_INTERNALS)
+
+
+def check_vae_internals() -> list:
+    """What the Wan VAE's streaming cache and the dense conv hook need of ``autoencoder_kl_wan`` (checked apart,
+    like the pipelines: an autoencoder module is not imported while diffusers' attention dispatch is)."""
+    try:
+        m = wan_vae_module()
+    except ImportError as exc:  # pragma: no cover - depends on the installed diffusers
+        return [f"cannot import diffusers.models.autoencoders.autoencoder_kl_wan: {exc}"]
+    problems = [f"autoencoder_kl_wan.{n} is missing" for n in ("WanCausalConv3d", "WanUpBlock", "WanResidualUpBlock",
+                                                               "unpatchify") if not hasattr(m, n)]
+    if not problems:
+        p = getattr(m.WanCausalConv3d(1, 1, 3, padding=1), "_padding", None)  # an instance attribute
+        if not (isinstance(p, tuple) and len(p) == 6 and p[4] == 2 and p[0] == p[2] == 1):
+            problems.append(f"WanCausalConv3d._padding is {p!r}, expected (p_w, p_w, p_h, p_h, 2 p_t, 0)")
+    return problems
 
 
 def check_model_internals(internals=MODEL_INTERNALS) -> list:
@@ -435,6 +456,27 @@ def allegro_rotary_embeddings(stand_in, batch, height, width, frames, device):
     return AllegroPipeline._prepare_rotary_positional_embeddings(stand_in, batch, height, width, frames, device)
 
 
+def wan_vae_module():
+    """``diffusers.models.autoencoders.autoencoder_kl_wan`` (not exported at top level): AutoencoderKLWan,
+    WanDecoder3d, WanCausalConv3d, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanUpBlock,
+    WanResidualUpBlock, WanResample, unpatchify (the streaming VAE cache, ``diffusers_nki.caching.wan_vae``)."""
+    from diffusers.models.autoencoders import autoencoder_kl_wan
+
+    return autoencoder_kl_wan
+
+
+def wan_causal_padding(conv):
+    """(time cache frames, p_h, p_w) of a ``WanCausalConv3d``: its ``_padding`` is the stock
+    (p_w, p_w, p_h, p_h, 2 p_t, 0) it applies itself before an unpadded ``Conv3d``."""
+    p = conv._padding
+    return int(p[4]), int(p[2]), int(p[0])
+
+
+def execution_device(pipe):
+    """``DiffusionPipeline._execution_device``: the device the pipeline's models run on (offload-aware)."""
+    return pipe._execution_device
+
+
 def keep_in_fp32_modules(model) -> list:
     """``ModelMixin._keep_in_fp32_modules``: submodule names ``from_pretrained(torch_dtype=...)`` keeps in fp32."""
     return list(getattr(model, "_keep_in_fp32_modules", None) or [])
@@ -468,6 +510,23 @@ def register_model_hook(module, hook, name: str) -> None:
     from diffusers.hooks import HookRegistry
 
     HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+
+
+def has_hook_registry(module) -> bool:
+    """Whether ``module`` carries its own diffusers ``HookRegistry`` (``_diffusers_hook``)."""
+    return hasattr(module, "_diffusers_hook")
+
+
+def hook_registry_empty(module) -> bool:
+    """Whether the module's own registry holds no hook (True without a registry)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry is None or not registry.hooks
+
+
+def drop_hook_registry(module) -> None:
+    """Delete the module's (empty) ``HookRegistry``: the module is as before its first hook was registered."""
+    if hasattr(module, "_diffusers_hook"):
+        del module._diffusers_hook
 
 
 def hook_names(module) -> list:

@@ -28,43 +28,33 @@ back to the module's own forward, recorded in ``fallbacks()`` and warned once pe
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from diffusers_nki import backends
+from diffusers_nki import accounting, backends, compat, errors
+from diffusers_nki.backends import nki as _hw
 from diffusers_nki.kernels import causal_conv3d_ref as _conv_ref
 from diffusers_nki.kernels import gemm_ref as _gemm_ref
 
 __all__ = ["gemm", "causal_conv3d", "counters", "reset_counters", "fallbacks", "DenseKernelsConfig",
            "apply_dense_kernels", "remove_dense_kernels", "DENSE_OPS"]
 
-DENSE_OPS = ("gemm", "causal_conv3d")
-_PATHS = backends.NAMES
+DENSE_OPS = accounting.DENSE_OPS
 _lock = threading.Lock()
-_counts = {op: dict.fromkeys(_PATHS, 0) for op in DENSE_OPS}
 _fallbacks: Dict[str, int] = {}
-_warned = set()
-
-
-def _count(op: str, path: str) -> None:
-    with _lock:
-        _counts[op][path] += 1
 
 
 def counters() -> dict:
-    """``{"gemm": {"torch": n, "sim": n, "nki": n}, "causal_conv3d": {...}}``: kernel calls that ran."""
-    with _lock:
-        return {op: dict(c) for op, c in _counts.items()}
+    """``{"gemm": {"torch": n, "sim": n, "nki": n}, "causal_conv3d": {...}}``: kernel calls that ran (kept by
+    ``diffusers_nki.accounting``)."""
+    return accounting.dense_counters()
 
 
 def reset_counters() -> None:
+    accounting.reset_dense_counters()
     with _lock:
-        for c in _counts.values():
-            for k in c:
-                c[k] = 0
         _fallbacks.clear()
 
 
@@ -75,47 +65,14 @@ def fallbacks() -> Dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# backends (the "sim" path runs the kernels in the emulator; "nki" launches them through backends/nki.py)
+# backends (each backend module has ``gemm`` / ``causal_conv3d``: the twins, the emulator, the device launch)
 # ----------------------------------------------------------------------------------------------------------
-def _sim(kernel_module: str, kernel: str, *args):
-    import importlib
-
-    from diffusers_nki.sim import simulate
-
-    fn = getattr(importlib.import_module(f"diffusers_nki.kernels.{kernel_module}"), kernel)
-    conv = [a.detach().cpu().contiguous() if isinstance(a, torch.Tensor) else a for a in args]
-    return simulate(fn)(*conv)
-
-
-def _run_gemm(x, w, bias, activation, backend):
-    if backend == "torch":
-        return _gemm_ref.gemm_ref(x, w, bias, activation)
-    if backend == "sim":
-        _gemm_ref.check_inputs(x, w, bias, activation)
-        return _sim("gemm", "gemm_kernel", x, w, bias, activation).to(device=x.device, dtype=x.dtype)
-    from diffusers_nki.backends import nki as hw
-
-    return hw.gemm(x, w, bias, activation)
-
-
-def _run_conv(x, w, bias, cache, pad_top, pad_bottom, backend):
-    if backend == "torch":
-        return _conv_ref.causal_conv3d_ref(x, w, bias, cache, pad_top, pad_bottom)
-    if backend == "sim":
-        _conv_ref.check_inputs(x, w, bias, cache, pad_top, pad_bottom)
-        return _sim("causal_conv3d", "causal_conv3d_kernel", x, w, bias, cache, pad_top,
-                    pad_bottom).to(device=x.device, dtype=x.dtype)
-    from diffusers_nki.backends import nki as hw
-
-    return hw.causal_conv3d(x, w, bias, cache, pad_top, pad_bottom)
-
-
 @torch.library.custom_op("diffusers_nki::gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
              backend: str) -> torch.Tensor:
-    backends.require(backend)
-    _count("gemm", backend)
-    out = _run_gemm(x, w, bias, activation, backend)
+    impl = backends.require(backend)
+    accounting.count_dense("gemm", backend)
+    out = impl.gemm(x, w, bias, activation)
     want = (x.shape[0], w.shape[1])
     if tuple(out.shape) != want or out.dtype != x.dtype:
         raise RuntimeError(f"diffusers_nki::gemm backend {backend!r} returned {tuple(out.shape)} {out.dtype}, expected "
@@ -137,9 +94,9 @@ def _conv_out_shape(x, w, pad_top, pad_bottom):
 @torch.library.custom_op("diffusers_nki::causal_conv3d", mutates_args=())
 def _conv_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], cache: Optional[torch.Tensor],
              pad_top: int, pad_bottom: int, backend: str) -> torch.Tensor:
-    backends.require(backend)
-    _count("causal_conv3d", backend)
-    out = _run_conv(x, w, bias, cache, pad_top, pad_bottom, backend)
+    impl = backends.require(backend)
+    accounting.count_dense("causal_conv3d", backend)
+    out = impl.causal_conv3d(x, w, bias, cache, pad_top, pad_bottom)
     want = _conv_out_shape(x, w, pad_top, pad_bottom)
     if tuple(out.shape) != want or out.dtype != x.dtype:
         raise RuntimeError(f"diffusers_nki::causal_conv3d backend {backend!r} returned {tuple(out.shape)} {out.dtype}, "
@@ -155,9 +112,7 @@ def _conv_fake(x, w, bias, cache, pad_top, pad_bottom, backend):
 def _hardware_op(op: str, backend: str):
     if backend != "nki":
         return None
-    from diffusers_nki.backends import nki as hw
-
-    return hw.dense_hardware_op(op)
+    return _hw.dense_hardware_op(op)
 
 
 def gemm(x, w, bias=None, activation=None, backend: str = "torch") -> torch.Tensor:
@@ -210,11 +165,8 @@ _HOOK = "_diffusers_nki_dense"
 def _fallback(reason: str) -> None:
     with _lock:
         _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
-        first = reason not in _warned
-        _warned.add(reason)
-    if first:
-        warnings.warn(f"diffusers_nki dense kernels: falling back to the module's own forward: {reason}",
-                      RuntimeWarning, stacklevel=3)
+    errors.warn_once(("dense_ops", reason), f"diffusers_nki dense kernels: falling back to the module's own "
+                     f"forward: {reason}", stacklevel=4)
 
 
 def _gelu_tanh_owner(parent, child) -> bool:
@@ -287,8 +239,8 @@ def _conv_forward(mod, backend):
 
     def forward(x, cache_x=None):
         kt, kh, kw = mod.kernel_size
-        ok = tuple(mod.stride) == (1, 1, 1) and mod._padding[0] == (kw - 1) // 2 and \
-            mod._padding[2] == (kh - 1) // 2 and mod._padding[4] == kt - 1
+        pt, ph, pw = compat.wan_causal_padding(mod)
+        ok = tuple(mod.stride) == (1, 1, 1) and pw == (kw - 1) // 2 and ph == (kh - 1) // 2 and pt == kt - 1
         if not ok or (torch.is_grad_enabled() and x.requires_grad):
             _fallback("WanCausalConv3d with a stride or padding the kernel does not take" if not ok
                       else "gradients are enabled (the dense kernels serve inference)")

@@ -74,7 +74,7 @@ from diffusers_nki.caching.config import find_hook
 from diffusers_nki.kernels.attention_ref import attention_ref, key_mask
 
 __all__ = ["Layout", "layout", "dispatch", "forward_op", "backward_op", "CacheParallel", "cp_plan", "describe",
-           "merge_partials"]
+           "merge_partials", "all_gather"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,7 +280,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype) -> torch.Tenso
 # ----------------------------------------------------------------------------------------------------------
 # static caches under context parallelism
 # ----------------------------------------------------------------------------------------------------------
-def _all_gather(x: torch.Tensor, n: int, group) -> torch.Tensor:
+def all_gather(x: torch.Tensor, n: int, group) -> torch.Tensor:
     """[n, *x.shape]: x of every rank of ``group``, in group-rank order (functional collective: traceable by
     torch.compile, so a compiled block keeps one graph)."""
     import torch.distributed._functional_collectives as funcol
@@ -357,7 +357,7 @@ class CacheParallel:
     def gather(self, x: torch.Tensor, groups, dim: int = 1) -> torch.Tensor:
         """Inverse of ``shard`` on every rank (one all-gather over the flattened mesh)."""
         W = self.W
-        allx = _all_gather(x, W, self.layout.flat_group)  # [W, ...local...]
+        allx = all_gather(x, W, self.layout.flat_group)  # [W, ...local...]
         d = dim + 1
         parts, start = [], 0
         for frames, tpf in groups:
@@ -418,7 +418,7 @@ class CacheParallel:
                              f"{self.R} (pass-Q ring); attend block by block with kv_len")
         R, g = self.R, self.layout.ring_group
         B, Sq, Hl, D = q.shape
-        q_all = _all_gather(q, R, g).permute(1, 0, 2, 3, 4).reshape(B, R * Sq, Hl, D)
+        q_all = all_gather(q, R, g).permute(1, 0, 2, 3, 4).reshape(B, R * Sq, Hl, D)
         out, lse = ops.attention_lse(q_all, k, v, k_cache, v_cache, cache_len, kv_len, scale, 0, self.backend)
         o_parts = _all_to_all(out.view(B, R, Sq, Hl, D).permute(1, 0, 2, 3, 4), g)  # [R (key owner), B, Sq, Hl, D]
         l_parts = _all_to_all(lse.view(B, Hl, R, Sq).permute(2, 0, 1, 3), g)  # [R, B, Hl, Sq]

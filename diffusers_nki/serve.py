@@ -21,6 +21,9 @@ the next one (same weights, same compiled graphs). Messages the page sends (JSON
 "..."}``, ``{"type": "reset"}``, ``{"type": "pause"}``, ``{"type": "resume"}``; anything else gets ``{"type":
 "error", "message": ...}`` naming what was wrong, and the stream goes on. Binds 127.0.0.1 unless ``--host``
 says otherwise.
+
+aiohttp is an optional dependency (the ``serve`` extra): it is imported inside the server's methods only, so this
+module (and ``diffusers-nki serve --help``) imports without it, and ``run`` names how to install it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
+
+from diffusers_nki import backends, patching
+from diffusers_nki.testing import tiny
 
 __all__ = ["ViewerServer", "load_model", "add_arguments", "run", "PAGE", "MAX_PROMPT_CHARS"]
 
@@ -64,9 +70,6 @@ def _check_args(args) -> None:
 
 def load_model(kind: str = "auto", backend: str = "auto"):
     """(pipeline, description, defaults) for ``--model``; ``defaults``: height, width, steps."""
-    import diffusers_nki
-    from diffusers_nki import tiny
-
     pipe, desc = None, None
     if kind in ("auto", "trained"):
         try:
@@ -84,15 +87,13 @@ def load_model(kind: str = "auto", backend: str = "auto"):
                 "stream, switch and reset are real")
     defaults = dict(getattr(pipe, "serve_defaults", None) or {"height": 64, "width": 64, "steps": 2})
     pipe.set_progress_bar_config(disable=True)
-    diffusers_nki.patch(pipe, backend=backend)
+    patching.patch(pipe, backend=backend)
     if backend == "nki" or (backend == "auto" and _neuron_available()):
         pipe.to("neuron")  # the Trainium host: diffusers treats "neuron" as a device
     return pipe, desc, defaults
 
 
 def _neuron_available() -> bool:
-    from diffusers_nki import backends
-
     return backends.resolve("auto") == "nki"
 
 

@@ -46,6 +46,8 @@ from typing import Any, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from diffusers_nki import parallel
+
 __all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "split_rows", "Disaggregation", "ReceivedChunk"]
 
 
@@ -53,9 +55,7 @@ __all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "split_rows", 
 # the height split
 # ----------------------------------------------------------------------------------------------------------
 def _all_gather(x: torch.Tensor, n: int, group) -> torch.Tensor:
-    from diffusers_nki.parallel import _all_gather as gather
-
-    return gather(x, n, group)
+    return parallel.all_gather(x, n, group)
 
 
 def split_rows(height: int, world: int) -> List[int]:

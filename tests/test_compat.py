@@ -18,7 +18,7 @@ PRIVATE_NAMES = frozenset({
     "_pack_history_states", "_prepare_rotary_positional_embeddings", "_templated_context_parallel_attention",
     "_native_attention_forward_op", "_native_attention_backward_op", "_ulysses_mesh", "_ring_mesh",
     "_flattened_mesh", "_ulysses_local_rank", "_ring_local_rank", "_world_size", "_keep_in_fp32_modules",
-    "_cp_plan", "_repeated_blocks",
+    "_cp_plan", "_repeated_blocks", "_padding", "_execution_device",
 })
 # diffusers' own interface names we must spell (a keyword parameter of the functions diffusers calls)
 INTERFACE_PARAMETERS = frozenset({"_parallel_config"})
@@ -86,6 +86,7 @@ def test_compat_finds_every_private_name_in_this_diffusers():
 
     assert compat.check_diffusers() == []
     assert compat.check_pipeline_internals() == []
+    assert compat.check_vae_internals() == []
     assert compat.check_context_parallel() == []
 
 

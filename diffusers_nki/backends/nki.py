@@ -32,6 +32,10 @@ Launch contract (both integrations, ``launch()``):
   rebound into the caller's tensors (``_launch.rebind``: no copy when they are the caller's buffers, one
   copy when a strided cache view was passed as a contiguous copy).
 
+The dense kernels (``gemm``, ``causal_conv3d``; ``diffusers_nki.dense_ops``) are launched the same way and
+registered with ``nki_op`` (``diffusers_nki::gemm_nki``, ``diffusers_nki::causal_conv3d_nki``) on their FIRST USE
+(``dense_hardware_op``): they are opt-in per op, so the default registration above is unchanged.
+
 Environment: ``DIFFUSERS_NKI_FORCE_EMULATOR`` (1/true/yes/on, any case) makes this backend unavailable and
 the kernels use the emulator even where the SDK is installed.
 """
@@ -48,11 +52,11 @@ import torch
 
 from diffusers_nki import accounting
 from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind
-from diffusers_nki.kernels import attention_ref, cache_write_ref
+from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref
 
 __all__ = ["unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
            "hardware_op", "prepare", "attention", "attention_lse", "cache_write", "qk_norm_rope", "force_emulator",
-           "HW_OP_NAMES"]
+           "HW_OP_NAMES", "gemm", "causal_conv3d", "dense_hardware_op", "DENSE_OP_NAMES"]
 
 _TRUTHY = ("1", "true", "yes", "on")
 
@@ -99,8 +103,13 @@ def _kernel_function(name: str):
         from diffusers_nki.kernels.cache_write import cache_write_kernel as fn
     elif name == "qk_norm_rope":
         from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel as fn
+    elif name == "gemm":
+        from diffusers_nki.kernels.gemm import gemm_kernel as fn
+    elif name == "causal_conv3d":
+        from diffusers_nki.kernels.causal_conv3d import causal_conv3d_kernel as fn
     else:
-        raise ValueError(f"kernel={name!r} is not one of 'attention', 'cache_write', 'qk_norm_rope'")
+        raise ValueError(f"kernel={name!r} is not one of 'attention', 'cache_write', 'qk_norm_rope', 'gemm', "
+                         "'causal_conv3d'")
     return fn
 
 
@@ -182,8 +191,8 @@ def runtime_lnc() -> int:
 # kernels and the launch
 # ----------------------------------------------------------------------------------------------------------
 def kernel(name: str):
-    """The ``nki.jit`` kernel ``name`` ("attention", "cache_write", "qk_norm_rope"); RuntimeError when the
-    backend is unavailable."""
+    """The ``nki.jit`` kernel ``name`` ("attention", "cache_write", "qk_norm_rope", "gemm", "causal_conv3d");
+    RuntimeError when the backend is unavailable."""
     if name not in _jitted:
         reason = unavailable_reason()
         if reason is not None:
@@ -320,31 +329,26 @@ def hardware_op(name: str):
 # the dense kernels (GEMM, causal conv3d): launched like the others, registered with nki_op on FIRST USE (they
 # are opt-in per op: diffusers_nki.dense_ops), so the default registration above is unchanged
 # ----------------------------------------------------------------------------------------------------------
-_KERNELS["gemm"] = ("gemm", "gemm_kernel")
-_KERNELS["causal_conv3d"] = ("causal_conv3d", "causal_conv3d_kernel")
 DENSE_OP_NAMES = {"gemm": ("diffusers_nki::gemm_nki", ()), "causal_conv3d": ("diffusers_nki::causal_conv3d_nki", ())}
 _dense_hw = None
 
 
 def gemm(x, w, bias=None, activation=None):
     if is_real(x):
-        importlib.import_module("diffusers_nki.kernels.gemm_ref").check_inputs(x, w, bias, activation)
+        gemm_ref.check_inputs(x, w, bias, activation)
     return launch("gemm", contiguous(x), contiguous(w), contiguous(bias), activation)
 
 
 def causal_conv3d(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
     if is_real(x):
-        importlib.import_module("diffusers_nki.kernels.causal_conv3d_ref").check_inputs(x, w, bias, cache, pad_top,
-                                                                                        pad_bottom)
+        causal_conv3d_ref.check_inputs(x, w, bias, cache, pad_top, pad_bottom)
     return launch("causal_conv3d", contiguous(x), contiguous(w), contiguous(bias), contiguous(cache), int(pad_top),
                   int(pad_bottom))
 
 
 def _dense_count(op: str, anchor) -> None:
-    if is_real(anchor):
-        from diffusers_nki import dense_ops
-
-        dense_ops._count(op, "nki")
+    if is_real(anchor):  # eager calls; a trace (fake tensors) is not a call
+        accounting.count_dense(op, "nki")
 
 
 def _gemm_nki(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],

@@ -1,5 +1,5 @@
 """The "sim" backend: the NKI kernels (``kernels/attention.py``, ``kernels/cache_write.py``,
-``kernels/qk_norm_rope.py``) run in our NumPy emulator through ``diffusers_nki.sim.simulate(kernel)``. CPU
+``kernels/qk_norm_rope.py``; the dense ``kernels/gemm.py`` and ``kernels/causal_conv3d.py``) run in our NumPy emulator through ``diffusers_nki.sim.simulate(kernel)``. CPU
 only and slow: it exists to validate the kernels inside real models (the numbers it produces are the
 kernel's numbers; its speed means nothing).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from diffusers_nki.backends._launch import rebind
-from diffusers_nki.kernels import attention_ref, cache_write_ref, qk_norm_rope_ref
+from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, qk_norm_rope_ref
 
 
 def _load():
@@ -79,3 +79,30 @@ def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
     out, lse = simulate(attention_kernel)(_cpu(q), _cpu(k), _cpu(v), _cpu(k_cache), _cpu(v_cache), _i32(cache_len),
                                           _i32(kv_len), scale, int(causal_block), True)
     return out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=torch.float32)
+
+
+def _load_dense():
+    # the dense kernels (diffusers_nki.dense_ops): imported on their first use here
+    from diffusers_nki.kernels.causal_conv3d import causal_conv3d_kernel
+    from diffusers_nki.kernels.gemm import gemm_kernel
+    from diffusers_nki.sim import simulate
+
+    return simulate, gemm_kernel, causal_conv3d_kernel
+
+
+def _cpu_contiguous(args):
+    return [a.detach().cpu().contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def gemm(x, w, bias=None, activation=None):
+    simulate, gemm_kernel, _ = _load_dense()
+    gemm_ref.check_inputs(x, w, bias, activation)
+    out = simulate(gemm_kernel)(*_cpu_contiguous((x, w, bias, activation)))
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def causal_conv3d(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
+    simulate, _, causal_conv3d_kernel = _load_dense()
+    causal_conv3d_ref.check_inputs(x, w, bias, cache, pad_top, pad_bottom)
+    out = simulate(causal_conv3d_kernel)(*_cpu_contiguous((x, w, bias, cache, pad_top, pad_bottom)))
+    return out.to(device=x.device, dtype=x.dtype)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from diffusers_nki.kernels.attention_ref import attention_ref
 from diffusers_nki.kernels.cache_write_ref import cache_write_ref
+from diffusers_nki.kernels.causal_conv3d_ref import causal_conv3d_ref
+from diffusers_nki.kernels.gemm_ref import gemm_ref
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
 
 
@@ -25,3 +27,11 @@ def qk_norm_rope(x, weight, eps, cos, sin, heads):
 def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
     """(out, lse float32 [B, H, Sq]) from the twin (``return_lse=True``)."""
     return attention_ref(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block, return_lse=True)
+
+
+def gemm(x, w, bias=None, activation=None):
+    return gemm_ref(x, w, bias, activation)
+
+
+def causal_conv3d(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
+    return causal_conv3d_ref(x, w, bias, cache, pad_top, pad_bottom)

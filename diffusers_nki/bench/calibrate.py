@@ -47,6 +47,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from diffusers_nki.bench import kernels as K
+
 __all__ = ["TOLERANCE", "Anchor", "ANCHORS", "anchors", "run_anchor", "run", "add_arguments", "nkilib_root",
            "mm_tiled", "mm_hoisted", "mm_block_free", "mm_block_all"]
 
@@ -739,7 +741,6 @@ def _ours_trace(target: str, **simkw):
     """Our attention kernel, self_forcing_chunk, one head (the shape of ``bench kernels``), trace mode."""
     import ml_dtypes
 
-    from diffusers_nki.bench import kernels as K
     from diffusers_nki.kernels.attention import attention_kernel
     from diffusers_nki.sim import simulate
 
@@ -756,7 +757,6 @@ def _ours_trace(target: str, **simkw):
 
 def _cte_trace(target: str, **simkw):
     """nki-library attention_cte at the same shape (prefix caching: prior = the cache), one head."""
-    from diffusers_nki.bench import kernels as K
     from diffusers_nki.sim import simulate
 
     mod = _import_nkilib(_CTE_MOD)

@@ -27,6 +27,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from diffusers_nki.bench import kernels as _k  # its row builder (bench kernels imports this module when it runs)
+
 __all__ = ["SHAPES", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
            "conv_out_rows"]
 
@@ -155,8 +157,6 @@ def model_cache_write(S: int, C: int, H: int = 12, D: int = 128, target: str = "
 def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
     """The ``bench kernels`` JSON row of dense shape ``name`` on ``target`` (the same keys as the attention rows:
     ``bench.kernels._row``)."""
-    from diffusers_nki.bench import kernels as _k
-
     s = dict(SHAPES[name])
     isz = 2
     t0 = time.perf_counter()

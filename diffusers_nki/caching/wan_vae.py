@@ -83,7 +83,11 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks import ModelHook
+
+from diffusers_nki import compat
+from diffusers_nki.family import resolve_class
+from diffusers_nki.vae_parallel import HeightShards, split_rows
 
 __all__ = ["HOOK_NAME", "WanVAECacheConfig", "WanVAECacheHook", "WanVAEStream", "ConvSpec", "apply_wan_vae_cache",
            "remove_wan_vae_cache", "find_wan_vae_cache", "not_supported_reasons", "conv_plan", "decode_collectives",
@@ -92,27 +96,9 @@ __all__ = ["HOOK_NAME", "WanVAECacheConfig", "WanVAECacheHook", "WanVAEStream", 
 
 HOOK_NAME = "diffusers_nki.wan_vae_cache"
 
-# pipelines whose decode streams chunk by chunk through WanStreamingDecoder (exact class name -> module)
-STREAMING_PIPELINES = {"CausalWanPipeline": "diffusers_nki.pipelines.causal_wan"}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# diffusers names this module depends on (not exported by diffusers at top level). KEEP THEM HERE, together:
-# the lead moves this block into diffusers_nki/compat.py.
-# ----------------------------------------------------------------------------------------------------------
-def _wan():
-    """``diffusers.models.autoencoders.autoencoder_kl_wan``: AutoencoderKLWan, WanDecoder3d, WanCausalConv3d
-    (its ``_padding`` attribute: the stock (w, w, h, h, 2 t, 0) padding), WanResidualBlock, WanAttentionBlock,
-    WanMidBlock, WanUpBlock, WanResidualUpBlock, WanResample, unpatchify."""
-    from diffusers.models.autoencoders import autoencoder_kl_wan
-
-    return autoencoder_kl_wan
-
-
-def _causal_padding(conv) -> Tuple[int, int, int]:
-    """(time cache frames, p_h, p_w) of a WanCausalConv3d (stock: ``_padding`` = (p_w, p_w, p_h, p_h, 2 p_t, 0))."""
-    p = conv._padding
-    return int(p[4]), int(p[2]), int(p[0])
+# pipelines whose decode streams chunk by chunk through WanStreamingDecoder (dotted paths: matched by exact class,
+# resolved lazily like the family records' classes)
+STREAMING_PIPELINES = ("diffusers_nki.pipelines.causal_wan.CausalWanPipeline",)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,7 +125,7 @@ class WanVAECacheConfig:
 
 def not_supported_reasons(vae) -> List[str]:
     """Why the static streaming cache cannot serve ``vae`` (empty: it can). Exact classes only."""
-    m = _wan()
+    m = compat.wan_vae_module()
     if type(vae) is not m.AutoencoderKLWan:
         return [f"{type(vae).__name__} is not AutoencoderKLWan"]
     dec = vae.decoder
@@ -197,8 +183,7 @@ class WanVAECacheHook(ModelHook):
 def find_wan_vae_cache(vae) -> Optional[WanVAECacheHook]:
     """The installed hook (on ``vae.decoder``), or None."""
     dec = getattr(vae, "decoder", None)
-    registry = getattr(dec, "_diffusers_hook", None)
-    return None if registry is None else registry.get_hook(HOOK_NAME)
+    return None if dec is None else compat.model_hook(dec, HOOK_NAME)
 
 
 def apply_wan_vae_cache(vae, config: Optional[WanVAECacheConfig] = None) -> WanVAECacheHook:
@@ -212,12 +197,12 @@ def apply_wan_vae_cache(vae, config: Optional[WanVAECacheConfig] = None) -> WanV
         raise ValueError(f"apply_wan_vae_cache: cannot serve this VAE: {'; '.join(why)}")
     remove_wan_vae_cache(vae)
     dec = vae.decoder
-    had = hasattr(dec, "_diffusers_hook")
+    had = compat.has_hook_registry(dec)
     hook = WanVAECacheHook(config)
     hook._had_registry = had
     hook._had_forward = "forward" in dec.__dict__
     hook._vae_ref = weakref.ref(vae)
-    HookRegistry.check_if_exists_or_initialize(dec).register_hook(hook, HOOK_NAME)
+    compat.register_model_hook(dec, hook, HOOK_NAME)
     return hook
 
 
@@ -227,28 +212,20 @@ def remove_wan_vae_cache(vae) -> bool:
     if hook is None:
         return False
     dec = vae.decoder
-    registry = dec._diffusers_hook
-    registry.remove_hook(HOOK_NAME, recurse=False)
-    if not registry.hooks:
+    compat.remove_model_hook(dec, HOOK_NAME)
+    if compat.hook_registry_empty(dec):
         if not hook._had_forward:  # remove_hook leaves the bound original as an instance attribute
             dec.__dict__.pop("forward", None)
         if not hook._had_registry:
-            del dec._diffusers_hook
+            compat.drop_hook_registry(dec)
     return True
 
 
 def install_for_patch(pipe, cache=None) -> bool:
     """``diffusers_nki.patch(pipe)``: install the cache on the VAE of a pipeline that streams its decode (exact
     class in ``STREAMING_PIPELINES``), unless ``cache is False`` or the user installed one. True if installed."""
-    import importlib
-
-    mod = STREAMING_PIPELINES.get(type(pipe).__name__)
-    if cache is False or mod is None:
-        return False
-    try:
-        if type(pipe) is not getattr(importlib.import_module(mod), type(pipe).__name__):
-            return False
-    except (ImportError, AttributeError):
+    if cache is False or not any(path.rpartition(".")[2] == type(pipe).__name__ and type(pipe) is resolve_class(path)
+                                 for path in STREAMING_PIPELINES):
         return False
     vae = getattr(pipe, "vae", None)
     if vae is None or not_supported_reasons(vae) or find_wan_vae_cache(vae) is not None:
@@ -287,7 +264,7 @@ class ConvSpec:
 
 def _walk(dec):
     """(name, conv, scale) of every cached causal conv in the order ``_Run`` reaches them."""
-    m = _wan()
+    m = compat.wan_vae_module()
     out = [("conv_in", dec.conv_in, 1)]
     mid = dec.mid_block
     for i, r in enumerate(mid.resnets):
@@ -315,7 +292,7 @@ def conv_plan(vae, batch: int, height: int, width: int, rows: Optional[int] = No
     rows = height if rows is None else rows
     specs = []
     for name, conv, s in _walk(vae.decoder):
-        t, ph, _ = _causal_padding(conv)
+        t, ph, _ = compat.wan_causal_padding(conv)
         specs.append(ConvSpec(name, conv.in_channels, conv.out_channels, tuple(conv.kernel_size), s, rows * s,
                               width * s, (batch, conv.in_channels, t, rows * s + 2 * ph, width * s)))
     return specs
@@ -328,9 +305,7 @@ def decode_collectives(vae, batch: int, height: int, width: int, ranks: int, fra
     ``{"what", "kind": "all_gather", "elements_per_rank"}`` with the elements each rank contributes (the
     longest shard's): one halo exchange per 3x3x3 conv and per upsampler conv2d (2 rows each), the mid
     attention's keys + values, the decoded rows at the end. Shapes only (what the budget costs)."""
-    from diffusers_nki.vae_parallel import split_rows
-
-    m = _wan()
+    m = compat.wan_vae_module()
     dec = vae.decoder
     rows = max(split_rows(height, ranks))
     out = []
@@ -393,8 +368,6 @@ class WanVAEStream:
         self.shards = None
         rows = height
         if process_group is not None:
-            from diffusers_nki.vae_parallel import HeightShards
-
             self.shards = HeightShards(height, process_group)
             rows = self.shards.local_rows
         self.specs = conv_plan(vae, batch, height, width, rows)
@@ -452,7 +425,7 @@ class WanVAEStream:
         if self.shards is not None:
             out = self.shards.gather(out)
         if vae.config.patch_size is not None:
-            out = _wan().unpatchify(out, patch_size=vae.config.patch_size)
+            out = compat.wan_vae_module().unpatchify(out, patch_size=vae.config.patch_size)
         return torch.clamp(out, min=-1.0, max=1.0)
 
     def describe(self) -> str:
@@ -490,7 +463,7 @@ class _Run:
 
     def conv(self, conv, x: torch.Tensor) -> torch.Tensor:
         """A causal conv over [its buffer | x]; the buffer then takes the last frames (in place)."""
-        t, ph, pw = _causal_padding(conv)
+        t, ph, pw = compat.wan_causal_padding(conv)
         if t == 0:  # no temporal extent (1x1x1): the stock call
             return conv(x)
         buf = self._buffer(conv)
@@ -549,7 +522,7 @@ class _Run:
         return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
 
     def up_block(self, ub, x: torch.Tensor) -> torch.Tensor:
-        m = _wan()
+        m = compat.wan_vae_module()
         if type(ub) is m.WanUpBlock:
             for r in ub.resnets:
                 x = self.resnet(r, x)

@@ -63,7 +63,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 from diffusers_nki.cache import PIPELINE_ORIGIN, apply_static_cache
-from diffusers_nki.caching.causal_wan import CHUNK_KEY, CausalChunk
+from diffusers_nki import compat
+from diffusers_nki.caching.causal_wan import CHUNK_KEY, POSITIONS, CausalChunk, RolloutHandle
+from diffusers_nki.caching.wan_vae import find_wan_vae_cache
 from diffusers_nki.caching.config import StaticCacheConfig
 from diffusers_nki.caching.core import find_hook
 
@@ -110,8 +112,6 @@ class WanStreamingDecoder:
     Tiled decoding is not streamed (raises): disable ``vae.use_tiling``."""
 
     def __init__(self, vae, process_group=None):
-        from diffusers_nki.caching.wan_vae import find_wan_vae_cache
-
         self.vae = vae
         self.hook = find_wan_vae_cache(vae)
         self.process_group = process_group
@@ -247,8 +247,6 @@ class CausalWanSession:
                  generator, step_noise, output_type: str, max_sequence_length: int, callback_on_step_end=None,
                  callback_tensor_inputs: Sequence[str] = ("latents",), progress: bool = True,
                  num_videos_per_prompt: int = 1):
-        from diffusers_nki.caching.causal_wan import RolloutHandle
-
         self.pipe, self.inputs = pipe, inputs
         self.output_type, self.max_sequence_length = output_type, max_sequence_length
         self.callback, self.callback_inputs = callback_on_step_end, list(callback_tensor_inputs)
@@ -279,7 +277,7 @@ class CausalWanSession:
         if latents is None and inp.frames is not None:  # a finite rollout draws its noise at once (as __call__ did)
             B, C, _, h, w = inp.shape
             latents = randn_tensor((B, C, inp.frames, h, w), generator=self.generator,
-                                   device=self.pipe._execution_device, dtype=torch.float32)
+                                   device=compat.execution_device(self.pipe), dtype=torch.float32)
         self.latents = latents
         if self._bar is not None:
             self._bar.close()
@@ -357,20 +355,16 @@ class CausalWanSession:
         inp, start = self.inputs, self.index * self.inputs.block
         if self.latents is not None:
             return self.latents[:, :, start:start + inp.block]
-        return randn_tensor(inp.shape, generator=self.generator, device=self.pipe._execution_device,
+        return randn_tensor(inp.shape, generator=self.generator, device=compat.execution_device(self.pipe),
                             dtype=torch.float32)
 
     def _call(self, x, t, embeds, chunk):
-        from diffusers_nki.caching.causal_wan import CHUNK_KEY
-
         B = x.shape[0]
         return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype), timestep=t.expand(B),
                                      encoder_hidden_states=embeds, attention_kwargs={CHUNK_KEY: chunk},
                                      return_dict=False)[0]
 
     def _chunk(self, start: int, **kw):
-        from diffusers_nki.caching.causal_wan import CausalChunk
-
         inp = self.inputs
         return CausalChunk(start_frame=start, block_frames=inp.block, total_frames=inp.frames, rollout=self.handle,
                            positions=inp.positions, **kw)
@@ -475,7 +469,7 @@ class CausalWanSession:
         self._check_open()
         pipe, inp = self.pipe, self.inputs
         pipe._cache_hook(inp.block)
-        z = torch.zeros(inp.shape, dtype=torch.float32, device=pipe._execution_device)
+        z = torch.zeros(inp.shape, dtype=torch.float32, device=compat.execution_device(pipe))
         ctx = torch.tensor(inp.ctx, device=z.device)
         for c in range(2):
             for t in inp.timesteps:
@@ -578,7 +572,7 @@ class CausalWanPipeline(DiffusionPipeline):
 
         if self.tokenizer is None or self.text_encoder is None:
             raise ValueError("CausalWanPipeline: no tokenizer/text_encoder loaded; pass prompt_embeds instead")
-        device = device or self._execution_device
+        device = device or compat.execution_device(self)
         dtype = dtype or self.text_encoder.dtype
         prompt = [prompt] if isinstance(prompt, str) else list(prompt)
         prompt = [prompt_clean(p) for p in prompt]
@@ -604,7 +598,7 @@ class CausalWanPipeline(DiffusionPipeline):
             raise ValueError("pass prompt or prompt_embeds, not both")
         if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
             raise ValueError(f"max_sequence_length={max_sequence_length!r} must be an int >= 1")
-        device = self._execution_device
+        device = compat.execution_device(self)
         if prompt_embeds is None:
             emb = self.encode_prompt(prompt, num_videos_per_prompt, max_sequence_length, device)
         else:
@@ -682,7 +676,7 @@ class CausalWanPipeline(DiffusionPipeline):
                              "noise chunk by chunk from the generator)")
         if tuple(latents.shape) != want:
             raise ValueError(f"latents of shape {tuple(latents.shape)}; expected {want}")
-        return latents.to(device=self._execution_device, dtype=torch.float32)
+        return latents.to(device=compat.execution_device(self), dtype=torch.float32)
 
     def _inputs(self, height, width, num_frames, denoising_timesteps, timesteps, sigmas, context_timestep,
                 num_frame_per_block, latents, batch: int, step_noise, rope_positions) -> _Inputs:
@@ -707,7 +701,7 @@ class CausalWanPipeline(DiffusionPipeline):
         elif self.config.window_frames is None:
             raise ValueError("num_frames=None (an endless session) needs a rolling window: this pipeline has "
                              "window_frames=None (it attends to the whole video)")
-        device = self._execution_device
+        device = compat.execution_device(self)
         ts, sg, own, raw = self._schedule(denoising_timesteps, timesteps, sigmas, device, step_noise is not None)
         shape = (batch, self.transformer.config.in_channels, block, height // self.vae_scale_factor_spatial,
                  width // self.vae_scale_factor_spatial)
@@ -858,8 +852,6 @@ class CausalWanPipeline(DiffusionPipeline):
 
 
 def _check_positions(value) -> None:
-    from diffusers_nki.caching.causal_wan import POSITIONS
-
     if value not in POSITIONS:
         raise ValueError(f"rope_positions={value!r} must be one of {POSITIONS} ('window': LongLive's "
                          f"use_infinite_attention)")

@@ -20,7 +20,7 @@ from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiOutOfBound
 from .records import Instr
 from .tensor import NkiTensor, dyn_footprint, footprint, psum, read, sbuf, write
 
-from .isa_common import (_uninit, _has_bytes, _int_like, _known, _live, _mark_storage_unknown,  # noqa: F401
+from .isa_common import (_mm_accumulate, _uninit, _has_bytes, _int_like, _known, _live, _mark_storage_unknown,  # noqa: F401
                          _BANK, _DGE, _E, _ENGINE_NAME, _HANDLE, _OOB, _ONCHIP, _PMAX, _PSUM, _RC,  # noqa: F401
                          _RED_IDENTITY, _SBUF, F32, _buf, _colval, _contig_elems, _dma_check, _dma_geometry,
                          _dve_accumulate, _emit, _enum, _footprint, _free_limit, _Handle, _inner_stride_bytes,
@@ -162,51 +162,6 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
               inner_stride_bytes=_inner_stride_bytes(stationary, moving, dst),
               extra={"accumulate": accumulate})
     return _HANDLE
-
-
-def _mm_accumulate(prog, dst, res, accumulate, op):
-    """PSUM accumulation. ``True`` checks the PHYSICAL bytes (aliases included: hardware accumulates onto
-    whatever the bank holds); ``None`` infers per tensor OBJECT, as the compiler does: the first matmul write
-    through this tensor overwrites, later ones accumulate."""
-    st = dst._st
-    if accumulate is False or dst._maskv() is None:
-        _write(dst, res, mark=2)
-        dst._mmv()[...] = 1
-        st.consumed = False
-        return
-    if accumulate is True:
-        cur_state = dst._state()
-        if not (cur_state == 2).all():
-            n0 = int(np.count_nonzero(cur_state == 0))
-            n1 = int(np.count_nonzero(cur_state == 1))
-            if n0:
-                raise NkiUninitializedReadError(
-                    f"{op}: accumulate=True into {n0} PSUM elements of dst that no matmul has written since "
-                    "allocation; the first matmul into a PSUM location must use accumulate=False")
-            if n1 and prog.gen < 4:
-                raise NkiValidationError(
-                    f"{op}: accumulate=True onto {n1} PSUM elements of dst last written by a non-matmul "
-                    "instruction (memset / tensor_copy / nl.zeros); accumulating onto them is undefined on "
-                    "trn1/trn2; start the group with accumulate=False")
-        cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
-        _write(dst, cur + res, mark=2)
-        dst._mmv()[...] = 1
-        st.consumed = False
-        return
-    # None: compiler inference on this tensor -- the first write overwrites, later writes accumulate
-    mm = dst._mmv()
-    by_mm = (mm.reshape(dst.P, dst.F) if mm.size == dst.P * dst.F else mm.reshape(1, -1)) != 0
-    if by_mm.any():
-        if st.consumed:
-            prog.launch.warn_once("acc_none", f"{op}: accumulate=None inferred accumulation onto a PSUM tile whose "
-                                  "result was already read (a reused accumulator); pass accumulate=(k > 0) "
-                                  "explicitly")
-        cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
-        _write(dst, np.where(by_mm, cur + res, res), mark=2)
-    else:
-        _write(dst, res, mark=2)
-    mm[...] = 1
-    st.consumed = False
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):

@@ -13,7 +13,8 @@ import numpy as np
 from . import dtypes as _dt
 from . import opdefs as _ops
 from . import runtime as _rt
-from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiShapeError, NkiValidationError)
+from .errors import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiShapeError, NkiUninitializedReadError,
+                     NkiValidationError)
 from .records import Instr
 from .tensor import _USES, NkiTensor, footprint, psum, read, sbuf, write
 
@@ -515,3 +516,48 @@ def _uninit(prog, msg, key):
         raise NkiUninitializedReadError(msg)
     prog.launch.warn_once(("uninit",) + tuple(key), msg + " (warning; an error under strict=True)",
                           NkiUninitializedReadWarning)
+
+
+def _mm_accumulate(prog, dst, res, accumulate, op):
+    """PSUM accumulation. ``True`` checks the PHYSICAL bytes (aliases included: hardware accumulates onto
+    whatever the bank holds); ``None`` infers per tensor OBJECT, as the compiler does: the first matmul write
+    through this tensor overwrites, later ones accumulate."""
+    st = dst._st
+    if accumulate is False or dst._maskv() is None:
+        _write(dst, res, mark=2)
+        dst._mmv()[...] = 1
+        st.consumed = False
+        return
+    if accumulate is True:
+        cur_state = dst._state()
+        if not (cur_state == 2).all():
+            n0 = int(np.count_nonzero(cur_state == 0))
+            n1 = int(np.count_nonzero(cur_state == 1))
+            if n0:
+                raise NkiUninitializedReadError(
+                    f"{op}: accumulate=True into {n0} PSUM elements of dst that no matmul has written since "
+                    "allocation; the first matmul into a PSUM location must use accumulate=False")
+            if n1 and prog.gen < 4:
+                raise NkiValidationError(
+                    f"{op}: accumulate=True onto {n1} PSUM elements of dst last written by a non-matmul "
+                    "instruction (memset / tensor_copy / nl.zeros); accumulating onto them is undefined on "
+                    "trn1/trn2; start the group with accumulate=False")
+        cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
+        _write(dst, cur + res, mark=2)
+        dst._mmv()[...] = 1
+        st.consumed = False
+        return
+    # None: compiler inference on this tensor -- the first write overwrites, later writes accumulate
+    mm = dst._mmv()
+    by_mm = (mm.reshape(dst.P, dst.F) if mm.size == dst.P * dst.F else mm.reshape(1, -1)) != 0
+    if by_mm.any():
+        if st.consumed:
+            prog.launch.warn_once("acc_none", f"{op}: accumulate=None inferred accumulation onto a PSUM tile whose "
+                                  "result was already read (a reused accumulator); pass accumulate=(k > 0) "
+                                  "explicitly")
+        cur = dst._npv().reshape(dst.P, dst.F).astype(F32)
+        _write(dst, np.where(by_mm, cur + res, res), mark=2)
+    else:
+        _write(dst, res, mark=2)
+    mm[...] = 1
+    st.consumed = False

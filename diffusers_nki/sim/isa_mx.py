@@ -39,7 +39,8 @@ import numpy as np
 from . import dtypes as _dt
 from . import runtime as _rt
 from .errors import NkiDtypeError, NkiLimitError, NkiShapeError, NkiValidationError
-from .isa_common import (_HANDLE, _PSUM, _SBUF, F32, _buf, _emit, _free_limit, _inner_stride_bytes, _read, _readf,
+from .isa_common import (_HANDLE, _PSUM, _SBUF, F32, _buf, _emit, _free_limit, _inner_stride_bytes, _mm_accumulate,
+                         _read, _readf,
                          _start_ok, _tensor, _write)
 from .tensor import footprint
 
@@ -134,8 +135,6 @@ def _scale_factors(rows, ncols, op, arg):
 def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
                  accumulate=None, name=None):
     """``dst[M,N] (+)= deq(stationary)[K,M,4] . deq(moving)[K,N,4]`` on TensorE (trn3), fp32 accumulation."""
-    from .isa import _mm_accumulate
-
     op = "nisa.nc_matmul_mx"
     prog = _rt.current()
     _need_trn3(prog, op)

@@ -1,5 +1,5 @@
 """AWS's production NKI kernels, run UNCHANGED against the emulator: where their sources are, how they are
-imported, and the coverage report.
+imported (the coverage report over them: ``diffusers_nki.sim.prodcases``).
 
 The kernels are test input and performance peers, never part of this project: nothing of them is copied
 into the repository. Three public repositories are used, each pinned to one commit (``PINS``):
@@ -26,8 +26,8 @@ keep their references to the emulator, so the kernels run unchanged afterwards. 
 ``neuronxcc.nki`` is not provided: it is rejected by design (kernels written against it do not run on NKI
 0.3+, and the project targets 0.3+ only).
 
-The kernels and their configurations are in ``diffusers_nki.sim.prodcases``; ``python -m
-diffusers_nki.sim.production --report [--json PATH] [--markdown PATH]`` runs them all and prints the coverage
+The kernels and their configurations are in ``diffusers_nki.sim.prodcases`` (above this loader); ``python -m
+diffusers_nki.sim.prodcases --report [--json PATH] [--markdown PATH]`` runs them all and prints the coverage
 table (kernel, configuration, ran / matched / blocked and why).
 """
 from __future__ import annotations
@@ -331,45 +331,3 @@ def load_attention_cte() -> SimpleNamespace:
         _CACHE[key] = SimpleNamespace(kernel=mod.attention_cte, torch_ref=ref.attention_cte_torch_ref, module=mod,
                                       path=p)
     return _CACHE[key]
-
-
-# ----------------------------------------------------------------------------------------------------
-# The coverage report
-# ----------------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m diffusers_nki.sim.production",
-                                 description="Run AWS's production NKI kernels unchanged in the emulator and print "
-                                             "the coverage table.")
-    ap.add_argument("--report", action="store_true", help="run every kernel configuration and print the table")
-    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    ap.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
-    ap.add_argument("--only", metavar="SUBSTRING", help="only kernels whose name contains this")
-    ap.add_argument("--update-doc", metavar="PATH", help="rewrite the marked table region of this Markdown file "
-                                                         "(docs/TRAINIUM.md)")
-    args = ap.parse_args(argv)
-    if not args.report:
-        ap.print_help()
-        return 0
-    from . import prodcases
-
-    rows = prodcases.run_all(only=args.only, progress=True)
-    table = prodcases.format_table(rows)
-    print(table)
-    if args.json:
-        import json
-
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps({"pins": {k: {"repo": v.repo, "commit": v.commit}
-                                                                for k, v in PINS.items()},
-                                                       "summary": prodcases.summary(rows), "rows": rows}, indent=1))
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(prodcases.format_markdown(rows))
-    if args.update_doc:
-        prodcases.update_doc(args.update_doc, rows)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -10,7 +10,7 @@ stays true.
 
 The families live in the submodules (``FAMILIES``); ``all_cases()`` lists them, ``run_case`` runs one,
 ``run_all`` / ``format_table`` / ``summary`` make the coverage report (``python -m
-diffusers_nki.sim.production --report``).
+diffusers_nki.sim.prodcases --report``: ``main``).
 """
 from __future__ import annotations
 
@@ -69,9 +69,13 @@ class Case:
         return f"{self.kernel}[{self.config}]"
 
 
+def _family(family: str):
+    """A family submodule, loaded by its name in ``FAMILIES`` (the submodules import this package's ``Case``)."""
+    return importlib.import_module(f"{__name__}.{family}")
+
+
 def cases_of(family: str) -> List[Case]:
-    mod = importlib.import_module(f"{__name__}.{family}")
-    return list(mod.CASES)
+    return list(_family(family).CASES)
 
 
 def all_cases() -> List[Case]:
@@ -307,8 +311,7 @@ def format_table(rows: List[dict]) -> str:
 
 def format_markdown(rows: List[dict]) -> str:
     s = summary(rows)
-    from .blocked import NOT_CONFIGURED
-
+    NOT_CONFIGURED = _family("blocked").NOT_CONFIGURED
     out = [f"{s['kernels_matched_in_every_configuration']} kernels run unchanged and match in every configuration "
            f"({s['configurations_matched']} configurations, {s['lnc2_configurations_matched']} of them LNC2); "
            f"{len(s['blocked'])} are blocked (reason below, checked by the suite); {len(NOT_CONFIGURED)} kernel "
@@ -318,8 +321,6 @@ def format_markdown(rows: List[dict]) -> str:
         e = "" if r["max_err"] is None else f"{r['max_err']:.1e}"
         out.append(f"| {r['kernel']} | {r['config']} | {r['lnc']} | {r['status']} | {e} | "
                    f"{r['reason'].replace('|', '/')[:300]} |")
-    from .blocked import NOT_CONFIGURED
-
     out += ["", "Not run yet (no configuration claims them):", "", "| kernel | what it needs |", "|---|---|"]
     out += [f"| {k} | {why} |" for k, why in NOT_CONFIGURED]
     return "\n".join(out) + "\n"
@@ -342,3 +343,40 @@ def update_doc(path, rows):
 
 
 _ = field
+
+
+# ----------------------------------------------------------------------------------------------------
+# The coverage report: python -m diffusers_nki.sim.prodcases --report
+# ----------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import pathlib
+
+    from .. import production
+
+    ap = argparse.ArgumentParser(prog="python -m diffusers_nki.sim.prodcases",
+                                 description="Run AWS's production NKI kernels unchanged in the emulator and print "
+                                             "the coverage table.")
+    ap.add_argument("--report", action="store_true", help="run every kernel configuration and print the table")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    ap.add_argument("--only", metavar="SUBSTRING", help="only kernels whose name contains this")
+    ap.add_argument("--update-doc", metavar="PATH", help="rewrite the marked table region of this Markdown file "
+                                                         "(docs/TRAINIUM.md)")
+    args = ap.parse_args(argv)
+    if not args.report:
+        ap.print_help()
+        return 0
+    rows = run_all(only=args.only, progress=True)
+    print(format_table(rows))
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps({"pins": {k: {"repo": v.repo, "commit": v.commit}
+                                                                for k, v in production.PINS.items()},
+                                                       "summary": summary(rows), "rows": rows}, indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(format_markdown(rows))
+    if args.update_doc:
+        update_doc(args.update_doc, rows)
+    return 0

@@ -52,7 +52,7 @@ def test_the_pre_03_namespace_is_rejected_by_design(tmp_path, monkeypatch):
 
 def test_report_command_writes_the_table_and_json(tmp_path):
     out = tmp_path / "p.json"
-    r = subprocess.run([sys.executable, "-m", "diffusers_nki.sim.production", "--report", "--only", "tp_broadcast",
+    r = subprocess.run([sys.executable, "-m", "diffusers_nki.sim.prodcases", "--report", "--only", "tp_broadcast",
                         "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tp_broadcast" in r.stdout and "configurations" in r.stdout
