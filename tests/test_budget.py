@@ -222,8 +222,8 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(budget, "implemented_layouts", lambda cores=8: {"serial_one_core": "WanStreamingDecoder"})
     monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
     out_json = tmp_path / "sub" / "bench_budget.json"
-    args = cli.build_parser().parse_args(["bench", "budget", "--setups", "self_forcing", "--targets", "trn2",
-                                          "--json", str(out_json), "--no-progress"])
+    argv = ["bench", "budget", "--setups", "self_forcing", "--targets", "trn2", "--json", str(out_json), "--no-progress"]
+    args = cli.build_parser(argv).parse_args(argv)  # only the named subcommand is imported (calibrate is hidden)
     assert args._run(args) == 0
     out = capsys.readouterr().out
     assert "MODELED" in out and "fps counts ONLY layouts the code implements" in out
@@ -232,7 +232,8 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     data = json.loads(out_json.read_text())
     assert data["modeled"] is True and data["results"][0]["targets"]["trn2"]["headline"]["implemented"]
     for bad in (["--setups", "nope"], ["--targets", "trn9"]):
-        args = cli.build_parser().parse_args(["bench", "budget", *bad, "--out", str(tmp_path)])
+        argv = ["bench", "budget", *bad, "--out", str(tmp_path)]
+        args = cli.build_parser(argv).parse_args(argv)
         assert args._run(args) == 2
         assert bad[1] in capsys.readouterr().err
 

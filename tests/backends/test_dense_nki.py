@@ -76,7 +76,7 @@ def test_unavailable_nki_raises_naming_why():
 
 @pytest.mark.parametrize("backend", ["torch", "sim"])
 def test_opt_in_hook_on_a_tiny_wan_transformer(backend):
-    from diffusers_nki.tiny import tiny_transformer
+    from diffusers_nki.testing.tiny import tiny_transformer
 
     model, make_inputs = tiny_transformer("wan")
     inputs = make_inputs()

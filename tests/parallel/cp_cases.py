@@ -67,7 +67,7 @@ def causal_wan_session(pipe):
     import torch
 
     from diffusers_nki.pipelines import original_step_noise
-    from diffusers_nki.tiny import TEXT_DIM
+    from diffusers_nki.testing.tiny import TEXT_DIM
 
     kw = causal_wan_kwargs()
     g = torch.Generator().manual_seed(12)

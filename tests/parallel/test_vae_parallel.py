@@ -42,7 +42,7 @@ def _rel(a, b) -> float:
 def references():
     """One-process references, computed in this run: the stock decodes and the serial pipeline ``stream()``."""
     import diffusers_nki
-    from diffusers_nki.tiny import tiny_pipeline
+    from diffusers_nki.testing.tiny import tiny_pipeline
 
     decodes = {}
     for case in SHARD_CASES:

@@ -24,7 +24,7 @@ def wan22_vae(seed: int = 1):
 
 def shard_inputs(case):
     h, w, f, chunk, fpc, v22 = case
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
 
     vae = wan22_vae() if v22 else tiny.tiny_wan_vae()
     g = torch.Generator().manual_seed(50 + h + f)
@@ -41,7 +41,7 @@ def reference_decode(vae, lat):
 
 
 def pipe_kwargs():
-    from diffusers_nki.tiny import TEXT_DIM
+    from diffusers_nki.testing.tiny import TEXT_DIM
 
     g = torch.Generator().manual_seed(21)
     F = PIPE_CHUNKS * PIPE_BLOCK

@@ -102,7 +102,7 @@ def shard_case():
 
 def _pipe():
     import diffusers_nki
-    from diffusers_nki.tiny import tiny_pipeline
+    from diffusers_nki.testing.tiny import tiny_pipeline
 
     from vae_cases import pipe_cache
 

@@ -21,7 +21,7 @@ STEPS = [1000.0, 750.0, 500.0]
 def main(argv=None):
     from diffusers import FlowMatchLCMScheduler
 
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
     from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, remove_static_cache
     from diffusers_nki.pipelines import CausalWanPipeline, lookup_sigmas, original_step_noise
 

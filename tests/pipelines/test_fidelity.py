@@ -14,7 +14,7 @@ import torch
 from diffusers import FlowMatchLCMScheduler
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
-from diffusers_nki import tiny
+from diffusers_nki.testing import tiny
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, remove_static_cache
 from diffusers_nki.caching import causal_wan
 from diffusers_nki.pipelines import CausalWanPipeline, lookup_sigmas, original_step_noise

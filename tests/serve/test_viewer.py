@@ -41,7 +41,7 @@ def _chromium() -> None:
 @pytest.fixture(scope="module")
 def server():
     pytest.importorskip("aiohttp", reason="aiohttp (the viewer's server) is in requirements-lock.txt")
-    from diffusers_nki import tiny
+    from diffusers_nki.testing import tiny
     from diffusers_nki.serve import ViewerServer
 
     pipe = tiny.tiny_pipeline("causal_wan")
