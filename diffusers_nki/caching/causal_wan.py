@@ -506,8 +506,8 @@ class _Rollout:
         whole rollout when its length is known (so it grows once), else to twice the window."""
         new_window = max(frames_needed, total_frames or 2 * self.window)
         new_history = new_window - self.n
-        with torch.inference_mode(False):
-            bigger = self.buffers.grown(self._t(new_history * self.tpf), self._t(self.ring.valid * self.tpf))
+        # KVBuffers allocates plain (non-inference) tensors itself, whatever the caller's grad mode
+        bigger = self.buffers.grown(self._t(new_history * self.tpf), self._t(self.ring.valid * self.tpf))
         warnings.warn(
             f"causal Wan static cache: this rollout needs {frames_needed} frames of attention window, more than "
             f"capacity={self.window}; the buffers grow once to {new_window} frames (the output is unchanged; "

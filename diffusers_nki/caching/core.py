@@ -118,8 +118,9 @@ class KVBuffers:
         (``StaticCacheConfig.grow``: the valid prefix survives, so the output does not change)."""
         B, _, heads, head_dim = self.shape
         out = KVBuffers(len(self.k), B, capacity, heads, head_dim, self.k[0].dtype, self.k[0].device)
-        for new, old in zip(out.k + out.v, self.k + self.v):
-            new[:, :used].copy_(old[:, :used])
+        with torch.inference_mode(False):  # plain tensors, as allocated
+            for new, old in zip(out.k + out.v, self.k + self.v):
+                new[:, :used].copy_(old[:, :used])
         return out
 
 

@@ -9,7 +9,7 @@ from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
 
-from diffusers_nki import accounting, errors
+from diffusers_nki import accounting, dense_ops, errors
 
 __all__ = ["reset_state", "K_TOL", "FLOOR", "pairs_of", "all_pairs", "pairwise_rows"]
 
@@ -62,7 +62,9 @@ def pairwise_rows(factors: Dict[str, Sequence], base: Tuple[str, str]) -> List[D
 def reset_state() -> None:
     """Forget the process-wide state diffusers_nki keeps for diagnostics, so a test starts clean: the warn-once
     registry (every fallback, prologue and cache warning can fire again), the fallbacks and kernel calls no module
-    could be named for, and the op counters (``diffusers_nki.ops.counters()``)."""
+    could be named for, the op counters (``diffusers_nki.ops.counters()``) and the dense kernels' counters and
+    fallbacks (``diffusers_nki.dense_ops.counters()`` / ``fallbacks()``)."""
     errors.reset_warnings()
     accounting.reset_unattributed()
     accounting.reset_counters()
+    dense_ops.reset_counters()
