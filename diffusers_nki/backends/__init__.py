@@ -3,8 +3,10 @@
 Each backend module exposes ``attention(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)``
 (BSHD, returns a new tensor), ``cache_write(k_cache, v_cache, k, v, slot)`` (updates the caller's caches in
 place; the kernel backends rebind the caches the kernel returns) and ``qk_norm_rope(x, weight, eps, cos, sin,
-heads)`` (the Wan q/k prologue, returns BSHD), plus ``unavailable_reason() -> str | None`` and optionally
-``prepare()`` (called by ``require`` once the backend is available).
+heads)`` (the Wan q/k prologue, returns BSHD), the dense kernels ``gemm(x, w, bias, activation)`` and
+``causal_conv3d(x, w, bias, cache, pad_top, pad_bottom)`` (``diffusers_nki.dense_ops``), plus
+``unavailable_reason() -> str | None`` and optionally ``prepare()`` (called by ``require`` once the backend is
+available).
 
 - ``"torch"``: the PyTorch reference twins (``kernels/*_ref.py``); any device.
 - ``"sim"``: the NKI kernels run in our NumPy emulator (``diffusers_nki.sim``); CPU tensors, slow, for validation.
