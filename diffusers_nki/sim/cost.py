@@ -435,11 +435,19 @@ class Hypotheses:
       with ``simulate(kernel, target, **hyp.simulate_kwargs(target))``; the schedule only checks the record
       against it (a note and ``ScheduleReport.fits_sbuf``). Named rows: 208 KiB (224 - 16 KiB, the reserve
       nki-library's ``bwmm_bwd_dropless`` leaves itself) and 192 KiB.
+    - ``dma_transfer_floor_us``: every DMA transfer takes at least this long from its first data movement to its
+      completion (its queue is held that long). [DMA]'s figure "DMA throughput across different number of bytes
+      per partition" (p=128) rises linearly with the bytes up to ~1 KiB and saturates from 4 KiB: the shape of
+      max(T0, bytes / peak) with T0 = 128 x ~2.4 KiB / peak = ~0.85 us at the 368 GB/s peak (the figure's y axis
+      has no numbers: ASSUMPTION that it saturates at the peak), while the baseline's b/(b+256) gives 50% at
+      256 B where the figure shows ~10%. Whether the floor is per queue, per engine or an artefact of the
+      figure's (unpublished) kernel is not documented. 0 = none (baseline). Named row: 0.85 us.
     """
 
     act_table_reload_us: float = 0.0
     dma_transpose: str = "baseline"
     usable_sbuf_kib: Optional[float] = None
+    dma_transfer_floor_us: float = 0.0
 
     def __post_init__(self):
         r = self.act_table_reload_us
@@ -447,6 +455,9 @@ class Hypotheses:
             raise ValueError(f"act_table_reload_us={r!r} must be a number of microseconds in [0, 100]")
         if self.dma_transpose not in DMA_TRANSPOSE_MODES:
             raise ValueError(f"dma_transpose={self.dma_transpose!r} must be one of {DMA_TRANSPOSE_MODES}")
+        f = self.dma_transfer_floor_us
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not (0.0 <= float(f) <= 100.0):
+            raise ValueError(f"dma_transfer_floor_us={f!r} must be a number of microseconds in [0, 100]")
         u = self.usable_sbuf_kib
         if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not (16 <= float(u) <= 256)):
             raise ValueError(f"usable_sbuf_kib={u!r} must be None (physical) or a KiB count in [16, 256]")
@@ -465,6 +476,8 @@ class Hypotheses:
             parts.append({"flat50": "dma transpose flat 50%", "slow2x": "dma transpose 2x slower"}[self.dma_transpose])
         if self.usable_sbuf_kib is not None:
             parts.append(f"usable SBUF {self.usable_sbuf_kib:g} KiB")
+        if self.dma_transfer_floor_us:
+            parts.append(f"dma transfer floor {self.dma_transfer_floor_us:g} us")
         return ", ".join(parts) or "baseline"
 
     def dma_transpose_factor(self, spec: "GenSpec", from_hbm: bool) -> float:
@@ -511,6 +524,7 @@ SENSITIVITY_ROWS = (
     ("dma transpose 2x slower", Hypotheses(dma_transpose="slow2x")),
     ("usable SBUF 208 KiB", Hypotheses(usable_sbuf_kib=208)),
     ("usable SBUF 192 KiB", Hypotheses(usable_sbuf_kib=192)),
+    ("dma transfer floor 0.85 us", Hypotheses(dma_transfer_floor_us=0.85)),
 )
 
 

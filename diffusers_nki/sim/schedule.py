@@ -478,6 +478,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     if not isinstance(hyp, Hypotheses):
         raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
     reload_ns = hyp.act_reload_ns()
+    xfer_floor = float(hyp.dma_transfer_floor_us) * 1e3
     if int(dma_queues) < 1:
         raise ValueError(f"dma_queues={dma_queues!r} must be >= 1")
     nq = int(dma_queues)
@@ -643,6 +644,9 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             else:
                 st_ = en_ = t0
                 hbm_bound = False
+            if xfer_floor > 0 and en_ < st_ + xfer_floor:
+                charge("dma", "dma", "transfer floor (hypothesis)", st_ + xfer_floor - en_)
+                en_ = st_ + xfer_floor                           # Hypotheses.dma_transfer_floor_us
             q_free[c][q] = en_
             q_busy[c][q] += en_ - st_
             dma_busy[c] += busy
