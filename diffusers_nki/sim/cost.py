@@ -38,8 +38,11 @@ bus term (VectorE perf-mode + GpSimd SBUF time) and the busiest PSUM bank (Scala
 Latencies (the RAW latency, DMA fixed latency) are the schedule's, not the ceiling's. Undocumented behaviour
 is a named ``Hypotheses`` (default ``BASELINE``: none charged).
 
-Not modeled (zero): launch overhead (none could be fitted: ``bench calibrate``), HBM page effects, LNC2
-shared-HBM contention.
+Launch start-up / tear-down (GenSpec.launch_*, [MAMBA]) and TensorE dI/dt throttling (GenSpec.pe_throttle_*,
+[EXPLORER]) are the schedule's (``ScheduleReport.launch_s``, ``throttle_s``), not the roofline's. Not modeled (zero):
+HBM page effects, LNC2 shared-HBM contention, instruction fetch and activation-table loads (DMAs the runtime
+issues [RTMEM: neuron-runtime/explore/device-memory.rst "DMA Rings"], no cost published: the reload is a named
+hypothesis).
 """
 from __future__ import annotations
 

@@ -41,11 +41,24 @@ Model
   a lane the instruction must also hold. trn2/trn3: VectorE perf-mode instructions and GpSimd SBUF
   instructions share a bus [ARCH3 "Data Movement Updates" 1b], and ScalarE / VectorE accesses to one PSUM bank
   serialise [ARCH3 2b]: a bus lane and a lane per PSUM bank.
+- TensorE dI/dt throttling (trn2/trn3) [EXPLORER: aws-neuron-sdk tools/neuron-explorer/overview-summary-page.rst,
+  "Understanding throttling"]: TensorE starts a burst at ~50% of its rate and ramps to full over ~3 us; a 3 us
+  window below 50% utilisation re-engages the limit (``_Throttle``; ``ScheduleReport.throttle_s``; waits kind
+  "dI/dt throttle"; ``throttle=False`` turns it off).
+- Launch: "every NEFF execution involves certain start-up and tear-down overhead" [MAMBA: nki/guides/tutorials/
+  fused_mamba.rst, profile nki/img/mamba_v1_profile.png]: ``ScheduleReport.launch_s`` (GenSpec.launch_startup_ns +
+  launch_teardown_ns, read off that profile) is reported beside the kernel time, ``t_standalone_s`` = scheduled +
+  launch is what a standalone hardware figure measures; a kernel inside a compiled graph pays it once per graph,
+  so ``t_scheduled_s`` (the headline) does not include it.
+- Sync groups (``Instr.extra["sync"]``: core_barrier, sendrecv, collectives; one member per core of an LNC2
+  launch): rendezvous -- every member starts no earlier than the last member is ready, so none completes before
+  every member has started; a core waits at its member while the other cores go on (``_order_sync``).
 - Named hypotheses (``sim.cost.Hypotheses``): the ScalarE activation-table reload per function switch holds
   ScalarE before the switching instruction (overlapping its wait for data); DMA-transpose throughput is the
   cost model's; usable SBUF is checked (``fits_sbuf``), applied at trace time.
 - LNC2: each program runs on its own core (own lanes, own SBUF/PSUM state, own HBM share); HBM tensors are
-  shared (``shared_hbm``) but no dependency is drawn across cores (nothing orders them without a barrier).
+  shared (``shared_hbm``) but no dependency is drawn across cores except the sync groups' rendezvous (nothing
+  else orders them).
   On a target without LNC the programs share one core, in order.
 - Where the time goes: per-lane busy time and utilisation (busy / makespan); ``waits``: every start later
   than the lane was free is charged to what held it (RAW / WAR / WAW on the blocking engine, the DMA fixed
