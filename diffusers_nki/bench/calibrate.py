@@ -432,11 +432,13 @@ def _rms_anchors() -> List[Anchor]:
     out = []
     for s, qo, lb, cyc in _RMS_ROWS:
         nm = f"rmsnorm_quant_s{s}{'_quant_only' if qo else ''}{'_lb' if lb else ''}"
+        fit = ("GenSpec.dve_tt_split_rate for scalar_tensor_tensor, and the launch cost's trn2 tear-down: [RMSQ]'s "
+               "profiles are of this configuration" if (s, qo) == (160, False) else "")
         out.append(Anchor(nm, "nki-library rmsnorm_quant", "trn2", cyc * 1e-12,
                           _LIB.format(file="rmsnorm/test_rmsnorm_quant.py", where=f"rmsnorm_quant_lnc_perms [{s}, {qo}, "
                                       f"ROW, {cyc}, gaussian, {lb}, 2, 1, 16384]", cycles=f"{cyc:g}"),
                           _rms_build(s, qo, lb), shape=f"[1, {s}, 16384] bf16 -> fp8 row quant"
-                          + (" (quant only)" if qo else " (RMSNorm + quant)"), lnc=2))
+                          + (" (quant only)" if qo else " (RMSNorm + quant)"), lnc=2, fit=fit))
     return out
 
 
@@ -832,9 +834,10 @@ def sensitivity_markdown(progress=None) -> str:
         if kname != "GEMM":
             hyps[key] = hypothesis_sensitivity(lambda **kw: fn(t, **kw), t, base=b)
     keys = [f"{k} {t}" for k, t, _ in cols]
-    consts = ["sem_cycles x2", "dma_lat_ns x2", "dma_queues x2", "dma_queues /2", "dge_ns x2"]
+    consts = ["sem_cycles x2", "dma_lat_ns x2", "dma_queues x2", "dma_queues /2", "dge_ns x2", "pe throttle off"]
     out = ["Headline change when a schedule ASSUMPTION constant is doubled (queues also halved); "
-           "`sem_cycles` is the RAW latency (default raw_latency_cycles = 200):", "",
+           "`sem_cycles` is the RAW latency (default raw_latency_cycles = 200); 'pe throttle off' = without TensorE "
+           "dI/dt throttling (trn2/trn3):", "",
            "| constant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys),
            "| scheduled (1 head / GEMM) | " + " | ".join(
                _fmt_time(base[k]) if isinstance(base[k], float) else "absent" for k in keys) + " |"]

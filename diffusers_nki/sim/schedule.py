@@ -845,6 +845,8 @@ def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[
              "dma_queues x2": dict(dma_queues=2 * DMA_QUEUES), "dma_queues /2": dict(dma_queues=DMA_QUEUES // 2)}
     if s.dge_issue_ns is not None:
         cases["dge_ns x2"] = dict(dge_ns=2 * s.dge_issue_ns)
+    if s.pe_throttle_floor is not None:
+        cases["pe throttle off"] = dict(throttle=False)   # [EXPLORER]'s "roughly" / "~": what the throttle costs
     out = {"base_s": b.t_scheduled_s}
     for k, kw in cases.items():
         r = schedule(record, b.target, **kw)
