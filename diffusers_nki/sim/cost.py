@@ -38,8 +38,11 @@ bus term (VectorE perf-mode + GpSimd SBUF time) and the busiest PSUM bank (Scala
 Latencies (the RAW latency, DMA fixed latency) are the schedule's, not the ceiling's. Undocumented behaviour
 is a named ``Hypotheses`` (default ``BASELINE``: none charged).
 
-Not modeled (zero): launch overhead (none could be fitted: ``bench calibrate``), HBM page effects, LNC2
-shared-HBM contention.
+Launch start-up / tear-down (GenSpec.launch_*, [MAMBA]) and TensorE dI/dt throttling (GenSpec.pe_throttle_*,
+[EXPLORER]) are the schedule's (``ScheduleReport.launch_s``, ``throttle_s``), not the roofline's. Not modeled (zero):
+HBM page effects, LNC2 shared-HBM contention, instruction fetch and activation-table loads (DMAs the runtime
+issues [RTMEM: neuron-runtime/explore/device-memory.rst "DMA Rings"], no cost published: the reload is a named
+hypothesis).
 """
 from __future__ import annotations
 
@@ -163,6 +166,23 @@ class GenSpec:
     # 4096 fp32 [128, 512] SBUF+PSUM adds and 1024 memsets/copies, [TUT2]) implies ~1 element per cycle, not
     # the 2N rule's 0.5 (1.65x). Mechanism ASSUMPTION: the two inputs stream from two memories at once.
     dve_tt_split_rate: Optional[float] = None
+    # TensorE dI/dt throttling (trn2/trn3) [EXPLORER "Understanding throttling"]: the allowed utilization starts at
+    # "roughly 50%" and ramps to full "over about the first ~3 microseconds after work begins"; it re-engages when
+    # utilization "drops below 50% over any ~3 microsecond window". None = not modeled (trn1: the page names Trn2
+    # and Trn3 only). Charged by the schedule only (``schedule._Throttle``), like its latencies: the roofline's
+    # ceiling and floor keep COST_MODEL.md's per-instruction costs.
+    pe_throttle_floor: Optional[float] = None
+    pe_throttle_ramp_ns: float = 3000.0
+    pe_throttle_window_ns: float = 3000.0
+    # Launch start-up and tear-down of one NEFF execution: "every NEFF execution involves certain start-up and
+    # tear-down overhead" [MAMBA]; MEASURED on that tutorial's published profile (mamba_v1_profile.png, 172.93 us):
+    # the kernel's first instruction (its first DMA trigger) at ~12.3 us, the engines' tear-down ending ~4.2 us after
+    # the last data movement. Per NEFF execution, not per kernel: reported beside the kernel time
+    # (``ScheduleReport.launch_s``, ``t_standalone_s``), never added to it. The profile's instance is not stated;
+    # trn2's published profiles agree where they show it (the profiler guide's MLP: first DMA at ~13 us;
+    # nki-library's rmsnorm_quant design profile: tear-down 2.0-3.7 us); trn3 ASSUMPTION (the same).
+    launch_startup_ns: float = 12300.0
+    launch_teardown_ns: float = 4200.0
 
     @property
     def raw_latency_cycles(self) -> int:
@@ -233,6 +253,11 @@ GENERATIONS: Dict[str, GenSpec] = {
         psum_bank_conflicts=False,   # v2: the stricter shared PSUM port (port_conflicts) [ARCH2]
         dma_core_cap=104.0,          # MEASURED: [TUT1] DMA-bound versions, 103-105 GB/s per core
         dve_tt_split_rate=None,      # v2: 2N rule [ARCH2] (no measurement)
+        pe_throttle_floor=None,      # [EXPLORER] names dI/dt throttling for Trn2 and Trn3 only
+        pe_throttle_ramp_ns=3000.0,  # [EXPLORER] (unused on v2)
+        pe_throttle_window_ns=3000.0,  # [EXPLORER] (unused on v2)
+        launch_startup_ns=12300.0,   # MEASURED [MAMBA] profile: first kernel instruction at ~12.3 us
+        launch_teardown_ns=4200.0,   # MEASURED [MAMBA] profile: ends ~4.2 us after the last data movement
     ),
     "trn2": GenSpec(
         name="trn2", nc="NC-v3", nc_version=3,  # [ARCH3]
@@ -284,7 +309,12 @@ GENERATIONS: Dict[str, GenSpec] = {
         dve_pool_shared_bus=True,    # [ARCH3 "Data Movement Updates" 1b]
         psum_bank_conflicts=True,    # [ARCH3 "Data Movement Updates" 2b]
         dma_core_cap=None,           # none: the engine model [DMA]; [TUT2] version 2 (DMA-bound) checks it
-        dve_tt_split_rate=1.0,       # MEASURED: [TUT2] version 5 VectorE time
+        dve_tt_split_rate=1.0,       # MEASURED: [TUT2] version 5 VectorE time; [RMSQ] profile (STT)
+        pe_throttle_floor=0.5,       # [EXPLORER] dI/dt throttling "On Trn2 and Trn3": "roughly 50%"
+        pe_throttle_ramp_ns=3000.0,  # [EXPLORER] "ramps to full over about the first ~3 microseconds"
+        pe_throttle_window_ns=3000.0,  # [EXPLORER] "below 50% over any ~3 microsecond window"
+        launch_startup_ns=12300.0,   # ASSUMPTION: [MAMBA]'s measured start-up ([PROF] trn2 MLP: first DMA ~13 us)
+        launch_teardown_ns=4200.0,   # ASSUMPTION: [MAMBA]'s measured tear-down ([RMSQ] trn2 profile: 2.0-3.7 us)
     ),
     "trn3": GenSpec(
         name="trn3", nc="NC-v4", nc_version=4,  # [ARCH4]
@@ -337,6 +367,11 @@ GENERATIONS: Dict[str, GenSpec] = {
         psum_bank_conflicts=True,    # ASSUMPTION: as v3 [ARCH3]
         dma_core_cap=None,           # ASSUMPTION: none (the engine model [DMA]); no measurement
         dve_tt_split_rate=1.0,       # ASSUMPTION: as v3 ([TUT2] measured on trn2)
+        pe_throttle_floor=0.5,       # [EXPLORER] dI/dt throttling "On Trn2 and Trn3": "roughly 50%"
+        pe_throttle_ramp_ns=3000.0,  # [EXPLORER] "ramps to full over about the first ~3 microseconds"
+        pe_throttle_window_ns=3000.0,  # [EXPLORER] "below 50% over any ~3 microsecond window"
+        launch_startup_ns=12300.0,   # ASSUMPTION: [MAMBA]'s measured start-up (no trn3 profile published)
+        launch_teardown_ns=4200.0,   # ASSUMPTION: [MAMBA]'s measured tear-down (no trn3 profile published)
     ),
 }
 
@@ -403,11 +438,19 @@ class Hypotheses:
       with ``simulate(kernel, target, **hyp.simulate_kwargs(target))``; the schedule only checks the record
       against it (a note and ``ScheduleReport.fits_sbuf``). Named rows: 208 KiB (224 - 16 KiB, the reserve
       nki-library's ``bwmm_bwd_dropless`` leaves itself) and 192 KiB.
+    - ``dma_transfer_floor_us``: every DMA transfer takes at least this long from its first data movement to its
+      completion (its queue is held that long). [DMA]'s figure "DMA throughput across different number of bytes
+      per partition" (p=128) rises linearly with the bytes up to ~1 KiB and saturates from 4 KiB: the shape of
+      max(T0, bytes / peak) with T0 = 128 x ~2.4 KiB / peak = ~0.85 us at the 368 GB/s peak (the figure's y axis
+      has no numbers: ASSUMPTION that it saturates at the peak), while the baseline's b/(b+256) gives 50% at
+      256 B where the figure shows ~10%. Whether the floor is per queue, per engine or an artefact of the
+      figure's (unpublished) kernel is not documented. 0 = none (baseline). Named row: 0.85 us.
     """
 
     act_table_reload_us: float = 0.0
     dma_transpose: str = "baseline"
     usable_sbuf_kib: Optional[float] = None
+    dma_transfer_floor_us: float = 0.0
 
     def __post_init__(self):
         r = self.act_table_reload_us
@@ -415,6 +458,9 @@ class Hypotheses:
             raise ValueError(f"act_table_reload_us={r!r} must be a number of microseconds in [0, 100]")
         if self.dma_transpose not in DMA_TRANSPOSE_MODES:
             raise ValueError(f"dma_transpose={self.dma_transpose!r} must be one of {DMA_TRANSPOSE_MODES}")
+        f = self.dma_transfer_floor_us
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not (0.0 <= float(f) <= 100.0):
+            raise ValueError(f"dma_transfer_floor_us={f!r} must be a number of microseconds in [0, 100]")
         u = self.usable_sbuf_kib
         if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not (16 <= float(u) <= 256)):
             raise ValueError(f"usable_sbuf_kib={u!r} must be None (physical) or a KiB count in [16, 256]")
@@ -433,6 +479,8 @@ class Hypotheses:
             parts.append({"flat50": "dma transpose flat 50%", "slow2x": "dma transpose 2x slower"}[self.dma_transpose])
         if self.usable_sbuf_kib is not None:
             parts.append(f"usable SBUF {self.usable_sbuf_kib:g} KiB")
+        if self.dma_transfer_floor_us:
+            parts.append(f"dma transfer floor {self.dma_transfer_floor_us:g} us")
         return ", ".join(parts) or "baseline"
 
     def dma_transpose_factor(self, spec: "GenSpec", from_hbm: bool) -> float:
@@ -479,6 +527,7 @@ SENSITIVITY_ROWS = (
     ("dma transpose 2x slower", Hypotheses(dma_transpose="slow2x")),
     ("usable SBUF 208 KiB", Hypotheses(usable_sbuf_kib=208)),
     ("usable SBUF 192 KiB", Hypotheses(usable_sbuf_kib=192)),
+    ("dma transfer floor 0.85 us", Hypotheses(dma_transfer_floor_us=0.85)),
 )
 
 
@@ -653,7 +702,7 @@ def _vec_rate(i: Instr, s: GenSpec, notes: List[str]) -> float:
         if all16 and not in_psum and op == "tensor_tensor":
             return s.dve_tt_rate16_sbuf
         n_psum = sum(1 for b in in_bufs if b == "psum")
-        if s.dve_tt_split_rate is not None and op == "tensor_tensor" and n_psum == 1 and len(in_bufs) == 2:
+        if s.dve_tt_split_rate is not None and n_psum == 1 and len(in_bufs) == 2:
             # one input in SBUF, the other in PSUM: measured ~N cycles on trn2 (GenSpec.dve_tt_split_rate)
             return s.dve_tt_split_rate * (s.dve_fp32_rate if not all16 else 1.0)
         return s.dve_tt_rate_other * (s.dve_fp32_rate if not all16 else 1.0)
@@ -675,6 +724,7 @@ def _vec_cost(i: Instr, s: GenSpec, notes: List[str]) -> InstrCost:
             perf = rate > s.dve_tt_rate_other and "psum" not in [str(x) for x in i.in_buffers[:2]]
         else:
             perf = rate > 1.0
+    perf = perf or (i.engine == "dve" and i.op == "quantize_mx")  # "4x Vector performance mode" [ARCH4]: the bus
     cycles = max(s.min_ii, math.ceil(n / rate))
     if i.inner_stride_bytes > s.stride_limit_bytes:
         cycles *= s.stride_penalty                                  # [ARCH2]

@@ -41,11 +41,24 @@ Model
   a lane the instruction must also hold. trn2/trn3: VectorE perf-mode instructions and GpSimd SBUF
   instructions share a bus [ARCH3 "Data Movement Updates" 1b], and ScalarE / VectorE accesses to one PSUM bank
   serialise [ARCH3 2b]: a bus lane and a lane per PSUM bank.
+- TensorE dI/dt throttling (trn2/trn3) [EXPLORER: aws-neuron-sdk tools/neuron-explorer/overview-summary-page.rst,
+  "Understanding throttling"]: TensorE starts a burst at ~50% of its rate and ramps to full over ~3 us; a 3 us
+  window below 50% utilisation re-engages the limit (``_Throttle``; ``ScheduleReport.throttle_s``; waits kind
+  "dI/dt throttle"; ``throttle=False`` turns it off).
+- Launch: "every NEFF execution involves certain start-up and tear-down overhead" [MAMBA: nki/guides/tutorials/
+  fused_mamba.rst, profile nki/img/mamba_v1_profile.png]: ``ScheduleReport.launch_s`` (GenSpec.launch_startup_ns +
+  launch_teardown_ns, read off that profile) is reported beside the kernel time, ``t_standalone_s`` = scheduled +
+  launch is what a standalone hardware figure measures; a kernel inside a compiled graph pays it once per graph,
+  so ``t_scheduled_s`` (the headline) does not include it.
+- Sync groups (``Instr.extra["sync"]``: core_barrier, sendrecv, collectives; one member per core of an LNC2
+  launch): rendezvous -- every member starts no earlier than the last member is ready, so none completes before
+  every member has started; a core waits at its member while the other cores go on (``_order_sync``).
 - Named hypotheses (``sim.cost.Hypotheses``): the ScalarE activation-table reload per function switch holds
   ScalarE before the switching instruction (overlapping its wait for data); DMA-transpose throughput is the
   cost model's; usable SBUF is checked (``fits_sbuf``), applied at trace time.
 - LNC2: each program runs on its own core (own lanes, own SBUF/PSUM state, own HBM share); HBM tensors are
-  shared (``shared_hbm``) but no dependency is drawn across cores (nothing orders them without a barrier).
+  shared (``shared_hbm``) but no dependency is drawn across cores except the sync groups' rendezvous (nothing
+  else orders them).
   On a target without LNC the programs share one core, in order.
 - Where the time goes: per-lane busy time and utilisation (busy / makespan); ``waits``: every start later
   than the lane was free is charged to what held it (RAW / WAR / WAW on the blocking engine, the DMA fixed
@@ -137,6 +150,60 @@ class _Lane:
             return
         s.insert(j, a)
         e.insert(j, b)
+
+
+class _Throttle:
+    """TensorE dI/dt (delta current) throttling on trn2/trn3 [EXPLORER]: "the Tensor Engine starts at roughly 50%
+    utilization of maximum utilization and ramps to full over about the first ~3 microseconds after work begins.
+    If utilization drops below 50% over any ~3 microsecond window -- for example during an idle gap -- the limit
+    re-engages, so the next burst again runs at roughly 50% of maximum Tensor Engine utilization until it ramps
+    back up." Modeled: the allowed rate is floor + (1 - floor) * min(1, x / ramp) of full speed, x = time since the
+    burst began (linear ramp: ASSUMPTION, the shape is not published); a PE instruction starting when the PE lane
+    was busy less than half of the trailing ``window`` (a whole window after the burst began) starts a new burst.
+    Utilization = the PE lane's busy time (ASSUMPTION: not FLOPs). One per core, on the main PE lane (trn3's
+    background transposes are neither throttled nor counted: ASSUMPTION)."""
+
+    __slots__ = ("floor", "ramp", "window", "burst", "s", "e", "lost")
+
+    def __init__(self, floor: float, ramp_ns: float, window_ns: float):
+        self.floor, self.ramp, self.window = float(floor), float(ramp_ns), float(window_ns)
+        self.burst = None
+        self.s: List[float] = []
+        self.e: List[float] = []
+        self.lost = 0.0
+
+    def _busy(self, a, b):
+        tot = 0.0
+        s, e = self.s, self.e
+        j = len(e) - 1
+        while j >= 0 and e[j] > a:
+            tot += min(e[j], b) - max(s[j], a)
+            j -= 1
+        return tot
+
+    def duration(self, t0: float, d: float) -> float:
+        """Wall time of ``d`` ns of full-rate PE work started at ``t0``; records the interval."""
+        if d <= 0:
+            return d
+        if self.burst is None:
+            self.burst = t0
+        elif t0 - self.burst >= self.window and self._busy(t0 - self.window, t0) < 0.5 * self.window:
+            self.burst = t0                                   # the limit re-engages after a low-utilization window
+        x0 = t0 - self.burst
+        if x0 >= self.ramp:
+            D = d
+        else:
+            k = (1.0 - self.floor) / self.ramp
+            L0 = self.floor + k * x0
+            left = self.ramp - x0
+            w = L0 * left + 0.5 * k * left * left
+            D = (-L0 + math.sqrt(L0 * L0 + 2.0 * k * d)) / k if d <= w else left + (d - w)
+        self.s.append(t0)
+        self.e.append(t0 + D)
+        if len(self.s) > 4096:
+            del self.s[:2048], self.e[:2048]
+        self.lost += D - d
+        return D
 
 
 def _fill(t, d, a, b=None):
@@ -236,10 +303,20 @@ class ScheduleReport:
     hypotheses: Dict[str, object] = field(default_factory=lambda: BASELINE.to_dict())
     act_table_switches: int = 0
     fits_sbuf: bool = True
+    launch_s: float = 0.0
+    throttle_s: float = 0.0
 
     @property
     def ceiling(self) -> float:
         return self.t_ceiling_s
+
+    @property
+    def t_standalone_s(self) -> float:
+        """The kernel launched alone as one NEFF execution: ``t_scheduled_s`` + the launch start-up and tear-down
+        (``launch_s``, GenSpec.launch_startup_ns + launch_teardown_ns [MAMBA]). What a standalone hardware figure
+        (a profile's total, ``nki.benchmark``'s latency, nki-library's per-core cycle count) measures; a kernel
+        inside a compiled graph pays the launch once per graph, so ``t_scheduled_s`` stays the kernel's time."""
+        return self.t_scheduled_s + self.launch_s
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -260,6 +337,8 @@ def format_schedule(r: ScheduleReport, top: int = 6) -> str:
              f"scheduled {us(r.t_scheduled_s)}  eff {100 * r.efficiency_scheduled:5.1f}%   "
              f"[ceiling {us(r.t_ceiling_s)} {100 * r.efficiency_ceiling:5.1f}% ({r.ceiling_bottleneck}); "
              f"floor {us(r.t_floor_s)} {100 * r.efficiency_floor:5.1f}%]",
+             f"launched alone (one NEFF execution, + {us(r.launch_s)} start-up/tear-down): {us(r.t_standalone_s)}"
+             + (f"; TensorE dI/dt throttling cost {us(r.throttle_s)}" if r.throttle_s > 0 else ""),
              "utilisation: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in r.utilisation.items() if v > 0.005)]
     if r.waits:
         lines.append("largest waits (waiter <- on, kind): " + "; ".join(
@@ -289,6 +368,91 @@ def _order(instrs, cores):
     return [i for _, _, i in keyed]
 
 
+def _sync_groups(instrs, cores):
+    """{index: group id} for the members of the record's sync groups (``Instr.extra["sync"]``: core_barrier,
+    sendrecv, collectives), and {group id: [indices]}. A group is the instructions with one sync key and one
+    peer set (``extra["peers"]``), one on each of at least two of the record's cores; a collective whose other participants
+    are other ranks (recorded separately) has one member here and no rendezvous."""
+    if cores < 2:
+        return {}, {}
+    members: Dict[tuple, List[int]] = {}
+    for i, ins in enumerate(instrs):
+        x = ins.extra
+        if x and "sync" in x:
+            try:
+                gid = (x["sync"], tuple(x.get("peers", ())))
+                hash(gid)
+            except TypeError:
+                gid = (repr(x["sync"]), repr(x.get("peers", ())))
+            members.setdefault(gid, []).append(i)
+    # one member per core, on at least two cores (what the emulator records); anything else is left unordered
+    groups = {g: idx for g, idx in members.items()
+              if len(idx) > 1 and len({instrs[j].program for j in idx}) == len(idx)}
+    of = {j: g for g, idx in groups.items() for j in idx}
+    return of, groups
+
+
+def _order_sync(instrs, cores, notes):
+    """Processing order as ``_order``, in units: a single instruction, or a whole sync group (every member at
+    once, when each member is the next instruction of its core). A core whose next instruction is a group
+    member waits (the other cores go on) until the group's other members are reached: the schedule then starts
+    every member no earlier than the last member is ready (the rendezvous rule: none of a group's instructions
+    completes before every member has started)."""
+    of, groups = _sync_groups(instrs, cores)
+    if not groups:
+        for i in _order(instrs, cores):
+            yield (i,)
+        return
+    by: Dict[int, List[int]] = {}
+    for i, ins in enumerate(instrs):
+        by.setdefault(ins.program, []).append(i)
+    progs = sorted(by)
+    pos = {p: 0 for p in progs}
+    n_of = {p: len(by[p]) for p in progs}
+    at_head: Dict[tuple, set] = {g: set() for g in groups}
+    waiting = set()
+    warned = False
+    while True:
+        live = [p for p in progs if pos[p] < n_of[p]]
+        if not live:
+            return
+        best, best_key = None, None
+        for p in live:
+            if p in waiting:
+                continue
+            key = (pos[p] + 0.5) / n_of[p]
+            if best_key is None or key < best_key:
+                best, best_key = p, key
+        if best is None:
+            # every live core waits at a group none of whose members is complete: the records disagree on the order
+            # of their sync points (cannot happen for the emulator's records); release the earliest-progress one
+            p = min(live, key=lambda q: (pos[q] + 0.5) / n_of[q])
+            if not warned:
+                notes.append("sync groups reached in inconsistent order across cores: rendezvous dropped for some")
+                warned = True
+            i = by[p][pos[p]]
+            g = of[i]
+            at_head[g].discard(p)
+            waiting.discard(p)
+            pos[p] += 1
+            yield (i,)
+            continue
+        i = by[best][pos[best]]
+        g = of.get(i)
+        if g is None:
+            pos[best] += 1
+            yield (i,)
+            continue
+        at_head[g].add(best)
+        waiting.add(best)
+        if len(at_head[g]) == len(groups[g]):
+            for q in at_head[g]:
+                pos[q] += 1
+                waiting.discard(q)
+            at_head[g] = set()
+            yield tuple(groups[g])
+
+
 def _widths(record, cores):
     """Per (core, space): bytes to track. HBM spaces only when something writes them."""
     w: Dict[Tuple[int, str], int] = {}
@@ -312,7 +476,8 @@ def _widths(record, cores):
 def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int = DMA_QUEUES,
              sem_cycles: Optional[float] = None, dma_lat_ns: Optional[float] = None,
              dge_ns: Optional[float] = None, keep_timeline: bool = False, top: int = 12,
-             ceiling: Optional[CostReport] = None, hypotheses: Optional[Hypotheses] = None) -> ScheduleReport:
+             ceiling: Optional[CostReport] = None, hypotheses: Optional[Hypotheses] = None,
+             throttle: bool = True) -> ScheduleReport:
     """Schedule ``record`` on ``target`` (default ``record.target``); see the module docstring.
 
     ``dma_queues``, ``sem_cycles``, ``dma_lat_ns``, ``dge_ns`` override the schedule's constants (sensitivity
@@ -326,6 +491,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     if not isinstance(hyp, Hypotheses):
         raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
     reload_ns = hyp.act_reload_ns()
+    xfer_floor = float(hyp.dma_transfer_floor_us) * 1e3
     if int(dma_queues) < 1:
         raise ValueError(f"dma_queues={dma_queues!r} must be >= 1")
     nq = int(dma_queues)
@@ -353,6 +519,8 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             mems[(c, sp)] = _Mem(wb, ONCHIP_GRANULE, PMAX // QUADRANT)
 
     lane_free = [{k: 0.0 for k in _LANES} for _ in range(cores)]
+    throttles = ([_Throttle(s.pe_throttle_floor, s.pe_throttle_ramp_ns, s.pe_throttle_window_ns) for _ in range(cores)]
+                 if s.pe_throttle_floor is not None and throttle else None)
     lane_last = [{k: -1 for k in _LANES} for _ in range(cores)]
     lane_busy = [{k: 0.0 for k in _LANES} for _ in range(cores)]
     act_func = [None] * cores
@@ -384,14 +552,17 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             w[0] += t
             w[1] += 1
 
-    for i in _order(instrs, cores):
+    def _head(i):
         ins = instrs[i]
         c = ins.program if cores > 1 else 0
         cost = instr_cost_cached(ins, s, None, hyp)
-        flops += cost.flops
         is_dma = ins.engine == "dma"
         lane = "dma" if is_dma else cost.lane
-        code = _CODE[lane]
+        return ins, c, cost, is_dma, lane, _CODE[lane]
+
+    def _deps(i):
+        """(dep_t, dep_on, dep_kind, dep_idx, dep_lat, footprints read, footprints written) of instruction i."""
+        ins, c, cost, is_dma, lane, code = _head(i)
         # -- dependencies -----------------------------------------------------------------------------
         dep_t, dep_on, dep_kind, dep_idx, dep_lat = 0.0, None, None, -1, 0.0
         fps_r, fps_w = [], []
@@ -424,6 +595,33 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                 if v.size and v.max() > dep_t:
                     t, eng, idx = _argmax_at(arr, eng_a, idx_a, sl)
                     dep_t, dep_on, dep_kind, dep_idx, dep_lat = t, _NAME[eng], kind, idx, 0.0
+        return dep_t, dep_on, dep_kind, dep_idx, dep_lat, fps_r, fps_w
+
+    def _ready(i):
+        """When instruction i could start if nothing else were placed first (its inputs and its lane or
+        queue): a sync group's members all start at the latest member's ready time."""
+        ins, c, cost, is_dma, lane, code = _head(i)
+        dep_t = _deps(i)[0]
+        if is_dma:
+            trig_q = _TRIGGER_QUEUE.get(str(ins.extra.get("trigger", "")), None) if ins.extra else None
+            q = q_rr[c] % nq if trig_q is None or trig_q >= nq else trig_q
+            return max(q_trig[c][q], dep_t)
+        own = lane_free[c][lane]
+        func = act_function(ins)
+        if func is not None and act_func[c] is not None and func != act_func[c]:
+            own += reload_ns
+        return max(own, dep_t)
+
+    def _place(i, floor=0.0, last=-1):
+        """Schedule instruction i no earlier than ``floor`` (a sync group's rendezvous: the ready time of its last
+        member ``last``) and update the state."""
+        nonlocal flops
+        ins, c, cost, is_dma, lane, code = _head(i)
+        flops += cost.flops
+        dep_t, dep_on, dep_kind, dep_idx, dep_lat, fps_r, fps_w = _deps(i)
+        if floor > dep_t:
+            # the rendezvous of Instr.extra["sync"]: this member waits for the last member of its group
+            dep_t, dep_on, dep_kind, dep_idx, dep_lat = floor, "core", "rendezvous", (last if last != i else -1), 0.0
         # -- resources ----------------------------------------------------------------------------------
         if is_dma:
             trig_q = _TRIGGER_QUEUE.get(str(ins.extra.get("trigger", "")), None) if ins.extra else None
@@ -459,13 +657,16 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             else:
                 st_ = en_ = t0
                 hbm_bound = False
+            if xfer_floor > 0 and en_ < st_ + xfer_floor:
+                charge("dma", "dma", "transfer floor (hypothesis)", st_ + xfer_floor - en_)
+                en_ = st_ + xfer_floor                           # Hypotheses.dma_transfer_floor_us
             q_free[c][q] = en_
             q_busy[c][q] += en_ - st_
             dma_busy[c] += busy
             hbm_busy[c] += hbm_t
             # where the wait went: the transfer could have moved data when its queue's previous one ended
             cur = base
-            dep_bound = dep_idx >= 0 and dep_t >= q_trig[c][q] - 1e-9 and dep_t > 0
+            dep_bound = (dep_idx >= 0 or dep_kind == "rendezvous") and dep_t >= q_trig[c][q] - 1e-9 and dep_t > 0
             if a_t > cur:
                 if dep_bound:
                     charge("dma", dep_on, dep_kind, a_t - cur)
@@ -477,7 +678,7 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                 cur = dge_end
             if st_ > cur:
                 charge("dma", "hbm" if hbm_bound else "dma", "bandwidth", st_ - cur)
-            if a_t >= t0 - 1e-9 and dep_bound:
+            if a_t >= t0 - 1e-9 and dep_bound and dep_idx >= 0:
                 pred[i], gap_lat[i] = dep_idx, lat
             else:
                 pred[i] = q_last[c][q]
@@ -528,6 +729,10 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                 for L in need:
                     L.reserve(t0, t0 + dur)
             st_ = t0
+            if throttles is not None and lane == "pe":
+                d_full = dur
+                dur = throttles[c].duration(st_, dur)               # TensorE dI/dt throttling [EXPLORER]
+                charge("pe", "pe", "dI/dt throttle", dur - d_full)
             en_ = st_ + dur
             if dep_t > own:
                 charge(lane, dep_on, dep_kind, min(dep_t, st_) - own)
@@ -552,6 +757,17 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             m.w_eng[sl] = code
             m.w_idx[sl] = i
             m.r_end[sl] = 0.0
+
+
+    for group in _order_sync(instrs, cores, notes):
+        # a sync group (Instr.extra["sync"]) rendezvous: every member starts no earlier than the last one is ready
+        if len(group) == 1:
+            _place(group[0])
+            continue
+        readies = [_ready(j) for j in group]
+        k = int(np.argmax(readies))
+        for j in group:
+            _place(j, readies[k], group[k])
 
     # -- report ---------------------------------------------------------------------------------------------
     per_core = [0.0] * cores
@@ -610,10 +826,15 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
         per_core_s=[p * 1e-9 for p in per_core], n_instrs=n,
         constants={"dma_queues": nq, "sem_cycles": sem_c, "sem_ns": {k: round(v, 3) for k, v in sem_ns.items()},
                    "dma_lat_ns": lat, "dge_ns": dge_t, "dge_instances": s.dge_instances,
-                   "hbm_GBps": hbm_rate, "onchip_granule_bytes": ONCHIP_GRANULE, "quadrant": QUADRANT},
+                   "hbm_GBps": hbm_rate, "onchip_granule_bytes": ONCHIP_GRANULE, "quadrant": QUADRANT,
+                   "pe_throttle": None if throttles is None else {"floor": s.pe_throttle_floor,
+                                                                  "ramp_ns": s.pe_throttle_ramp_ns,
+                                                                  "window_ns": s.pe_throttle_window_ns},
+                   "launch_ns": {"startup": s.launch_startup_ns, "teardown": s.launch_teardown_ns}},
         notes=notes + [x for x in ceil.notes if x not in notes], timeline=(start, end) if keep_timeline else None,
         hypotheses=hyp.to_dict(), act_table_switches=int(act_switches[slow]) if act_switches else 0,
-        fits_sbuf=fits_sbuf(record, name, hyp))
+        fits_sbuf=fits_sbuf(record, name, hyp), launch_s=(s.launch_startup_ns + s.launch_teardown_ns) * 1e-9,
+        throttle_s=(throttles[slow].lost * 1e-9) if throttles is not None else 0.0)
 
 
 def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[ScheduleReport] = None) -> dict:
@@ -624,6 +845,8 @@ def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[
              "dma_queues x2": dict(dma_queues=2 * DMA_QUEUES), "dma_queues /2": dict(dma_queues=DMA_QUEUES // 2)}
     if s.dge_issue_ns is not None:
         cases["dge_ns x2"] = dict(dge_ns=2 * s.dge_issue_ns)
+    if s.pe_throttle_floor is not None:
+        cases["pe throttle off"] = dict(throttle=False)   # [EXPLORER]'s "roughly" / "~": what the throttle costs
     out = {"base_s": b.t_scheduled_s}
     for k, kw in cases.items():
         r = schedule(record, b.target, **kw)

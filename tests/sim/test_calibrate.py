@@ -22,7 +22,11 @@ def _check(rows):
     ran = [r for r in rows if r["status"] == "ok"]
     used = {}
     for r in ran:
-        assert r["modeled"]["ceiling_s"] <= r["modeled"]["scheduled_s"] * (1 + 1e-9)
+        m = r["modeled"]
+        assert m["ceiling_s"] <= m["scheduled_s"] * (1 + 1e-9)
+        # every anchor is a standalone launch: compared with the kernel time + the launch start-up / tear-down
+        assert m["standalone_s"] == pytest.approx(m["scheduled_s"] + m["launch_s"]) and m["launch_s"] > 0
+        assert r["ratio"] == pytest.approx(m["standalone_s"] / r["published_s"])
         why = C.outside_why(r["name"])
         if why is not None:
             used.setdefault(why, []).append(r["within_tolerance"])

@@ -155,23 +155,28 @@ def test_33_flash_tile_as_written_trn2():
     assert r.useful_flops == 2 * MM_FLOPS
     assert r.terms_s["pe"] * 1e9 == pytest.approx(640.0, rel=1e-6)      # 1536 cycles
     assert r.terms_s["act"] * 1e9 == pytest.approx(533.33, rel=1e-4)    # 640 cycles
-    assert r.terms_s["dve"] * 1e9 == pytest.approx(1266.67, rel=1e-4)   # 1216 cycles
+    # COST_MODEL.md 3.3 charges the O-rescale scalar_tensor_tensor (data in SBUF, operand1 in PSUM) by the 2N rule:
+    # 1216 DVE cycles, 1266.67 ns, "34%", floor 2440 ns. The calibrated two-memory rate (GenSpec.dve_tt_split_rate,
+    # [TUT2] v5 and nki-library's rmsnorm_quant design profile) streams it at N: 128 cycles less.
+    assert r.terms_s["dve"] * 1e9 == pytest.approx(1266.67 - 128 / 0.96, rel=1e-4)   # 1088 cycles
     assert r.bottleneck == "dve"
-    assert r.t_optimistic_ns == pytest.approx(1266.67, rel=1e-4)
-    assert r.efficiency_optimistic == pytest.approx(426.7 / 1266.7, abs=0.001)  # "34%"
-    assert round(100 * r.efficiency_optimistic) == 34
-    assert r.t_pessimistic_ns == pytest.approx(2440, rel=1e-4)
-    assert r.efficiency_pessimistic == pytest.approx(0.175, abs=0.001)
+    assert r.t_optimistic_ns == pytest.approx(1133.33, rel=1e-4)
+    assert r.efficiency_optimistic == pytest.approx(426.7 / 1133.3, abs=0.001)
+    assert round(100 * r.efficiency_optimistic) == 38
+    assert r.t_pessimistic_ns == pytest.approx(2440 - 128 / 0.96, rel=1e-4)
+    assert r.efficiency_pessimistic == pytest.approx(0.185, abs=0.001)
     assert r.pe_transpose_share == pytest.approx(1 / 3, rel=1e-9)
 
 
 def test_33_flash_tile_rebalanced_trn2():
     r = model(rec(_flash_tile(rebalanced=True), "trn2"))
     assert r.terms_s["act"] * 1e9 == pytest.approx(960.0, rel=1e-6)     # 1152 cycles
-    assert r.terms_s["dve"] * 1e9 == pytest.approx(1000.0, rel=1e-6)    # 960 cycles
-    assert r.bottleneck == "dve"
-    assert r.t_optimistic_ns == pytest.approx(1000.0, rel=1e-6)
-    assert round(100 * r.efficiency_optimistic) == 43
+    # COST_MODEL.md 3.3: 960 DVE cycles (1000 ns, DVE-bound, 43%); the O-rescale at N (above): 832 cycles, so the
+    # rebalanced tile becomes ScalarE-bound at 960 ns (44%)
+    assert r.terms_s["dve"] * 1e9 == pytest.approx(1000.0 - 128 / 0.96, rel=1e-6)    # 832 cycles
+    assert r.bottleneck == "act"
+    assert r.t_optimistic_ns == pytest.approx(960.0, rel=1e-6)
+    assert round(100 * r.efficiency_optimistic) == 44
 
 
 def test_33_trn3_background_transposes_on_own_lane():
