@@ -1,8 +1,9 @@
 """``diffusers-nki bench kernels``: the command runs, writes the documented JSON rows (the scheduled time first,
 the roofline ceiling and floor beside it, attention_cte side by side when nki-library is there). Modeled, not
 measured: these are deterministic functions of the kernels' instruction streams and the cost model. The
-issue-10 target is guarded on the SCHEDULED time: trn2 bf16 D=128 self_forcing_chunk and frame_causal_21f at
->= 70% of TensorE peak, and faster than attention_cte at the same shape."""
+target is guarded on the SCHEDULED time with the documented costs on (issue 20's bar): trn2 bf16 D=128
+self_forcing_chunk at >= 65% of TensorE peak, frame_causal_21f at >= 70%, and faster than attention_cte at the
+same shape."""
 from __future__ import annotations
 
 import json
@@ -44,7 +45,7 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
         assert "ours vs attention_cte" in text
     else:
         assert cte == [] and "attention_cte rows skipped" in text
-    assert att["modeled_efficiency"]["scheduled"] >= 0.70, att["modeled_efficiency"]
+    assert att["modeled_efficiency"]["scheduled"] >= 0.65, att["modeled_efficiency"]
     if production.unavailable_reason() is None:
         assert att["peer"][0]["ratio"] < 1.0  # faster than attention_cte, same shape, same run
     assert att["hbm_bytes"] <= 1.01 * att["hbm_bytes_min"]  # q, k, v read once, o written once
