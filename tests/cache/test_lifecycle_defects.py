@@ -1,0 +1,116 @@
+"""Static caches under real use (issue 24, items 10, 12, 13, 14): offloading hooks installed after the cache, grad
+modes switching between calls, threads, pickling, sizes the machine cannot hold. Every parity check compares
+against the stock model computed in the same run."""
+import pytest
+import torch
+from diffusers.hooks import apply_group_offloading
+
+import diffusers_nki
+from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline
+
+
+def _anyflow_kwargs():
+    return tiny_call_kwargs("anyflow_far", chunks=4, steps=2, seed=0, output_type="latent")
+
+
+def _offload(pipe, kind):
+    """``kind`` offloading on CPU. diffusers 0.42.1 refuses ``enable_model_cpu_offload()`` without an accelerator
+    but takes an explicit ``device="cpu"`` (its hook then targets "cpu:0" and copies every input on every call, the
+    hardest case for a cache that must recognise its rollout); group offloading takes onload = offload = cpu."""
+    cpu = torch.device("cpu")
+    if kind == "model_cpu_offload":
+        pipe.enable_model_cpu_offload(device="cpu")
+    elif kind == "group_block":
+        pipe.transformer.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="block_level",
+                                              num_blocks_per_group=1)
+    else:  # "group_leaf"
+        apply_group_offloading(pipe.transformer, onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 12: offloading after patching
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["patch_then_offload", "offload_then_patch"])
+@pytest.mark.parametrize("kind", ["model_cpu_offload", "group_block", "group_leaf"])
+def test_anyflow_far_cache_survives_offloading_in_either_order(kind, order, rel_err):
+    stock = tiny_pipeline("anyflow_far")
+    _offload(stock, kind)
+    ref = stock(**_anyflow_kwargs()).frames
+    pipe = tiny_pipeline("anyflow_far")
+    if order == "patch_then_offload":
+        diffusers_nki.patch(pipe, backend="torch")
+        _offload(pipe, kind)
+    else:
+        _offload(pipe, kind)
+        diffusers_nki.patch(pipe, backend="torch")
+    hook = diffusers_nki.cache.find_hook(pipe.transformer)
+    assert hook is not None and hook.family == "anyflow_far"
+    first = pipe(**_anyflow_kwargs()).frames
+    assert rel_err(first, ref) <= 1e-4
+    assert hook.state.cached_chunks == 3  # the cache served the whole rollout (4 chunks: 3 cache steps)
+    second = pipe(**_anyflow_kwargs()).frames  # a second pipeline call: a new rollout
+    assert rel_err(second, ref) <= 1e-4 and hook.state.cached_chunks == 3
+
+
+def test_anyflow_far_interleaved_rollouts_still_refused_under_offloading():
+    # the rollout's identity survives offloading hooks that copy the kv_cache dict, so two rollouts of other
+    # pipeline calls are still told apart (clear error, never another call's cache)
+    from diffusers_nki.caching.anyflow_far import ROLLOUT_KEY
+
+    pipe = tiny_pipeline("anyflow_far")
+    diffusers_nki.patch(pipe, backend="torch")
+    _offload(pipe, "model_cpu_offload")
+    calls = []
+    model = pipe.transformer
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["kv_cache"])
+        return original(*args, **kwargs)
+
+    model.forward = spy
+    try:
+        pipe(**_anyflow_kwargs())
+    finally:
+        del model.forward
+    assert all(ROLLOUT_KEY in kv for kv in calls[3:])  # marked since the first call of the rollout
+    marked = calls[-1]
+    hook = diffusers_nki.cache.find_hook(model)
+    other = {k: v for k, v in marked.items() if k != ROLLOUT_KEY}  # another call's dict at the same chunk
+    with pytest.raises(ValueError, match="must start at chunk 0"):
+        hook.new_forward(model, hidden_states=torch.zeros(1, 1, 16, 4, 4), timestep=torch.zeros(1, 1),
+                         r_timestep=torch.zeros(1, 1), encoder_hidden_states=torch.zeros(1, 8, 32),
+                         chunk_partition=[1, 1], kv_cache=other,
+                         kv_cache_flag={"num_cached_chunks": 1, "is_cache_step": False}, return_dict=False)
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 13: inference_mode, then no_grad (and the other order)
+# ------------------------------------------------------------------------------------------------------
+GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+def _causal_wan_kwargs():
+    return tiny_call_kwargs("causal_wan", chunks=3, steps=2, seed=0, output_type="latent")
+
+
+@pytest.mark.parametrize("family", ["anyflow_far", "causal_wan"])
+@pytest.mark.parametrize("first, then", [("inference_mode", "no_grad"), ("no_grad", "inference_mode")])
+def test_static_buffers_serve_calls_across_grad_modes(family, first, then, rel_err):
+    kwargs = _anyflow_kwargs if family == "anyflow_far" else _causal_wan_kwargs
+    stock = tiny_pipeline(family)
+    with torch.no_grad():
+        ref = stock(**kwargs()).frames
+    pipe = tiny_pipeline(family)
+    diffusers_nki.patch(pipe, backend="torch")
+    outs = []
+    for mode in (first, then, first):
+        with GRAD_MODES[mode]():
+            outs.append(pipe(**kwargs()).frames.clone())
+    hook = diffusers_nki.cache.find_hook(pipe.transformer)
+    assert hook is not None and hook.family == family
+    assert rel_err(outs[0], ref) <= 1e-4
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    buffers = (hook.state if family == "anyflow_far" else hook.current).buffers
+    # allocated outside inference mode whatever the mode of the first call
+    assert not any(t.is_inference() for t in buffers.k + buffers.v)
