@@ -114,3 +114,60 @@ def test_static_buffers_serve_calls_across_grad_modes(family, first, then, rel_e
     buffers = (hook.state if family == "anyflow_far" else hook.current).buffers
     # allocated outside inference mode whatever the mode of the first call
     assert not any(t.is_inference() for t in buffers.k + buffers.v)
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 10: the SkyReels-V2 reuse cache called from threads
+# ------------------------------------------------------------------------------------------------------
+def _skyreels_inputs(seed, frames=8):
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, 16, frames, 4, 4, generator=g),
+                timestep=torch.tensor([[0.0] * 4 + [500.0] * (frames - 4)]),
+                encoder_hidden_states=torch.randn(1, 16, 32, generator=g), enable_diffusion_forcing=True)
+
+
+def test_skyreels_reuse_cache_is_exact_when_called_from_two_threads():
+    import sys
+    import threading
+
+    from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, remove_static_cache
+    from diffusers_nki.caching.core import find_hook
+    from diffusers_nki.testing.tiny import tiny_transformer
+
+    model, _ = tiny_transformer("skyreels_v2", in_channels=16, out_channels=16, text_dim=32)
+    model._set_ar_attention(2)
+    a = _skyreels_inputs(0)
+    b = dict(a, hidden_states=a["hidden_states"].clone())
+    b["hidden_states"][:, :, 6:] += 1.0  # only the last block differs: each thread may reuse the other's prefix
+    c = _skyreels_inputs(1)  # nothing in common
+    inputs = [a, b, c]
+    refs = [model(**x).sample for x in inputs]  # stock, same run
+    apply_static_cache(model, StaticCacheConfig(backend="torch"))
+    errors, failures = [], []
+
+    def work(i):
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                for it in range(40):
+                    k = (i + it) % 3 if i else (2 * it) % 3
+                    out = model(**inputs[k]).sample
+                    if not torch.equal(out, refs[k]) and (out - refs[k]).abs().max() > 1e-5:
+                        errors.append((i, it, k, ((out - refs[k]).abs().max() / refs[k].abs().max()).item()))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            failures.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows: the race shows every run
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = dict(find_hook(model).stats)
+    finally:
+        sys.setswitchinterval(interval)
+        remove_static_cache(model)
+    assert not failures, failures
+    assert not errors, errors[:5]
+    assert stats["calls"] == 80 and stats["calls_with_reuse"] > 0  # the reuse path was exercised
