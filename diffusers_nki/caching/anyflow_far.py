@@ -303,7 +303,10 @@ class _Rollout:
             for t in self.buffers.k + self.buffers.v if pad_keys else ():
                 t[:, :zero_slots].zero_()
         else:
-            self.buffers = KVBuffers(len(module.blocks), B, capacity_tokens, heads, head_dim, self.dtype, self.device)
+            what = (f"AnyFlow-FAR static cache: StaticCacheConfig.capacity={given}" if conf.capacity is not None else
+                    f"AnyFlow-FAR static cache: the default capacity ({capacity} frames; set StaticCacheConfig.capacity)")
+            self.buffers = KVBuffers(len(module.blocks), B, capacity_tokens, heads, head_dim, self.dtype, self.device,
+                                     what=what)
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
         self.zeros = torch.zeros((B, zero_slots, heads, head_dim), dtype=self.dtype, device=self.device) \
             if pad_keys else None

@@ -148,9 +148,9 @@ class _Context:
     """One cache context (a CFG branch): its K/V buffers and the previous call's inputs and output."""
 
     def __init__(self, layers: int, batch: int, capacity_frames: int, tpf: int, heads: int, head_dim: int, dtype,
-                 device):
+                 device, what: str = "SkyReels-V2 static cache: the window of the first call"):
         self.capacity = capacity_frames
-        self.buffers = KVBuffers(layers, batch, capacity_frames * tpf, heads, head_dim, dtype, device)
+        self.buffers = KVBuffers(layers, batch, capacity_frames * tpf, heads, head_dim, dtype, device, what=what)
         self.layers = [self.buffers.layer(i) for i in range(layers)]
         self.valid = 0  # frames whose K/V (and output) are stored
         self.hidden = self.timestep = self.output = None
@@ -330,8 +330,11 @@ class SkyReelsV2StaticCache(StaticCacheHook):
             capacity = max(frames, ctx.capacity if ctx is not None else 0)
         if ctx is None or ctx.capacity != capacity:
             attn = module.blocks[0].attn1
+            what = (f"SkyReels-V2 static cache: StaticCacheConfig.capacity={conf.capacity} {conf.unit}"
+                    if conf.capacity is not None else
+                    f"SkyReels-V2 static cache: the default capacity (the call's window of {capacity} frames)")
             ctx = _Context(len(module.blocks), B, capacity, tpf, attn.heads, attn.inner_dim // attn.heads,
-                           module.patch_embedding.weight.dtype, hs.device)
+                           module.patch_embedding.weight.dtype, hs.device, what=what)
             self.contexts[name] = ctx
             held = sum(c.buffers.nbytes for c in self.contexts.values())
             self.stats["buffer_bytes"] = max(self.stats["buffer_bytes"], held)

@@ -171,3 +171,70 @@ def test_skyreels_reuse_cache_is_exact_when_called_from_two_threads():
     assert not failures, failures
     assert not errors, errors[:5]
     assert stats["calls"] == 80 and stats["calls_with_reuse"] > 0  # the reuse path was exercised
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 14 (b): sizes validated on construction and against what the machine can allocate
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("capacity", 2**64), ("capacity", 10**12), ("capacity", 2**31),
+                                          ("chunk_frames", 2**40), ("sink", 2**63)])
+def test_config_sizes_beyond_int32_indices_are_refused_on_construction(field, value):
+    from diffusers_nki import StaticCacheConfig
+
+    kw = {field: value}
+    if field == "sink":
+        kw["capacity"] = 4
+    with pytest.raises(ValueError, match=rf"StaticCacheConfig\.{field}={value} must be <= 2147483647 \(2\*\*31 - 1\)"):
+        StaticCacheConfig(**kw)
+    config = StaticCacheConfig()
+    if field != "sink":
+        with pytest.raises(ValueError, match=rf"StaticCacheConfig\.{field}={value} must be <= 2147483647"):
+            setattr(config, field, value)  # assignment is validated like construction
+        assert getattr(config, field) is None
+    assert StaticCacheConfig(capacity=2**31 - 1).capacity == 2**31 - 1  # the limit itself is accepted
+
+
+def _patched_call(family, config):
+    from diffusers_nki.cache import find_hook
+
+    pipe = tiny_pipeline(family)
+    extra = {"causal_block_size": 2, "ar_step": 1} if family == "skyreels_v2_df" else {}
+    diffusers_nki.patch(pipe, cache=config)
+    assert find_hook(pipe.transformer) is not None
+    pipe(**tiny_call_kwargs(family, output_type="latent", **extra))
+
+
+def test_capacity_beyond_the_machines_memory_names_the_field_and_the_limit():
+    # 10**9 frames of 1 compressed token: int32 indices suffice, the bytes (hundreds of GiB) do not; nothing
+    # is allocated before the check
+    from diffusers_nki import StaticCacheConfig
+    from diffusers_nki.caching import core
+
+    avail = core.available_bytes("cpu")
+    assert avail is not None and avail < 200 * 2**30  # (the premise: this machine cannot hold the buffers)
+    with pytest.raises(ValueError, match=r"AnyFlow-FAR static cache: StaticCacheConfig\.capacity=1000000000 frames "
+                                         r"needs .* GiB of K/V buffers, more than the .* GiB cpu can allocate now"):
+        _patched_call("anyflow_far", StaticCacheConfig(capacity=10**9, backend="torch"))
+
+
+@pytest.mark.parametrize("family, rolling", [("anyflow_far", False), ("causal_wan", True), ("skyreels_v2_df", False)])
+def test_allocation_checked_against_available_memory_in_every_family(family, rolling, monkeypatch):
+    from diffusers_nki import StaticCacheConfig
+    from diffusers_nki.caching import core
+
+    monkeypatch.setattr(core, "available_bytes", lambda device: 4096)  # a machine with 4 KiB free
+    name = {"anyflow_far": "AnyFlow-FAR", "causal_wan": "causal Wan", "skyreels_v2_df": "SkyReels-V2"}[family]
+    with pytest.raises(ValueError, match=rf"{name} static cache: StaticCacheConfig\.capacity=40 frames needs "
+                                         rf"\d+ layers x K,V x \[.*\] float32 = .* GiB .* more than the 0\.00 GiB"):
+        _patched_call(family, StaticCacheConfig(capacity=40, backend="torch", rolling=rolling))
+    monkeypatch.setattr(core, "available_bytes", lambda device: 2**40)
+    _patched_call(family, StaticCacheConfig(capacity=40, backend="torch", rolling=rolling))  # fits: runs
+
+
+def test_slot_count_beyond_int32_is_refused_at_allocation():
+    from diffusers_nki import StaticCacheConfig
+
+    # 2**31 - 1 frames is a valid count, but times the tokens per frame it exceeds the int32 slot indices
+    with pytest.raises(ValueError, match=r"causal Wan static cache: StaticCacheConfig\.capacity=2147483647 frames "
+                                         r"needs \d+ K/V slots per layer, more than the 2147483647"):
+        _patched_call("causal_wan", StaticCacheConfig(capacity=2**31 - 1, backend="torch", rolling=True))
