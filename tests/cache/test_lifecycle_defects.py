@@ -238,3 +238,34 @@ def test_slot_count_beyond_int32_is_refused_at_allocation():
     with pytest.raises(ValueError, match=r"causal Wan static cache: StaticCacheConfig\.capacity=2147483647 frames "
                                          r"needs \d+ K/V slots per layer, more than the 2147483647"):
         _patched_call("causal_wan", StaticCacheConfig(capacity=2**31 - 1, backend="torch", rolling=True))
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 14 (c): a call-time num_frame_per_block the window cannot hold names that argument
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("patched", [False, True])
+@pytest.mark.parametrize("block", [21, 22])
+def test_call_time_chunk_size_beyond_the_window_names_the_argument(patched, block):
+    pipe = tiny_pipeline("causal_wan")
+    assert pipe.config.window_frames == 21
+    if patched:
+        diffusers_nki.patch(pipe, backend="torch")
+    kw = tiny_call_kwargs("causal_wan", chunks=1, output_type="latent")
+    kw.update(num_frame_per_block=block, num_frames=4 * (block - 1) + 1)
+    with pytest.raises(ValueError, match=rf"num_frame_per_block={block} must be < window_frames=21") as err:
+        pipe(**kw)
+    assert "StaticCacheConfig" not in str(err.value)
+    assert "num_frame_per_block <= 20" in str(err.value)
+
+
+def test_call_time_chunk_size_leaving_no_room_beside_the_sinks_names_the_argument():
+    pipe = tiny_pipeline("causal_wan")
+    pipe.register_to_config(window_frames=12, sink_frames=3)
+    kw = tiny_call_kwargs("causal_wan", chunks=1, output_type="latent")
+    kw.update(num_frame_per_block=9, num_frames=4 * (9 - 1) + 1)
+    with pytest.raises(ValueError, match=r"num_frame_per_block=9 leaves no rolling history beside sink_frames=3 in "
+                                         r"window_frames=12 \(need num_frame_per_block < .* = 9\)") as err:
+        pipe(**kw)
+    assert "StaticCacheConfig" not in str(err.value)
+    kw.update(num_frame_per_block=8, num_frames=4 * (8 - 1) + 1)
+    pipe(**kw)  # the largest chunk that fits runs
