@@ -29,6 +29,7 @@ What is here, by concern:
 from __future__ import annotations
 
 import dis
+import functools
 import importlib
 import inspect
 import sys
@@ -506,10 +507,38 @@ def remove_model_hook(module, name: str) -> None:
     module._diffusers_hook.remove_hook(name, recurse=False)
 
 
+class HookedForward:
+    """What ``HookRegistry.register_hook`` installs as the module's forward (the hook's pre_forward, the chain's
+    forward, its post_forward, read from the hook's ``fn_ref`` at call time, like diffusers' local closure), as a
+    module-level object so that a model carrying a diffusers_nki hook pickles (``torch.save``) and deep-copies into
+    a copy that runs ITS OWN hook (the closure is not picklable, and a deep copy would keep running the original's).
+    ``__wrapped__`` is the forward it wraps (``inspect.signature`` follows it, as diffusers' wrapper does)."""
+
+    def __init__(self, module, fn_ref):
+        self.module, self.fn_ref = module, fn_ref
+
+    def __call__(self, *args, **kwargs):
+        fn_ref = self.fn_ref
+        args, kwargs = fn_ref.pre_forward(self.module, *args, **kwargs)
+        output = fn_ref.forward(*args, **kwargs)
+        return fn_ref.post_forward(self.module, output)
+
+
+_CLOSURE = "HookRegistry.register_hook.<locals>.create_new_forward.<locals>.new_forward"
+
+
 def register_model_hook(module, hook, name: str) -> None:
+    """Register ``hook`` under ``name`` in the module's registry; the forward diffusers installs (a partial of a
+    local closure, ``_CLOSURE``) is replaced by the equivalent ``HookedForward`` when it has that exact form (any
+    other form is left as diffusers made it)."""
     from diffusers.hooks import HookRegistry
 
     HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+    installed = module.__dict__.get("forward")
+    if isinstance(installed, functools.partial) and getattr(installed.func, "__qualname__", "") == _CLOSURE \
+            and installed.args == (module,) and not installed.keywords and hasattr(installed, "__wrapped__") \
+            and getattr(hook, "fn_ref", None) is not None:
+        module.forward = functools.update_wrapper(HookedForward(module, hook.fn_ref), installed.__wrapped__)
 
 
 def has_hook_registry(module) -> bool:

@@ -543,6 +543,9 @@ class AnyFlowFARStaticCache(StaticCacheHook):
     emulate_stock_key_padding = True
     parallel = None  # the rollout's diffusers_nki.parallel.CacheParallel under context parallelism
 
+    def fresh_state(self):
+        return dict(super().fresh_state(), parallel=None, grown_capacity=None)
+
     def initialize_hook(self, module):
         from diffusers.models.transformers.transformer_anyflow_far import AnyFlowTransformerBlock
 

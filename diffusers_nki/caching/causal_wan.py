@@ -729,6 +729,9 @@ class CausalWanStaticCache(StaticCacheHook):
         self.last: Optional[_Rollout] = None  # a finished rollout: its buffers are reused by the next one
         self._recent = None  # weakref to the state of the latest served call (for describe())
 
+    def fresh_state(self):
+        return dict(super().fresh_state(), parallel=None, grown_window=None, last=None, _recent=None)
+
     def reset_state(self, module):
         # diffusers calls this after every pipeline call: the hook's own rollout ends, the static buffers stay
         # allocated. Rollouts owned by a RolloutHandle (sessions, streams) are their owners' business.

@@ -228,6 +228,24 @@ class StaticCacheHook(ModelHook):
         """The kernels' backend ("torch", "sim" or "nki")."""
         return self.route.backend
 
+    # -- pickling / deep copies ------------------------------------------------------------------------
+    # What a copy (torch.save / torch.load, copy.deepcopy) of a model carrying this hook keeps: the config, the
+    # route, the processors it swapped (for removal) and diffusers' fn_ref (the forward chain). Everything derived
+    # from calls (the rollout, buffers, sizes learnt by growing, weak references, locks) starts afresh in the copy:
+    # ``fresh_state()`` names it, per family.
+    def fresh_state(self) -> Dict[str, object]:
+        """``{attribute: value}`` a copy starts with (the family's call-derived state, reset)."""
+        return {"state": None, "_signature": None}
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(self.fresh_state())
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.__dict__.update(self.fresh_state())
+
     # -- processors ------------------------------------------------------------------------------------
     def swap_processor(self, name: str, attn: torch.nn.Module, processor) -> None:
         self._saved_processors[name] = attn.processor

@@ -280,6 +280,15 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         # buffers or the stored output while another call rewrites them would return the other call's result).
         self._lock = threading.RLock()
 
+    def fresh_state(self):
+        return dict(super().fresh_state(), contexts={}, geometry=None, last_invalidation="",
+                    stats=dict.fromkeys(_STAT_KEYS, 0), _lock=threading.RLock(), _cache_context=StateManager(dict))
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        del state["_lock"], state["_cache_context"]  # (a lock does not pickle; __setstate__ makes new ones)
+        return state
+
     def initialize_hook(self, module):
         from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2TransformerBlock
 

@@ -10,8 +10,8 @@ accepts flex attention).
 """
 from __future__ import annotations
 
+import functools
 import math
-import types
 
 import torch
 
@@ -136,7 +136,8 @@ def anyflow_far_setup(model, route):
     """Model-level setup of AnyFlow-FAR: ``model.build_attention_mask`` (diffusers' way to pre-build the mask
     outside a compiled forward) also describes the new BlockMask (``masks.attach_table``, eager), so a compiled
     forward routes its causal self-attention from that description, read at trace time as a constant. Returns
-    the instance attribute to set (a method bound to the model: a deep copy rebinds it; unpatch removes it)."""
+    the instance attribute to set (bound to the model by a partial: a deep copy rebinds it, and it pickles, which a
+    bound method set as an instance attribute does not load back; unpatch removes it)."""
     if not callable(getattr(type(model), "build_attention_mask", None)):
         return {}
-    return {"build_attention_mask": types.MethodType(_build_attention_mask_described, model)}
+    return {"build_attention_mask": functools.partial(_build_attention_mask_described, model)}

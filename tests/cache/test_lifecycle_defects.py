@@ -269,3 +269,75 @@ def test_call_time_chunk_size_leaving_no_room_beside_the_sinks_names_the_argumen
     assert "StaticCacheConfig" not in str(err.value)
     kw.update(num_frame_per_block=8, num_frames=4 * (8 - 1) + 1)
     pipe(**kw)  # the largest chunk that fits runs
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 14 (a): torch.save / torch.load of a model carrying a static cache
+# ------------------------------------------------------------------------------------------------------
+def _fresh(hook):
+    """What a loaded copy's hook must not carry over from the original's calls."""
+    left = {k: getattr(hook, k) for k in ("state", "last", "_recent", "grown_capacity", "grown_window", "parallel")
+            if getattr(hook, k, None) is not None}
+    if hook.family == "skyreels_v2":
+        if hook.contexts:
+            left["contexts"] = list(hook.contexts)
+        if any(hook.stats.values()):
+            left["stats"] = dict(hook.stats)
+    return left
+
+
+@pytest.mark.parametrize("family", ["anyflow_far", "skyreels_v2_df", "causal_wan"])
+def test_torch_save_load_of_a_model_with_its_default_cache(family, rel_err):
+    import io
+
+    from diffusers_nki.cache import find_hook
+
+    extra = {"causal_block_size": 2, "ar_step": 1} if family == "skyreels_v2_df" else {}
+
+    def kw():
+        return tiny_call_kwargs(family, output_type="latent", **extra)
+
+    pipe = tiny_pipeline(family)
+    ref = pipe(**kw()).frames  # stock, same run
+    diffusers_nki.patch(pipe, backend="torch")
+    original = pipe.transformer
+    first = pipe(**kw()).frames
+    hook = find_hook(original)
+    assert _fresh(hook)  # the original carries call-derived state (the premise)
+    buf = io.BytesIO()
+    torch.save(original, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    copy_hook = find_hook(loaded)
+    assert copy_hook is not None and copy_hook is not hook and type(copy_hook) is type(hook)
+    assert _fresh(copy_hook) == {}  # no stale cache state in the copy
+    assert loaded.forward.module is loaded  # the copy's forward runs the copy's hook chain
+    pipe.transformer = loaded
+    out = pipe(**kw()).frames
+    assert rel_err(out, ref) <= 1e-4 and torch.equal(out, first)
+    assert _fresh(copy_hook) and copy_hook.config == hook.config  # the copy's own cache served the call
+    pipe.transformer = original
+    assert torch.equal(pipe(**kw()).frames, first)  # the original is untouched by its copy
+    diffusers_nki.unpatch(loaded)
+    assert find_hook(loaded) is None
+    pipe.transformer = loaded
+    assert rel_err(pipe(**kw()).frames, ref) <= 1e-6  # unpatched copy: stock
+
+
+def test_deepcopy_of_a_bare_static_cache_runs_its_own_cache():
+    import copy
+
+    from diffusers_nki.cache import StaticCacheConfig, apply_static_cache
+    from diffusers_nki.caching.core import find_hook
+    from diffusers_nki.testing.tiny import tiny_transformer
+
+    model, _ = tiny_transformer("skyreels_v2", in_channels=16, out_channels=16, text_dim=32)
+    model._set_ar_attention(2)
+    x = _skyreels_inputs(0)
+    ref = model(**x).sample
+    apply_static_cache(model, StaticCacheConfig(backend="torch"))
+    model(**x)
+    twin = copy.deepcopy(model)
+    assert find_hook(twin) is not find_hook(model) and _fresh(find_hook(twin)) == {}
+    torch.testing.assert_close(twin(**x).sample, ref, rtol=0, atol=1e-5)
+    assert find_hook(twin).stats["calls"] == 1 and find_hook(model).stats["calls"] == 1  # each its own
