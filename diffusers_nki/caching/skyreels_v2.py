@@ -59,7 +59,9 @@ fingerprint of the weights (sum and 2-norm per tensor, float32) that catches edi
 Threads: one cached model may be called from several threads. A served call (reuse test, compute over the shared
 K/V buffers, store of its inputs and output) holds the hook's lock, so calls of one model are served one at a time
 and each returns exactly its own result; the cache context (diffusers' ``cache_context``, model-wide state) can be
-the other thread's, which only costs reuse (the reuse test compares the inputs themselves).
+the other thread's, which only costs reuse (the reuse test compares the inputs themselves). Not while torch.compile
+traces the hook (dynamo cannot enter a lock): calls of a compiled model from several threads are the caller's to
+serialise.
 
 Limits: temporal patch size 1; F must be a multiple of b (stock fails otherwise too); the LoRA ``scale``
 attention kwarg raises; ``sink``/``rolling``/``chunk_frames`` do not apply (raise). Calls without diffusion
@@ -68,13 +70,14 @@ warned once).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Dict, List, Optional
 
 import torch
 from diffusers.hooks.hooks import StateManager
 
-from diffusers_nki import compat
+from diffusers_nki import accounting, compat
 
 from .core import KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write, warn_once
 
@@ -280,6 +283,11 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         # buffers or the stored output while another call rewrites them would return the other call's result).
         self._lock = threading.RLock()
 
+    def _guard(self):
+        """The hook's lock; none while torch.compile traces (dynamo cannot enter a lock; a compiled caller
+        serialises its own calls)."""
+        return contextlib.nullcontext() if accounting.compiling() else self._lock
+
     def fresh_state(self):
         return dict(super().fresh_state(), contexts={}, geometry=None, last_invalidation="",
                     stats=dict.fromkeys(_STAT_KEYS, 0), _lock=threading.RLock(), _cache_context=StateManager(dict))
@@ -353,7 +361,7 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         a = self.bind(args, kwargs)
         ts = a["timestep"]
         if not a["enable_diffusion_forcing"] or ts.dim() != 2 or torch.is_grad_enabled():
-            with self._lock:
+            with self._guard():
                 self.stats["stock_calls"] += 1
             why = "gradients are enabled" if torch.is_grad_enabled() else "the call is not diffusion forcing"
             warn_once(f"skyreels_v2:stock:{why}", f"SkyReels-V2 static cache: {why}; this call runs the stock forward")
@@ -362,7 +370,7 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         if lora_scale != 1.0:
             raise NotImplementedError(f"attention_kwargs['scale']={lora_scale} (LoRA scale) is not supported with "
                                       f"the SkyReels-V2 static cache")
-        with self._lock, torch.no_grad():  # see __init__: one served call at a time per cached model
+        with self._guard(), torch.no_grad():  # see __init__: one served call at a time per cached model
             out = self._serve(module, a)
         return (out,) if not a["return_dict"] else _output(out)
 
