@@ -165,18 +165,14 @@ class ModelPatch:
     def __deepcopy__(self, memo):
         # A deep copy of a patched model carries an independent copy of the INSTALLED patch, owned by the copy
         # itself (pipelines do not own copies of their components); its records start at zero.
+        # A static cache is copied with it: the model's forward is diffusers_nki.compat.HookedForward (not
+        # diffusers' closure over the original), so the copy runs its own hook, which starts with no
+        # call-derived state (caching.core.StaticCacheHook.fresh_state).
         new = ModelPatch()
         memo[id(self)] = new
         inst = self.installed
         if inst is None or not self.requests:
             return new
-        if inst.cache_applied:
-            # diffusers' hooks (the static cache is one) keep closures over the ORIGINAL module: a copy would
-            # run the original model's forward and cache. Refuse rather than copy something silently wrong.
-            raise TypeError(
-                f"copy.deepcopy of a {inst.unattributed.cls} with a diffusers_nki static cache installed is not "
-                "supported (diffusers' hooks would keep running the original model): unpatch() it (or "
-                "remove_static_cache), copy, then patch() the original and the copy")
         top = self.requests[-1]
         new.installed = copy.deepcopy(inst, memo)
         req = top.owned("self", "deepcopy")

@@ -256,17 +256,28 @@ def test_torch_save_load_of_a_patched_model_owns_its_patch(family, h):
     assert _our_state(loaded) == [] and torch.equal(h.run(loaded, x), stock)
 
 
-def test_deepcopy_with_a_static_cache_is_refused_clearly():
-    from diffusers_nki.cache import StaticCacheConfig
+def test_deepcopy_with_a_static_cache_runs_its_own_cache():
+    # (was refused: diffusers' forward closure made the copy run the ORIGINAL model's hook and cache)
+    from diffusers_nki.cache import StaticCacheConfig, find_hook
 
     model, _ = tiny.tiny_transformer("skyreels_v2", in_channels=16, out_channels=16, text_dim=32)
-    diffusers_nki.patch(model, backend="torch", cache=StaticCacheConfig(backend="torch"))
-    with pytest.raises(TypeError, match="deepcopy of a SkyReelsV2Transformer3DModel with a diffusers_nki static "
-                                        "cache installed is not supported"):
-        copy.deepcopy(model)
-    diffusers_nki.unpatch(model)
-    twin = copy.deepcopy(model)  # after unpatch: a plain copy
-    assert _our_state(twin) == []
+    model._set_ar_attention(2)
+    g = torch.Generator().manual_seed(0)
+    x = dict(hidden_states=torch.randn(1, 16, 8, 4, 4, generator=g), timestep=torch.tensor([[0.0] * 4 + [500.0] * 4]),
+             encoder_hidden_states=torch.randn(1, 16, 32, generator=g), enable_diffusion_forcing=True)
+    with torch.no_grad():
+        ref = model(**x).sample
+        diffusers_nki.patch(model, backend="torch", cache=StaticCacheConfig(backend="torch"))
+        model(**x)
+        twin = copy.deepcopy(model)
+        ours, theirs = find_hook(model), find_hook(twin)
+        assert theirs is not None and theirs is not ours and theirs.stats["calls"] == 0 and not theirs.contexts
+        torch.testing.assert_close(twin(**x).sample, ref, rtol=0, atol=1e-5)
+        assert theirs.stats["calls"] == 1 and ours.stats["calls"] == 1  # each counts its own calls
+        diffusers_nki.unpatch(twin)
+        assert _our_state(twin) == [] and torch.equal(twin(**x).sample, ref)
+        assert find_hook(model) is ours  # the original keeps its patch and cache
+        torch.testing.assert_close(model(**x).sample, ref, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------
