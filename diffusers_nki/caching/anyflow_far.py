@@ -54,6 +54,11 @@ compilation). The blocks see fixed shapes and runtime int tensors only, so they 
 placement) runs eagerly. Compiling the whole transformer would guard on the pipeline's growing
 ``chunk_partition`` list and recompile every chunk.
 
+Offloading: ``enable_model_cpu_offload`` and group offloading work installed before or after the cache. A hook
+installed after it hands every call a rebuilt ``kv_cache`` dict (and copies its tensors when the device string
+differs), so a rollout is not recognised by the dict's identity: every call marks the dict with the rollout's
+token (``ROLLOUT_KEY``), which the pipeline carries from one cache step to the next (``_RolloutKey``).
+
 Limits: temporal patch sizes must be 1; ``full_chunk_limit >= 2``; the LoRA ``scale`` attention kwarg is not
 supported with the cache (raises).
 

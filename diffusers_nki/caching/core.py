@@ -160,14 +160,14 @@ def check_allocation(num_layers: int, shape, dtype, device, what: str) -> None:
     ``shape`` per layer cannot be addressed with int32 slot indices or do not fit the device's free memory."""
     B, C, H, D = (int(x) for x in shape)
     if C > INDEX_LIMIT:
-        raise ValueError(f"diffusers_nki static cache: {what} needs {C} K/V slots per layer, more than the "
+        raise ValueError(f"{errors.PREFIX}: {what} needs {C} K/V slots per layer, more than the "
                          f"{INDEX_LIMIT} (2**31 - 1) the kernels' int32 slot indices address; lower it")
     itemsize = torch.empty((), dtype=dtype).element_size()
     need = 2 * num_layers * B * C * H * D * itemsize
     avail = available_bytes(device)
     if avail is not None and need > avail:
         raise ValueError(
-            f"diffusers_nki static cache: {what} needs {num_layers} layers x K,V x {[B, C, H, D]} "
+            f"{errors.PREFIX}: {what} needs {num_layers} layers x K,V x {[B, C, H, D]} "
             f"{str(dtype).replace('torch.', '')} = {need / 2**30:.2f} GiB of K/V buffers, more than the "
             f"{avail / 2**30:.2f} GiB {torch.device(device)} can allocate now; lower it (or the batch / resolution)")
 
