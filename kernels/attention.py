@@ -19,9 +19,10 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
         ScalarE)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the same
         matmul)  ->  O = alpha * O + O_aug (ScalarE eviction, GpSimd update)
     epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
-    Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair (an exact
-    select) and their V rows and validity column are zeroed, so no -inf arithmetic, no NaN, and the
-    instruction stream is independent of the runtime lengths.
+    Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
+    V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``, never a
+    multiply by 0: an unused slot may hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so
+    no -inf arithmetic and no NaN.
 
 Loop structure (everything unrolled at trace time; shapes are compile-time constants):
     for each (batch, kv head) pair on this core (LNC2: whole pairs per core when B*Hkv splits evenly, else
@@ -325,7 +326,8 @@ def _load_dma(ctx, pair, ent, which):
 
 
 def _finish_k(ctx, pair, ent, eng):
-    """K select (invalid keys -> the substitute key) and K^T, once the rows have arrived."""
+    """K select (invalid keys -> the substitute key; VectorE predicated copy) and K^T, once the rows have
+    arrived."""
     D = ctx["D"]
     C = ctx["C"]
     seg0 = pair["seg_t0"]
@@ -333,13 +335,10 @@ def _finish_k(ctx, pair, ent, eng):
     n = t1 - t0
     if t0 * P < C or ctx["has_kvlen"]:
         _ensure_masks(ctx, pair, t1)
-        tmp = ctx["mask_tmp"][ent["si"] % 2]
-        # key = key * valid + dup * invalid  (an exact select: one factor is 1, the other 0)
-        nisa.tensor_tensor(dst=tmp[:, 0:n, :], data1=pair["dup"].expand_dim(1).broadcast(1, n),
-                           data2=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
-        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :],
-                           data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
-        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=tmp[:, 0:n, :], op=nl.add, engine=eng)
+        # invalid keys -> the substitute key: a predicated copy (a select, never key * 0: whatever an unused
+        # slot holds, NaN / inf included, is overwritten before any arithmetic reads it)
+        nisa.tensor_copy_predicated(dst=st[:, 0:n, :], src=pair["dup"].expand_dim(1).broadcast(1, n),
+                                    predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
     kT = ctx["kT"]
     c0 = (t0 - seg0) * P
     # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
@@ -351,7 +350,7 @@ def _finish_k(ctx, pair, ent, eng):
 
 
 def _finish_v(ctx, pair, ent, eng):
-    """V rows of invalid keys zeroed, and the validity column of V_aug (the row-sum column)."""
+    """V rows of invalid keys zeroed (a select), and the validity column of V_aug (the row-sum column)."""
     D = ctx["D"]
     seg0 = pair["seg_t0"]
     t0, t1 = ent["t0"], ent["t1"]
@@ -359,8 +358,8 @@ def _finish_v(ctx, pair, ent, eng):
     if t0 * P < ctx["C"] or ctx["has_kvlen"]:
         _ensure_masks(ctx, pair, t1)
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
-        nisa.tensor_tensor(dst=vv, data1=vv, data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D),
-                           op=nl.multiply, engine=eng)
+        # V rows of invalid keys set to 0 by a select (NaN-safe: 0 x NaN would be NaN)
+        nisa.tensor_copy_predicated(dst=vv, src=0.0, predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
         nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
     else:
         nisa.memset(dst=vA[:, t0 - seg0:t1 - seg0, D], value=1.0, engine=eng)
@@ -483,19 +482,22 @@ def _pair_setup(ctx, b, g):
     if ctx["has_kvlen"]:
         nisa.tensor_tensor(dst=cols[:, 1:2], data1=ctx["kl_f"][:, b:b + 1], data2=cols[:, 2:3], op=nl.add,
                            engine=nisa.engine.gpsimd)
+        # selects, not products (an invalid chunk key 0 or cache slot 0 may hold NaN / inf): sel[:, 0] = no
+        # valid chunk key (take cache slot 0), sel[:, 1] = no valid key at all (take zeros)
+        sel = ctx["sel"]
+        nisa.tensor_tensor(dst=sel[:, 0:1], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
+                           op=nl.less, engine=nisa.engine.gpsimd)
         if ctx["has_cache"]:
-            sel = ctx["sel"]
-            nisa.tensor_tensor(dst=sel[:, 0:1], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
-                               op=nl.greater_equal, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=sel[:, 1:2], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
-                               op=nl.less, engine=nisa.engine.gpsimd)
             dc = ctx["dup_c"]
             nisa.dma_copy(dst=dc, src=ctx["k_cache"].ap(pattern=[[0, P], [1, D]], offset=(b * C * Hkv + g) * D))
-            nisa.tensor_tensor(dst=dup, data1=dup, data2=sel[:, 0:1].broadcast(1, D), op=nl.multiply,
+            nisa.tensor_copy_predicated(dst=dup, src=dc, predicate=sel[:, 0:1].broadcast(1, D))
+            nisa.tensor_tensor(dst=sel[:, 1:2], data1=ctx["cl_f"], data2=ctx["consts"][:, 2:3], op=nl.less,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=dc, data1=dc, data2=sel[:, 1:2].broadcast(1, D), op=nl.multiply,
+            nisa.tensor_tensor(dst=sel[:, 1:2], data1=sel[:, 1:2], data2=sel[:, 0:1], op=nl.bitwise_and,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=dup, data1=dup, data2=dc, op=nl.add, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy_predicated(dst=dup, src=0.0, predicate=sel[:, 1:2].broadcast(1, D))
+        else:
+            nisa.tensor_copy_predicated(dst=dup, src=0.0, predicate=sel[:, 0:1].broadcast(1, D))
     pair["dup"] = dup
     pair["cols"] = cols
     return pair
@@ -909,7 +911,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     if has_cache or has_kvlen:
         ctx["dup"] = _sb(ctx, (P, D), mm_dt, isz)
         ctx["dup_c"] = _sb(ctx, (P, D), mm_dt, isz)
-        ctx["sel"] = _sb(ctx, (P, 2), nl.float32, 4)
+        ctx["sel"] = _sb(ctx, (P, 2), nl.uint8, 4)
         cols = _sb(ctx, (P, 3), nl.float32, 4)
         nisa.memset(dst=cols[:, 2:3], value=C * 1.0, engine=nisa.engine.gpsimd)
         if not has_kvlen:
@@ -922,9 +924,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         ctx["mask_v"] = _sb(ctx, (P, nkt), nl.float32, 4)
         ctx["mask_i"] = _sb(ctx, (P, nkt), nl.float32, 4)
         ctx["mask_t2"] = _sb(ctx, (P, nkt), nl.float32, 4)
-        ctx["mask_tmp"] = _ring(ctx, 2, (P, LOAD_TILES, D), mm_dt, isz)
         ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
-        ctx["mask_im"] = _sb(ctx, (P, nkt), mm_dt, isz)
+        ctx["mask_im"] = _sb(ctx, (P, nkt), nl.uint8, 1)   # the select predicate: 1 = invalid key
     ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
