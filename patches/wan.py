@@ -12,8 +12,9 @@ PATCH = FamilyPatch(
     models=(_T + "transformer_wan.WanTransformer3DModel", _T + "transformer_wan_vace.WanVACETransformer3DModel"),
     swap={_T + "transformer_wan.WanAttnProcessor": "diffusers_nki.processors.wan.NKIWanAttnProcessor"},
     reached_by_dispatch=(_T + "transformer_wan.WanAttnProcessor",),
-    notes=("self-attention: q/k prologue (RMSNorm across heads + RoPE) fused into the qk_norm_rope op; "
-           "self-attention, text cross-attention and the I2V image cross-attention route through dispatch",),
+    notes=("self-attention: the q/k prologue (RMSNorm across heads + RoPE) is served by the qk_norm_rope op (its "
+           "calls: the 'q/k prologue' line, once it runs); self-attention, text cross-attention and the I2V image "
+           "cross-attention route through dispatch",),
     caches=(CacheSpec(
         name="causal_wan",
         models=(_T + "transformer_wan.WanTransformer3DModel",),
