@@ -303,14 +303,17 @@ class _Rollout:
             for t in self.buffers.k + self.buffers.v if pad_keys else ():
                 t[:, :zero_slots].zero_()
         else:
-            self.buffers = KVBuffers(len(module.blocks), B, capacity_tokens, heads, head_dim, self.dtype, self.device)
+            what = (f"AnyFlow-FAR static cache: StaticCacheConfig.capacity={given}" if conf.capacity is not None else
+                    f"AnyFlow-FAR static cache: the default capacity ({capacity} frames; set StaticCacheConfig.capacity)")
+            self.buffers = KVBuffers(len(module.blocks), B, capacity_tokens, heads, head_dim, self.dtype, self.device,
+                                     what=what)
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
         self.zeros = torch.zeros((B, zero_slots, heads, head_dim), dtype=self.dtype, device=self.device) \
             if pad_keys else None
         self.rope = _Rope(module.rope, (self.hp, self.wp, self.hc, self.wc), self.device)
         self.full_tokens = 0
         self.cached_chunks = 0
-        self.kv_dict_id = id(a["kv_cache"])
+        self.owner = _RolloutKey(a["kv_cache"])
         self.stats = {"denoise_steps": 0, "cache_steps": 0, "cache_tokens": 0, "cache_tokens_stock": 0}
 
     # -- growth (StaticCacheConfig.grow) ----------------------------------------------------------------
@@ -485,6 +488,39 @@ class _Rollout:
                                                      FLEX_BLOCK)
 
 
+ROLLOUT_KEY = "diffusers_nki.rollout"  # the entry marking the pipeline's kv_cache dict with its rollout
+
+
+class _RolloutToken:
+    """The mark of one rollout (no ``.to``: offloading hooks pass it through unchanged)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _RolloutKey:
+    """Which pipeline call a rollout belongs to. Offloading hooks registered after the cache
+    (``enable_model_cpu_offload``, ``apply_group_offloading``) hand the forward a NEW dict on every call
+    (``send_to_device`` rebuilds containers, and copies the tensors when the device differs, e.g. "cpu" vs
+    "cpu:0"), so neither the dict's nor its tensors' identity can name the rollout. Every call marks the dict it
+    receives with this rollout's token (``ROLLOUT_KEY``, a plain object the hooks copy by reference); the pipeline
+    keeps the dict its cache step returns, so every later call of the rollout carries the token, and a dict of
+    another pipeline call never does. Before the first cache step (chunk 0, nothing cached) the dict's identity
+    stands in."""
+
+    def __init__(self, kv_cache):
+        self.token = _RolloutToken()
+        self.dict_id = id(kv_cache)
+
+    def matches(self, kv_cache) -> bool:
+        if isinstance(kv_cache, dict) and ROLLOUT_KEY in kv_cache:
+            return kv_cache[ROLLOUT_KEY] is self.token
+        return id(kv_cache) == self.dict_id
+
+    def mark(self, kv_cache) -> None:
+        if isinstance(kv_cache, dict):
+            kv_cache[ROLLOUT_KEY] = self.token
+
+
 def _geometry(a: dict):
     """(batch, channels, height, width) of a call's latents ([B, F, C, H, W] in this pipeline)."""
     B, _, C, H, W = a["hidden_states"].shape
@@ -538,12 +574,13 @@ class AnyFlowFARStaticCache(StaticCacheHook):
                                       f"the AnyFlow-FAR static cache")
         c = int(flag.get("num_cached_chunks", 0))
         s = self.state
-        # a new rollout: another cache dict, or chunk 0 again (a new pipeline call may get a recycled dict id)
-        if s is None or s.kv_dict_id != id(kv_cache) or (c == 0 and (s.cached_chunks or s.geometry != _geometry(a))):
+        # a new rollout: another pipeline cache, or chunk 0 again (a new pipeline call may get a recycled dict id)
+        if s is None or not s.owner.matches(kv_cache) or (c == 0 and (s.cached_chunks or s.geometry != _geometry(a))):
             if c != 0:
                 raise ValueError(f"AnyFlow-FAR static cache: a rollout must start at chunk 0, got num_cached_chunks={c}"
                                  f" (was the cache installed in the middle of a pipeline call?)")
             self.state = _Rollout(self, module, a, previous=self.state)
+        self.state.owner.mark(kv_cache)
         with torch.no_grad():
             if flag.get("is_cache_step"):
                 self.state.cache(self, module, a)

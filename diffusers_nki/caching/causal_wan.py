@@ -455,7 +455,6 @@ class _Rollout:
         self.ring = FrameRing(self.history, sink, conf.rolling,
                               what=f"causal Wan static cache (window {window} frames = {self.history} history + "
                                    f"{n}-frame chunk)")
-        self.slot_frames: List[int] = [-1] * self.history  # the absolute frame each slot holds (-1: empty)
         blk = module.blocks[0].attn1
         heads, head_dim = blk.heads, blk.inner_dim // blk.heads
         # context parallelism (enable_parallelism): this rank's shard of every buffer, see diffusers_nki.parallel
@@ -471,8 +470,14 @@ class _Rollout:
                 and previous.device == self.device:
             self.buffers = previous.buffers  # same geometry: reuse (stale slots are never read: valid prefix)
         else:
-            self.buffers = KVBuffers(len(module.blocks), B, shape[1], shape[2], head_dim, self.dtype, self.device)
+            what = (f"causal Wan static cache: StaticCacheConfig.capacity={conf.capacity} {conf.unit}"
+                    if conf.capacity is not None else
+                    f"causal Wan static cache: the default capacity (the rollout's {window} frames)")
+            self.buffers = KVBuffers(len(module.blocks), B, shape[1], shape[2], head_dim, self.dtype, self.device,
+                                     what=what)
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
+        # (after the buffers: their allocation check bounds the history first)
+        self.slot_frames: List[int] = [-1] * self.history  # the absolute frame each slot holds (-1: empty)
         self.sink0 = None  # window positions: per layer, the sink frames' keys rotated back to time 0
         if self.positions == "window" and sink:
             with torch.inference_mode(False):

@@ -16,7 +16,9 @@ from typing import Optional
 from diffusers_nki import compat
 from diffusers_nki.backends import CHOICES
 
-__all__ = ["StaticCacheConfig", "RULES", "HOOK_NAME", "find_hook"]
+__all__ = ["StaticCacheConfig", "RULES", "HOOK_NAME", "find_hook", "INDEX_LIMIT"]
+
+INDEX_LIMIT = 2**31 - 1  # cache slots and lengths reach the kernels as int32 tensors (caching.core.Plan)
 
 HOOK_NAME = "diffusers_nki.static_cache"  # the name of every static cache hook in diffusers' hook registry
 
@@ -34,7 +36,9 @@ class StaticCacheConfig:
     from this config, the model's config and the first call's resolution (never hard-coded).
 
     Args:
-        capacity: history the cache holds, in ``unit``s (per layer). ``None``: the family's default (AnyFlow-FAR:
+        capacity: history the cache holds, in ``unit``s (per layer); at most 2**31 - 1 (int32 slot indices), and
+            the buffers it sizes must fit the device's free memory (checked when they are allocated, an error
+            naming this field, the bytes and the limit). ``None``: the family's default (AnyFlow-FAR:
             the frames of the model's default ``chunk_partition``; SkyReels-V2: the window of the first call;
             FramePack: the first call's history; SanaWM refiner: the pipeline's window). In ``"tokens"``, the
             number of K/V slots per layer. Each family module documents the units it accepts.
@@ -131,6 +135,11 @@ RULES = {
 }
 
 
+# the counts that size or index the buffers: at most INDEX_LIMIT (checked on construction; what the machine can
+# allocate is checked when the buffers are allocated, caching.core.check_allocation)
+_BOUNDED = ("capacity", "sink", "chunk_frames")
+
+
 def _checked(name: str, value):
     """``value`` for field ``name`` (ints normalised to int), or TypeError / ValueError naming the field, the
     value and what is expected."""
@@ -144,4 +153,7 @@ def _checked(name: str, value):
             raise ValueError(f"StaticCacheConfig.backend={value!r} is not a diffusers_nki backend; "
                              f"expected {expected}")
         raise ValueError(f"StaticCacheConfig.{name}={value!r} must be {expected}")
+    if name in _BOUNDED and value is not None and value > INDEX_LIMIT:
+        raise ValueError(f"StaticCacheConfig.{name}={value!r} must be <= {INDEX_LIMIT} (2**31 - 1): cache slots are "
+                         f"addressed by int32 indices")
     return int(value) if _is_int(value) else value

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from typing import Dict, List, Optional, Sequence
 
 import torch
 from diffusers.hooks import ModelHook
 
 from diffusers_nki import accounting, compat, errors, ops
-from diffusers_nki.caching.config import HOOK_NAME, find_hook  # noqa: F401 (the families' names)
+from diffusers_nki.caching.config import HOOK_NAME, INDEX_LIMIT, find_hook  # noqa: F401 (the families' names)
 
 logger = logging.getLogger("diffusers_nki.cache")
 
@@ -92,14 +93,21 @@ class KVBuffers:
     """Per-layer K/V buffers ``[B, C, Hkv, D]``, allocated once (zeros) and written only by ``cache_write``.
 
     Allocated as normal tensors even when the first call runs under ``torch.inference_mode()``: an inference
-    tensor could not be written in place by a later call under ``torch.no_grad()``."""
+    tensor could not be written in place by a later call under ``torch.no_grad()``.
 
-    def __init__(self, num_layers: int, batch: int, capacity: int, heads: int, head_dim: int, dtype, device):
+    Checked before anything is allocated (``check_allocation``): ``C`` must fit the int32 slot indices the
+    kernels take, and the bytes must fit what the device can allocate; ``what`` names the setting that sized the
+    buffers (e.g. ``"StaticCacheConfig.capacity=1000000000000 frames"``) in the error."""
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, heads: int, head_dim: int, dtype, device,
+                 what: str = "the static cache's capacity"):
         shape = (batch, capacity, heads, head_dim)
+        check_allocation(num_layers, shape, dtype, device, what)
         with torch.inference_mode(False):
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.shape = shape
+        self.what = what
 
     def zero_(self) -> None:
         """Every slot back to zero, in place (a session reset: no stale value survives)."""
@@ -117,11 +125,51 @@ class KVBuffers:
         """New buffers of ``capacity`` slots (zeros) holding a copy of the first ``used`` slots of these
         (``StaticCacheConfig.grow``: the valid prefix survives, so the output does not change)."""
         B, _, heads, head_dim = self.shape
-        out = KVBuffers(len(self.k), B, capacity, heads, head_dim, self.k[0].dtype, self.k[0].device)
+        out = KVBuffers(len(self.k), B, capacity, heads, head_dim, self.k[0].dtype, self.k[0].device,
+                        what=f"{self.what}, grown to {capacity} slots")
         with torch.inference_mode(False):  # plain tensors, as allocated
             for new, old in zip(out.k + out.v, self.k + self.v):
                 new[:, :used].copy_(old[:, :used])
         return out
+
+
+def available_bytes(device) -> Optional[int]:
+    """What ``device`` can still allocate, in bytes (None: unknown for this device type). CPU: the kernel's
+    ``MemAvailable`` (else free pages); CUDA: the driver's free memory plus what torch's allocator holds unused."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return None
+
+
+def check_allocation(num_layers: int, shape, dtype, device, what: str) -> None:
+    """ValueError naming ``what`` (the setting that sized the buffers), the size and the limit when K/V buffers of
+    ``shape`` per layer cannot be addressed with int32 slot indices or do not fit the device's free memory."""
+    B, C, H, D = (int(x) for x in shape)
+    if C > INDEX_LIMIT:
+        raise ValueError(f"diffusers_nki static cache: {what} needs {C} K/V slots per layer, more than the "
+                         f"{INDEX_LIMIT} (2**31 - 1) the kernels' int32 slot indices address; lower it")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = 2 * num_layers * B * C * H * D * itemsize
+    avail = available_bytes(device)
+    if avail is not None and need > avail:
+        raise ValueError(
+            f"diffusers_nki static cache: {what} needs {num_layers} layers x K,V x {[B, C, H, D]} "
+            f"{str(dtype).replace('torch.', '')} = {need / 2**30:.2f} GiB of K/V buffers, more than the "
+            f"{avail / 2**30:.2f} GiB {torch.device(device)} can allocate now; lower it (or the batch / resolution)")
 
 
 class LayerKV:

@@ -56,6 +56,11 @@ dtype and version counter (``load_state_dict``, in-place edits under ``no_grad``
 fingerprint of the weights (sum and 2-norm per tensor, float32) that catches edits made through ``.data``
 (which bypass version counters). The fingerprint is one reduction pass over the weights per served call.
 
+Threads: one cached model may be called from several threads. A served call (reuse test, compute over the shared
+K/V buffers, store of its inputs and output) holds the hook's lock, so calls of one model are served one at a time
+and each returns exactly its own result; the cache context (diffusers' ``cache_context``, model-wide state) can be
+the other thread's, which only costs reuse (the reuse test compares the inputs themselves).
+
 Limits: temporal patch size 1; F must be a multiple of b (stock fails otherwise too); the LoRA ``scale``
 attention kwarg raises; ``sink``/``rolling``/``chunk_frames`` do not apply (raise). Calls without diffusion
 forcing (``SkyReelsV2Pipeline``, 1-D timestep) and calls with gradients go to the stock forward (counted,
@@ -63,6 +68,7 @@ warned once).
 """
 from __future__ import annotations
 
+import threading
 from typing import Dict, List, Optional
 
 import torch
@@ -142,9 +148,9 @@ class _Context:
     """One cache context (a CFG branch): its K/V buffers and the previous call's inputs and output."""
 
     def __init__(self, layers: int, batch: int, capacity_frames: int, tpf: int, heads: int, head_dim: int, dtype,
-                 device):
+                 device, what: str = "SkyReels-V2 static cache: the window of the first call"):
         self.capacity = capacity_frames
-        self.buffers = KVBuffers(layers, batch, capacity_frames * tpf, heads, head_dim, dtype, device)
+        self.buffers = KVBuffers(layers, batch, capacity_frames * tpf, heads, head_dim, dtype, device, what=what)
         self.layers = [self.buffers.layer(i) for i in range(layers)]
         self.valid = 0  # frames whose K/V (and output) are stored
         self.hidden = self.timestep = self.output = None
@@ -269,6 +275,10 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         self.stats = dict.fromkeys(_STAT_KEYS, 0)
         self.geometry = None
         self.last_invalidation = ""
+        # One cached model may be called from several threads: the reuse test, the compute over the shared K/V
+        # buffers and the store of the call's inputs and output are one critical section (a call reading the
+        # buffers or the stored output while another call rewrites them would return the other call's result).
+        self._lock = threading.RLock()
 
     def initialize_hook(self, module):
         from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2TransformerBlock
@@ -284,16 +294,19 @@ class SkyReelsV2StaticCache(StaticCacheHook):
 
     def reset_state(self, module):
         # (diffusers calls this at the end of every pipeline call: the buffers go, the statistics stay)
-        self.contexts.clear()
-        self.geometry = None
-        return super().reset_state(module)
+        with self._lock:
+            self.contexts.clear()
+            self.geometry = None
+            return super().reset_state(module)
 
     def reset_stats(self) -> None:
-        self.stats = dict.fromkeys(_STAT_KEYS, 0)
+        with self._lock:
+            self.stats = dict.fromkeys(_STAT_KEYS, 0)
 
     def deinitalize_hook(self, module):
-        self.contexts.clear()
-        return super().deinitalize_hook(module)
+        with self._lock:
+            self.contexts.clear()
+            return super().deinitalize_hook(module)
 
     # ------------------------------------------------------------------------------------------------------
     def _context(self, module, hs: torch.Tensor, frames: int, tpf: int) -> _Context:
@@ -317,8 +330,11 @@ class SkyReelsV2StaticCache(StaticCacheHook):
             capacity = max(frames, ctx.capacity if ctx is not None else 0)
         if ctx is None or ctx.capacity != capacity:
             attn = module.blocks[0].attn1
+            what = (f"SkyReels-V2 static cache: StaticCacheConfig.capacity={conf.capacity} {conf.unit}"
+                    if conf.capacity is not None else
+                    f"SkyReels-V2 static cache: the default capacity (the call's window of {capacity} frames)")
             ctx = _Context(len(module.blocks), B, capacity, tpf, attn.heads, attn.inner_dim // attn.heads,
-                           module.patch_embedding.weight.dtype, hs.device)
+                           module.patch_embedding.weight.dtype, hs.device, what=what)
             self.contexts[name] = ctx
             held = sum(c.buffers.nbytes for c in self.contexts.values())
             self.stats["buffer_bytes"] = max(self.stats["buffer_bytes"], held)
@@ -328,7 +344,8 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         a = self.bind(args, kwargs)
         ts = a["timestep"]
         if not a["enable_diffusion_forcing"] or ts.dim() != 2 or torch.is_grad_enabled():
-            self.stats["stock_calls"] += 1
+            with self._lock:
+                self.stats["stock_calls"] += 1
             why = "gradients are enabled" if torch.is_grad_enabled() else "the call is not diffusion forcing"
             warn_once(f"skyreels_v2:stock:{why}", f"SkyReels-V2 static cache: {why}; this call runs the stock forward")
             return self.fn_ref.original_forward(*args, **kwargs)
@@ -336,7 +353,7 @@ class SkyReelsV2StaticCache(StaticCacheHook):
         if lora_scale != 1.0:
             raise NotImplementedError(f"attention_kwargs['scale']={lora_scale} (LoRA scale) is not supported with "
                                       f"the SkyReels-V2 static cache")
-        with torch.no_grad():
+        with self._lock, torch.no_grad():  # see __init__: one served call at a time per cached model
             out = self._serve(module, a)
         return (out,) if not a["return_dict"] else _output(out)
 

@@ -559,6 +559,19 @@ class CausalWanPipeline(DiffusionPipeline):
             raise ValueError(f"CausalWanPipeline: the installed static cache is configured for chunks of {n} latent "
                              f"frames (StaticCacheConfig.chunk_frames), the call uses num_frame_per_block="
                              f"{block_frames}")
+        c, w, sink = hook.config, self.config.window_frames, self.config.sink_frames
+        if w is not None and c.unit == "frames" and c.capacity == w and c.sink == sink:
+            # the cache holds this pipeline's window: a call-time chunk size it cannot serve is the caller's
+            # num_frame_per_block (the cache's own error would name a StaticCacheConfig field nobody set)
+            if block_frames >= w:
+                raise ValueError(f"CausalWanPipeline: num_frame_per_block={block_frames} must be < window_frames={w} "
+                                 f"(the attention window counts the current chunk; a chunk of {block_frames} frames "
+                                 f"leaves no history); use num_frame_per_block <= {w - 1} or a pipeline built with a "
+                                 f"larger window_frames")
+            if sink >= w - block_frames:
+                raise ValueError(f"CausalWanPipeline: num_frame_per_block={block_frames} leaves no rolling history "
+                                 f"beside sink_frames={sink} in window_frames={w} (need num_frame_per_block < "
+                                 f"window_frames - sink_frames = {w - sink})")
         return hook
 
     # ------------------------------------------------------------------------------------------------------
