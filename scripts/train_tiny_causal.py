@@ -10,7 +10,8 @@ Stage 2: the transformer (``WanTransformer3DModel``) and the text encoder (``UMT
 the noisy frames (one of the sampler's sigmas per chunk) under the static cache's visibility (a 9-frame window with
 a 3-frame sink: chunk 3 no longer sees chunk 1). Half the clips skip time between the sink chunk and the rest (what
 a long rollout's window holds); 30% switch prompt at a chunk boundary (the frames before it encoded under the new
-text, as the pipeline's KV re-cache encodes them).
+text, as the pipeline's KV re-cache encodes them). The text is zero-padded to 16, 64 or 512 tokens (callers pad
+it differently; the pipeline's default is 512).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from diffusers_nki.trained import model as M
+from diffusers_nki.trained import tracker
 from diffusers_nki.trained import world as W
 
 SIGMAS = tuple(t / 1000.0 for t in M.TIMESTEPS)
@@ -93,7 +95,9 @@ def train_vae(comps, steps: int, batch: int, g: torch.Generator, log) -> float:
         x = vae_batch(g, batch)
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.mode()).sample
-        loss = torch.nn.functional.mse_loss(rec, x) + 1e-6 * post.kl().mean()
+        bg = torch.tensor(W.BACKGROUND).view(1, 3, 1, 1, 1) * 2 - 1
+        weight = 1.0 + 9.0 * ((x - bg).abs().amax(dim=1, keepdim=True) > 0.1).float()  # the shape, not the wall
+        loss = (weight * (rec - x) ** 2).mean() / weight.mean() + 1e-6 * post.kl().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -103,6 +107,12 @@ def train_vae(comps, steps: int, batch: int, g: torch.Generator, log) -> float:
         if step % 25 == 0 or step == steps - 1:
             log(f"vae step {step} loss {float(loss):.5f} ema {ema:.5f}")
     vae.eval().requires_grad_(False)
+    with torch.no_grad():  # what the tracker reads back from a reconstruction (the ceiling of the whole model)
+        spec = W.ClipSpec(W.Prompt("red", "square", "left"))
+        clip = W.render_clip(spec, range(13)).unsqueeze(0) * 2 - 1
+        rec = vae.decode(vae.encode(clip).latent_dist.mode()).sample
+        frames = ((rec[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
+        log(f"vae reconstruction tracker scores: {tracker.score_video(frames, [spec.prompt] * 13)}")
     return ema if ema is not None else float("nan")
 
 
@@ -143,7 +153,9 @@ def transformer_step(comps, g: torch.Generator, batch: int, pool, mask):
     clean = z + 0.03 * torch.randn(z.shape, generator=g)  # the context a rollout writes is never exact
     seq = torch.cat([clean, noisy], dim=2)
     t_frames = torch.cat([torch.zeros(B, FRAMES), sig_f * 1000.0], dim=1)
-    text = M.encode_text(tok, te, texts)
+    # the text padded as a caller pads it: the model's 16 tokens, the viewer's 64 or the pipeline's default 512
+    length = (M.TEXT_LEN, M.TEXT_LEN, 64, 512)[int(torch.randint(4, (1,), generator=g))]
+    text = M.encode_text(tok, te, texts, length=length)
     flow = M.teacher_forcing_forward(tr, seq, t_frames, torch.cat([times, times], dim=1), text, mask.unsqueeze(0))
     err = (flow[:, :, FRAMES:] - (eps - z)) ** 2
     w = weights.repeat_interleave(M.BLOCK, dim=1).view(B, 1, FRAMES, 1, 1)
@@ -178,11 +190,11 @@ def train_transformer(comps, steps: int, batch: int, g: torch.Generator, pool, l
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=450, help="transformer steps (default 450)")
-    p.add_argument("--vae-steps", type=int, default=150, help="VAE steps (default 150)")
+    p.add_argument("--steps", type=int, default=1500, help="transformer steps (default 1500)")
+    p.add_argument("--vae-steps", type=int, default=400, help="VAE steps (default 400)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vae-batch", type=int, default=4)
-    p.add_argument("--pool", type=int, default=512, help="training clips encoded once (default 512)")
+    p.add_argument("--pool", type=int, default=1536, help="training clips encoded once (default 1536)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.path.join(M.ASSET_DIR, "tiny_causal.safetensors"))

@@ -13,4 +13,7 @@ def load_pipeline(path=None, window: int = WINDOW, sink: int = SINK):
     """The trained tiny model as a ``CausalWanPipeline`` (float32, CPU). Call it with ``height=width=64`` and
     ``max_sequence_length=TEXT_LEN`` (16), e.g. ``pipe.session("a red square moving left", height=64, width=64,
     max_sequence_length=16)``."""
-    return build_pipeline(load_components(path), window=window, sink=sink)
+    pipe = build_pipeline(load_components(path), window=window, sink=sink)
+    # what the live viewer (diffusers_nki.serve) runs it at: the trained geometry, schedule and text length
+    pipe.serve_defaults = {"height": 64, "width": 64, "steps": len(TIMESTEPS), "max_sequence_length": TEXT_LEN}
+    return pipe
