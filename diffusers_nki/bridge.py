@@ -11,8 +11,16 @@ hands the call to ``diffusers_nki.routing.route`` with that member's ``Route``, 
 ``DIFFUSERS_ATTN_BACKEND=nki`` all work. Every private diffusers name this needs is in ``diffusers_nki.compat``.
 
 The env-var / ``set_attention_backend`` route reaches only the processors that go through diffusers' dispatch.
-The first time a model of a covered family runs that way, ``warn_unreached`` says once which of its attention
-modules it does not reach (those ``patch()`` swaps) and that ``diffusers_nki.patch(model)`` reaches them.
+The first time a model of a covered family runs that way, it says once which of its attention modules it does not
+reach (those ``patch()`` swaps) and that ``diffusers_nki.patch(model)`` reaches them; with ``"nki_strict"`` it
+raises ``StrictFallbackError`` instead, at every call. That is checked at the model's call (``check_route``, run
+by ``compat.wrap_model_call``: a wrapper of ``ModelMixin.__call__`` that returns at once unless one of our
+members is diffusers' active backend, skipped under torch.compile; a diagnostic, it changes no behaviour of any
+other backend), so a model none of whose calls reaches our dispatch backend (CogVideoX, ConsisID: direct SDPA)
+is told too, and from inside our dispatch backend (``warn_unreached``). Where ``set_attention_backend`` wrote our
+backend into a processor that cannot take it (AnyFlow-FAR's causal processor accepts only flex and raises
+diffusers' ValueError otherwise), that processor is put back on its class default: the same outcome as the
+environment variable, which never touches it.
 
 With a parallel config (diffusers' context parallelism) or ``return_lse=True`` the call goes to
 ``diffusers_nki.parallel`` (diffusers' Ulysses / ring templates around our ops; the log-sum-exp op).
@@ -255,8 +263,8 @@ def check_route(model) -> None:
     direct SDPA) is told at its first call, as one that does."""
     active = compat.active_backend()
     parsed = parse_member(active) if active is not None else None
-    if parsed is None or _patched(model) or patches.family_for(type(model)) is None:
-        return
+    if parsed is None or _unreached.get(model, 1) == () or _patched(model) or patches.family_for(type(model)) is None:
+        return  # (a model the route reaches entirely was checked once: nothing to say, nothing to keep stock)
     _route_misses(model, parsed[1])
 
 
