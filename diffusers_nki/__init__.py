@@ -94,7 +94,7 @@ def _import_order_hint():
     import os
 
     value = os.environ.get("DIFFUSERS_ATTN_BACKEND", "")
-    if not (value == "nki" or value.startswith("_nki_")):
+    if not (value in ("nki", "nki_strict") or value.startswith("_nki_")):
         return None
     dispatch = sys.modules.get(_DispatchImportHook.target)
     if dispatch is not None:

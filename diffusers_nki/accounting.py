@@ -28,7 +28,8 @@ attributed to:
 
 Records hold no reference to their module or model (they are stored ON the module, or in weak-keyed maps
 for modules diffusers_nki did not patch), so they never keep a model alive. A deep copy of a record starts
-with zero counts: a copied model counts its own calls, never into the original's.
+with zero counts, and so does an unpickled one (``torch.save`` / ``torch.load``): a copied model counts its own
+calls, never into the original's, and never carries the original's counts.
 """
 from __future__ import annotations
 
@@ -201,6 +202,14 @@ class ModuleRecord:
         new = ModuleRecord(self.path, self.cls, self.kind, self.reason, self.softmax)  # zero counts
         memo[id(self)] = new
         return new
+
+    def __getstate__(self):
+        # pickled (torch.save of a patched model): the copy starts at zero, like a deep copy; it never carries the
+        # original's calls
+        state = dict(self.__dict__)
+        state["ran"] = {op: Counter() for op in self.ran}
+        state["fallbacks"] = Counter()
+        return state
 
 
 # records of modules and models diffusers_nki did not patch (weak keys: they never keep a module alive)

@@ -1,5 +1,5 @@
 """The ``diffusers-nki`` command (also ``python -m diffusers_nki``): ``demo``, ``serve`` (the live viewer), ``bench``
-(the cross-model matrix) and ``bench kernels | cache | budget | scaling | calibrate``.
+(the cross-model matrix) and ``bench kernels | cache | budget | scaling | calibrate | quality``.
 
 Only the chosen subcommand's module is imported (``diffusers-nki --help`` imports neither torch nor diffusers).
 Arguments are validated BEFORE any work (``validate``), the same way for every subcommand, and a bad one is
@@ -32,6 +32,8 @@ BENCH_SUBCOMMANDS = {
     "budget": ("diffusers_nki.bench.budget", "MODELED end-to-end time and fps per chunk of chunk-causal Wan on trn2/trn3"),
     "scaling": ("diffusers_nki.bench.scaling", "modeled attention under context parallelism (Ulysses x ring), "
                 "per chip and multi-chip, collectives included"),
+    "quality": ("diffusers_nki.bench.quality", "the trained tiny model's frames scored by a tracker: stock vs patched vs "
+                "patched with the cache deliberately broken"),
     "calibrate": ("diffusers_nki.bench.calibrate", "modeled vs AWS's published hardware figures (the cost model's "
                   "calibration table)"),
 }
@@ -48,6 +50,7 @@ EPILOG = """commands:
   diffusers-nki bench budget         modeled end-to-end time and fps per chunk (trn2 / trn3)
   diffusers-nki bench scaling        modeled context-parallel attention, per chip and multi-chip
   diffusers-nki bench calibrate      modeled vs published hardware figures (the cost model's calibration)
+  diffusers-nki bench quality        the trained tiny model's frames scored: stock vs patched vs broken caches
 Each command takes --help. In Python: diffusers_nki.patch(pipe), then pipe(...); diffusers_nki.explain(pipe)."""
 
 
@@ -93,7 +96,7 @@ def build_parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------------------
 # argument validation (before any work)
 # ----------------------------------------------------------------------------------------------------------
-NONNEGATIVE = ("seed", "sink", "port")  # integer options where 0 is meaningful; every other integer option is a count >= 1
+NONNEGATIVE = ("seed", "sink", "port", "switch_at")  # integer options where 0 is meaningful; every other integer option is a count >= 1
 DIRECTORY_OPTIONS = ("output", "out")
 FILE_OPTIONS = ("json",)
 

@@ -47,7 +47,7 @@ __all__ = [
     "hook_names", "make_stateful", "keep_in_fp32_modules", "cp_plan_of", "repeated_blocks", "cp_config",
     "cp_groups", "templated_cp_attention", "native_forward_op", "native_backward_op", "model_parallel_config",
     "cp_hooks", "wan_vae_module", "wan_causal_padding", "execution_device", "has_hook_registry",
-    "hook_registry_empty", "drop_hook_registry", "register_model_hook",
+    "hook_registry_empty", "drop_hook_registry", "register_model_hook", "wrap_model_call", "unwrap_model_call",
 ]
 
 MIN_DIFFUSERS = (0, 35)
@@ -653,3 +653,45 @@ def cp_hooks(model) -> list:
             if hook.startswith(CP_HOOK_PREFIXES):
                 found.append(f"{name or '<model>'}:{hook}")
     return found
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a check before every eager call of a diffusers model (the dispatch-only route's warning)
+# ----------------------------------------------------------------------------------------------------------
+_CALL_MARK = "_diffusers_nki_call_check"
+
+
+def wrap_model_call(check) -> bool:
+    """Have ``check(model)`` run before every eager call of a diffusers model (``ModelMixin.__call__``; under
+    ``torch.compile`` it is skipped). Idempotent; False while ``diffusers.models.modeling_utils`` is not (fully)
+    imported yet (nothing of diffusers is imported from here). ``check`` must be cheap unless it has something to
+    say (diffusers_nki.bridge.check_route returns at once unless one of our backends is diffusers' active one)."""
+    mod = sys.modules.get(_D + "modeling_utils")
+    mixin = getattr(mod, "ModelMixin", None)
+    if mixin is None:
+        return False
+    if getattr(mixin.__dict__.get("__call__"), _CALL_MARK, False):
+        return True
+    import torch
+
+    inner = mixin.__call__  # torch.nn.Module.__call__ (diffusers defines none of its own)
+    is_compiling = torch.compiler.is_compiling
+
+    def __call__(self, *args, **kwargs):
+        if not is_compiling():
+            check(self)
+        return inner(self, *args, **kwargs)
+
+    setattr(__call__, _CALL_MARK, True)
+    __call__.__wrapped__ = inner
+    mixin.__call__ = __call__
+    return True
+
+
+def unwrap_model_call() -> None:
+    """Undo ``wrap_model_call`` (tests)."""
+    mod = sys.modules.get(_D + "modeling_utils")
+    mixin = getattr(mod, "ModelMixin", None)
+    current = None if mixin is None else mixin.__dict__.get("__call__")
+    if getattr(current, _CALL_MARK, False):
+        del mixin.__call__

@@ -1,9 +1,14 @@
 """``diffusers-nki demo``: stream a tiny chunk-causal Wan video pipeline (Self-Forcing / LongLive class) chunk by
 chunk through diffusers_nki.
 
-What it does (offline, CPU, well under a minute on 2 cores with the defaults):
-1. builds the tiny ``CausalWanPipeline`` (``diffusers_nki.testing.tiny``: stock WanTransformer3DModel, AutoencoderKLWan and
-   UMT5 encoder with random weights, in-memory tokenizer);
+What it does (offline, CPU, about a minute on 2 cores with the defaults):
+1. builds the ``CausalWanPipeline``: by default (``--model trained``) the tiny chunk-causal model trained in this
+   repository on a procedural world (``diffusers_nki.trained``: a coloured shape moving as its prompt says, 64x64,
+   a 9-frame window with a 3-frame sink), streamed for 16 chunks with a prompt switch half way through
+   (``--switch-at``, ``--switch-prompt``: LongLive's KV re-cache through ``pipe.stream(...).send(prompt)``); the
+   frames are read back by ``diffusers_nki.trained.tracker`` (colour, shape, motion) and a contact sheet of frames
+   across the chunks is written. ``--model tiny``: the random-weight tiny config of ``diffusers_nki.testing.tiny``
+   (the plumbing only: its frames are noise);
 2. ``diffusers_nki.patch(pipe, backend=...)``: NKI-routed attention plus the static cache the pipeline's attention
    window needs (Self-Forcing's 21 latent frames by default; ``--window/--sink`` for LongLive's 12 + 3);
 3. streams ``--chunks`` chunks with ``pipe.stream(...)`` (decoded frames per chunk, the VAE's causal decode cache
@@ -37,21 +42,32 @@ from diffusers_nki.caching.core import find_hook
 from diffusers_nki.kernels.attention_ref import attention_ref
 from diffusers_nki.pipelines.causal_wan import denormalize_latents
 from diffusers_nki.testing import tiny
+from diffusers_nki.trained import TEXT_LEN, load_pipeline
+from diffusers_nki.trained import tracker, world
 
 PIPELINE = "causal_wan"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="trained", choices=("trained", "tiny"),
+                   help="trained: the tiny model trained here (default); tiny: random weights (the plumbing only)")
+    p.add_argument("--prompt", default="a red square moving right", help="the first prompt (trained model)")
+    p.add_argument("--switch-prompt", default="a blue circle moving down",
+                   help="the prompt switched to at --switch-at (trained model)")
+    p.add_argument("--switch-at", type=int, default=None,
+                   help="chunk at which the prompt switches (default: half way; 0: no switch)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "sim", "nki"),
                    help="kernel backend: auto (nki on a Neuron device, else torch), torch, sim (emulator), nki")
-    p.add_argument("--chunks", type=int, default=6, help="AR chunks to stream (1..64; default 6)")
+    p.add_argument("--chunks", type=int, default=None, help="AR chunks to stream (1..64; default 16 trained, 6 tiny)")
     p.add_argument("--frames-per-chunk", type=int, default=3, help="latent frames per chunk (1..8; default 3)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk (1..8; default 4)")
     p.add_argument("--height", type=int, default=64, help="video height in pixels, multiple of 16 (default 64)")
     p.add_argument("--width", type=int, default=64, help="video width in pixels, multiple of 16 (default 64)")
-    p.add_argument("--window", type=int, default=21,
-                   help="attention window in latent frames, the current chunk included (21: Self-Forcing; 12: LongLive)")
-    p.add_argument("--sink", type=int, default=0, help="frames never evicted from the window (LongLive: 3)")
+    p.add_argument("--window", type=int, default=None,
+                   help="attention window in latent frames, the current chunk included (default: the trained model's "
+                        "9; tiny: 21, Self-Forcing's; LongLive: 12)")
+    p.add_argument("--sink", type=int, default=None,
+                   help="frames never evicted from the window (default: the trained model's 3; tiny: 0; LongLive: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=int, default=8, help="frame rate of the written video (default 8)")
     p.add_argument("--output", default=os.path.join("outputs", "demo"),
@@ -60,7 +76,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-modeled", action="store_true", help="skip the modeled full-scale Trainium column")
 
 
+def _resolve_defaults(args) -> None:
+    """The model-dependent defaults (``None`` on the command line): the trained model's window, sink and length."""
+    trained = getattr(args, "model", "tiny") == "trained"
+    for name, t, k in (("chunks", 16, 6), ("window", 9, 21), ("sink", 3, 0)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, t if trained else k)
+    if getattr(args, "switch_at", None) is None:
+        args.switch_at = args.chunks // 2 if trained else 0
+
+
 def _check_args(args) -> None:
+    _resolve_defaults(args)
     for name, lo, hi in (("chunks", 1, 64), ("frames_per_chunk", 1, 8), ("steps", 1, 8)):
         v = getattr(args, name)
         if not lo <= v <= hi:
@@ -76,6 +103,11 @@ def _check_args(args) -> None:
         raise ValueError(f"--sink={args.sink} must be in 0..{args.window - args.frames_per_chunk - 1}")
     if args.fps < 1:
         raise ValueError(f"--fps={args.fps} must be >= 1")
+    if not 0 <= args.switch_at < max(args.chunks, 1):
+        raise ValueError(f"--switch-at={args.switch_at} must be in 0..{args.chunks - 1} (0: no switch)")
+    if args.model == "trained":
+        for name in ("prompt", "switch_prompt"):
+            world.parse_prompt(getattr(args, name))  # raises naming the vocabulary
 
 
 def _missing_pieces() -> List[str]:
@@ -99,6 +131,14 @@ def _missing_pieces() -> List[str]:
 # streaming mode
 # ------------------------------------------------------------------------------------------------------
 def _call_kwargs(args):
+    if args.model == "trained":
+        import torch
+
+        return dict(prompt=args.prompt, height=args.height, width=args.width,
+                    num_frames=args.chunks * args.frames_per_chunk, num_frame_per_block=args.frames_per_chunk,
+                    denoising_timesteps=[1000.0 * (1 - i / args.steps) for i in range(args.steps)],
+                    generator=torch.Generator().manual_seed(args.seed), output_type="np",
+                    max_sequence_length=TEXT_LEN)
     return tiny.tiny_call_kwargs(PIPELINE, chunks=args.chunks, steps=args.steps, seed=args.seed,
                                  frames_per_chunk=args.frames_per_chunk, height=args.height, width=args.width,
                                  output_type="np")
@@ -171,7 +211,7 @@ def _stream(args) -> dict:
             print(f"  modeled column unavailable: {modeled['reason']}")
     report["modeled"] = modeled
 
-    pipe = tiny.tiny_pipeline(PIPELINE, seed=args.seed)
+    pipe = load_pipeline() if args.model == "trained" else tiny.tiny_pipeline(PIPELINE, seed=args.seed)
     report["pipeline"] = type(pipe).__name__
     cache = pipe.default_cache_config(capacity=args.window, sink=args.sink, rolling=True, grow=False)
     diffusers_nki.patch(pipe, backend=args.backend, cache=cache)
@@ -186,7 +226,9 @@ def _stream(args) -> dict:
     frames, latents = [], []
     with torch.no_grad(), AttentionRecorder(scope=pipe.transformer) as rec:
         t0 = time.perf_counter()
-        for chunk in pipe.stream(**_call_kwargs(args)):
+        stream = pipe.stream(**_call_kwargs(args))
+        chunk = next(stream, None)
+        while chunk is not None:
             latency = time.perf_counter() - t0
             i = chunk.index
             fill = _cache_fill(pipe.transformer)
@@ -207,6 +249,13 @@ def _stream(args) -> dict:
                       f"{row['distinct_shapes_so_far']:>11} {mod_s:>15}")
             bar.update(1)
             t0 = time.perf_counter()
+            switch = args.switch_at and i + 1 == args.switch_at
+            try:
+                chunk = stream.send(args.switch_prompt) if switch else next(stream)
+            except StopIteration:
+                chunk = None
+            if switch:
+                bar.write(f"      -- prompt switched to {args.switch_prompt!r} (KV re-cache of the window) --")
     bar.close()
     video = np.concatenate(frames, axis=0)
     report["chunks"] = rows
@@ -226,6 +275,15 @@ def _stream(args) -> dict:
         report["streaming_check"] = {"max_abs_diff_vs_one_shot_decode": float(np.abs(one_shot - video).max()),
                                      "frames": int(video.shape[0])}
     os.makedirs(args.output, exist_ok=True)
+    if args.model == "trained":  # what the frames show, read back from the frames alone
+        first, second = world.parse_prompt(args.prompt), world.parse_prompt(args.switch_prompt)
+        cut = args.switch_at * args.frames_per_chunk if args.switch_at else video.shape[0]
+        expected = [first if t < cut else second for t in range(video.shape[0])]
+        report["tracked"] = tracker.score_video(video, expected, args.frames_per_chunk)
+        report["prompts"] = {"first": args.prompt, "switch_to": args.switch_prompt if args.switch_at else None,
+                             "switch_at_chunk": args.switch_at}
+    report["contact_sheet"] = contact_sheet(video, os.path.join(args.output, "demo_frames.png"),
+                                            args.frames_per_chunk)
     report["video"] = _write_video(list(video), args.output, args.fps)
     report["frames"] = int(video.shape[0])
     report["total_s"] = time.perf_counter() - t_all
@@ -248,8 +306,35 @@ def _stream(args) -> dict:
                          for t, v in steady.items())
         print(f"MODELED attention per full-scale chunk (one chip, its cores under context parallelism, collectives "
               f"included): {line}; the end-to-end budget: diffusers-nki bench budget")
-    print(f"video: {report['video']} ({report['frames']} frames)   report: {os.path.join(args.output, 'demo.json')}")
+    if "tracked" in report:
+        tr = report["tracked"]
+        print(f"tracked from the frames: colour {tr['color']:.2f}, shape {tr['shape']:.2f}, motion within chunks "
+              f"{tr['motion']:.2f}, across chunk boundaries {tr['boundary']:.2f} (1 = as prompted; "
+              f"diffusers-nki bench quality for stock vs patched vs broken caches)")
+    print(f"video: {report['video']} ({report['frames']} frames)   contact sheet: {report['contact_sheet']}   "
+          f"report: {os.path.join(args.output, 'demo.json')}")
     return report
+
+
+def contact_sheet(video, path: str, frames_per_chunk: int, columns: int = 8, scale: int = 2) -> str:
+    """A PNG of the video's frames: the first frame of each chunk, ``columns`` per row, ``scale``x enlarged,
+    each labelled by its chunk (a thin gap between frames)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    picks = list(range(0, video.shape[0], frames_per_chunk))
+    H, W = video.shape[1] * scale, video.shape[2] * scale
+    rows = (len(picks) + columns - 1) // columns
+    pad, label = 2, 12
+    sheet = Image.new("RGB", (columns * (W + pad) + pad, rows * (H + pad + label) + pad), (40, 40, 40))
+    draw = ImageDraw.Draw(sheet)
+    for n, t in enumerate(picks):
+        img = Image.fromarray((np.clip(video[t], 0, 1) * 255).round().astype("uint8")).resize((W, H), Image.NEAREST)
+        x, y = pad + (n % columns) * (W + pad), pad + (n // columns) * (H + pad + label)
+        sheet.paste(img, (x, y + label))
+        draw.text((x + 1, y), f"chunk {t // frames_per_chunk}", fill=(220, 220, 220))
+    sheet.save(path)
+    return path
 
 
 def _median(xs):

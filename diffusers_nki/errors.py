@@ -5,9 +5,10 @@ Exceptions (exported as ``diffusers_nki.errors``; each keeps the builtin base us
 - ``StrictFallbackError(RuntimeError)``: ``strict=True`` where the non-strict path would fall back to stock
   attention (or a prologue / uncovered processor would stay stock);
 - ``UnsupportedModelError(ValueError)``: ``patch()`` found no model class diffusers_nki covers;
-- ``NotPatchedError(RuntimeError)``: ``unpatch()`` on an object ``patch()`` never touched.
+- ``NotPatchedError(RuntimeError)``: ``unpatch()`` on an object ``patch()`` never touched;
+- ``InputSizeError(ValueError)``: a height / width / num_frames the model cannot serve (argument, value, limit).
 
-All three derive from ``DiffusersNkiError`` too. Every message diffusers_nki writes (errors and warnings) starts
+All four derive from ``DiffusersNkiError`` too. Every message diffusers_nki writes (errors and warnings) starts
 with ``PREFIX`` ("diffusers_nki"), followed by where it comes from (``diffusers_nki.patch: ...``,
 ``diffusers_nki (strict): ...``, ``diffusers_nki::attention: ...``).
 
@@ -21,6 +22,7 @@ import threading
 import warnings
 
 __all__ = ["PREFIX", "DiffusersNkiError", "StrictFallbackError", "UnsupportedModelError", "NotPatchedError",
+           "InputSizeError",
            "warn_once", "log_once", "reset_warnings"]
 
 PREFIX = "diffusers_nki"
@@ -36,6 +38,11 @@ class StrictFallbackError(DiffusersNkiError, RuntimeError):
 
 class UnsupportedModelError(DiffusersNkiError, ValueError):
     """patch() was given no model class that diffusers_nki covers."""
+
+
+class InputSizeError(DiffusersNkiError, ValueError):
+    """A size argument (height, width, num_frames) the model cannot serve: the message names the argument, the
+    value and the limit (raised before the first step)."""
 
 
 class NotPatchedError(DiffusersNkiError, RuntimeError):

@@ -172,9 +172,9 @@ class Explanation:
     __repr__ = __str__
 
 
-def _proc_name(module, kind) -> str:
-    if kind == "module":
-        return "forward [diffusers_nki]"
+def _proc_name(module, kind, ours=None) -> str:
+    if kind == "module":  # a processor-less module: our forward only where it is installed now
+        return "forward [diffusers_nki]" if ours is not None and vars(module).get("forward") is ours else "forward"
     proc = getattr(module, "processor", None)
     if proc is None:
         return "-"
@@ -205,8 +205,10 @@ def _cache_backend(model) -> Optional[str]:
         return str(be)
 
 
-def _installed_path(model, st, path, module, kind, reason, problems, cache_be) -> Tuple[str, str]:
-    """(what is installed now for this module, why): "stock" or a concrete backend."""
+def _installed_path(model, st, path, module, kind, reason, problems, cache_be, reached=()) -> Tuple[str, str]:
+    """(what is installed now for this module, why): "stock" or a concrete backend. Unpatched: the backend our
+    dispatch route gives the module's processor now (its own choice, else diffusers' active backend), where its
+    processor goes through dispatch at all (``reached``: swapped classes whose stock code calls dispatch)."""
     if kind == "stock":
         return "stock", reason
     proc = getattr(module, "processor", None)
@@ -214,10 +216,16 @@ def _installed_path(model, st, path, module, kind, reason, problems, cache_be) -
         inner = proc
         while getattr(inner, "original", None) is not None:
             inner = inner.original
-        parsed = bridge.parse_member(compat.processor_backend(inner))
-        if parsed is not None and kind in ("dispatch", "global", "swap", "unknown"):  # swap: Wan's dispatch processor
+        if kind in ("dispatch", "global") or (kind == "swap" and type(inner) in reached):
             be = compat.processor_backend(inner)
-            return backends.resolve(parsed[0]), f"set_attention_backend({getattr(be, 'value', be)!r})"
+            source = "set_attention_backend({!r})"
+            if be is None:  # the processor follows diffusers' active backend
+                be, source = compat.active_backend(), "the active backend {!r} (DIFFUSERS_ATTN_BACKEND / attention_backend)"
+            parsed = bridge.parse_member(be)
+            if parsed is not None:
+                return backends.resolve(parsed[0]), source.format(getattr(be, "value", be))
+        elif kind in ("swap", "module") and bridge.parse_member(compat.active_backend()) is not None:
+            return "stock", "bypasses diffusers' dispatch: only diffusers_nki.patch() routes it"
         return "stock", reason or "not patched"
     if kind == "unknown":
         return "stock", reason
@@ -235,6 +243,9 @@ def _taken(installed: str, why: str, ev: Optional[ModuleRecord], model_ev: Optio
     counts, else (nothing ran yet) what is installed."""
     routed = ev.by_backend() if ev is not None else {}
     fbs = ev.fallback_calls if ev is not None else 0
+    if routed and installed == "stock":  # switched back (e.g. set_attention_backend("native")) after calls ran
+        earlier = ", ".join(f"{n} {b}" for b, n in routed.items())
+        return "stock", f"{why or 'stock'} now; {earlier} kernel call(s) ran before that was set", True
     if routed or fbs:
         if not routed:
             return "stock", "every call fell back", True
@@ -273,8 +284,10 @@ def _explain_model(name, model) -> ModelReport:
         return ModelReport(name, type(model).__name__, None, False, None, None, mods, cache_backend=cache_be)
     dispatch, swap, modules_tbl, stock = fam.tables()
     problems = install.problems(model, st) if st is not None else {}
+    reached = fam.reached()
     model_ev = st.unattributed if st is not None else accounting.observed_model_record(model)
     reports = []
+    evidence = [model_ev]
     for path, module in model.named_modules():
         c = install.classify(module, dispatch, swap, modules_tbl, stock, attention_classes)
         rec = st.records.get(path) if st is not None else None
@@ -284,21 +297,23 @@ def _explain_model(name, model) -> ModelReport:
             continue
         kind = rec.kind if rec is not None else (c[0] if c else "unknown")
         reason = rec.reason if rec is not None else (c[2] if c else "")
-        installed, why = _installed_path(model, st, path, module, kind, reason, problems, cache_be)
+        installed, why = _installed_path(model, st, path, module, kind, reason, problems, cache_be, reached)
         ev = rec if rec is not None else accounting.observed_record(module)
-        if ev is None and rec is None and st is not None:
-            ev = None
+        evidence.append(ev)
         if kind == "stock":
             taken, why2, ran = "stock", why, False
         else:
             taken, why2, ran = _taken(installed, why, ev, model_ev)
-        reports.append(ModuleReport(path, type(module).__name__, _proc_name(module, kind), taken, why2,
+        ours = st.swapped.get(path) if st is not None else None
+        reports.append(ModuleReport(path, type(module).__name__, _proc_name(module, kind, ours), taken, why2,
                                     kind != "stock", ev.calls if ev else 0, dict(ev.fallbacks) if ev else {},
                                     installed, ev.by_backend() if ev else {}, ran))
     compiled = {}
     if model_ev is not None and (model_ev.calls or model_ev.fallback_calls):
         compiled = {"by_backend": model_ev.by_backend(), "fallbacks": dict(model_ev.fallbacks)}
-    notes = tuple(fam.notes) + _routing_notes(model, st) + _parallel_notes(model)
+    # the family's notes describe what its patch does: said only where that patch is installed
+    notes = (tuple(fam.notes) if st is not None else ()) + _ran_notes(evidence) + _routing_notes(model, st) \
+        + _parallel_notes(model)
     if mp is not None and mp.copied_from:
         notes = (f"a deep copy of a patched model (patched by {mp.copied_from}): it carries its own independent "
                  "patch, counted on its own; unpatch() it on its own",) + notes
@@ -307,6 +322,32 @@ def _explain_model(name, model) -> ModelReport:
     owners = tuple("own patch()" if r.owner == "self" else r.label for r in mp.requests) if mp is not None else ()
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, notes, cache_be, compiled, owners)
+
+
+def _ran_notes(evidence) -> tuple:
+    """The other ops' kernel calls attributed to this model (its modules' records and its compiled-code record),
+    one line per op that ran: the q/k prologue is reported only where the qk_norm_rope op actually ran."""
+    total = {}
+    for ev in evidence:
+        if ev is None:
+            continue
+        for op, text in _OTHER_OPS:
+            c = ev.ran.get(op)
+            if c:
+                for b, n in c.items():
+                    if n:
+                        total.setdefault(op, Counter())[b] += n
+    notes = []
+    for op, text in _OTHER_OPS:
+        if op in total:
+            n = sum(total[op].values())
+            notes.append(f"{text}: the {op} op ran {n}x (" + ", ".join(f"{b}: {k}" for b, k in sorted(total[op].items()))
+                         + ")")
+    return tuple(notes)
+
+
+_OTHER_OPS = (("qk_norm_rope", "q/k prologue (RMSNorm across heads + RoPE)"),
+              ("cache_write", "static KV cache writes"))
 
 
 def _parallel_notes(model) -> tuple:
@@ -320,12 +361,9 @@ def _routing_notes(model, st) -> tuple:
     notes = []
     if st is not None:
         notes.append(f"backward ({st.backend}): {autograd.backward_path(st.backend)}")
-    missed = bridge.unreached(model)
-    if st is None and missed is None and _dispatch_route_selected(model):
-        # selected, but no call of this model reached our dispatch backend yet (e.g. CogVideoX, Mochi: every
-        # softmax call is direct SDPA, so the route never runs and cannot warn): say what it leaves on stock
-        missed = bridge.unreached_modules(model)
-    if st is None and missed:
+    # what the dispatch-only route selected NOW leaves on stock attention (live: the modules that bypass dispatch)
+    missed = bridge.unreached_modules(model) if st is None and _dispatch_route_selected(model) else ()
+    if missed:
         notes.append(f"set_attention_backend / DIFFUSERS_ATTN_BACKEND does not reach {len(missed)} module(s) that "
                      "bypass dispatch (" + ", ".join(p for p, _ in missed[:4]) + "): diffusers_nki.patch(model)")
     return tuple(notes)

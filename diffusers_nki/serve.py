@@ -39,6 +39,7 @@ from typing import Optional
 
 from diffusers_nki import backends, patching
 from diffusers_nki.testing import tiny
+from diffusers_nki.trained import load_pipeline
 
 __all__ = ["ViewerServer", "load_model", "add_arguments", "run", "PAGE", "MAX_PROMPT_CHARS"]
 
@@ -73,19 +74,17 @@ def load_model(kind: str = "auto", backend: str = "auto"):
     pipe, desc = None, None
     if kind in ("auto", "trained"):
         try:
-            from diffusers_nki.trained import load_pipeline  # the trained tiny model (its own stream)
-        except ImportError as exc:
-            if kind == "trained":
-                raise SystemExit(f"diffusers-nki serve: --model trained is not in this build ({exc}); use "
-                                 f"--model tiny") from None
-        else:
             pipe = load_pipeline()
             desc = "the tiny chunk-causal model trained on a procedural world (diffusers_nki.trained)"
+        except FileNotFoundError as exc:  # a build without the shipped weights
+            if kind == "trained":
+                raise SystemExit(f"diffusers-nki serve: --model trained: {exc}; use --model tiny") from None
     if pipe is None:
         pipe = tiny.tiny_pipeline("causal_wan")
         desc = ("the tiny config with RANDOM weights (no trained model in this build): the frames are noise, the "
                 "stream, switch and reset are real")
-    defaults = dict(getattr(pipe, "serve_defaults", None) or {"height": 64, "width": 64, "steps": 2})
+    defaults = {"height": 64, "width": 64, "steps": 2, "max_sequence_length": 64}
+    defaults.update(getattr(pipe, "serve_defaults", None) or {})
     pipe.set_progress_bar_config(disable=True)
     patching.patch(pipe, backend=backend)
     if backend == "nki" or (backend == "auto" and _neuron_available()):
@@ -116,7 +115,8 @@ class ViewerServer:
     background thread (tests); ``serve_forever()`` runs it in the foreground (the command)."""
 
     def __init__(self, pipe, description: str, prompt: str, height: int, width: int, frames_per_chunk: int = 3,
-                 steps: int = 2, seed: int = 0, fps: int = 16, host: str = "127.0.0.1", port: int = 8765):
+                 steps: int = 2, seed: int = 0, fps: int = 16, host: str = "127.0.0.1", port: int = 8765,
+                 max_sequence_length: int = 64):
         import torch
 
         self.pipe, self.description = pipe, description
@@ -127,7 +127,7 @@ class ViewerServer:
         self.session = pipe.session(prompt, height=height, width=width, num_frames=None,
                                     num_frame_per_block=frames_per_chunk, denoising_timesteps=ts,
                                     generator=torch.Generator().manual_seed(seed), output_type="np",
-                                    max_sequence_length=64, progress=False)
+                                    max_sequence_length=max_sequence_length, progress=False)
         self.session.warmup()
         self._torch = torch
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers-nki-serve")
@@ -336,7 +336,7 @@ def run(args) -> int:
     pipe, desc, defaults = load_model(args.model, args.backend)
     server = ViewerServer(pipe, desc, args.prompt, args.height or defaults["height"], args.width or defaults["width"],
                           args.frames_per_chunk, args.steps or defaults["steps"], args.seed, args.fps, args.host,
-                          args.port)
+                          args.port, defaults["max_sequence_length"])
     server.serve_forever()
     return 0
 

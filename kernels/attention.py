@@ -19,9 +19,10 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
         ScalarE)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the same
         matmul)  ->  O = alpha * O + O_aug (ScalarE eviction, GpSimd update)
     epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
-    Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair (an exact
-    select) and their V rows and validity column are zeroed, so no -inf arithmetic, no NaN, and the
-    instruction stream is independent of the runtime lengths.
+    Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
+    V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``, never a
+    multiply by 0: an unused slot may hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so
+    no -inf arithmetic and no NaN.
 
 Loop structure (everything unrolled at trace time; shapes are compile-time constants):
     for each (batch, kv head) pair on this core (LNC2: whole pairs per core when B*Hkv splits evenly, else
@@ -43,7 +44,11 @@ Loop structure (everything unrolled at trace time; shapes are compile-time const
     SBUF->SBUF DMA transpose, PE transposes evicted by VectorE and PE transposes evicted by ScalarE, chosen
     by sweeping the SCHEDULED modeled time (``diffusers_nki.sim.schedule``), never the roofline ceiling.
     Per 12-sub-tile item: trn1 (no DMA transpose) all 12 by PE transposes evicted by ScalarE; trn2 7-8 by DMA,
-    the rest alternating VectorE / ScalarE; trn3 9 by DMA and 3 evicted by VectorE.
+    the rest alternating VectorE / ScalarE; trn3 10 by DMA (11 while K/V load) and the rest evicted by VectorE.
+    trn3: ScalarE runs exps only (K^T evictions and the O update on VectorE: O_acc = alpha * O_acc + O_aug in
+    one instruction reading PSUM), so it never switches activation function (the act-table-reload hypothesis
+    of ``bench kernels --sensitivity`` costs it nothing); trn2's VectorE has no room for that work (it would
+    fall to ~63% scheduled), so there ScalarE still alternates exp / copy (see docs/BENCHMARKS.md).
 
 Limits (checked by the twin's ``not_supported_reasons`` in the op layer and by trace-time asserts here):
     1 <= D <= 128; H a multiple of Hkv (GQA / MQA); dtypes fp32, bf16, fp16 (matmuls in q's dtype, softmax
@@ -77,7 +82,7 @@ GROUP_R_MIN = 8    # ... when 16 would push K/V out of residency
 LOAD_TILES = 2     # key tiles per K/V load step
 LOAD_LAG = 2       # ticks between a load step's DMAs and its masking / K^T transposes
 MASK_CHUNK = 16    # key tiles whose validity masks are computed at once
-N_STAGE = 8        # K staging tiles (>= LOAD_LAG + 2; a pair's first block is loaded at once)
+N_STAGE = 4        # K staging tiles (>= LOAD_LAG + 2; a pair's first block is loaded at once)
 TINY = 1.0e-30     # epilogue guard: rows with no valid key have O = 0 and l = 0
 LOG_FLOOR = 2.0 ** -64   # lower end of the ScalarE log's valid input range (NKI_SUBSET.md); lse epilogue
 SB_ALIGN = 64      # byte alignment of every SBUF buffer (>= the 32 B nki-library aligns DMA-transpose targets to)
@@ -159,7 +164,7 @@ def _split_table(gen, loading, k):
         if loading:
             return (7, 2, 3) if k % 2 == 0 else (7, 3, 2)
         return (8, 2, 2) if k % 2 == 0 else (8, 1, 3)
-    return 9, 3, 0
+    return (11, 1, 0) if loading else (10, 2, 0)
 
 
 def _split(gen, n_full, has_partial, dma_ok, loading, k):
@@ -325,7 +330,8 @@ def _load_dma(ctx, pair, ent, which):
 
 
 def _finish_k(ctx, pair, ent, eng):
-    """K select (invalid keys -> the substitute key) and K^T, once the rows have arrived."""
+    """K select (invalid keys -> the substitute key; VectorE predicated copy) and K^T, once the rows have
+    arrived."""
     D = ctx["D"]
     C = ctx["C"]
     seg0 = pair["seg_t0"]
@@ -333,25 +339,22 @@ def _finish_k(ctx, pair, ent, eng):
     n = t1 - t0
     if t0 * P < C or ctx["has_kvlen"]:
         _ensure_masks(ctx, pair, t1)
-        tmp = ctx["mask_tmp"][ent["si"] % 2]
-        # key = key * valid + dup * invalid  (an exact select: one factor is 1, the other 0)
-        nisa.tensor_tensor(dst=tmp[:, 0:n, :], data1=pair["dup"].expand_dim(1).broadcast(1, n),
-                           data2=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
-        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :],
-                           data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D), op=nl.multiply, engine=eng)
-        nisa.tensor_tensor(dst=st[:, 0:n, :], data1=st[:, 0:n, :], data2=tmp[:, 0:n, :], op=nl.add, engine=eng)
+        # invalid keys -> the substitute key: a predicated copy (a select, never key * 0: whatever an unused
+        # slot holds, NaN / inf included, is overwritten before any arithmetic reads it)
+        nisa.tensor_copy_predicated(dst=st[:, 0:n, :], src=pair["dup"].expand_dim(1).broadcast(1, n),
+                                    predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
     kT = ctx["kT"]
     c0 = (t0 - seg0) * P
     # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
     # P^T and the K/V rows); their evictions are queued like an item's
     jobs = []
     for t in range(n):
-        jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], t % 2))
+        jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], 0 if ctx["fused_update"] else t % 2))
     _pe_transposes(ctx, jobs, ctx["tick"] - 1, t0 + 1)   # kt: first tile + 1
 
 
 def _finish_v(ctx, pair, ent, eng):
-    """V rows of invalid keys zeroed, and the validity column of V_aug (the row-sum column)."""
+    """V rows of invalid keys zeroed (a select), and the validity column of V_aug (the row-sum column)."""
     D = ctx["D"]
     seg0 = pair["seg_t0"]
     t0, t1 = ent["t0"], ent["t1"]
@@ -359,8 +362,8 @@ def _finish_v(ctx, pair, ent, eng):
     if t0 * P < ctx["C"] or ctx["has_kvlen"]:
         _ensure_masks(ctx, pair, t1)
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
-        nisa.tensor_tensor(dst=vv, data1=vv, data2=pair["vm"][:, t0:t1].expand_dim(2).broadcast(2, D),
-                           op=nl.multiply, engine=eng)
+        # V rows of invalid keys set to 0 by a select (NaN-safe: 0 x NaN would be NaN)
+        nisa.tensor_copy_predicated(dst=vv, src=0.0, predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
         nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
     else:
         nisa.memset(dst=vA[:, t0 - seg0:t1 - seg0, D], value=1.0, engine=eng)
@@ -381,10 +384,10 @@ def _ensure_masks(ctx, pair, t1):
 def _masks_range(ctx, pair, m0, m1):
     n = m1 - m0
     eng = nisa.engine.gpsimd
-    idx = ctx["mask_idx"][:, m0:m1]
-    valid = ctx["mask_v"][:, m0:m1]
-    tmp = ctx["mask_t2"][:, m0:m1]
-    tmp2 = ctx["mask_i"][:, m0:m1]
+    idx = ctx["mask_idx"][:, 0:n]
+    valid = ctx["mask_v"][:, 0:n]
+    tmp = ctx["mask_t2"][:, 0:n]
+    tmp2 = ctx["mask_i"][:, 0:n]
     cols = pair["cols"]   # [P, 3] fp32: cache_len, C + kv_len[b] (or C + Skv), C
     nisa.iota(dst=idx, pattern=[[P, n]], offset=m0 * P, channel_multiplier=1)
     nisa.tensor_tensor(dst=valid, data1=idx, data2=cols[:, 0:1].broadcast(1, n), op=nl.less, engine=eng)
@@ -483,19 +486,22 @@ def _pair_setup(ctx, b, g):
     if ctx["has_kvlen"]:
         nisa.tensor_tensor(dst=cols[:, 1:2], data1=ctx["kl_f"][:, b:b + 1], data2=cols[:, 2:3], op=nl.add,
                            engine=nisa.engine.gpsimd)
+        # selects, not products (an invalid chunk key 0 or cache slot 0 may hold NaN / inf): sel[:, 0] = no
+        # valid chunk key (take cache slot 0), sel[:, 1] = no valid key at all (take zeros)
+        sel = ctx["sel"]
+        nisa.tensor_tensor(dst=sel[:, 0:1], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
+                           op=nl.less, engine=nisa.engine.gpsimd)
         if ctx["has_cache"]:
-            sel = ctx["sel"]
-            nisa.tensor_tensor(dst=sel[:, 0:1], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
-                               op=nl.greater_equal, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=sel[:, 1:2], data1=ctx["kl_f"][:, b:b + 1], data2=ctx["consts"][:, 2:3],
-                               op=nl.less, engine=nisa.engine.gpsimd)
             dc = ctx["dup_c"]
             nisa.dma_copy(dst=dc, src=ctx["k_cache"].ap(pattern=[[0, P], [1, D]], offset=(b * C * Hkv + g) * D))
-            nisa.tensor_tensor(dst=dup, data1=dup, data2=sel[:, 0:1].broadcast(1, D), op=nl.multiply,
+            nisa.tensor_copy_predicated(dst=dup, src=dc, predicate=sel[:, 0:1].broadcast(1, D))
+            nisa.tensor_tensor(dst=sel[:, 1:2], data1=ctx["cl_f"], data2=ctx["consts"][:, 2:3], op=nl.less,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=dc, data1=dc, data2=sel[:, 1:2].broadcast(1, D), op=nl.multiply,
+            nisa.tensor_tensor(dst=sel[:, 1:2], data1=sel[:, 1:2], data2=sel[:, 0:1], op=nl.bitwise_and,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=dup, data1=dup, data2=dc, op=nl.add, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy_predicated(dst=dup, src=0.0, predicate=sel[:, 1:2].broadcast(1, D))
+        else:
+            nisa.tensor_copy_predicated(dst=dup, src=0.0, predicate=sel[:, 0:1].broadcast(1, D))
     pair["dup"] = dup
     pair["cols"] = cols
     return pair
@@ -608,7 +614,14 @@ def _st_update(ctx, it):
     nq, D1 = tl["nq"], ctx["D"] + 1
     ops = ctx["o_ps"][0:nq, it["k"] % N_OPS, 0:D1]
     oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
-    if it["n"] == 0:
+    if ctx["fused_update"]:
+        # VectorE, one instruction reading O_aug from PSUM: O_acc = alpha * O_acc + O_aug (ScalarE stays on exp)
+        if it["n"] == 0:
+            nisa.tensor_copy(dst=oacc, src=ops, engine=nisa.engine.vector)
+        else:
+            al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
+            nisa.scalar_tensor_tensor(dst=oacc, data=oacc, op0=nl.multiply, operand0=al, op1=nl.add, operand1=ops)
+    elif it["n"] == 0:
         nisa.activation(dst=oacc, op=nl.copy, data=ops)
     else:
         ob = ctx["oblk"][it["k"] % N_OB]
@@ -872,9 +885,11 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     o = nl.ndarray((B, Sq, H, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse_out = nl.ndarray((B, H, Sq), dtype=nl.float32, buffer=nl.shared_hbm) if return_lse else None
     dma_t = is16 and gen != nisa.nc_version.gen2
+    # trn3: ScalarE runs exps only (no function switches): the O update on VectorE; trn2's VectorE has no room
+    fused_update = gen == nisa.nc_version.gen4
     ctx = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lse": lse_out,
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
-           "gen2": gen == nisa.nc_version.gen2, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
+           "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
            "stage_i": 0, "qn_i": 0, "fin_i": 0}
 
@@ -909,7 +924,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     if has_cache or has_kvlen:
         ctx["dup"] = _sb(ctx, (P, D), mm_dt, isz)
         ctx["dup_c"] = _sb(ctx, (P, D), mm_dt, isz)
-        ctx["sel"] = _sb(ctx, (P, 2), nl.float32, 4)
+        ctx["sel"] = _sb(ctx, (P, 2), nl.uint8, 4)
         cols = _sb(ctx, (P, 3), nl.float32, 4)
         nisa.memset(dst=cols[:, 2:3], value=C * 1.0, engine=nisa.engine.gpsimd)
         if not has_kvlen:
@@ -918,13 +933,13 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
             nisa.memset(dst=cols[:, 0:1], value=0.0, engine=nisa.engine.gpsimd)
         ctx["cols"] = cols
         nkt = (nk_max + P - 1) // P
-        ctx["mask_idx"] = _sb(ctx, (P, nkt), nl.float32, 4)
-        ctx["mask_v"] = _sb(ctx, (P, nkt), nl.float32, 4)
-        ctx["mask_i"] = _sb(ctx, (P, nkt), nl.float32, 4)
-        ctx["mask_t2"] = _sb(ctx, (P, nkt), nl.float32, 4)
-        ctx["mask_tmp"] = _ring(ctx, 2, (P, LOAD_TILES, D), mm_dt, isz)
+        mc = min(nkt, MASK_CHUNK)   # scratch of one chunk of mask tiles
+        ctx["mask_idx"] = _sb(ctx, (P, mc), nl.float32, 4)
+        ctx["mask_v"] = _sb(ctx, (P, mc), nl.float32, 4)
+        ctx["mask_i"] = _sb(ctx, (P, mc), nl.float32, 4)
+        ctx["mask_t2"] = _sb(ctx, (P, mc), nl.float32, 4)
         ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
-        ctx["mask_im"] = _sb(ctx, (P, nkt), mm_dt, isz)
+        ctx["mask_im"] = _sb(ctx, (P, nkt), nl.uint8, 1)   # the select predicate: 1 = invalid key
     ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
@@ -932,7 +947,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     ctx["p_sb"] = _ring(ctx, N_PSB if dma_t else N_PSB_PE, (P, W_MAX), mm_dt, isz)
     ctx["lag_pv"] = LAG_PV_DMA if dma_t else LAG_PV_PE
     ctx["pT"] = _ring(ctx, ctx["lag_pv"], (P, W_MAX // P, P), mm_dt, isz)
-    ctx["oblk"] = _ring(ctx, N_OB, (P, D + 1), nl.float32, 4)
+    if not fused_update:
+        ctx["oblk"] = _ring(ctx, N_OB, (P, D + 1), nl.float32, 4)
     ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["alpha"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["lcl"] = _sb(ctx, (P, N_RING), nl.float32, 4)

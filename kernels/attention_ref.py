@@ -9,6 +9,10 @@ Semantics (shared with the NKI kernel):
 - ``causal_block > 0``: frame-causal (block-causal) mask between the queries and the chunk's own keys:
   query i sees chunk key j iff ``j // causal_block <= i // causal_block``; cache keys are always visible;
 - a query that sees no key at all returns zeros (never NaN);
+- slots that are not valid (cache slots >= ``cache_len``, chunk keys >= ``kv_len[b]``) never reach the
+  arithmetic: their K and V are replaced by zeros with a select (``torch.where``), never multiplied by a zero
+  weight, so a NaN / inf left in an unused slot (a failed earlier rollout, an fp16 overflow) cannot leak
+  into the output (0 x NaN = NaN);
 - ``scale`` defaults to ``1/sqrt(D)``; the output has q's dtype;
 - ``return_lse=True``: also the per-row log-sum-exp, float32 [B, H, Sq], natural log of the SCALED logits
   over the visible keys (``logsumexp_j(scale * q.k_j)``); a row with no visible key has lse = -inf. Ring
@@ -122,6 +126,31 @@ def key_mask(q, k, k_cache=None, cache_len=None, kv_len=None, causal_block=0) ->
     return torch.cat(parts, dim=-1)
 
 
+def valid_keys(q, k, k_cache=None, cache_len=None, kv_len=None) -> Optional[torch.Tensor]:
+    """Boolean [B or 1, C + Skv]: which slots of [cache | chunk] hold a valid key (None: all of them)."""
+    B, Skv = q.shape[0], k.shape[1]
+    dev = q.device
+    if k_cache is None and kv_len is None:
+        return None
+    parts = []
+    if k_cache is not None:
+        C = k_cache.shape[1]
+        parts.append((torch.arange(C, device=dev) < cache_len.reshape(-1)[0].to(dev)).view(1, C).expand(B, C))
+    if kv_len is not None:
+        parts.append(torch.arange(Skv, device=dev).view(1, Skv) < kv_len.to(dev).view(B, 1))
+    else:
+        parts.append(torch.ones(B, Skv, dtype=torch.bool, device=dev))
+    return torch.cat(parts, dim=1)
+
+
+def _select_valid(t, valid):
+    """``t`` [B, N, H, D] with the rows of invalid slots replaced by zeros (a select: NaN-safe)."""
+    if valid is None:
+        return t
+    return torch.where(valid.view(valid.shape[0], valid.shape[1], 1, 1), t, torch.zeros((), dtype=t.dtype,
+                                                                                         device=t.device))
+
+
 def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0,
                   return_lse=False, kv_budget=0):
     """softmax(q k^T * scale) v over [valid cache slots | valid chunk keys], BSHD layout; see module doc.
@@ -136,6 +165,8 @@ def attention_ref(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
     if k_cache is not None:
         keys = torch.cat([k_cache, k], dim=1)
         vals = torch.cat([v_cache, v], dim=1)
+    valid = valid_keys(q, k, k_cache, cache_len, kv_len)
+    keys, vals = _select_valid(keys, valid), _select_valid(vals, valid)
     mask = key_mask(q, k, k_cache, cache_len, kv_len, causal_block)
     H, Hkv = q.shape[2], keys.shape[2]
     qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2)
@@ -180,6 +211,8 @@ def attention_oracle(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len
     if k_cache is not None:
         keys = torch.cat([cast(k_cache), keys], dim=1)
         vals = torch.cat([cast(v_cache), vals], dim=1)
+    valid = valid_keys(q, k, k_cache, cache_len, kv_len)
+    keys, vals = _select_valid(keys, valid), _select_valid(vals, valid)
     H, Hkv = q.shape[2], keys.shape[2]
     qt, kt, vt = cast(q).transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2)
     if Hkv != H:

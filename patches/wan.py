@@ -12,8 +12,9 @@ PATCH = FamilyPatch(
     models=(_T + "transformer_wan.WanTransformer3DModel", _T + "transformer_wan_vace.WanVACETransformer3DModel"),
     swap={_T + "transformer_wan.WanAttnProcessor": "diffusers_nki.processors.wan.NKIWanAttnProcessor"},
     reached_by_dispatch=(_T + "transformer_wan.WanAttnProcessor",),
-    notes=("self-attention: q/k prologue (RMSNorm across heads + RoPE) fused into the qk_norm_rope op; "
-           "self-attention, text cross-attention and the I2V image cross-attention route through dispatch",),
+    notes=("self-attention: NKIWanAttnProcessor can run the q/k prologue (RMSNorm across heads + RoPE) as the "
+           "qk_norm_rope op (a static cache's processor computes q/k itself); whether it ran: each processor's "
+           "'prologue ran Nx'; attention itself goes through dispatch",),
     caches=(CacheSpec(
         name="causal_wan",
         models=(_T + "transformer_wan.WanTransformer3DModel",),

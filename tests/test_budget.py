@@ -231,8 +231,15 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     assert "| DiT | feed-forward up 1536 -> 8960 + GELU-tanh |" in out and "Calibration row" in out
     data = json.loads(out_json.read_text())
     assert data["modeled"] is True and data["results"][0]["targets"]["trn2"]["headline"]["implemented"]
+    # --out DIR: the old spelling, still honoured (DIR/budget.json), said to be deprecated
+    argv = ["bench", "budget", "--setups", "self_forcing", "--targets", "trn2", "--out", str(tmp_path / "old"),
+            "--no-progress"]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args._run(args) == 0
+    assert "--out DIR is deprecated, use --json PATH" in capsys.readouterr().err
+    assert json.loads((tmp_path / "old" / "budget.json").read_text())["modeled"] is True
     for bad in (["--setups", "nope"], ["--targets", "trn9"]):
-        argv = ["bench", "budget", *bad, "--out", str(tmp_path)]
+        argv = ["bench", "budget", *bad, "--json", str(tmp_path / "x.json")]
         args = cli.build_parser(argv).parse_args(argv)
         assert args._run(args) == 2
         assert bad[1] in capsys.readouterr().err

@@ -10,9 +10,9 @@ from diffusers_nki import cli, demo
 
 
 def _args(tmp_path, *extra):
-    return cli.build_parser().parse_args(["demo", "--chunks", "3", "--frames-per-chunk", "2", "--steps", "1",
-                                          "--height", "32", "--width", "32", "--window", "5", "--sink", "1",
-                                          "--backend", "torch", "--output", str(tmp_path), *extra])
+    return cli.build_parser().parse_args(["demo", "--model", "tiny", "--chunks", "3", "--frames-per-chunk", "2",
+                                          "--steps", "1", "--height", "32", "--width", "32", "--window", "5",
+                                          "--sink", "1", "--backend", "torch", "--output", str(tmp_path), *extra])
 
 
 def test_demo_streams_and_writes_a_playable_video(tmp_path, capsys):

@@ -27,7 +27,8 @@ LAYERS = (
     ("engine", ("diffusers_nki.lifecycle", "diffusers_nki.install", "diffusers_nki.cache", "diffusers_nki.patching",
                 "diffusers_nki.explanation")),
     ("applications", ("diffusers_nki.pipelines", "diffusers_nki.testing", "diffusers_nki.video_coverage",
-                      "diffusers_nki.demo", "diffusers_nki.serve", "diffusers_nki.cli", "diffusers_nki.bench",
+                      "diffusers_nki.trained", "diffusers_nki.demo", "diffusers_nki.serve", "diffusers_nki.cli",
+                      "diffusers_nki.bench",
                       "diffusers_nki.__main__",
                       "diffusers_nki")),
 )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import accounting, ops
+from diffusers_nki import accounting, compat, ops
 from diffusers_nki.testing import tiny
 from diffusers_nki.patching import NotPatchedError, is_patched, patched_backend
 
@@ -427,13 +427,22 @@ def test_explain_lists_models_routed_without_patch(h):
     assert rep.summary()["calls_routed"] == 2 and rep.summary()["routed_share"] == 1.0
     model.reset_attention_backend()
     other, make_other = tiny.tiny_transformer("wan", num_layers=1, seed=2)
+    # reset_attention_backend leaves diffusers' ACTIVE backend on "nki": a fresh model follows it (explain says so)
+    assert diffusers_nki.explain(other).summary()["routed_share"] == 1.0
+    compat.set_active_backend(compat.backend_member("native"))
     before = diffusers_nki.explain(other)
     assert before.summary()["routed_share"] == 0.0
     with attention_backend("nki"):
         h.run(other, make_other(**FAST))
-    rep = diffusers_nki.explain(other)  # after the context: from what ran, not from what is set now
+        rep = diffusers_nki.explain(other)
     assert [m.path_taken for m in rep.models[0].modules] == ["torch", "torch"]
     assert rep.summary()["calls_routed"] == 2 and not rep.models[0].patched
+    # after the context the model is back on native: its calls stay counted, but it is not reported as routed
+    # (issue 24, item 15)
+    rep = diffusers_nki.explain(other)
+    assert [m.path_taken for m in rep.models[0].modules] == ["stock", "stock"]
+    assert rep.summary()["calls_routed"] == 2 and rep.summary()["routed_share"] == 0.0
+    assert "ran before that was set" in rep.models[0].modules[0].reason
 
 
 def test_explain_counts_per_backend_after_a_repatch(h):

@@ -352,3 +352,131 @@ def test_compiled_route_gradients_match_stock_through_both_branches():
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the dispatch-only route on models whose attention it cannot reach (issue 24, items 1 and 2): the same outcome
+# through both entry points, a warning naming what it misses, and strict ("nki_strict") raising
+# ---------------------------------------------------------------------------------------------------------
+BYPASS_FAMILIES = ("cogvideox", "consisid", "anyflow_far")  # direct SDPA / forwards; AnyFlow-FAR: flex only
+ENTRIES = ("set_attention_backend", "env_var")
+MISSES = "bypass it and keep stock attention"
+
+
+def _select(model, entry, name):
+    from diffusers_nki import compat
+
+    if entry == "set_attention_backend":
+        model.set_attention_backend(name)
+    else:  # what DIFFUSERS_ATTN_BACKEND=<name> leaves once diffusers' dispatch is imported (the real variable, in
+        # a fresh process: test_env_var_route_in_a_fresh_process)
+        compat.set_active_backend(compat.backend_member(name))
+
+
+def _bypass_model(family):
+    if family in tiny.unavailable_families():
+        pytest.skip(tiny.unavailable_families()[family])
+    return tiny.tiny_transformer(family)
+
+
+def _misses(caught):
+    return [str(w.message) for w in caught if MISSES in str(w.message)]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("family", BYPASS_FAMILIES)
+def test_dispatch_route_warns_once_naming_the_modules_it_misses(family, entry, h):
+    import warnings
+
+    from diffusers_nki import bridge
+
+    model, make_inputs = _bypass_model(family)
+    missed = bridge.unreached_modules(model)
+    assert missed
+    _select(model, entry, "nki")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.run(model, make_inputs())  # AnyFlow-FAR via set_attention_backend used to raise diffusers' ValueError
+        h.run(model, make_inputs())
+    msgs = _misses(caught)
+    assert len(msgs) == 1, msgs  # once per model
+    assert type(model).__name__ in msgs[0] and "diffusers_nki.patch(model)" in msgs[0]
+    assert f"{len(missed)} attention module(s)" in msgs[0]
+    for path, cls in missed[:4]:
+        assert f"{path} ({cls})" in msgs[0]
+    assert ops.counters()["attention"]["stock"] == 0  # what the route does reach, it routes
+    rep = diffusers_nki.explain(model).models[0]
+    missed_paths = {p for p, _ in missed}
+    assert all(m.path_taken == "stock" for m in rep.modules if m.path in missed_paths)
+    assert any("does not reach" in n for n in rep.notes)
+
+
+@pytest.mark.parametrize("family", BYPASS_FAMILIES)
+def test_both_entry_points_give_the_same_outcome(family, h):
+    model, make_inputs = _bypass_model(family)
+    outs, reports = {}, {}
+    for entry in ENTRIES:
+        m, _ = tiny.tiny_transformer(family)
+        _select(m, entry, "nki")
+        with pytest.warns(RuntimeWarning, match=MISSES):
+            outs[entry] = h.run(m, make_inputs())
+        reports[entry] = [(x.path, x.path_taken, x.calls) for x in diffusers_nki.explain(m).models[0].modules]
+        from diffusers_nki import compat
+
+        compat.set_active_backend(compat.backend_member("native"))
+    assert torch.equal(outs["set_attention_backend"], outs["env_var"])
+    assert reports["set_attention_backend"] == reports["env_var"]
+    stock = h.run(model, make_inputs())
+    assert h.rel_err(outs["env_var"], stock) <= 1e-5
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("family", BYPASS_FAMILIES)
+def test_strict_dispatch_route_raises_naming_the_modules(family, entry, h):
+    from diffusers_nki import bridge
+
+    model, make_inputs = _bypass_model(family)
+    first = bridge.unreached_modules(model)[0][0]
+    _select(model, entry, "nki_strict")
+    for _ in range(2):  # every call, not once
+        with pytest.raises(StrictFallbackError, match=first.replace(".", r"\.")):
+            h.run(model, make_inputs())
+    assert sum(ops.counters()["attention"].values()) == 0
+
+
+def test_dispatch_route_says_nothing_to_patched_models_or_without_our_backend(h, recwarn):
+    model, make_inputs = tiny.tiny_transformer("cogvideox")
+    h.run(model, make_inputs())  # native: nothing to say
+    diffusers_nki.patch(model, backend="torch")
+    _select(model, "env_var", "nki_strict")  # strict, but patch() reaches everything: no error, no warning
+    h.run(model, make_inputs())
+    assert not _misses(recwarn.list) and ops.counters()["attention"]["torch"] > 0
+    assert ops.counters()["attention"]["stock"] == 0
+
+
+def test_env_var_route_in_a_fresh_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, diffusers_nki, torch\n"
+        "from diffusers_nki.testing import tiny\n"
+        "from diffusers_nki.errors import StrictFallbackError\n"
+        "warnings.simplefilter('always')\n"
+        "for fam in ('cogvideox', 'anyflow_far'):\n"
+        "    m, mk = tiny.tiny_transformer(fam)\n"
+        "    with warnings.catch_warnings(record=True) as w, torch.no_grad():\n"
+        "        warnings.simplefilter('always')\n"
+        "        try:\n"
+        "            m(**mk()); m(**mk()); res = 'ran'\n"
+        "        except StrictFallbackError:\n"
+        "            res = 'strict'\n"
+        "    print(fam, res, sum('bypass it and keep stock' in str(x.message) for x in w))\n"
+    )
+    for value, want in (("nki", "ran 1"), ("nki_strict", "strict 0")):
+        env = dict(os.environ, DIFFUSERS_ATTN_BACKEND=value, OMP_NUM_THREADS="1")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = out.stdout.strip().splitlines()[-2:]
+        assert lines == [f"cogvideox {want}", f"anyflow_far {want}"], (value, out.stdout, out.stderr[-2000:])

@@ -781,8 +781,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {', '.join(SETUPS)} (default both)")
     p.add_argument("--targets", default="trn2,trn3", help="comma list of trn2, trn3 (default both)")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="write the JSON here (default: <--out>/budget.json)")
-    p.add_argument("--out", default=os.path.join("outputs", "budget"), help="output directory (default outputs/budget)")
+                   help="write the JSON here (default: outputs/budget/budget.json)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="deprecated: use --json PATH (writes DIR/budget.json)")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
 
 
@@ -826,7 +827,10 @@ def run(args) -> int:
         bar.close()
     cal = calibration_row("trn2")
     print(render(results, cal))
-    path = args.json or os.path.join(args.out, "budget.json")
+    if args.out is not None:
+        print("diffusers-nki bench budget: --out DIR is deprecated, use --json PATH (as the other bench commands)",
+              file=sys.stderr)
+    path = args.json or os.path.join(args.out or os.path.join("outputs", "budget"), "budget.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(json_safe({"schema": "diffusers_nki.bench.budget/2", "modeled": True, "results": results,

@@ -32,7 +32,10 @@ matmul FLOPs / (T x PE peak)), attention_efficiency (exact attention FLOPs 4*D*v
 waits and critical_path (the schedule's), busy_seconds per engine, terms_seconds, pe_transpose_share,
 hbm_bytes and hbm_bytes_min, dense_work_share, instruction counts, lint findings, trace/schedule seconds
 and peak resident memory of the judging process; attention rows also ``peer``: the other kernel's scheduled
-time at the same shape and ``ratio`` = ours / attention_cte. Every time is modeled; 1-head traces
+time at the same shape and ``ratio`` = ours / attention_cte. With ``--sensitivity``: ``hypotheses`` (the row under
+each named hypothesis of ``sim.cost.SENSITIVITY_ROWS``: scheduled_s, act_table_switches, fits_sbuf, error), its
+``peer[...]["hypotheses"]`` (per hypothesis: ours_s, attention_cte_s, ratio), and ``sensitivity`` (the change
+when each schedule ASSUMPTION constant is doubled). Every time is modeled; 1-head traces
 (``--heads 1``) are multiplied by the head count (each head's work is identical and sequential; the
 overlap between consecutive heads is then not modeled, a small pessimism).
 """
@@ -98,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true",
                         help="do not add nki-library attention_cte rows (default: added when the library is there)")
     parser.add_argument("--sensitivity", action="store_true",
-                        help="also reschedule each attention row with every schedule ASSUMPTION doubled (slow)")
+                        help="also schedule each attention row (ours and attention_cte) under every named hypothesis for what "
+             "the documents leave open (sim.cost.SENSITIVITY_ROWS: ACT table reload 0.5 / 1.3 us, DMA transpose "
+             "flat 50%% / 2x slower, usable SBUF 208 / 192 KiB, DMA transfer floor), side by side with the ratio, "
+             "and with every schedule ASSUMPTION constant doubled (slow)")
     parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
 
 
@@ -170,17 +176,35 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
         kern = cache_write_kernel
         hbm_min = 2 * 2 * B * Skv * Hkv * D * isz  # k and v: read once, written once
         exact_flops = dense_flops = 0
-    sim = simulate(kern[lnc] if lnc > 1 else kern, target=target, numerics=False)
-    sim(*args)
-    rec = sim.last_record
+    def trace(**kw):
+        sim = simulate(kern[lnc] if lnc > 1 else kern, target=target, numerics=False, **kw)
+        sim(*args)
+        return sim.last_record
+
+    rec = trace()
     trace_s = time.perf_counter() - t0
     return _row(name, s["kernel"], target, rec, factor, s["H"], trace_s, hbm_min, exact_flops, dense_flops,
                 {k: SHAPES[name][k] for k in ("B", "H", "Hkv", "D", "Sq", "Skv", "C", "cache_len", "causal_block")},
-                sensitivity=sensitivity)
+                sensitivity=sensitivity, trace=trace)
+
+
+def _hypothesis_rows(trace, target, base, factor) -> List[dict]:
+    """The kernel's scheduled time under each named hypothesis (``sim.cost.SENSITIVITY_ROWS``), times scaled
+    like the row's; ``error`` says why a row has no time (e.g. the kernel does not fit the smaller SBUF)."""
+    from diffusers_nki.sim.schedule import hypothesis_sensitivity
+
+    out = []
+    for h in hypothesis_sensitivity(trace, target, base=base):
+        out.append({"name": h["name"], "hypotheses": h["hypotheses"],
+                    "scheduled_s": None if h["scheduled_s"] is None else h["scheduled_s"] * factor,
+                    "change": h["change"], "efficiency_scheduled": h["efficiency_scheduled"],
+                    "act_table_switches": None if h["act_table_switches"] is None else int(h["act_table_switches"] * factor),
+                    "fits_sbuf": h["fits_sbuf"], "error": h["error"]})
+    return out
 
 
 def _row(name, kernel, target, rec, factor, heads_traced, trace_s, hbm_min, exact_flops, dense_flops, dims,
-         sensitivity=False):
+         sensitivity=False, trace=None):
     from diffusers_nki.sim.cost import model
     from diffusers_nki.sim.schedule import schedule, sensitivity as _sens
 
@@ -229,6 +253,8 @@ def _row(name, kernel, target, rec, factor, heads_traced, trace_s, hbm_min, exac
     }
     if sensitivity:
         row["sensitivity"] = {k: (v if k == "base_s" else v["change"]) for k, v in _sens(rec, target, sch).items()}
+        if trace is not None:
+            row["hypotheses"] = _hypothesis_rows(trace, target, sch, factor)
     return row
 
 
@@ -268,17 +294,22 @@ def bench_peer(name: str, target: str, heads: Optional[int] = None, lnc: int = 1
     dense = 4 * D * H * Sq * (prior + Skv)
     hbm_min = (2 * Sq * H * D + 2 * (prior + Skv) * H * D) * 2
     t0 = time.perf_counter()
-    sim = simulate(cte.kernel[lnc] if lnc > 1 else cte.kernel, target=target, numerics=False)
     log = io.StringIO()
-    try:
+
+    def trace(**skw):
+        sim = simulate(cte.kernel[lnc] if lnc > 1 else cte.kernel, target=target, numerics=False, **skw)
         with contextlib.redirect_stdout(log):  # the kernel's own compile-time logger lines
             sim(*args, **kw)
+        return sim.last_record
+
+    try:
+        rec = trace()
     except NkiValidationError as e:
         return {"shape": name, "kernel": "attention_cte", "target": target, "modeled": True, "dims": dims,
                 "unavailable": f"not expressible on {target}: {e}"}
     trace_s = time.perf_counter() - t0
-    row = _row(name, "attention_cte", target, sim.last_record, factor, H, trace_s, hbm_min, exact, dense, dims,
-               sensitivity=sensitivity)
+    row = _row(name, "attention_cte", target, rec, factor, H, trace_s, hbm_min, exact, dense, dims,
+               sensitivity=sensitivity, trace=trace)
     row["vs"] = p["vs"]
     row["compile_log"] = log.getvalue().strip().splitlines()
     return row
@@ -332,8 +363,38 @@ def _pair(rows: List[dict]):
                                          "ceiling_s": r["modeled_seconds"]["ceiling"], "ratio": ratio})
         r["peer"] = [{"kernel": "attention", "shape": o["shape"], "scheduled_s": o["modeled_seconds"]["scheduled"],
                       "ceiling_s": o["modeled_seconds"]["ceiling"], "ratio": ratio}]
+        if "hypotheses" in o and "hypotheses" in r:
+            o["peer"][-1]["hypotheses"] = r["peer"][0]["hypotheses"] = _hyp_ratios(o["hypotheses"], r["hypotheses"])
         out.append((o, r, ratio))
     return out
+
+
+def _hyp_ratios(ours: List[dict], cte: List[dict]) -> List[dict]:
+    """Per named hypothesis: ours, attention_cte and ours / attention_cte (None where either has no time)."""
+    by = {h["name"]: h for h in cte}
+    out = []
+    for h in ours:
+        c = by.get(h["name"])
+        a, b = h["scheduled_s"], None if c is None else c["scheduled_s"]
+        out.append({"name": h["name"], "ours_s": a, "attention_cte_s": b,
+                    "ratio": (a / b) if a is not None and b else None,
+                    "ours_act_table_switches": h["act_table_switches"],
+                    "attention_cte_act_table_switches": None if c is None else c["act_table_switches"],
+                    "error": h["error"] or (None if c is None else c["error"])})
+    return out
+
+
+def _fmt_hyp(o: dict, c: dict, rows: List[dict]) -> List[str]:
+    ms = lambda x: "        -" if x is None else f"{x * 1e3:9.3f}"  # noqa: E731
+    sw = lambda x: "     -" if x is None else f"{x:6d}"  # noqa: E731
+    lines = [f"  {o['shape']} {o['target']}: {'hypothesis':<28} {'ours ms':>9} {'cte ms':>9} {'ratio':>6} "
+             f"{'ACT switches ours / cte':>24}"]
+    for h in rows:
+        ratio = "     -" if h["ratio"] is None else f"{h['ratio']:6.2f}"
+        lines.append(f"  {'':<{len(o['shape']) + len(o['target']) + 2}} {h['name']:<28} {ms(h['ours_s'])} "
+                     f"{ms(h['attention_cte_s'])} {ratio} {sw(h['ours_act_table_switches']):>14} / "
+                     f"{sw(h['attention_cte_act_table_switches'])}" + (f"  ({h['error'][:80]})" if h["error"] else ""))
+    return lines
 
 
 def run(args) -> int:
@@ -390,6 +451,13 @@ def run(args) -> int:
                   f" ms vs {c['modeled_seconds']['scheduled'] * 1e3:9.3f} ms, ratio {ratio:5.2f}; attention efficiency "
                   f"{100 * ao:.1f}% vs {100 * ac:.1f}%" + ("  (masks differ: frame-causal vs token-causal)"
                                                           if o["shape"] != c["shape"] else ""))
+        hyp = [(o, c) for o, c, _ in pairs if "hypotheses" in o["peer"][-1]]
+        if hyp:
+            print("under each named hypothesis for what the documents leave open (sim.cost.SENSITIVITY_ROWS; "
+                  "modeled, scheduled; ratio = ours / attention_cte):")
+            for o, c in hyp:
+                for line in _fmt_hyp(o, c, o["peer"][-1]["hypotheses"]):
+                    print(line)
     elif peer_note and not getattr(args, "no_peer", False):
         print(f"attention_cte rows skipped: {peer_note}")
     print("where the time goes (modeled):")

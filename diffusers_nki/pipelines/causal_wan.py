@@ -63,7 +63,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 from diffusers_nki.cache import PIPELINE_ORIGIN, apply_static_cache
-from diffusers_nki import compat
+from diffusers_nki import compat, errors
 from diffusers_nki.caching.causal_wan import CHUNK_KEY, POSITIONS, CausalChunk, RolloutHandle
 from diffusers_nki.caching.wan_vae import find_wan_vae_cache
 from diffusers_nki.caching.config import StaticCacheConfig
@@ -631,12 +631,12 @@ class CausalWanPipeline(DiffusionPipeline):
     def _latent_frames(self, num_frames: int, block: int) -> int:
         t = self.vae_scale_factor_temporal
         if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % t:
-            raise ValueError(f"num_frames={num_frames!r} must be {t}k + 1 (the Wan VAE's temporal compression), "
+            raise errors.InputSizeError(f"num_frames={num_frames!r} must be {t}k + 1 (the Wan VAE's temporal compression), "
                              f"e.g. {t * 3 * block - t + 1}")
         f = (num_frames - 1) // t + 1
         if f % block:
             good = (f // block + 1) * block
-            raise ValueError(f"num_frames={num_frames} gives {f} latent frames, not a multiple of num_frame_per_block="
+            raise errors.InputSizeError(f"num_frames={num_frames} gives {f} latent frames, not a multiple of num_frame_per_block="
                              f"{block}; use num_frames={t * (good - 1) + 1} ({good} latent frames)")
         return f
 
@@ -697,9 +697,19 @@ class CausalWanPipeline(DiffusionPipeline):
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"num_frame_per_block={block!r} must be an int >= 1")
         s = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
+        rope = getattr(self.transformer, "rope", None)
+        table = getattr(rope, "freqs_cos", None)
+        positions_hw = None if table is None else int(table.shape[0])  # RoPE positions per axis (rope_max_seq_len)
         for name, v in (("height", height), ("width", width)):
             if not isinstance(v, int) or v < s or v % s:
-                raise ValueError(f"{name}={v!r} must be a positive multiple of {s} (VAE x patch size)")
+                raise errors.InputSizeError(f"CausalWanPipeline: {name}={v!r} must be a positive multiple of {s} "
+                                            f"(VAE x patch size)")
+            if positions_hw is not None and v // s > positions_hw:
+                raise errors.InputSizeError(
+                    f"CausalWanPipeline: {name}={v} is {v // s} tokens along that axis ({name} / {s}, VAE x patch "
+                    f"size), more than the transformer's {positions_hw} RoPE positions (config rope_max_seq_len="
+                    f"{getattr(self.transformer.config, 'rope_max_seq_len', positions_hw)}): {name} <= "
+                    f"{positions_hw * s} for this model")
         ctx = self.config.context_timestep if context_timestep is None else float(context_timestep)
         if not 0 <= ctx < 1000:
             raise ValueError(f"context_timestep={context_timestep!r} must be in [0, 1000)")

@@ -95,6 +95,8 @@ class NKIWanAttnProcessor(compat.DispatchAttributes, _Routed):
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("_wan", None)
+        # a copy counts its own calls (explain): it never carries the original's
+        state.update(prologue_calls=0, no_rope_calls=0, prologue_fallbacks=Counter())
         return state
 
     def __setstate__(self, state):

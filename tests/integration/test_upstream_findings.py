@@ -5,7 +5,8 @@
   through our op in CogVideoX, ConsisID, Allegro, Latte, EasyAnimate and Mochi (every softmax call there is a
   direct SDPA or a hand-written softmax): no call ever reaches our dispatch backend, so the once-per-model warning
   never fired and ``explain`` said nothing of why 0% was routed. ``explain`` now names what the selected route
-  leaves on stock attention even when nothing of the model ran through it.
+  leaves on stock attention even when nothing of the model ran through it, and the model's first call under
+  the route warns (issue 24: it used to be silent there).
 """
 import pytest
 import torch
@@ -31,12 +32,15 @@ def test_explain_names_what_the_dispatch_route_misses_when_nothing_reached_it(fa
         pytest.skip(tiny.unavailable_families()[family])
     model, make_inputs = tiny.tiny_transformer(family)
     assert _notes(model) == []  # no route selected: nothing to say
-    with attention_backend("nki"):
+    with attention_backend("nki"), pytest.warns(RuntimeWarning, match="bypass it and keep stock") as caught:
+        h.run(model, make_inputs())
         h.run(model, make_inputs())
         notes = _notes(model)
     assert sum(ops.counters()["attention"].values()) == 0  # the route reached nothing of this model
-    assert bridge.unreached(model) is None  # ... so the once-per-model warning had no call to fire from
+    # ... and the model's first call said so anyway, once (issue 24, item 1: it used to be silent)
+    assert sum("bypass it and keep stock" in str(w.message) for w in caught) == 1
     missed = bridge.unreached_modules(model)
+    assert bridge.unreached(model) == missed
     assert missed and len(notes) == 1 and f"does not reach {len(missed)} module(s)" in notes[0]
     assert missed[0][0] in notes[0] and "diffusers_nki.patch(model)" in notes[0]
     # a processor's own choice (set_attention_backend sets it and the active backend; only the former here)

@@ -52,6 +52,11 @@ def test_nki_library_anchors_within_tolerance_or_named():
         pytest.skip(absent[0]["reason"])
     ran = _check(rows)
     assert [r for r in rows if r["status"] == "blocked"] == []
+    assert len(ran) == len(rows) - len(absent)
+    if absent:
+        # e.g. only the shared attention_cte subset: the anchors that ran passed the checks above; the counts
+        # below are over the whole subset and need the full nki-library checkout
+        pytest.skip(f"{len(absent)} of {len(rows)} anchors absent ({absent[0]['reason']})")
     assert len(ran) >= 3 and sum(r["within_tolerance"] for r in ran) >= 4
 
 

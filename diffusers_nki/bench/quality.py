@@ -1,0 +1,301 @@
+"""``diffusers-nki bench quality``: what the trained tiny chunk-causal model (``diffusers_nki.trained``) draws, scored
+from the frames alone (``diffusers_nki.trained.tracker``: colour, shape, motion within chunks, motion across chunk
+boundaries), for the stock rollout, the patched one, and the patched one with its cache deliberately broken.
+
+Rows (every rollout of a row uses the same prompts, the same initial noise and the same re-noising noise):
+
+- ``stock``: no plugin at all: ``trained.model.reference_rollout`` (every chunk recomputed from scratch with the
+  dense block-causal mask of the model's window and sinks), decoded by the stock ``vae.decode``;
+- ``patched``: ``diffusers_nki.patch(pipe, backend="torch")``: the static KV cache (9-frame window, 3-frame sink),
+  NKI-routed attention, the streaming VAE decode cache; driven by a session chunk by chunk;
+- ``broken: rope offset``: the denoising passes rotated one chunk early (a stale RoPE frame offset; the cache pass
+  right), so each chunk is denoised as if it stood where the previous one stands;
+- ``broken: evicted sink``: the ring treats the sink frames as ordinary ones, so they are evicted once the window
+  rolls;
+- the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference with
+  every clean frame re-encoded under the new text), ``patched switch`` (``session.set_prompt``: LongLive's KV
+  re-cache) and ``broken: stale K/V after switch`` (the re-cache skipped: the window keeps the K/V computed under
+  the old text).
+
+Not covered: a bad halo in a sharded VAE decode (``diffusers_nki.vae_parallel`` needs a process group of several
+ranks; this bench runs in one process).
+
+The cache breaks are context managers around our own cache objects (instance attributes of one hook and of the
+rollout states it makes, removed on exit): nothing else in the process sees them.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import diffusers_nki
+from diffusers_nki.bench._measure import json_safe
+from diffusers_nki.caching.core import find_hook
+from diffusers_nki.pipelines.causal_wan import denormalize_latents
+from diffusers_nki.trained import TEXT_LEN, load_pipeline
+from diffusers_nki.trained import model as M
+from diffusers_nki.trained import tracker, world
+
+__all__ = ["PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure", "run",
+           "stale_kv"]
+
+PROMPTS = ("a red square moving left", "a blue circle moving up", "a green square moving down",
+           "a yellow circle moving right")
+SWITCH_PROMPTS = (("a red square moving right", "a blue circle moving down"),
+                  ("a yellow square moving up", "a green circle moving left"))
+SIZE = world.SIZE
+
+
+# ------------------------------------------------------------------------------------------------------
+# deliberate cache breaks (context managers around our own objects)
+# ------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _on_states(pipe, fix: Callable):
+    """Apply ``fix(state) -> undo`` to every rollout state the pipeline's causal cache hook hands out inside the
+    block (an instance attribute of that one hook), and undo everything on exit."""
+    hook = find_hook(pipe.transformer)
+    if hook is None or getattr(hook, "family", None) != "causal_wan":
+        raise ValueError("the pipeline's transformer carries no causal Wan static cache (diffusers_nki.patch(pipe))")
+    original = hook._state_for
+    touched: Dict[int, Callable] = {}
+
+    def state_for(module, hs, chunk):
+        st = original(module, hs, chunk)
+        if id(st) not in touched:
+            touched[id(st)] = fix(st)
+        return st
+
+    hook._state_for = state_for
+    try:
+        yield
+    finally:
+        del hook._state_for
+        for undo in touched.values():
+            undo()
+
+
+def broken_rope(pipe, offset: Optional[int] = None):
+    """The denoising passes' RoPE rotated ``offset`` frames before the chunk's absolute position (default: one
+    chunk: the previous chunk's start frame, a stale offset); the cache pass keeps the right positions."""
+    shift = pipe.config.num_frame_per_block if offset is None else offset
+
+    def fix(st):
+        serve = st.serve
+
+        def wrong(hook, module, a, chunk):
+            if chunk.commit or chunk.recache_frames:
+                return serve(hook, module, a, chunk)
+            freqs = st.rope.freqs
+            st.rope.freqs = lambda positions: freqs((positions - shift).clamp_min(0))
+            try:
+                return serve(hook, module, a, chunk)
+            finally:
+                del st.rope.freqs
+
+        st.serve = wrong
+
+        def undo():
+            st.__dict__.pop("serve", None)
+        return undo
+
+    return _on_states(pipe, fix)
+
+
+def evicted_sink(pipe):
+    """The ring forgets its sink: the sink frames are evicted like any other once the window rolls."""
+
+    def fix(st):
+        sink = st.ring.sink
+        st.ring.sink = 0
+
+        def undo():
+            st.ring.sink = sink
+        return undo
+
+    return _on_states(pipe, fix)
+
+
+@contextlib.contextmanager
+def stale_kv(session):
+    """A prompt switch without LongLive's KV re-cache: the window keeps the K/V computed under the old text."""
+    session._recache = lambda embeds: None
+    try:
+        yield
+    finally:
+        del session._recache
+
+
+# ------------------------------------------------------------------------------------------------------
+# rollouts
+# ------------------------------------------------------------------------------------------------------
+class _Noise:
+    """The re-noising noise of (chunk, step), drawn once from a seed of its own: the same in every row."""
+
+    def __init__(self, seed: int):
+        self.seed, self.cache = seed, {}
+
+    def __call__(self, chunk: int, step: int, shape):
+        key = (chunk, step, tuple(shape))
+        if key not in self.cache:
+            g = torch.Generator().manual_seed(self.seed * 7919 + chunk * 31 + step)
+            self.cache[key] = torch.randn(tuple(shape), generator=g)
+        return self.cache[key]
+
+
+def _to_frames(pipe, video: torch.Tensor) -> np.ndarray:
+    return np.asarray(pipe.video_processor.postprocess_video(video, output_type="np")[0])
+
+
+def _stock(pipe, prompt: str, latents, noise, switch=None) -> np.ndarray:
+    text = pipe.encode_prompt(prompt, max_sequence_length=TEXT_LEN)
+    sw = None
+    if switch is not None:
+        sw = (switch[0], pipe.encode_prompt(switch[1], max_sequence_length=TEXT_LEN))
+    z = M.reference_rollout(pipe, text, latents, noise, switch=sw)
+    with torch.no_grad():
+        video = pipe.vae.decode(denormalize_latents(pipe.vae, z), return_dict=False)[0]
+    return _to_frames(pipe, video)
+
+
+def _patched(pipe, prompt: str, latents, noise, switch=None, breaker=None) -> np.ndarray:
+    F = latents.shape[2]
+    s = pipe.session(prompt, height=SIZE, width=SIZE, num_frames=F, latents=latents, step_noise=noise,
+                     max_sequence_length=TEXT_LEN, progress=False)
+    frames = []
+    with contextlib.ExitStack() as stack:
+        if breaker == "stale_kv":
+            stack.enter_context(stale_kv(s))
+        elif breaker is not None:
+            stack.enter_context(breaker(pipe))
+        try:
+            while not s.done:
+                if switch is not None and s.index == switch[0]:
+                    s.set_prompt(switch[1])
+                frames.append(np.asarray(s.next_chunk().frames[0]))
+        finally:
+            s.close()
+    return np.concatenate(frames, axis=0)
+
+
+def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[world.Prompt]:
+    a = world.parse_prompt(prompt)
+    if switch is None:
+        return [a] * frames
+    b = world.parse_prompt(switch[1])
+    return [a if t < switch[0] * block else b for t in range(frames)]
+
+
+ROWS = ("stock", "patched", "broken: rope offset", "broken: evicted sink", "stock switch", "patched switch",
+        "broken: stale K/V after switch")
+
+
+def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_PROMPTS, switch_at: int = 3,
+            seed: int = 0, rows=ROWS, progress: bool = True, keep_frames: bool = False) -> dict:
+    """Scores per row (means over the prompts) and per rollout. ``pipe``: ``trained.load_pipeline()`` by default
+    (patched and unpatched in turn here; left unpatched)."""
+    from tqdm.auto import tqdm
+
+    pipe = pipe if pipe is not None else load_pipeline()
+    block = pipe.config.num_frame_per_block
+    if not isinstance(chunks, int) or chunks < 2:
+        raise ValueError(f"chunks={chunks!r} must be an int >= 2")
+    if not 1 <= switch_at < chunks:
+        raise ValueError(f"switch_at={switch_at!r} must be in 1..{chunks - 1} (a chunk boundary of the rollout)")
+    F = chunks * block
+    jobs = []
+    for row in rows:
+        cases = switch_prompts if "switch" in row else [(p, None) for p in prompts]
+        for i, case in enumerate(cases):
+            jobs.append((row, i, case))
+    results: Dict[str, List[dict]] = {r: [] for r in rows}
+    frames_out: Dict[str, list] = {r: [] for r in rows}
+    bar = tqdm(total=len(jobs), desc="quality", unit="rollout", disable=not progress)
+    t0 = time.perf_counter()
+    for patched in (False, True):
+        if patched:
+            diffusers_nki.patch(pipe, backend="torch")
+        try:
+            for row, i, case in jobs:
+                if row.startswith("stock") == patched:
+                    continue
+                prompt, second = case
+                switch = (switch_at, second) if second is not None else None
+                g = torch.Generator().manual_seed(seed * 1000 + i)
+                latents = torch.randn((1, pipe.transformer.config.in_channels, F, SIZE // 8, SIZE // 8), generator=g)
+                noise = _Noise(seed * 1000 + i)
+                if row.startswith("stock"):
+                    video = _stock(pipe, prompt, latents, noise, switch)
+                else:
+                    breaker = {"broken: rope offset": broken_rope, "broken: evicted sink": evicted_sink,
+                               "broken: stale K/V after switch": "stale_kv"}.get(row)
+                    video = _patched(pipe, prompt, latents, noise, switch, breaker)
+                sc = tracker.score_video(video, _expected(prompt, video.shape[0], switch, block), block)
+                results[row].append({"prompt": prompt, "switch_to": second, **sc})
+                if keep_frames:
+                    frames_out[row].append(video)
+                bar.update(1)
+        finally:
+            if patched:
+                diffusers_nki.unpatch(pipe)
+    bar.close()
+    keys = ("quality", "color", "shape", "motion", "boundary", "found", "within_err_px", "boundary_err_px")
+    table = {r: {k: float(np.mean([x[k] for x in results[r]])) for k in keys} for r in rows if results[r]}
+    out = {"schema": "diffusers_nki.bench.quality/1", "chunks": chunks, "frames": F, "switch_at": switch_at,
+           "seed": seed, "window": pipe.config.window_frames, "sink": pipe.config.sink_frames,
+           "rows": table, "rollouts": results, "seconds": time.perf_counter() - t0,
+           "not_covered": ["bad halo in a sharded VAE decode: vae_parallel needs a multi-rank process group"]}
+    if keep_frames:
+        out["frames_by_row"] = frames_out
+    return out
+
+
+def format_table(res: dict) -> str:
+    lines = [f"tiny trained chunk-causal Wan, {res['chunks']} chunks x 3 latent frames (64x64), window "
+             f"{res['window']} frames, sink {res['sink']}; prompt switch at chunk {res['switch_at']}",
+             f"{'row':<32} {'quality':>7} {'color':>6} {'shape':>6} {'motion':>6} {'bound.':>6} "
+             f"{'err in':>7} {'err at':>7}",
+             f"{'':<32} {'':>7} {'':>6} {'':>6} {'':>6} {'':>6} {'chunk':>7} {'bound.':>7}"]
+    for r, v in res["rows"].items():
+        lines.append(f"{r:<32} {v['quality']:>7.3f} {v['color']:>6.2f} {v['shape']:>6.2f} {v['motion']:>6.2f} "
+                     f"{v['boundary']:>6.2f} {v['within_err_px']:>6.2f}px {v['boundary_err_px']:>5.2f}px")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chunks", type=int, default=8, help="chunks per rollout (default 8: 24 frames)")
+    p.add_argument("--switch-at", type=int, default=3, help="chunk at which the switch rows change prompt (3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", default=None, help="a safetensors file (default: the shipped weights)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: "
+                   "outputs/bench/quality.json)")
+
+
+def run(args) -> int:
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    res = measure(load_pipeline(args.weights), chunks=args.chunks, switch_at=args.switch_at, seed=args.seed)
+    print(format_table(res))
+    path = args.json or os.path.join("outputs", "bench", "quality.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(json_safe(res), f, indent=2, allow_nan=False)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="diffusers-nki bench quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""A tiny chunk-causal video model trained in this repository (``scripts/train_tiny_causal.py``) on procedural
+video: one coloured shape moving on a plain background, prompted from a small vocabulary ("a red square moving
+left"). ``load_pipeline()`` gives a ``CausalWanPipeline`` with the shipped weights (diffusers_nki/assets/), a
+9-frame window with a 3-frame sink; ``tracker`` reads the object back from the frames."""
+from __future__ import annotations
+
+from diffusers_nki.trained.model import BLOCK, SINK, TEXT_LEN, TIMESTEPS, WINDOW, build_pipeline, load_components
+
+__all__ = ["BLOCK", "SINK", "TEXT_LEN", "TIMESTEPS", "WINDOW", "load_pipeline"]
+
+
+def load_pipeline(path=None, window: int = WINDOW, sink: int = SINK):
+    """The trained tiny model as a ``CausalWanPipeline`` (float32, CPU). Call it with ``height=width=64`` and
+    ``max_sequence_length=TEXT_LEN`` (16), e.g. ``pipe.session("a red square moving left", height=64, width=64,
+    max_sequence_length=16)``."""
+    pipe = build_pipeline(load_components(path), window=window, sink=sink)
+    # what the live viewer (diffusers_nki.serve) runs it at: the trained geometry, schedule and text length
+    pipe.serve_defaults = {"height": 64, "width": 64, "steps": len(TIMESTEPS), "max_sequence_length": TEXT_LEN}
+    return pipe

@@ -1,0 +1,115 @@
+"""Read the object back from the frames alone and score them against the prompt.
+
+Per frame: the background is the per-channel median of the frame (the shape covers ~6% of it); foreground =
+pixels more than ``THRESHOLD`` away from it in some channel. The object's colour is the nearest of
+``world.COLORS`` to the foreground's mean colour; its centre the circular mean of the foreground pixels (the world
+is a torus); its shape from the fill ratio of its bounding box (taken around that centre): a square fills it
+(~1.0), a circle ~0.79.
+
+Scores, each in [0, 1] (``score_video``):
+- ``color``: frames whose colour is the prompt's;  ``shape``: frames whose shape is the prompt's;
+- ``motion``: per consecutive pair of frames, ``max(0, 1 - |d - v| / SPEED)`` (d the centre's wrapped
+  displacement, v the prompt's velocity: direction and speed), within chunks;
+- ``boundary``: the same across chunk boundaries (the last frame of a chunk to the first of the next: where a
+  cache defect shows first);
+- ``found``: frames where an object was found at all (a frame without one scores 0 everywhere);
+- ``quality``: the mean of color, shape, motion and boundary.
+Also ``boundary_err_px`` / ``within_err_px``: the mean displacement error (pixels) at and inside chunk boundaries.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from diffusers_nki.trained import world
+
+__all__ = ["THRESHOLD", "Detection", "detect", "score_video", "track"]
+
+THRESHOLD = 0.25
+MIN_PIXELS = 24
+SQUARE_FILL = 0.89  # fill ratio above: a square
+
+
+@dataclass
+class Detection:
+    found: bool
+    color: Optional[str] = None
+    shape: Optional[str] = None
+    center: Optional[tuple] = None  # (x, y) pixels
+    fill: float = 0.0
+    pixels: int = 0
+
+
+def _circular_mean(coords: np.ndarray, size: int) -> float:
+    a = coords * (2 * math.pi / size)
+    ang = math.atan2(float(np.sin(a).mean()), float(np.cos(a).mean()))
+    return (ang * size / (2 * math.pi)) % size
+
+
+def detect(frame) -> Detection:
+    """One frame ``[H, W, 3]`` in [0, 1] -> a ``Detection``."""
+    f = np.asarray(frame, dtype=np.float32)
+    H, W, _ = f.shape
+    bg = np.median(f.reshape(-1, 3), axis=0)
+    fg = np.abs(f - bg).max(axis=-1) > THRESHOLD
+    n = int(fg.sum())
+    if n < MIN_PIXELS:
+        return Detection(False, pixels=n)
+    ys, xs = np.nonzero(fg)
+    mean = f[fg].mean(axis=0)
+    names = list(world.COLORS)
+    dist = [float(np.sum((mean - np.asarray(world.COLORS[c])) ** 2)) for c in names]
+    color = names[int(np.argmin(dist))]
+    cx, cy = _circular_mean(xs + 0.5, W), _circular_mean(ys + 0.5, H)
+    # bounding box around the centre (rolled so the object does not straddle the edge)
+    rolled = np.roll(np.roll(fg, W // 2 - int(cx), axis=1), H // 2 - int(cy), axis=0)
+    rys, rxs = np.nonzero(rolled)
+    area = (rys.max() - rys.min() + 1) * (rxs.max() - rxs.min() + 1)
+    fill = n / float(area)
+    shape = "square" if fill >= SQUARE_FILL else "circle"
+    return Detection(True, color, shape, (cx, cy), fill, n)
+
+
+def track(frames) -> List[Detection]:
+    return [detect(f) for f in frames]
+
+
+def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3) -> Dict[str, float]:
+    """``frames`` ``[T, H, W, 3]`` in [0, 1], ``prompts[t]`` the prompt in force at frame t (a switch: the new
+    one from its frame on). Returns the scores of the module docstring."""
+    dets = track(frames)
+    T = len(dets)
+    if len(prompts) != T:
+        raise ValueError(f"prompts has {len(prompts)} entries for {T} frames")
+    color = [d.found and d.color == p.color for d, p in zip(dets, prompts)]
+    shape = [d.found and d.shape == p.shape for d, p in zip(dets, prompts)]
+    within, boundary, w_err, b_err = [], [], [], []
+    for t in range(T - 1):
+        a, b = dets[t], dets[t + 1]
+        vx, vy = prompts[t].velocity
+        if a.found and b.found:
+            dx = world.wrapped_delta(a.center[0], b.center[0])
+            dy = world.wrapped_delta(a.center[1], b.center[1])
+            err = math.hypot(dx - vx, dy - vy)
+            s = max(0.0, 1.0 - err / world.SPEED)
+        else:
+            err, s = float(world.SIZE) / 2, 0.0
+        if (t + 1) % chunk_frames == 0:
+            boundary.append(s)
+            b_err.append(err)
+        else:
+            within.append(s)
+            w_err.append(err)
+    out = {
+        "found": float(np.mean([d.found for d in dets])),
+        "color": float(np.mean(color)), "shape": float(np.mean(shape)),
+        "motion": float(np.mean(within)) if within else 0.0,
+        "boundary": float(np.mean(boundary)) if boundary else 0.0,
+        "within_err_px": float(np.mean(w_err)) if w_err else 0.0,
+        "boundary_err_px": float(np.mean(b_err)) if b_err else 0.0,
+    }
+    out["quality"] = (out["color"] + out["shape"] + out["motion"] + out["boundary"]) / 4
+    return out
