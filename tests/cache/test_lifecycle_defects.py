@@ -341,3 +341,19 @@ def test_deepcopy_of_a_bare_static_cache_runs_its_own_cache():
     assert find_hook(twin) is not find_hook(model) and _fresh(find_hook(twin)) == {}
     torch.testing.assert_close(twin(**x).sample, ref, rtol=0, atol=1e-5)
     assert find_hook(twin).stats["calls"] == 1 and find_hook(model).stats["calls"] == 1  # each its own
+
+
+def test_torch_load_of_anyflow_far_patched_without_cache(rel_err):
+    # the patch's mask builder (an instance attribute bound to the model) used to save but not load back
+    import io
+
+    pipe = tiny_pipeline("anyflow_far")
+    ref = pipe(**_anyflow_kwargs()).frames
+    diffusers_nki.patch(pipe, backend="torch", cache=False)
+    buf = io.BytesIO()
+    torch.save(pipe.transformer, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.build_attention_mask.args == (loaded,)  # bound to the copy
+    pipe.transformer = loaded
+    assert rel_err(pipe(**_anyflow_kwargs()).frames, ref) <= 1e-4
