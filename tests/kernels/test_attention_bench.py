@@ -184,3 +184,23 @@ def test_trn2_lead_holds_in_every_sensitivity_row(sensitivity_run):
 def test_trn3_reaches_80_percent(sensitivity_run):
     rows, _ = sensitivity_run
     assert _ours(rows, "trn3")["modeled_efficiency"]["scheduled"] >= 0.80
+
+
+def test_fill_rows_grow_with_the_fill_and_bad_fills_are_named(tmp_path, capsys):
+    out = tmp_path / "fill.json"
+    rc = main(["bench", "kernels", "--json", str(out), "--targets", "trn2", "--heads", "1", "--no-progress",
+               "--no-peer", "--shapes", "self_forcing_chunk", "--fill", "0,3"])
+    assert rc == 0
+    assert "per runtime fill" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    fills = [r for r in rows if "fill" in r]
+    full = next(r for r in rows if "fill" not in r)
+    assert [r["fill"]["cache_len"] for r in fills] == [0, 3 * 4680]
+    t = [r["modeled_seconds"]["scheduled"] for r in fills] + [full["modeled_seconds"]["scheduled"]]
+    assert t[0] < t[1] < t[2], t
+    assert fills[0]["dims"]["cache_len"] == 0 and full["dims"]["cache_len"] == 28080
+    rc = main(["bench", "kernels", "--targets", "trn2", "--shapes", "self_forcing_chunk", "--fill", "x"])
+    cap = capsys.readouterr()
+    assert rc != 0 and "--fill 'x'" in cap.err + cap.out
+    with pytest.raises(ValueError, match="outside 0..capacity=28080"):
+        bench.bench_shape("self_forcing_chunk", "trn2", heads=1, cache_len=28081)
