@@ -788,7 +788,14 @@ def _run_pair(ctx, b, g, tiles):
     if ctx["has_cache"] or ctx["has_kvlen"]:
         pair["vm"] = ctx["mask_vm"]
         pair["im"] = ctx["mask_im"]
-        _ensure_masks(ctx, pair, (NK + P - 1) // P)   # every mask up front (unconditional code)
+        # every mask up front (unconditional code), the chunk's tiles first (its part runs first)
+        nt = (NK + P - 1) // P
+        c0 = ((ctx["C"] // P) // MASK_CHUNK) * MASK_CHUNK
+        for m0 in range(c0, nt, MASK_CHUNK):
+            _masks_range(ctx, pair, m0, min(nt, m0 + MASK_CHUNK))
+        for m0 in range(0, c0, MASK_CHUNK):
+            _masks_range(ctx, pair, m0, min(c0, m0 + MASK_CHUNK))
+        pair["mask_t"] = nt
     multi = len(ctx["segs"]) > 1
     parts = _parts(ctx, NK)
     carry = len(parts) == 1 and parts[0]["reg"] is None
