@@ -75,7 +75,7 @@ Tested (tests/kernels/test_attention.py, emulator vs the fp64 oracle, flash-atte
     (tests/kernels/test_attention_runtime_fill.py).
 
 Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled headline, roofline ceiling beside):
-    trn2 bf16 D=128 self_forcing_chunk (full cache) ~65% scheduled PE efficiency, trn3 ~76%; ~0.57 / ~0.65x
+    trn2 bf16 D=128 self_forcing_chunk (full cache) ~66% scheduled PE efficiency, trn3 ~77%; ~0.57 / ~0.65x
     the scheduled time of nki-library's attention_cte; ``--sensitivity`` shows both under each named
     hypothesis, ``--fill`` the time per cache fill. The bench prints the current figures; this note is not
     the source of truth.

@@ -171,7 +171,7 @@ def test_trn3_lead_holds_in_every_sensitivity_row(sensitivity_run):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 20 bar NOT met yet: trn2 ScalarE still alternates exp / copy (~1770 "
-                                       "switches per head): ratio 1.36 at 1.3 us, 0.86 at 0.5 us (docs/BENCHMARKS.md)")
+                                       "switches per head): ratio 1.36 at 1.3 us, 0.85 at 0.5 us (docs/BENCHMARKS.md)")
 def test_trn2_lead_holds_in_every_sensitivity_row(sensitivity_run):
     rows, text = sensitivity_run
     by = _peer_rows(rows, text, "trn2")
@@ -179,7 +179,7 @@ def test_trn2_lead_holds_in_every_sensitivity_row(sensitivity_run):
     assert not bad, bad
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 bar NOT met yet: trn3 self_forcing_chunk schedules at ~76.5% "
+@pytest.mark.xfail(strict=True, reason="issue 20 bar NOT met yet: trn3 self_forcing_chunk schedules at ~77% "
                                        "(VectorE-bound once ScalarE runs exps only)")
 def test_trn3_reaches_80_percent(sensitivity_run):
     rows, _ = sensitivity_run
