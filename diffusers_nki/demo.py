@@ -165,7 +165,12 @@ def _modeled_per_chunk(args) -> dict:
     probe = chunk_attention_calls(window=args.window, sink=args.sink, chunks=args.chunks, steps=args.steps,
                                   chunk_frames=args.frames_per_chunk)
 
-    per_chunk = [add_chip_figures(_modeled.model_calls(calls), calls) for calls in probe["chunks"]]
+    from tqdm.auto import tqdm
+
+    # each chunk at its own cache fill (the kernel skips the cache regions beyond the valid length)
+    total = sum(len(calls) for calls in probe["chunks"]) * len(_modeled.TARGETS)
+    with tqdm(total=total, desc="modeling chunks (trace + schedule)", unit="call", disable=None) as bar:
+        per_chunk = [add_chip_figures(_modeled.model_calls(calls, progress=bar), calls) for calls in probe["chunks"]]
     return {"available": True, "modeled": True, "geometry": probe["geometry"], "unrouted_calls": probe["unrouted"],
             "distinct_shapes_full_scale": probe["distinct_shapes"], "chunks": per_chunk,
             "method": per_chunk[0]["method"] if per_chunk else ""}

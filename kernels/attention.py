@@ -24,7 +24,16 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
     multiply by 0: an unused slot may hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so
     no -inf arithmetic and no NaN.
 
-Loop structure (everything unrolled at trace time; shapes are compile-time constants):
+Work follows the runtime fill (one compiled program for every cache_len): the cache's key space is cut into
+    regions of whole chunks (about REGION_KEYS keys, a whole number of Skv-key chunks, whole tiles up to the
+    tile holding slot C); per (pair, group) the chunk part runs first, then each region inside a
+    ``nl.dynamic_range(0, flag)`` whose trip count (a register: cache_len > the region's first slot) is 0 or 1,
+    so the regions beyond the fill are neither loaded nor computed. The software pipeline carries over from a
+    part into the next region (no drain between parts that both run); a fallback block whose trip count is
+    flag[r-1] - flag[r] drains the previous part's tail where the fill ends, the last region's tail drains
+    under its own flag. The running max rotates through slots 1..3 and is parked in slot 0 when a tail drains.
+
+Loop structure (unrolled at trace time except the region loops above; shapes are compile-time constants):
     for each (batch, kv head) pair on this core (LNC2: whole pairs per core when B*Hkv splits evenly, else
     the pair's q tiles interleaved over the cores):
         K/V of the pair made resident in SBUF (K^T [D, keys] by PE transposes, V_aug [128, tiles, D+1]), loaded
@@ -60,12 +69,16 @@ Tested (tests/kernels/test_attention.py, emulator vs the fp64 oracle, flash-atte
     pairwise grid over Sq, Skv in {1, 113, 128, 1023, 1560, 4680}, D in {8, 12, 64, 128}, fp32 / bf16, cache
     absent / empty / partial / full, frame-causal or none, randn / rand / 30*randn; plus fp16 and custom
     scales, per-batch kv_len with rows without keys, GQA, LNC2 (both work splits), the multi-segment path,
-    trn1 / trn3, one instruction stream for every runtime length, return_lse (tests/kernels/test_attention_lse.py).
+    trn1 / trn3, one instruction stream for every runtime length, return_lse (tests/kernels/test_attention_lse.py);
+    NaN / inf in invalid slots (tests/kernels/test_attention_invalid_slots.py); fills 0, 1, partial block,
+    region boundary, full, after eviction, work and modeled time following the fill
+    (tests/kernels/test_attention_runtime_fill.py).
 
 Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled headline, roofline ceiling beside):
-    trn2 bf16 D=128: self_forcing_chunk ~71% scheduled PE efficiency, wan_bidirectional_81f ~74%; trn3 84% /
-    88%; trn1 37% / 38%; 0.53-0.72x the scheduled time of nki-library's attention_cte at the shapes both
-    express. The bench prints the current figures; this note is not the source of truth.
+    trn2 bf16 D=128 self_forcing_chunk (full cache) ~66% scheduled PE efficiency, trn3 ~77%; ~0.57 / ~0.65x
+    the scheduled time of nki-library's attention_cte; ``--sensitivity`` shows both under each named
+    hypothesis, ``--fill`` the time per cache fill. The bench prints the current figures; this note is not
+    the source of truth.
 """
 from __future__ import annotations
 
@@ -94,6 +107,7 @@ LAG_PV_DMA = 5
 LAG_PV_PE = 4
 N_SSB, N_PSB, N_OB, N_RING = 3, 4, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
+REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
 
@@ -401,8 +415,8 @@ def _masks_range(ctx, pair, m0, m1):
 
 
 # load control per segment: ``kq`` steps whose K awaits its finish, ``vq`` whose V does
-def _seg_start(ctx, pair, s0, s1):
-    pair["seg_t0"] = s0 // P
+def _seg_start(ctx, pair, s0, s1, base_t):
+    pair["seg_t0"] = base_t
     pair["next_t"] = s0 // P
     pair["kready"] = s0 // P
     pair["vready"] = s0 // P
@@ -554,13 +568,13 @@ def _st_max(ctx, it):
     ssb = ctx["s_sb"][it["k"] % N_SSB]
     gs = ctx["gsets"][tl["set"]]
     nm = gs["negm"]
-    r, n = tl["r"], it["n"]
-    cur = nm[0:nq, r, n % 3:n % 3 + 1]
-    dst = cur if n == 0 else ctx["nmx"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
+    r, cs, ps = tl["r"], it["cs"], it["ps"]
+    cur = nm[0:nq, r, cs:cs + 1]
+    dst = cur if it["first"] else ctx["nmx"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
     nisa.tensor_scalar_reduce(dst=ssb[0:nq, 0:w], data=sps[0:nq, 0:w], op0=nl.multiply, operand0=-ctx["scale"],
                               reduce_op=nl.minimum, reduce_res=dst)
-    if n > 0:
-        nisa.tensor_tensor(dst=cur, data1=nm[0:nq, r, (n - 1) % 3:(n - 1) % 3 + 1], data2=dst, op=nl.minimum,
+    if not it["first"]:
+        nisa.tensor_tensor(dst=cur, data1=nm[0:nq, r, ps:ps + 1], data2=dst, op=nl.minimum,
                            engine=nisa.engine.gpsimd)
 
 
@@ -573,11 +587,11 @@ def _st_exp(ctx, it):
     psb = ctx["p_sb"][it["k"] % len(ctx["p_sb"])]
     pT = ctx["pT"][it["k"] % len(ctx["pT"])]
     nm = ctx["gsets"][tl["set"]]["negm"]
-    r, n = tl["r"], it["n"]
-    cur = nm[0:nq, r, n % 3:n % 3 + 1]
-    if n > 0:
+    r, cs, ps = tl["r"], it["cs"], it["ps"]
+    cur = nm[0:nq, r, cs:cs + 1]
+    if not it["first"]:
         nisa.activation(dst=ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1], op=nl.exp,
-                        data=nm[0:nq, r, (n - 1) % 3:(n - 1) % 3 + 1], bias=cur, scale=-1.0)
+                        data=nm[0:nq, r, ps:ps + 1], bias=cur, scale=-1.0)
     nisa.activation(dst=psb[0:nq, 0:w], op=nl.exp, data=ssb[0:nq, 0:w], bias=cur, scale=-1.0)
     n_full = w // P
     nsub = (w + P - 1) // P
@@ -616,12 +630,12 @@ def _st_update(ctx, it):
     oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
     if ctx["fused_update"]:
         # VectorE, one instruction reading O_aug from PSUM: O_acc = alpha * O_acc + O_aug (ScalarE stays on exp)
-        if it["n"] == 0:
+        if it["first"]:
             nisa.tensor_copy(dst=oacc, src=ops, engine=nisa.engine.vector)
         else:
             al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
             nisa.scalar_tensor_tensor(dst=oacc, data=oacc, op0=nl.multiply, operand0=al, op1=nl.add, operand1=ops)
-    elif it["n"] == 0:
+    elif it["first"]:
         nisa.activation(dst=oacc, op=nl.copy, data=ops)
     else:
         ob = ctx["oblk"][it["k"] % N_OB]
@@ -630,6 +644,7 @@ def _st_update(ctx, it):
         nisa.tensor_tensor(dst=oacc, data1=oacc, data2=al.broadcast(1, D1), op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.tensor_tensor(dst=oacc, data1=oacc, data2=ob[0:nq, :], op=nl.add, engine=nisa.engine.gpsimd)
     if it["last"]:
+        tl["fin_slot"] = it["cs"]
         _finish(ctx, tl)
 
 
@@ -656,7 +671,8 @@ def _finish_lse(ctx, tl):
     c = ctx["consts"]
     gs = ctx["gsets"][tl["set"]]
     l_col = gs["oacc"][0:nq, tl["r"], D:D + 1]
-    negm = gs["negm"][0:nq, tl["r"], (tl["nblk"] - 1) % 3:(tl["nblk"] - 1) % 3 + 1]
+    fs = tl["fin_slot"] if "fin_slot" in tl else 0   # the home slot 0 unless finished by its last block
+    negm = gs["negm"][0:nq, tl["r"], fs:fs + 1]
     k = ctx["fin_i"] % N_RING
     lse = ctx["lse_t"][0:nq, k:k + 1]
     bound = ctx["lse_b"][0:nq, k:k + 1]
@@ -731,8 +747,37 @@ def _drain(ctx):
     _flush_evictions(ctx)
 
 
+def _parts(ctx, NK):
+    """The key space of a pair in processing order, [{"s0", "s1", "base_t", "reg"}]: the chunk first (from the
+    tile holding cache slot C, unconditional), then the cache regions, each run only when the RUNTIME cache_len
+    reaches into it (``reg``: a 0/1 register, the trip count of a ``nl.dynamic_range`` around the region's
+    code), intersected with the SBUF segments (``base_t``: the segment's first key tile, 0 when resident)."""
+    segs = ctx["segs"]
+    multi = len(segs) > 1
+    ct = (ctx["C"] // P) * P
+    out = []
+    spans = [(ct, NK, None, -1)]
+    for ri in range(len(ctx["regions"])):
+        rg = ctx["regions"][ri]
+        spans.append((rg[0], rg[1], ctx["region_regs"][ri], ri))
+    for sp in spans:
+        for sg in segs:
+            a0 = max(sp[0], sg[0])
+            a1 = min(sp[1], sg[1], NK)
+            if a0 < a1:
+                out.append({"s0": a0, "s1": a1, "base_t": sg[0] // P if multi else 0, "reg": sp[2], "ri": sp[3]})
+    return out
+
+
 def _run_pair(ctx, b, g, tiles):
-    """All q tiles of (b, kv head g) on this core: groups of R tiles, segments of resident keys."""
+    """All q tiles of (b, kv head g) on this core: groups of R tiles; per group the key parts (``_parts``):
+    the chunk, then the cache regions the runtime cache_len reaches (work follows the fill).
+
+    The software pipeline carries over from one part to the next (no drain between parts that both run): a
+    region's code starts with the previous part's items still in flight. Where the previous part ran and this
+    region does not (the fill ends there), a FALLBACK block drains the previous part's tail instead (its trip
+    count: flag[r-1] - flag[r], 0 or 1 because the flags fall monotonically); the last region's tail drains
+    under its own flag. Every instruction of an item therefore runs exactly when its part runs."""
     pair = _pair_setup(ctx, b, g)
     NK = 0
     for tl in tiles:
@@ -743,8 +788,17 @@ def _run_pair(ctx, b, g, tiles):
     if ctx["has_cache"] or ctx["has_kvlen"]:
         pair["vm"] = ctx["mask_vm"]
         pair["im"] = ctx["mask_im"]
-    segs = ctx["segs"]
-    multi = len(segs) > 1
+        # every mask up front (unconditional code), the chunk's tiles first (its part runs first)
+        nt = (NK + P - 1) // P
+        c0 = ((ctx["C"] // P) // MASK_CHUNK) * MASK_CHUNK
+        for m0 in range(c0, nt, MASK_CHUNK):
+            _masks_range(ctx, pair, m0, min(nt, m0 + MASK_CHUNK))
+        for m0 in range(0, c0, MASK_CHUNK):
+            _masks_range(ctx, pair, m0, min(c0, m0 + MASK_CHUNK))
+        pair["mask_t"] = nt
+    multi = len(ctx["segs"]) > 1
+    parts = _parts(ctx, NK)
+    carry = len(parts) == 1 and parts[0]["reg"] is None
     R = ctx["R"]
     groups = []
     for i0 in range(0, len(tiles), R):
@@ -755,9 +809,6 @@ def _run_pair(ctx, b, g, tiles):
             tl["set"] = (i0 // R) % 2
             tl["gid"] = i0 // R
             tl["b"] = b
-            tl["nblk"] = 0
-            for sg in segs:
-                tl["nblk"] = tl["nblk"] + len(_blocks(sg[0], min(tl["end"], sg[1])))
             grp.append(tl)
         groups.append(grp)
     q_loaded = []
@@ -769,85 +820,169 @@ def _run_pair(ctx, b, g, tiles):
             for tl in grp:
                 _load_q(ctx, pair, tl)
             q_loaded[gi] = True
-        nb = []
         for tl in grp:
-            nb.append(0)
-        for si in range(len(segs)):
-            s0, s1 = segs[si][0], min(segs[si][1], NK)
-            if s0 >= s1:
+            tl["m"] = 0   # blocks of the tile issued so far (0: the next one initialises the state)
+        load = gi == 0 or multi
+        if carry:
+            # no runtime regions and one part: the pipeline runs on from group to group (no drain); a tile is
+            # finished by the update of its last block
+            _run_part(ctx, pair, groups, gi, parts[0], load, q_loaded, True, True)
+            continue
+        for pi in range(len(parts)):
+            pt = parts[pi]
+            prev = parts[pi - 1] if pi > 0 else None
+            if prev is not None and load and multi and prev["base_t"] != pt["base_t"]:
+                # the next segment overwrites the K/V buffers the in-flight items read: drain first
+                if prev["reg"] is None:
+                    _drain_part(ctx, grp)
+                else:
+                    for _ in nl.dynamic_range(0, prev["reg"]):
+                        _drain_part(ctx, grp)
+            if pt["reg"] is None:
+                _run_part(ctx, pair, groups, gi, pt, load, q_loaded, pi == 0)
                 continue
-            load = gi == 0 or multi
-            if load:
-                _drain(ctx)   # the K/V buffers are about to be overwritten
-                _seg_start(ctx, pair, s0, s1)
-            # items in j-major order: block j of every tile of the group, then block j + 1
-            items = []
-            blks = []
-            nmax = 0
-            for r in range(len(grp)):
-                bl = _blocks(s0, min(grp[r]["end"], s1))
-                blks.append(bl)
-                if len(bl) > nmax:
-                    nmax = len(bl)
-            for j in range(nmax):
-                for r in range(len(grp)):
-                    tl = grp[r]
-                    if j < len(blks[r]):
-                        items.append({"tile": tl, "c": blks[r][j][0] - s0, "w": blks[r][j][1], "n": nb[r],
-                                      "last": nb[r] == tl["nblk"] - 1, "loading": load})
-                        nb[r] = nb[r] + 1
-            # loads paced to the consumption (a step every ``every`` ticks, one phase per tick), so the
-            # GpSimd masking work spreads over the group's ticks instead of delaying the softmax statistics
-            every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
-            for ii in range(len(items)):
-                it = items[ii]
-                if ii == 0:
-                    _wait_set(ctx, grp[0]["set"], gi)
-                if load:
-                    need = (s0 + it["c"] + it["w"] + P - 1) // P
-                    if pair["kready"] < need:
-                        _force_k(ctx, pair, need, grp, q_loaded[gi])
-                        q_loaded[gi] = True
-                    kt_late = False
-                    for ev in ctx["ev_queue"]:
-                        if ev["kt"] > 0 and ev["kt"] - 1 < need:
-                            kt_late = True
-                    if kt_late:
-                        _flush_evictions(ctx)   # K^T must be complete before this item's QK
-                    # V of the item whose PV this tick emits
-                    vneed = 0
-                    for q_it in ctx["pipe"]:
-                        if q_it["age"] == ctx["lag_pv"] - 1 and s0 + q_it["c"] + q_it["w"] > vneed:
-                            vneed = s0 + q_it["c"] + q_it["w"]
-                    while pair["vready"] < (vneed + P - 1) // P:
-                        if len(pair["vq"]) == 0:
-                            _next_k(ctx, pair, nisa.engine.gpsimd)
-                        _next_v(ctx, pair, nisa.engine.gpsimd)
-                _tick(ctx, it)
-                if load:
-                    kq, vq = pair["kq"], pair["vq"]
-                    if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
-                        _next_k(ctx, pair, nisa.engine.gpsimd)
-                    elif len(vq) > 0:
-                        _next_v(ctx, pair, nisa.engine.gpsimd)
-                    if pair["next_t"] < pair["end_t"] and ii % every == 0 and \
-                            len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 2:
-                        _issue_step(ctx, pair, True)
-                if gi + 1 < len(groups) and not q_loaded[gi + 1] and si == len(segs) - 1 and \
-                        ii >= len(items) - 2 * R:
-                    for tl in groups[gi + 1]:
-                        _load_q(ctx, pair, tl)
-                    q_loaded[gi + 1] = True
-            if load:
-                # the rest of the segment (items still in flight read its V)
-                while len(pair["kq"]) > 0 or len(pair["vq"]) > 0 or pair["next_t"] < pair["end_t"]:
-                    if len(pair["vq"]) > 0:
-                        _next_v(ctx, pair, nisa.engine.gpsimd)
-                    elif len(pair["kq"]) > 0:
-                        _next_k(ctx, pair, nisa.engine.gpsimd)
-                    else:
-                        _issue_step(ctx, pair, True)
+            if len(ctx["pipe"]) > 0 and (prev["reg"] is None or prev["reg"] is not pt["reg"]):
+                fb = ctx["region_fb"][pt["ri"]]
+                for _ in nl.dynamic_range(0, fb):
+                    snap = _snapshot(ctx)
+                    _drain_part(ctx, grp)
+                    _restore(ctx, snap)
+            for _ in nl.dynamic_range(0, pt["reg"]):
+                _run_part(ctx, pair, groups, gi, pt, load, q_loaded, False)
+        last = parts[len(parts) - 1]
+        if len(ctx["pipe"]) > 0:
+            if last["reg"] is None:
+                _drain_part(ctx, grp)
+            else:
+                for _ in nl.dynamic_range(0, last["reg"]):
+                    _drain_part(ctx, grp)
+        # whichever part ran last, its tail has drained (a fallback block or the block above): the trace-time
+        # state is the drained one (the emulator traces a runtime loop's body only for the trips that run)
+        ctx["pipe"] = []
+        ctx["ev_queue"] = []
+        busy = []
+        for i in range(ctx["tslots"]):
+            busy.append(False)
+        ctx["slot_busy"] = busy
+        for tl in grp:
+            _finish(ctx, tl)
     return pair
+
+
+def _snapshot(ctx):
+    """The trace-time pipeline state (a fallback drain is emitted, then the state restored for the path on
+    which the next part runs)."""
+    pipe = []
+    for it in ctx["pipe"]:
+        pipe.append(dict(it))
+    evq = []
+    for ev in ctx["ev_queue"]:
+        evq.append(dict(ev))
+    busy = []
+    for x in ctx["slot_busy"]:
+        busy.append(x)
+    return {"pipe": pipe, "ev_queue": evq, "slot_busy": busy, "slot_next": ctx["slot_next"]}
+
+
+def _restore(ctx, snap):
+    ctx["pipe"] = snap["pipe"]
+    ctx["ev_queue"] = snap["ev_queue"]
+    ctx["slot_busy"] = snap["slot_busy"]
+    ctx["slot_next"] = snap["slot_next"]
+
+
+def _drain_part(ctx, grp):
+    """Drain the pipeline and put every tile's running max into its home slot 0 (what the epilogue reads)."""
+    _drain(ctx)
+    for tl in grp:
+        if tl["m"] > 0:
+            nm = ctx["gsets"][tl["set"]]["negm"]
+            cs = 1 + (tl["m"] - 1) % 3
+            nisa.tensor_copy(dst=nm[0:tl["nq"], tl["r"], 0:1], src=nm[0:tl["nq"], tl["r"], cs:cs + 1],
+                             engine=nisa.engine.gpsimd)
+
+
+def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
+    """One key part for one group of q tiles: its items enter the software pipeline (whose earlier items may
+    still be in flight), K/V loads paced to the consumption and completed inside the part."""
+    grp = groups[gi]
+    R = ctx["R"]
+    s0, s1 = pt["s0"], pt["s1"]
+    # items in j-major order: block j of every tile of the group, then block j + 1; the running max rotates
+    # through slots 1..3 (slot 0: the home slot the epilogue reads, written when a part's tail drains)
+    items = []
+    blks = []
+    nmax = 0
+    for r in range(len(grp)):
+        bl = _blocks(s0, min(grp[r]["end"], s1))
+        blks.append(bl)
+        if len(bl) > nmax:
+            nmax = len(bl)
+    if nmax == 0:
+        return
+    for j in range(nmax):
+        for r in range(len(grp)):
+            tl = grp[r]
+            if j < len(blks[r]):
+                m = tl["m"]
+                items.append({"tile": tl, "c": blks[r][j][0] - pt["base_t"] * P, "w": blks[r][j][1],
+                              "first": m == 0, "cs": 1 + m % 3, "ps": 1 + (m + 2) % 3,
+                              "loading": load, "key0": blks[r][j][0],
+                              "last": carry and j == len(blks[r]) - 1})
+                tl["m"] = m + 1
+    if load:
+        if carry:
+            _drain(ctx)   # a previous pair's items still read the K/V buffers about to be overwritten
+        _seg_start(ctx, pair, s0, s1, pt["base_t"])
+    every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
+    for ii in range(len(items)):
+        it = items[ii]
+        if carry and ii == 0:
+            _wait_set(ctx, grp[0]["set"], gi)
+        if load:
+            need = (it["key0"] + it["w"] + P - 1) // P
+            if pair["kready"] < need:
+                _force_k(ctx, pair, need, grp, q_loaded[gi])
+                q_loaded[gi] = True
+            kt_late = False
+            for ev in ctx["ev_queue"]:
+                if ev["kt"] > 0 and ev["kt"] - 1 < need:
+                    kt_late = True
+            if kt_late:
+                _flush_evictions(ctx)   # K^T must be complete before this item's QK
+            # V of the item whose PV this tick emits
+            vneed = 0
+            for q_it in ctx["pipe"]:
+                if q_it["age"] == ctx["lag_pv"] - 1 and q_it["key0"] >= s0 and q_it["key0"] < s1 and \
+                        q_it["key0"] + q_it["w"] > vneed:
+                    vneed = q_it["key0"] + q_it["w"]
+            while pair["vready"] < (vneed + P - 1) // P:
+                if len(pair["vq"]) == 0:
+                    _next_k(ctx, pair, nisa.engine.gpsimd)
+                _next_v(ctx, pair, nisa.engine.gpsimd)
+        _tick(ctx, it)
+        if load:
+            kq, vq = pair["kq"], pair["vq"]
+            if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
+                _next_k(ctx, pair, nisa.engine.gpsimd)
+            elif len(vq) > 0:
+                _next_v(ctx, pair, nisa.engine.gpsimd)
+            if pair["next_t"] < pair["end_t"] and ii % every == 0 and \
+                    len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 2:
+                _issue_step(ctx, pair, True)
+        if prefetch and gi + 1 < len(groups) and not q_loaded[gi + 1] and ii >= len(items) - 2 * R:
+            for tl in groups[gi + 1]:
+                _load_q(ctx, pair, tl)
+            q_loaded[gi + 1] = True
+    if load:
+        # the rest of the part (items still in flight read its V)
+        while len(pair["kq"]) > 0 or len(pair["vq"]) > 0 or pair["next_t"] < pair["end_t"]:
+            if len(pair["vq"]) > 0:
+                _next_v(ctx, pair, nisa.engine.gpsimd)
+            elif len(pair["kq"]) > 0:
+                _next_k(ctx, pair, nisa.engine.gpsimd)
+            else:
+                _issue_step(ctx, pair, True)
 
 
 def _check_shapes(q, k, v, k_cache, v_cache):
@@ -965,7 +1100,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     gsets = []
     for gs_i in range(2):
         gsets.append({"qT": _sb(ctx, (D, R, P), mm_dt, isz), "oacc": _sb(ctx, (P, R, D + 1), nl.float32, 4),
-                      "negm": _sb(ctx, (P, R, 3), nl.float32, 4)})
+                      "negm": _sb(ctx, (P, R, 4), nl.float32, 4)})
     ctx["gsets"] = gsets
     budget = nl.tile_size.sbuf_fmax_bytes - ctx["sb_top"]
     assert budget >= (W_MAX // P) * (P + D + 1) * isz, (
@@ -975,6 +1110,38 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         budget = min(budget, kv_budget)
     segs = plan_segments(nk_max, D, isz, budget)
     ctx["segs"] = segs
+    # cache regions of about REGION_KEYS keys (whole tiles up to the tile holding slot C): a region runs only
+    # when the runtime cache_len reaches into it (a 0/1 register per region: cache_len > its first slot)
+    regions = []
+    region_regs = []
+    region_fb = []
+    ct = (C // P) * P
+    if has_cache and ct > 0:
+        # a whole number of chunks per region (a rollout's cache fills in chunks of Skv keys), whole tiles
+        rk = ((max(1, REGION_KEYS // Skv) * Skv + P - 1) // P) * P
+        nr = (ct + rk - 1) // rk
+        starts = _sb(ctx, (1, nr), nl.int32, 4)
+        flags = _sb(ctx, (1, nr), nl.int32, 4)
+        nisa.iota(dst=starts, pattern=[[rk, nr]], offset=0, channel_multiplier=0)
+        nisa.tensor_tensor(dst=flags, data1=li[0:1, 0:1].broadcast(1, nr), data2=starts, op=nl.greater,
+                           engine=nisa.engine.gpsimd)
+        # fallback trip counts: fb[r] = flag[r-1] - flag[r] (flag[-1] = 1): the previous part ran, region r not
+        fbt = _sb(ctx, (1, nr), nl.int32, 4)
+        one = _sb(ctx, (1, 1), nl.int32, 4)
+        nisa.memset(dst=one, value=1, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=fbt[0:1, 0:1], data1=one, data2=flags[0:1, 0:1], op=nl.subtract,
+                           engine=nisa.engine.gpsimd)
+        if nr > 1:
+            nisa.tensor_tensor(dst=fbt[0:1, 1:nr], data1=flags[0:1, 0:nr - 1], data2=flags[0:1, 1:nr],
+                               op=nl.subtract, engine=nisa.engine.gpsimd)
+        for ri in range(nr):
+            if ri * rk < ct:
+                regions.append((ri * rk, min(ct, (ri + 1) * rk)))
+                region_regs.append(nisa.register_alloc(flags[0:1, ri:ri + 1]))
+                region_fb.append(nisa.register_alloc(fbt[0:1, ri:ri + 1]))
+    ctx["regions"] = regions
+    ctx["region_regs"] = region_regs
+    ctx["region_fb"] = region_fb
     seg_tiles = 0
     for sg in segs:
         if (sg[1] - sg[0] + P - 1) // P > seg_tiles:

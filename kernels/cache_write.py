@@ -27,7 +27,9 @@ runtime value, so one compiled kernel serves every chunk of a rollout.
 Loop structure: for b in B: [slot read]; V row write (core 0); K row write (core 1). No SBUF staging of the
 chunk, no compute-engine work.
 
-Bytes moved: exactly 2 x B x S x Hkv x D x itemsize for the chunk, plus 4 bytes per slot read.
+Bytes moved: exactly 2 x B x S x Hkv x D x itemsize for the chunk, plus 4 bytes per slot read. The work is the
+chunk's whatever the cache fill (no slot beyond the written ones is read or written): there is nothing to skip
+at a small fill, unlike the attention kernel's cache regions.
 
 Limits: B, C, S, Hkv, D any size (each DMA pattern count must fit the hardware's 16-bit fields:
 S <= 65535, Hkv*D <= 65535); dtypes any (cache and chunk must match; fp32/bf16/fp16 tested); ``slot`` int32

@@ -39,7 +39,9 @@ def test_demo_streams_and_writes_a_playable_video(tmp_path, capsys):
     assert report["modeled"]["available"] and report["modeled"]["modeled"] is True
     trn2 = [r["modeled_full_scale"]["trn2"] for r in rows]
     assert all(t["chip_s"] > 0 and 0 < t["efficiency"] <= 1 for t in trn2)
-    assert trn2[0]["chip_s"] == trn2[1]["chip_s"] > trn2[2]["chip_s"]  # the last chunk has no cache pass
+    # each chunk modeled at its own cache fill: chunk 0 (empty cache) costs less than chunk 1 (the kernel skips
+    # the cache regions beyond the valid length)
+    assert trn2[0]["chip_s"] < trn2[1]["chip_s"]
     assert "MODELED" in out and "streamed frames vs one-shot decode" in out
     # the video is playable: imageio reads back every frame at the requested size
     import imageio.v3 as iio

@@ -8,7 +8,8 @@ dependency-aware schedule (docs/COST_MODEL_SCHEDULE.md). The roofline ceiling of
 loop is over (batch, kv head) with identical, independent work per iteration (K/V loaded per kv head, all
 query heads of the GQA group inside), so ONE (batch, kv head) is traced and its time multiplied by
 B x Hkv (checked: 3 heads trace to 3.000x one head within 0.1%). The kernel's cost does not depend on the
-runtime ``cache_len``/``kv_len`` values (it reads the whole static cache and masks in SBUF), only on shapes.
+runtime ``kv_len`` values, but it follows the runtime ``cache_len``: the cache regions the valid length does not
+reach are skipped (runtime loops), so the memo is keyed on the valid cache length too.
 
 Two per-unit figures are reported per target (scheduled; ``core_ceiling_s`` / ``chip_ceiling_s`` /
 ``efficiency_ceiling`` the same from the ceiling):
@@ -69,7 +70,8 @@ def model_call(call: AttnCall, target: str = "trn2", dtype: str = "bfloat16") ->
 
     hkv = call.kv_heads or call.heads
     group = call.heads // hkv
-    key = (call.sq, call.skv, group, call.head_dim, call.cache, call.causal_block, target, dtype)
+    fill = min(call.cache_len, call.cache) if call.cache else 0
+    key = (call.sq, call.skv, group, call.head_dim, call.cache, fill, call.causal_block, target, dtype)
     if key not in _MEMO:
         dt = _np_dtype(dtype)
         D = call.head_dim
@@ -80,7 +82,7 @@ def model_call(call: AttnCall, target: str = "trn2", dtype: str = "bfloat16") ->
         if call.cache:
             kc = np.zeros((1, call.cache, 1, D), dt)
             vc = np.zeros((1, call.cache, 1, D), dt)
-            cl = np.array([min(call.cache_len, call.cache)], np.int32)
+            cl = np.array([fill], np.int32)
         simulate(attention_kernel, target=target, numerics=False)(q, k, v, kc, vc, cl, None, None,
                                                                     int(call.causal_block))
         rec = last_record()

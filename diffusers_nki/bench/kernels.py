@@ -105,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "the documents leave open (sim.cost.SENSITIVITY_ROWS: ACT table reload 0.5 / 1.3 us, DMA transpose "
              "flat 50%% / 2x slower, usable SBUF 208 / 192 KiB, DMA transfer floor), side by side with the ratio, "
              "and with every schedule ASSUMPTION constant doubled (slow)")
+    parser.add_argument("--fill", default=None, metavar="CHUNKS",
+                        help="also model each attention shape with a cache at these runtime fills, in chunks of "
+                             "its Skv keys (comma-separated, e.g. 0,2,4,6; clamped to the capacity): the same "
+                             "compiled kernel, the work following the valid cache length")
     parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
 
 
@@ -125,13 +129,21 @@ def _visible_pairs(s: dict) -> int:
     return tot
 
 
-def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 1, sensitivity: bool = False) -> dict:
-    """Trace one shape on one target and return its JSON row (all numbers modeled)."""
+def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 1, sensitivity: bool = False,
+                cache_len: Optional[int] = None) -> dict:
+    """Trace one shape on one target and return its JSON row (all numbers modeled). ``cache_len`` overrides
+    the shape's valid cache length (attention shapes with a cache: the runtime fill, same compiled kernel)."""
     import ml_dtypes
 
     from diffusers_nki.sim import simulate
 
     s = dict(SHAPES[name])
+    if cache_len is not None:
+        if s["kernel"] != "attention" or not s["C"]:
+            raise ValueError(f"--fill applies to attention shapes with a cache; {name} has none")
+        if not 0 <= int(cache_len) <= s["C"]:
+            raise ValueError(f"fill cache_len={cache_len} is outside 0..capacity={s['C']} of {name}")
+        s["cache_len"] = int(cache_len)
     H_full = s["H"]
     if s["kernel"] in ("cache_write", "qk_norm_rope"):
         heads = None  # few instructions (cache_write) / not per-head work (qk_norm_rope): always traced in full
@@ -184,7 +196,8 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
     rec = trace()
     trace_s = time.perf_counter() - t0
     return _row(name, s["kernel"], target, rec, factor, s["H"], trace_s, hbm_min, exact_flops, dense_flops,
-                {k: SHAPES[name][k] for k in ("B", "H", "Hkv", "D", "Sq", "Skv", "C", "cache_len", "causal_block")},
+                {k: (s if k == "cache_len" else SHAPES[name])[k]
+                 for k in ("B", "H", "Hkv", "D", "Sq", "Skv", "C", "cache_len", "causal_block")},
                 sensitivity=sensitivity, trace=trace)
 
 
@@ -249,6 +262,8 @@ def _row(name, kernel, target, rec, factor, heads_traced, trace_s, hbm_min, exac
         "judge_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "schedule_constants": sch.constants,
         "lint": list(rec.lint),
+        "runtime_loops": {"loops": len(getattr(rec, "loops", []) or []),
+                          "trips": int(sum(int(lp["trips"]) for lp in (getattr(rec, "loops", []) or [])))},
         "notes": list(sch.notes),
     }
     if sensitivity:
@@ -411,7 +426,18 @@ def run(args) -> int:
                              f"{tuple(SHAPES) + tuple(kernels_dense.SHAPES)}")
     if args.lnc == 2 and "trn1" in targets:
         raise SystemExit("diffusers-nki bench kernels: --lnc 2 does not exist on trn1; pass --targets trn2,trn3")
+    fills: List[int] = []
+    if getattr(args, "fill", None):
+        try:
+            fills = [int(x) for x in str(args.fill).split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"diffusers-nki bench kernels: --fill {args.fill!r} must be comma-separated chunk counts")
+        if not fills or min(fills) < 0:
+            raise SystemExit(f"diffusers-nki bench kernels: --fill {args.fill!r} must list chunk counts >= 0")
     jobs = [("ours", s, t) for s in shapes for t in targets]
+    for s in shapes:
+        if s in SHAPES and SHAPES[s]["kernel"] == "attention" and SHAPES[s]["C"]:
+            jobs += [("fill", s, t, min(SHAPES[s]["C"], f * SHAPES[s]["Skv"])) for f in fills for t in targets]
     peer_note = None
     if not getattr(args, "no_peer", False):
         peer_note = peer_unavailable_reason()
@@ -425,10 +451,16 @@ def run(args) -> int:
         it = jobs
     rows: List[dict] = []
     sens = getattr(args, "sensitivity", False)
-    for kind, s, t in it:
+    fill_rows: List[dict] = []
+    for job in it:
+        kind, s, t = job[0], job[1], job[2]
         if hasattr(it, "set_postfix_str"):
-            it.set_postfix_str(f"{s} {t}")
-        if kind == "ours" and s in kernels_dense.SHAPES:
+            it.set_postfix_str(f"{s} {t}" + (f" fill {job[3]}" if kind == "fill" else ""))
+        if kind == "fill":
+            r = bench_shape(s, t, heads=args.heads, lnc=args.lnc, cache_len=job[3])
+            r["fill"] = {"cache_len": job[3], "chunks": job[3] / SHAPES[s]["Skv"]}
+            fill_rows.append(r)
+        elif kind == "ours" and s in kernels_dense.SHAPES:
             rows.append(kernels_dense.bench_dense(s, t, lnc=args.lnc))
         elif kind == "ours":
             rows.append(bench_shape(s, t, heads=args.heads, lnc=args.lnc,
@@ -460,6 +492,14 @@ def run(args) -> int:
                     print(line)
     elif peer_note and not getattr(args, "no_peer", False):
         print(f"attention_cte rows skipped: {peer_note}")
+    if fill_rows:
+        print("per runtime fill (same compiled kernel; cache regions beyond the valid length are skipped by runtime "
+              "loops; modeled, scheduled):")
+        print(f"  {'shape':<22}{'tgt':>5} {'cache_len':>10} {'chunks':>7} {'SCHED ms':>9} {'attn eff':>9} {'loop trips':>12}")
+        for r in fill_rows:
+            print(f"  {r['shape']:<22}{r['target']:>5} {r['fill']['cache_len']:>10d} {r['fill']['chunks']:>7.2f} "
+                  f"{r['modeled_seconds']['scheduled'] * 1e3:9.3f} {100 * r['attention_efficiency']:8.1f}% "
+                  f"{r['runtime_loops']['trips']:>5d} / {r['runtime_loops']['loops']:<5d}")
     print("where the time goes (modeled):")
     for r in rows:
         if not r.get("unavailable") and r["kernel"] != "cache_write":
@@ -475,6 +515,7 @@ def run(args) -> int:
               "(JSON 'lint'); attention_cte has " + str(len(next((r["lint"] for r in rows
                                                                   if r["kernel"] == "attention_cte"
                                                                   and "lint" in r), []))))
+    rows = rows + fill_rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -56,6 +56,10 @@ Model
 - Named hypotheses (``sim.cost.Hypotheses``): the ScalarE activation-table reload per function switch holds
   ScalarE before the switching instruction (overlapping its wait for data); DMA-transpose throughput is the
   cost model's; usable SBUF is checked (``fits_sbuf``), applied at trace time.
+- Runtime loops (``RunRecord.loops``: ``nl.dynamic_range`` / ``fori_loop`` / ``while_loop``, the record holds the
+  iterations that ran): the instructions of a loop's body wait for the register instruction that wrote its
+  bound (the last register write of the program before the loop began) plus the RAW latency -- the loop fence;
+  ASSUMPTION: no other per-iteration cost (none is published).
 - LNC2: each program runs on its own core (own lanes, own SBUF/PSUM state, own HBM share); HBM tensors are
   shared (``shared_hbm``) but no dependency is drawn across cores except the sync groups' rendezvous (nothing
   else orders them).
@@ -546,6 +550,20 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
     waits: Dict[Tuple[str, str, str], List[float]] = {}
     flops = 0
 
+    # runtime loops (RunRecord.loops; Instr.loop): every instruction of a loop's body waits for the register
+    # instruction that last wrote a register before the loop began in its program (the loop's bound: the
+    # engines branch on it), plus the RAW latency. ASSUMPTION: no other per-iteration cost (sim/language.py).
+    loop_fence: Dict[int, int] = {}
+    if getattr(record, "loops", None):
+        reg_by_prog: Dict[int, List[int]] = {}
+        for k, ins_ in enumerate(instrs):
+            if ins_.op in ("register_load", "register_move"):
+                reg_by_prog.setdefault(int(ins_.program), []).append(k)
+        for lp in record.loops:
+            idx = reg_by_prog.get(int(lp.get("program", 0)), [])
+            j = bisect.bisect_left(idx, int(lp["first_instr"])) - 1
+            loop_fence[int(lp["id"])] = idx[j] if j >= 0 else -1
+
     def charge(waiter, on, kind, t):
         if t > 1e-9:
             w = waits.setdefault((waiter, on, kind), [0.0, 0])
@@ -584,6 +602,13 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                     l_ = sem_ns[lane]
                 if t + l_ > dep_t:
                     dep_t, dep_on, dep_kind, dep_idx, dep_lat = t + l_, _NAME[eng], "RAW", idx, l_
+        if ins.loop and loop_fence:
+            for lid, _it in ins.loop:
+                j = loop_fence.get(int(lid), -1)
+                if j >= 0 and end[j] > 0.0:
+                    l_ = 0.0 if is_dma else sem_ns[lane]
+                    if end[j] + l_ > dep_t:
+                        dep_t, dep_on, dep_kind, dep_idx, dep_lat = end[j] + l_, "pool", "loop bound", j, l_
         for fp in ins.writes:
             m = mems.get((c, fp[0]))
             if m is None:

@@ -105,3 +105,102 @@ def test_sbuf_budget_is_the_usable_size_tile_size_reports(target, monkeypatch):
         read = sum(i.nbytes for i in rec.instrs if i.engine == "dma" and i.direction == "hbm->sbuf")
         assert read <= 2 * 32760 * 128 * 2 + 128 * 128 * 2 + 4096  # K/V once (one q group), Q, lengths
         assert (rec.peak_sbuf_bytes_per_partition > 150 * 1024) == (usable > 160 * 1024)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Issue 20's stricter judge: the named hypotheses for what the documents leave open, ours and attention_cte side
+# by side (one bench run shared by the tests below: trn2 + trn3, one head, self_forcing_chunk, ~3 min)
+# ------------------------------------------------------------------------------------------------------------
+HYPOTHESES = ("baseline", "act table reload 0.5 us", "act table reload 1.3 us", "dma transpose flat 50%",
+              "dma transpose 2x slower", "usable SBUF 208 KiB", "usable SBUF 192 KiB")
+
+
+@pytest.fixture(scope="module")
+def sensitivity_run(tmp_path_factory):
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("sens") / "sens.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["bench", "kernels", "--json", str(out), "--targets", "trn2,trn3", "--heads", "1", "--no-progress",
+                   "--shapes", "self_forcing_chunk", "--sensitivity"])
+    assert rc == 0
+    return json.loads(out.read_text()), buf.getvalue()
+
+
+def _ours(rows, target):
+    return next(r for r in rows if r["kernel"] == "attention" and r["target"] == target)
+
+
+def _peer_rows(rows, text, target):
+    """ours' per-hypothesis comparison with attention_cte; skips, naming the reason, without the library."""
+    from diffusers_nki.sim import production
+
+    reason = production.unavailable_reason()
+    if reason is not None:
+        assert "attention_cte rows skipped" in text
+        pytest.skip(f"attention_cte (nki-library copy) unavailable, the ratio rows cannot be judged: {reason}")
+    return {h["name"]: h for h in _ours(rows, target)["peer"][0]["hypotheses"]}
+
+
+def test_sensitivity_rows_side_by_side_in_table_and_json(sensitivity_run):
+    rows, text = sensitivity_run
+    for t in ("trn2", "trn3"):
+        o = _ours(rows, t)
+        names = [h["name"] for h in o["hypotheses"]]
+        assert set(HYPOTHESES) <= set(names)
+        for h in o["hypotheses"]:
+            assert h["error"] is None and h["scheduled_s"] > 0, h
+            assert h["fits_sbuf"], h   # K/V resident within every usable SBUF size
+    assert _ours(rows, "trn2")["modeled_efficiency"]["scheduled"] >= 0.65   # issue 20's bar, documented costs on
+    by = _peer_rows(rows, text, "trn2")
+    assert "under each named hypothesis" in text
+    for name in HYPOTHESES:
+        assert name in text
+        h = by[name]
+        assert h["ratio"] == pytest.approx(h["ours_s"] / h["attention_cte_s"])
+
+
+def test_trn3_lead_holds_in_every_sensitivity_row(sensitivity_run):
+    rows, text = sensitivity_run
+    by = _peer_rows(rows, text, "trn3")
+    bad = {n: round(h["ratio"], 3) for n, h in by.items() if h["ratio"] is None or h["ratio"] > 0.75}
+    assert not bad, bad
+    assert _ours(rows, "trn3")["hypotheses"][0]["act_table_switches"] == 0   # ScalarE runs exps only
+
+
+@pytest.mark.xfail(strict=True, reason="issue 20 bar NOT met yet: trn2 ScalarE still alternates exp / copy (~1770 "
+                                       "switches per head): ratio 1.36 at 1.3 us, 0.85 at 0.5 us (docs/BENCHMARKS.md)")
+def test_trn2_lead_holds_in_every_sensitivity_row(sensitivity_run):
+    rows, text = sensitivity_run
+    by = _peer_rows(rows, text, "trn2")
+    bad = {n: round(h["ratio"], 3) for n, h in by.items() if h["ratio"] is None or h["ratio"] > 0.75}
+    assert not bad, bad
+
+
+@pytest.mark.xfail(strict=True, reason="issue 20 bar NOT met yet: trn3 self_forcing_chunk schedules at ~77% "
+                                       "(VectorE-bound once ScalarE runs exps only)")
+def test_trn3_reaches_80_percent(sensitivity_run):
+    rows, _ = sensitivity_run
+    assert _ours(rows, "trn3")["modeled_efficiency"]["scheduled"] >= 0.80
+
+
+def test_fill_rows_grow_with_the_fill_and_bad_fills_are_named(tmp_path, capsys):
+    out = tmp_path / "fill.json"
+    rc = main(["bench", "kernels", "--json", str(out), "--targets", "trn2", "--heads", "1", "--no-progress",
+               "--no-peer", "--shapes", "self_forcing_chunk", "--fill", "0,3"])
+    assert rc == 0
+    assert "per runtime fill" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    fills = [r for r in rows if "fill" in r]
+    full = next(r for r in rows if "fill" not in r)
+    assert [r["fill"]["cache_len"] for r in fills] == [0, 3 * 4680]
+    t = [r["modeled_seconds"]["scheduled"] for r in fills] + [full["modeled_seconds"]["scheduled"]]
+    assert t[0] < t[1] < t[2], t
+    assert fills[0]["dims"]["cache_len"] == 0 and full["dims"]["cache_len"] == 28080
+    rc = main(["bench", "kernels", "--targets", "trn2", "--shapes", "self_forcing_chunk", "--fill", "x"])
+    cap = capsys.readouterr()
+    assert rc != 0 and "--fill 'x'" in cap.err + cap.out
+    with pytest.raises(ValueError, match="outside 0..capacity=28080"):
+        bench.bench_shape("self_forcing_chunk", "trn2", heads=1, cache_len=28081)
