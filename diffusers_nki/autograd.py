@@ -27,7 +27,7 @@ import torch
 
 from diffusers_nki.accounting import count
 from diffusers_nki.errors import warn_once
-from diffusers_nki.kernels.attention_ref import key_mask
+from diffusers_nki.kernels.attention_ref import key_mask, valid_keys
 
 __all__ = ["attention_backward_ref", "BACKWARD_PATHS", "backward_path", "register_backward"]
 
@@ -65,6 +65,11 @@ def attention_backward_ref(dout, q, k, v, k_cache=None, v_cache=None, cache_len=
         vals = torch.cat([v_cache, v], dim=1)
     Sk = keys.shape[1]
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    valid = valid_keys(q, k, k_cache, cache_len, kv_len)
+    if valid is not None:  # slots outside the valid length never reach the arithmetic (a select: 0 x NaN = NaN)
+        sel = valid.view(valid.shape[0], Sk, 1, 1)
+        keys = torch.where(sel, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+        vals = torch.where(sel, vals, torch.zeros((), dtype=vals.dtype, device=vals.device))
     mask = key_mask(q, k, k_cache, cache_len, kv_len, causal_block)  # [B or 1, 1, Sq, Sk] or None
     if mask is not None:  # rows ordered (g, i) like the stacked queries
         mask = mask.reshape(mask.shape[0], 1, 1, Sq, Sk).expand(mask.shape[0], 1, G, Sq, Sk)

@@ -95,6 +95,27 @@ def test_torch_backend_gradients_equal_stock(case, cache_grad):
     assert ops.counters()["attention_backward"]["torch"] == 1
 
 
+@pytest.mark.parametrize("case", ["all", "kv_len"])
+def test_non_finite_slots_outside_the_valid_length_do_not_reach_the_gradients(case):
+    """Cache slots >= cache_len and chunk keys >= kv_len hold NaN / inf: the gradients equal those of a clean
+    buffer (issue 24.9's rule for the backward: invalid slots never reach the arithmetic)."""
+    tensors, kw = _inputs(case)
+    dout = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(3))
+    clean = _grads(_op("torch"), tensors, kw, dout)
+    q, k, v, kc, vc = [None if t is None else t.detach().clone() for t in tensors]
+    for b in range(q.shape[0]):
+        n = int(kw["kv_len"][b])
+        k[b, n:], v[b, n:] = float("nan"), float("inf")
+    if kc is not None:
+        c = int(kw["cache_len"][0])
+        kc[:, c:], vc[:, c:] = float("inf"), float("nan")
+    poisoned = _grads(_op("torch"), [q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), kc, vc],
+                      kw, dout)
+    for a, b in zip(poisoned, clean):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_masked_keys_and_blind_queries_get_exact_zero_gradients():
     tensors, kw = _inputs("kv_len_zero")
     dq, dk, dv = _grads(_op("torch"), tensors, kw, torch.ones(tensors[0].shape))
