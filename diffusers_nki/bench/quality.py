@@ -15,7 +15,7 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
 - the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference with
   every clean frame re-encoded under the new text), ``patched switch`` (``session.set_prompt``: LongLive's KV
   re-cache) and ``broken: stale K/V after switch`` (the re-cache skipped: the window keeps the K/V computed under
-  the old text).
+  the old text). The switch rows are scored from the last frame before the switch on (what the re-cache decides).
 
 Not covered: a bad halo in a sharded VAE decode (``diffusers_nki.vae_parallel`` needs a process group of several
 ranks; this bench runs in one process).
@@ -237,7 +237,10 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
                     breaker = {"broken: rope offset": broken_rope, "broken: evicted sink": evicted_sink,
                                "broken: stale K/V after switch": "stale_kv"}.get(row)
                     video = _patched(pipe, prompt, latents, noise, switch, breaker)
-                sc = tracker.score_video(video, _expected(prompt, video.shape[0], switch, block), block)
+                expected = _expected(prompt, video.shape[0], switch, block)
+                # a switch row is scored from the last frame before the switch on (the part the re-cache decides)
+                start = switch_at * block - 1 if switch is not None else 0
+                sc = tracker.score_video(video[start:], expected[start:], block, first_frame=start)
                 results[row].append({"prompt": prompt, "switch_to": second, **sc})
                 if keep_frames:
                     frames_out[row].append(video)
@@ -269,6 +272,35 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- bench quality: begin -->", "<!-- bench quality: end -->"
+
+
+def markdown_table(res: dict) -> str:
+    lines = [f"{res['chunks']} chunks x 3 latent frames (64x64) per rollout, window {res['window']} frames, sink "
+             f"{res['sink']}; {len(res['rollouts']['patched']) if 'patched' in res['rollouts'] else '?'} prompts per "
+             f"row (switch rows: prompt switch at chunk {res['switch_at']}); seed {res['seed']}; "
+             f"{res['seconds']:.0f} s on this machine's CPU.", "",
+             "| row | quality | colour | shape | motion in chunks | motion across boundaries | error in chunks (px) "
+             "| error at boundaries (px) |", "|---|---|---|---|---|---|---|---|"]
+    for r, v in res["rows"].items():
+        lines.append(f"| {r} | {v['quality']:.3f} | {v['color']:.2f} | {v['shape']:.2f} | {v['motion']:.2f} | "
+                     f"{v['boundary']:.2f} | {v['within_err_px']:.2f} | {v['boundary_err_px']:.2f} |")
+    lines += ["", "Not covered: " + "; ".join(res["not_covered"]) + "."]
+    return "\n".join(lines)
+
+
+def write_doc(path: str, res: dict) -> None:
+    """Replace the block between the markers in ``path`` with the table (the file must hold both markers)."""
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"--doc={path}: the file must hold the markers {BEGIN!r} and {END!r}")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + markdown_table(res) + "\n" + END + tail)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=8, help="chunks per rollout (default 8: 24 frames)")
     p.add_argument("--switch-at", type=int, default=3, help="chunk at which the switch rows change prompt (3)")
@@ -276,6 +308,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, help="a safetensors file (default: the shipped weights)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: "
                    "outputs/bench/quality.json)")
+    p.add_argument("--doc", default=None, metavar="MD", help="also write the table into this markdown file, between "
+                   "its '<!-- bench quality: begin/end -->' markers (docs/DEMO.md)")
 
 
 def run(args) -> int:
@@ -287,6 +321,9 @@ def run(args) -> int:
     with open(path, "w") as f:
         json.dump(json_safe(res), f, indent=2, allow_nan=False)
     print(f"wrote {path}")
+    if args.doc:
+        write_doc(args.doc, res)
+        print(f"wrote the table into {args.doc}")
     return 0
 
 
