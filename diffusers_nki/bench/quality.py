@@ -10,6 +10,8 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
   NKI-routed attention, the streaming VAE decode cache; driven by a session chunk by chunk;
 - ``broken: rope offset``: the denoising passes rotated one chunk early (a stale RoPE frame offset; the cache pass
   right), so each chunk is denoised as if it stood where the previous one stands;
+- ``broken: rope not offset``: every call (the cache pass too) rotated from frame 0, as if the chunk's start
+  frame were never added: the cached keys all stand at the same three times;
 - ``broken: evicted sink``: the ring treats the sink frames as ordinary ones, so they are evicted once the window
   rolls;
 - the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference with
@@ -44,8 +46,8 @@ from diffusers_nki.trained import TEXT_LEN, load_pipeline
 from diffusers_nki.trained import model as M
 from diffusers_nki.trained import tracker, world
 
-__all__ = ["PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure", "run",
-           "stale_kv"]
+__all__ = ["PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure",
+           "rope_not_offset", "run", "stale_kv"]
 
 PROMPTS = ("a red square moving left", "a blue circle moving up", "a green square moving down",
            "a yellow circle moving right")
@@ -104,6 +106,21 @@ def broken_rope(pipe, offset: Optional[int] = None):
 
         def undo():
             st.__dict__.pop("serve", None)
+        return undo
+
+    return _on_states(pipe, fix)
+
+
+def rope_not_offset(pipe):
+    """Every call rotated as if its chunk started the video (RoPE positions from 0: the chunk's start frame never
+    added), the cache pass included: the cached keys all stand at the same few times."""
+
+    def fix(st):
+        freqs = st.rope.freqs
+        st.rope.freqs = lambda positions: freqs(positions - positions[0])
+
+        def undo():
+            st.rope.__dict__.pop("freqs", None)
         return undo
 
     return _on_states(pipe, fix)
@@ -193,7 +210,7 @@ def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[wor
     return [a if t < switch[0] * block else b for t in range(frames)]
 
 
-ROWS = ("stock", "patched", "broken: rope offset", "broken: evicted sink", "stock switch", "patched switch",
+ROWS = ("stock", "patched", "broken: rope offset", "broken: rope not offset", "broken: evicted sink", "stock switch", "patched switch",
         "broken: stale K/V after switch")
 
 
@@ -234,7 +251,8 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
                 if row.startswith("stock"):
                     video = _stock(pipe, prompt, latents, noise, switch)
                 else:
-                    breaker = {"broken: rope offset": broken_rope, "broken: evicted sink": evicted_sink,
+                    breaker = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_not_offset,
+                               "broken: evicted sink": evicted_sink,
                                "broken: stale K/V after switch": "stale_kv"}.get(row)
                     video = _patched(pipe, prompt, latents, noise, switch, breaker)
                 expected = _expected(prompt, video.shape[0], switch, block)
