@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="trained", choices=("trained", "tiny"),
                    help="trained: the tiny model trained here (default); tiny: random weights (the plumbing only)")
     p.add_argument("--prompt", default="a red square moving right", help="the first prompt (trained model)")
-    p.add_argument("--switch-prompt", default="a blue circle moving down",
+    p.add_argument("--switch-prompt", default="a yellow circle moving left",
                    help="the prompt switched to at --switch-at (trained model)")
     p.add_argument("--switch-at", type=int, default=None,
                    help="chunk at which the prompt switches (default: half way; 0: no switch)")
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel backend: auto (nki on a Neuron device, else torch), torch, sim (emulator), nki")
     p.add_argument("--chunks", type=int, default=None, help="AR chunks to stream (1..64; default 16 trained, 6 tiny)")
     p.add_argument("--frames-per-chunk", type=int, default=3, help="latent frames per chunk (1..8; default 3)")
-    p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk (1..8; default 4)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk (1..8; default 8 trained, 4 tiny)")
     p.add_argument("--height", type=int, default=64, help="video height in pixels, multiple of 16 (default 64)")
     p.add_argument("--width", type=int, default=64, help="video width in pixels, multiple of 16 (default 64)")
     p.add_argument("--window", type=int, default=None,
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _resolve_defaults(args) -> None:
     """The model-dependent defaults (``None`` on the command line): the trained model's window, sink and length."""
     trained = getattr(args, "model", "tiny") == "trained"
-    for name, t, k in (("chunks", 16, 6), ("window", 9, 21), ("sink", 3, 0)):
+    for name, t, k in (("chunks", 16, 6), ("window", 9, 21), ("sink", 3, 0), ("steps", 8, 4)):
         if getattr(args, name, None) is None:
             setattr(args, name, t if trained else k)
     if getattr(args, "switch_at", None) is None:

@@ -102,7 +102,8 @@ def train_vae(comps, steps: int, batch: int, g: torch.Generator, log) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        lv = float(loss.detach())
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         bar.set_postfix(loss=f"{ema:.4f}")
         if step % 25 == 0 or step == steps - 1:
             log(f"vae step {step} loss {float(loss):.5f} ema {ema:.5f}")
@@ -177,7 +178,7 @@ def train_transformer(comps, steps: int, batch: int, g: torch.Generator, pool, l
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        v = float(loss)
+        v = float(loss.detach())
         first = v if first is None else first
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         bar.set_postfix(loss=f"{ema:.4f}")

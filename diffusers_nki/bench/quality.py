@@ -10,12 +10,14 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
   NKI-routed attention, the streaming VAE decode cache; driven by a session chunk by chunk;
 - ``broken: rope offset``: the denoising passes rotated one chunk early (a stale RoPE frame offset; the cache pass
   right), so each chunk is denoised as if it stood where the previous one stands;
+- ``broken: rope not offset``: every call (the cache pass too) rotated from frame 0, as if the chunk's start
+  frame were never added: the cached keys all stand at the same three times;
 - ``broken: evicted sink``: the ring treats the sink frames as ordinary ones, so they are evicted once the window
   rolls;
 - the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference with
   every clean frame re-encoded under the new text), ``patched switch`` (``session.set_prompt``: LongLive's KV
   re-cache) and ``broken: stale K/V after switch`` (the re-cache skipped: the window keeps the K/V computed under
-  the old text).
+  the old text). The switch rows are scored from the last frame before the switch on (what the re-cache decides).
 
 Not covered: a bad halo in a sharded VAE decode (``diffusers_nki.vae_parallel`` needs a process group of several
 ranks; this bench runs in one process).
@@ -44,8 +46,8 @@ from diffusers_nki.trained import TEXT_LEN, load_pipeline
 from diffusers_nki.trained import model as M
 from diffusers_nki.trained import tracker, world
 
-__all__ = ["PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure", "run",
-           "stale_kv"]
+__all__ = ["PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure",
+           "rope_not_offset", "run", "stale_kv"]
 
 PROMPTS = ("a red square moving left", "a blue circle moving up", "a green square moving down",
            "a yellow circle moving right")
@@ -104,6 +106,21 @@ def broken_rope(pipe, offset: Optional[int] = None):
 
         def undo():
             st.__dict__.pop("serve", None)
+        return undo
+
+    return _on_states(pipe, fix)
+
+
+def rope_not_offset(pipe):
+    """Every call rotated as if its chunk started the video (RoPE positions from 0: the chunk's start frame never
+    added), the cache pass included: the cached keys all stand at the same few times."""
+
+    def fix(st):
+        freqs = st.rope.freqs
+        st.rope.freqs = lambda positions: freqs(positions - positions[0])
+
+        def undo():
+            st.rope.__dict__.pop("freqs", None)
         return undo
 
     return _on_states(pipe, fix)
@@ -193,7 +210,7 @@ def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[wor
     return [a if t < switch[0] * block else b for t in range(frames)]
 
 
-ROWS = ("stock", "patched", "broken: rope offset", "broken: evicted sink", "stock switch", "patched switch",
+ROWS = ("stock", "patched", "broken: rope offset", "broken: rope not offset", "broken: evicted sink", "stock switch", "patched switch",
         "broken: stale K/V after switch")
 
 
@@ -234,10 +251,14 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
                 if row.startswith("stock"):
                     video = _stock(pipe, prompt, latents, noise, switch)
                 else:
-                    breaker = {"broken: rope offset": broken_rope, "broken: evicted sink": evicted_sink,
+                    breaker = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_not_offset,
+                               "broken: evicted sink": evicted_sink,
                                "broken: stale K/V after switch": "stale_kv"}.get(row)
                     video = _patched(pipe, prompt, latents, noise, switch, breaker)
-                sc = tracker.score_video(video, _expected(prompt, video.shape[0], switch, block), block)
+                expected = _expected(prompt, video.shape[0], switch, block)
+                # a switch row is scored from the last frame before the switch on (the part the re-cache decides)
+                start = switch_at * block - 1 if switch is not None else 0
+                sc = tracker.score_video(video[start:], expected[start:], block, first_frame=start)
                 results[row].append({"prompt": prompt, "switch_to": second, **sc})
                 if keep_frames:
                     frames_out[row].append(video)
@@ -269,6 +290,35 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- bench quality: begin -->", "<!-- bench quality: end -->"
+
+
+def markdown_table(res: dict) -> str:
+    lines = [f"{res['chunks']} chunks x 3 latent frames (64x64) per rollout, window {res['window']} frames, sink "
+             f"{res['sink']}; {len(res['rollouts']['patched']) if 'patched' in res['rollouts'] else '?'} prompts per "
+             f"row (switch rows: prompt switch at chunk {res['switch_at']}); seed {res['seed']}; "
+             f"{res['seconds']:.0f} s on this machine's CPU.", "",
+             "| row | quality | colour | shape | motion in chunks | motion across boundaries | error in chunks (px) "
+             "| error at boundaries (px) |", "|---|---|---|---|---|---|---|---|"]
+    for r, v in res["rows"].items():
+        lines.append(f"| {r} | {v['quality']:.3f} | {v['color']:.2f} | {v['shape']:.2f} | {v['motion']:.2f} | "
+                     f"{v['boundary']:.2f} | {v['within_err_px']:.2f} | {v['boundary_err_px']:.2f} |")
+    lines += ["", "Not covered: " + "; ".join(res["not_covered"]) + "."]
+    return "\n".join(lines)
+
+
+def write_doc(path: str, res: dict) -> None:
+    """Replace the block between the markers in ``path`` with the table (the file must hold both markers)."""
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"--doc={path}: the file must hold the markers {BEGIN!r} and {END!r}")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + markdown_table(res) + "\n" + END + tail)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=8, help="chunks per rollout (default 8: 24 frames)")
     p.add_argument("--switch-at", type=int, default=3, help="chunk at which the switch rows change prompt (3)")
@@ -276,6 +326,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, help="a safetensors file (default: the shipped weights)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: "
                    "outputs/bench/quality.json)")
+    p.add_argument("--doc", default=None, metavar="MD", help="also write the table into this markdown file, between "
+                   "its '<!-- bench quality: begin/end -->' markers (docs/DEMO.md)")
 
 
 def run(args) -> int:
@@ -287,6 +339,9 @@ def run(args) -> int:
     with open(path, "w") as f:
         json.dump(json_safe(res), f, indent=2, allow_nan=False)
     print(f"wrote {path}")
+    if args.doc:
+        write_doc(args.doc, res)
+        print(f"wrote the table into {args.doc}")
     return 0
 
 

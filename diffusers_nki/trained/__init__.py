@@ -4,9 +4,10 @@ left"). ``load_pipeline()`` gives a ``CausalWanPipeline`` with the shipped weigh
 9-frame window with a 3-frame sink; ``tracker`` reads the object back from the frames."""
 from __future__ import annotations
 
-from diffusers_nki.trained.model import BLOCK, SINK, TEXT_LEN, TIMESTEPS, WINDOW, build_pipeline, load_components
+from diffusers_nki.trained.model import (BLOCK, SAMPLING_TIMESTEPS, SINK, TEXT_LEN, TIMESTEPS, WINDOW, build_pipeline,
+                                         load_components)
 
-__all__ = ["BLOCK", "SINK", "TEXT_LEN", "TIMESTEPS", "WINDOW", "load_pipeline"]
+__all__ = ["BLOCK", "SAMPLING_TIMESTEPS", "SINK", "TEXT_LEN", "TIMESTEPS", "WINDOW", "load_pipeline"]
 
 
 def load_pipeline(path=None, window: int = WINDOW, sink: int = SINK):
@@ -15,5 +16,5 @@ def load_pipeline(path=None, window: int = WINDOW, sink: int = SINK):
     max_sequence_length=16)``."""
     pipe = build_pipeline(load_components(path), window=window, sink=sink)
     # what the live viewer (diffusers_nki.serve) runs it at: the trained geometry, schedule and text length
-    pipe.serve_defaults = {"height": 64, "width": 64, "steps": len(TIMESTEPS), "max_sequence_length": TEXT_LEN}
+    pipe.serve_defaults = {"height": 64, "width": 64, "steps": len(SAMPLING_TIMESTEPS), "max_sequence_length": TEXT_LEN}
     return pipe

@@ -3,8 +3,8 @@
 Per frame: the background is the per-channel median of the frame (the shape covers ~6% of it); foreground =
 pixels more than ``THRESHOLD`` away from it in some channel. The object's colour is the nearest of
 ``world.COLORS`` to the foreground's mean colour; its centre the circular mean of the foreground pixels (the world
-is a torus); its shape from the fill ratio of its bounding box (taken around that centre): a square fills it
-(~1.0), a circle ~0.79.
+is a torus); its shape: of a square and a disc of the foreground's area at that centre, the one that overlaps the
+foreground best (robust to soft edges; the bounding box's fill ratio is reported beside: ~1.0 square, ~0.79 disc).
 
 Scores, each in [0, 1] (``score_video``):
 - ``color``: frames whose colour is the prompt's;  ``shape``: frames whose shape is the prompt's;
@@ -30,7 +30,6 @@ __all__ = ["THRESHOLD", "Detection", "detect", "score_video", "track"]
 
 THRESHOLD = 0.25
 MIN_PIXELS = 24
-SQUARE_FILL = 0.89  # fill ratio above: a square
 
 
 @dataclass
@@ -64,12 +63,19 @@ def detect(frame) -> Detection:
     dist = [float(np.sum((mean - np.asarray(world.COLORS[c])) ** 2)) for c in names]
     color = names[int(np.argmin(dist))]
     cx, cy = _circular_mean(xs + 0.5, W), _circular_mean(ys + 0.5, H)
-    # bounding box around the centre (rolled so the object does not straddle the edge)
+    # bounding box around the centre (rolled so the object does not straddle the edge): the fill ratio
     rolled = np.roll(np.roll(fg, W // 2 - int(cx), axis=1), H // 2 - int(cy), axis=0)
     rys, rxs = np.nonzero(rolled)
     area = (rys.max() - rys.min() + 1) * (rxs.max() - rxs.min() + 1)
     fill = n / float(area)
-    shape = "square" if fill >= SQUARE_FILL else "circle"
+    # the shape: the template of the same area (a square, a disc) at the centre that overlaps the pixels best
+    dx = np.remainder(np.arange(W) + 0.5 - cx + W / 2, W) - W / 2
+    dy = np.remainder(np.arange(H) + 0.5 - cy + H / 2, H) - H / 2
+    X, Y = dx.reshape(1, -1), dy.reshape(-1, 1)
+    square = np.maximum(np.abs(X), np.abs(Y)) <= math.sqrt(n) / 2
+    disc = X * X + Y * Y <= n / math.pi
+    iou = [float((fg & t).sum()) / float((fg | t).sum()) for t in (square, disc)]
+    shape = "square" if iou[0] >= iou[1] else "circle"
     return Detection(True, color, shape, (cx, cy), fill, n)
 
 
@@ -77,9 +83,11 @@ def track(frames) -> List[Detection]:
     return [detect(f) for f in frames]
 
 
-def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3) -> Dict[str, float]:
+def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3, first_frame: int = 0
+                ) -> Dict[str, float]:
     """``frames`` ``[T, H, W, 3]`` in [0, 1], ``prompts[t]`` the prompt in force at frame t (a switch: the new
-    one from its frame on). Returns the scores of the module docstring."""
+    one from its frame on); ``first_frame``: the video frame index of ``frames[0]`` (a slice of a video: where its
+    chunk boundaries lie). Returns the scores of the module docstring."""
     dets = track(frames)
     T = len(dets)
     if len(prompts) != T:
@@ -97,7 +105,7 @@ def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3) 
             s = max(0.0, 1.0 - err / world.SPEED)
         else:
             err, s = float(world.SIZE) / 2, 0.0
-        if (t + 1) % chunk_frames == 0:
+        if (first_frame + t + 1) % chunk_frames == 0:
             boundary.append(s)
             b_err.append(err)
         else:
