@@ -50,11 +50,7 @@ LAZY_SOURCES = {  # modules that may import more of ours inside functions, and w
 # paths (family), the tiny builders' diffusers classes, the CLI's subcommands, the facade
 IMPORTLIB_ALLOWED = ("diffusers_nki.compat", "diffusers_nki.family", "diffusers_nki", "diffusers_nki.sim")
 RUNTIME_CORE = ("leaves", "records and backends", "ops", "routing", "implementations", "engine")
-# circles that exist today and are being removed by another stream (never add one here)
-KNOWN_CIRCLES = {frozenset({"diffusers_nki.bench.kernels", "diffusers_nki.bench.kernels_dense"}):
-                 "bench/kernels (its lazy import of the dense rows) <-> bench/kernels_dense (the row builder "
-                 "bench.kernels._row): the attention stream (issue 20) owns bench/kernels.py; the row builder moves "
-                 "to a module below both when it lands"}
+KNOWN_CIRCLES: dict = {}  # none today; never add one here
 
 
 def _modules():
