@@ -24,7 +24,7 @@ from typing import List, Optional
 COMMANDS = {
     "demo": ("diffusers_nki.demo", "stream a tiny autoregressive video pipeline chunk by chunk and write the video"),
     "serve": ("diffusers_nki.serve", "watch a causal Wan session live in a browser: prompt switches, reset"),
-    "bench": ("diffusers_nki.bench.matrix", "the cross-model benchmark matrix (--quick: a few minutes)"),
+    "bench": ("diffusers_nki.bench.matrix", "the cross-model benchmark matrix (--quick: about a minute)"),
 }
 BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
@@ -41,7 +41,7 @@ DESCRIPTION = """diffusers_nki: NKI attention and static KV caches for Diffusers
 AWS Trainium. Without a Trainium host the kernels run in the NKI emulator, and Trainium times are MODELED from
 its instruction trace (never measured)."""
 EPILOG = """commands:
-  diffusers-nki demo                 stream the tiny chunk-causal Wan pipeline (outputs/demo)
+  diffusers-nki demo                 stream the trained tiny chunk-causal Wan model (outputs/demo)
   diffusers-nki serve                the live viewer on 127.0.0.1 (prompt switches, reset)
   diffusers-nki bench --quick        the benchmark matrix, a cheaper pass (outputs/bench)
   diffusers-nki bench                the full matrix
