@@ -93,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-modeled", action="store_true", help="skip the modeled Trainium columns")
     p.add_argument("--no-pipelines", action="store_true", help="transformer rows only (no tiny pipelines)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile graph counting")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes, one family at a time each (default 1). The modeled full-scale traces "
+                        "are single-threaded: --jobs 2 halves the full matrix's wall time on 2 cores; each "
+                        "family's stock and patched runs stay side by side in one process")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the measured runs (default 1: stable side-by-side timings on a "
                         "shared machine)")
@@ -367,7 +371,11 @@ def build_matrix(args, log=print) -> dict:
         bad_pipes = {n: _err(e) for n in PIPELINES}
     rows = []
     t0 = time.perf_counter()
-    bar = tqdm(families, desc="bench", unit="family", disable=None)
+    jobs = getattr(args, "jobs", 1) or 1
+    if jobs > 1 and len(families) > 1:
+        rows = _rows_in_workers(families, args, jobs)
+        families = []
+    bar = tqdm(families, desc="bench", unit="family", disable=None if families else True)
     for fam in bar:
         bar.set_postfix_str(fam)
         row = {"family": fam, "class": tiny.FAMILIES[fam].class_path.rsplit(".", 1)[-1] if fam in tiny.FAMILIES
@@ -402,7 +410,7 @@ def build_matrix(args, log=print) -> dict:
         t_part = time.perf_counter()
         if args.no_modeled:
             row["modeled"] = {"status": "n/a", "reason": "--no-modeled"}
-        elif args.quick and not args.families and fam not in QUICK_MODELED:
+        elif args.quick and not getattr(args, "_families_named", bool(args.families)) and fam not in QUICK_MODELED:
             row["modeled"] = {"status": "n/a", "reason": "skipped by --quick (a one-shot family's full-scale trace; "
                                                        "run without --quick, or name it with --families)"}
         else:
@@ -418,7 +426,7 @@ def build_matrix(args, log=print) -> dict:
         torch._dynamo.reset()
     bar.close()
     reference = None
-    if not args.no_modeled:
+    if not args.no_modeled and not getattr(args, "_no_reference", False):
         if _modeled.available():
             reference = dict(add_chip_figures(_modeled.model_calls(SELF_FORCING.calls, _targets(args)),
                                               SELF_FORCING.calls, SELF_FORCING.tokens_per_latent_frame),
@@ -427,7 +435,7 @@ def build_matrix(args, log=print) -> dict:
 
     return {
         "schema": "diffusers_nki.bench.matrix/1",
-        "quick": bool(args.quick), "backend": args.backend, "chunks": chunks, "repeats": repeats,
+        "quick": bool(args.quick), "backend": args.backend, "chunks": chunks, "repeats": repeats, "jobs": jobs,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "diffusers": diffusers.__version__, "threads": torch.get_num_threads(),
                         "machine": platform.machine()},
@@ -436,6 +444,45 @@ def build_matrix(args, log=print) -> dict:
         "rows": rows, "self_forcing_reference": reference, "seconds": time.perf_counter() - t0,
         "skipped": quick_skips(args),
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished child processes (the ``--jobs`` workers)."""
+    try:
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+    except (ImportError, OSError):  # pragma: no cover - non-POSIX
+        return 0.0
+
+
+def _one_family(job):
+    """Worker body of ``--jobs``: the matrix row of one family, in a fresh process."""
+    fam, ns = job
+    args = argparse.Namespace(**ns)
+    # --quick's choice of modeled families follows what the user named, not this one-family subset
+    args._families_named = bool(args.families)
+    args.families, args.jobs, args._no_reference = fam, 1, True
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return build_matrix(args, log=lambda *a, **k: None)["rows"][0]
+
+
+def _rows_in_workers(families: List[str], args, jobs: int) -> List[dict]:
+    """The rows of ``families`` computed by ``jobs`` spawned worker processes, one family per task (the slowest
+    families are not known in advance, so tasks are handed out as workers free up), in ``families`` order."""
+    import multiprocessing as mp
+    from tqdm.auto import tqdm
+
+    ns = {k: v for k, v in vars(args).items() if v is None or isinstance(v, (str, int, float, bool, list, tuple))}
+    got: Dict[str, dict] = {}
+    with mp.get_context("spawn").Pool(min(jobs, len(families))) as pool:
+        it = pool.imap_unordered(_one_family, [(f, ns) for f in families], chunksize=1)
+        for row in tqdm(it, total=len(families), desc=f"bench ({jobs} jobs)", unit="family", disable=None):
+            got[row["family"]] = row
+    return [got[f] for f in families]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -606,12 +653,15 @@ def run(args) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"diffusers-nki bench: --repeats={args.repeats} must be >= 1", file=sys.stderr)
         return 2
+    if getattr(args, "jobs", 1) < 1:
+        print(f"diffusers-nki bench: --jobs={args.jobs} must be >= 1", file=sys.stderr)
+        return 2
     if args.threads < 1:
         print(f"diffusers-nki bench: --threads={args.threads} must be >= 1", file=sys.stderr)
         return 2
     import torch
 
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    wall0, cpu0, kids0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -635,8 +685,9 @@ def run(args) -> int:
     if result.get("skipped"):
         print("skipped by --quick: " + "; ".join(result["skipped"]))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    cpu = time.process_time() - cpu0 + _children_cpu_s() - kids0  # --jobs: the workers' CPU time too
     print(f"bench{' --quick' if args.quick else ''}: {time.perf_counter() - wall0:.0f} s wall, "
-          f"{time.process_time() - cpu0:.0f} CPU-s, {os.cpu_count()} cores, load average {load:.1f}")
+          f"{cpu:.0f} CPU-s, {os.cpu_count()} cores, --jobs {args.jobs}, load average {load:.1f}")
     bad = [r["family"] for r in result["rows"]
            if r.get("transformer", {}).get("parity", {}).get("ok") is False
            or r.get("pipeline", {}).get("parity", {}).get("ok") is False]
