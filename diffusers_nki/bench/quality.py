@@ -16,11 +16,15 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
   rolls;
 - the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference with
   every clean frame re-encoded under the new text), ``patched switch`` (``session.set_prompt``: LongLive's KV
-  re-cache) and ``broken: stale K/V after switch`` (the re-cache skipped: the window keeps the K/V computed under
-  the old text). The switch rows are scored from the last frame before the switch on (what the re-cache decides).
-
-Not covered: a bad halo in a sharded VAE decode (``diffusers_nki.vae_parallel`` needs a process group of several
-ranks; this bench runs in one process).
+  re-cache), ``broken: no re-cache after switch (stale self-attn K/V)`` (the re-cache skipped: the window keeps
+  the K/V computed under the old text) and ``broken: stale cross-attn K/V after switch`` (the cross-attention keeps attending to the old
+  text, as a cross-attention cache not reset at the switch would: the video should keep following the old prompt).
+  The switch rows are scored against the NEW prompt from the last frame before the switch on.
+- ``patched, sharded decode (2 ranks)`` / ``broken: bad halo (sharded decode)``: the ``patched`` row's latents
+  decoded by the VAE height-sharded over 2 gloo processes on 127.0.0.1 (``diffusers_nki.vae_parallel``; workers
+  ``bench._halo_worker``, bounded in time), with the halo exchange and with zero rows in place of the neighbour's
+  rows. The tracker's ``seam`` score reads the shard boundary from the frames (the jump between the pixel rows
+  either side of the 2-rank split vs the other latent-row boundaries).
 
 The cache breaks are context managers around our own cache objects (instance attributes of one hook and of the
 rollout states it makes, removed on exit): nothing else in the process sees them.
@@ -142,12 +146,28 @@ def evicted_sink(pipe):
 
 @contextlib.contextmanager
 def stale_kv(session):
-    """A prompt switch without LongLive's KV re-cache: the window keeps the K/V computed under the old text."""
+    """A prompt switch without LongLive's KV re-cache: the window keeps the self-attention K/V computed under the
+    old text (the new text does reach the cross-attention)."""
     session._recache = lambda embeds: None
     try:
         yield
     finally:
         del session._recache
+
+
+@contextlib.contextmanager
+def stale_cross_kv(session):
+    """A prompt switch whose cross-attention K/V stay the old text's (a cross-attention cache not reset at the
+    switch, as Self-Forcing / LongLive reset theirs): every call of the session, the re-cache included, attends to
+    the text it started with. This pipeline keeps no cross-attention cache (it projects the prompt's embeddings
+    every call), so the break feeds the old embeddings to every call: the same K/V a stale cache would hold."""
+    old = session.prompt_embeds
+    call = type(session)._call
+    session._call = lambda x, t, embeds, chunk: call(session, x, t, old, chunk)
+    try:
+        yield
+    finally:
+        del session._call
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -182,24 +202,71 @@ def _stock(pipe, prompt: str, latents, noise, switch=None) -> np.ndarray:
     return _to_frames(pipe, video)
 
 
-def _patched(pipe, prompt: str, latents, noise, switch=None, breaker=None) -> np.ndarray:
+def _patched(pipe, prompt: str, latents, noise, switch=None, breaker=None):
     F = latents.shape[2]
     s = pipe.session(prompt, height=SIZE, width=SIZE, num_frames=F, latents=latents, step_noise=noise,
                      max_sequence_length=TEXT_LEN, progress=False)
-    frames = []
+    frames, lats = [], []
     with contextlib.ExitStack() as stack:
-        if breaker == "stale_kv":
-            stack.enter_context(stale_kv(s))
+        if breaker in SESSION_BREAKS:
+            stack.enter_context(SESSION_BREAKS[breaker](s))
         elif breaker is not None:
             stack.enter_context(breaker(pipe))
         try:
             while not s.done:
                 if switch is not None and s.index == switch[0]:
                     s.set_prompt(switch[1])
-                frames.append(np.asarray(s.next_chunk().frames[0]))
+                c = s.next_chunk()
+                frames.append(np.asarray(c.frames[0]))
+                lats.append(c.latents.detach().clone())
         finally:
             s.close()
-    return np.concatenate(frames, axis=0)
+    return np.concatenate(frames, axis=0), torch.cat(lats, dim=2)
+
+
+SESSION_BREAKS = {"stale_kv": stale_kv, "stale_cross_kv": stale_cross_kv}
+HALO_RANKS = 2
+
+
+def sharded_decodes(latents: List[torch.Tensor], weights: Optional[str], block: int, world: int = HALO_RANKS,
+                    timeout_s: float = 300.0) -> dict:
+    """The VAE decode of each latent video height-sharded over ``world`` gloo processes on 127.0.0.1
+    (``_halo_worker``), right and with a broken halo; bounded in time (a hung collective raises, naming the
+    ranks' logs). Returns ``{"sharded": [frames], "bad_halo": [frames], "rows": [...]}`` (frames ``[T, H, W, 3]``
+    in [0, 1])."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, out = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
+        torch.save({"weights": weights, "latents": latents, "block": block}, inp)
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        store = os.path.join(tmp, "store")
+        procs = [subprocess.Popen([sys.executable, "-m", "diffusers_nki.bench._halo_worker", str(r), str(world),
+                                   store, inp, out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                  text=True) for r in range(world)]
+        deadline, logs, failed = time.monotonic() + timeout_s, [], False
+        for p in procs:
+            try:
+                log, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                log, _ = p.communicate()
+                failed, log = True, f"timed out after {timeout_s} s\n{log}"
+            logs.append(log)
+            failed = failed or p.returncode != 0
+        if failed:
+            raise RuntimeError("bench quality: the sharded decode's workers failed:\n" + "\n".join(
+                f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs)))
+        res = torch.load(out)
+
+    def frames(v):
+        return ((v[0].permute(1, 2, 3, 0).float() + 1) / 2).clamp(0, 1).numpy()
+
+    return {"sharded": [frames(v) for v in res["sharded"]], "bad_halo": [frames(v) for v in res["bad_halo"]],
+            "rows": res["rows"]}
 
 
 def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[world.Prompt]:
@@ -210,14 +277,21 @@ def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[wor
     return [a if t < switch[0] * block else b for t in range(frames)]
 
 
-ROWS = ("stock", "patched", "broken: rope offset", "broken: rope not offset", "broken: evicted sink", "stock switch", "patched switch",
-        "broken: stale K/V after switch")
+SHARDED, BAD_HALO = "patched, sharded decode (2 ranks)", "broken: bad halo (sharded decode)"
+STALE_CROSS, NO_RECACHE = "broken: stale cross-attn K/V after switch", "broken: no re-cache after switch (stale self-attn K/V)"
+ROWS = ("stock", "patched", "broken: rope offset", "broken: rope not offset", "broken: evicted sink", SHARDED, BAD_HALO,
+        "stock switch", "patched switch", STALE_CROSS, NO_RECACHE)
+BREAKERS = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_not_offset,
+            "broken: evicted sink": evicted_sink, STALE_CROSS: "stale_cross_kv", NO_RECACHE: "stale_kv"}
 
 
 def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_PROMPTS, switch_at: int = 3,
-            seed: int = 0, rows=ROWS, progress: bool = True, keep_frames: bool = False) -> dict:
+            seed: int = 0, rows=ROWS, progress: bool = True, keep_frames: bool = False,
+            weights: Optional[str] = None) -> dict:
     """Scores per row (means over the prompts) and per rollout. ``pipe``: ``trained.load_pipeline()`` by default
-    (patched and unpatched in turn here; left unpatched)."""
+    (patched and unpatched in turn here; left unpatched); ``weights``: the file it was loaded from (the sharded
+    decode's worker processes load the same VAE), None for the shipped one. The sharded rows decode the
+    ``patched`` row's latents over 2 processes (so they need the ``patched`` row)."""
     from tqdm.auto import tqdm
 
     pipe = pipe if pipe is not None else load_pipeline()
@@ -227,14 +301,21 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
     if not 1 <= switch_at < chunks:
         raise ValueError(f"switch_at={switch_at!r} must be in 1..{chunks - 1} (a chunk boundary of the rollout)")
     F = chunks * block
+    sharded_rows = [r for r in rows if r in (SHARDED, BAD_HALO)]
+    if sharded_rows and "patched" not in rows:
+        raise ValueError(f"rows={rows!r}: {sharded_rows} decode the 'patched' row's latents; add 'patched'")
     jobs = []
     for row in rows:
+        if row in (SHARDED, BAD_HALO):
+            continue
         cases = switch_prompts if "switch" in row else [(p, None) for p in prompts]
         for i, case in enumerate(cases):
             jobs.append((row, i, case))
     results: Dict[str, List[dict]] = {r: [] for r in rows}
+    patched_latents, patched_prompts = [], []
     frames_out: Dict[str, list] = {r: [] for r in rows}
     bar = tqdm(total=len(jobs), desc="quality", unit="rollout", disable=not progress)
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     for patched in (False, True):
         if patched:
@@ -251,10 +332,10 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
                 if row.startswith("stock"):
                     video = _stock(pipe, prompt, latents, noise, switch)
                 else:
-                    breaker = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_not_offset,
-                               "broken: evicted sink": evicted_sink,
-                               "broken: stale K/V after switch": "stale_kv"}.get(row)
-                    video = _patched(pipe, prompt, latents, noise, switch, breaker)
+                    video, lat = _patched(pipe, prompt, latents, noise, switch, BREAKERS.get(row))
+                    if row == "patched":
+                        patched_latents.append(lat)
+                        patched_prompts.append(prompt)
                 expected = _expected(prompt, video.shape[0], switch, block)
                 # a switch row is scored from the last frame before the switch on (the part the re-cache decides)
                 start = switch_at * block - 1 if switch is not None else 0
@@ -266,13 +347,24 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
         finally:
             if patched:
                 diffusers_nki.unpatch(pipe)
+    if sharded_rows:
+        dec = sharded_decodes(patched_latents, weights, block)
+        for row, key in ((SHARDED, "sharded"), (BAD_HALO, "bad_halo")):
+            if row not in rows:
+                continue
+            for prompt, video in zip(patched_prompts, dec[key]):
+                sc = tracker.score_video(video, _expected(prompt, video.shape[0]), block)
+                results[row].append({"prompt": prompt, "switch_to": None, "shard_rows": dec["rows"], **sc})
+                if keep_frames:
+                    frames_out[row].append(video)
     bar.close()
-    keys = ("quality", "color", "shape", "motion", "boundary", "found", "within_err_px", "boundary_err_px")
+    keys = ("quality", "color", "shape", "motion", "boundary", "seam", "found", "within_err_px", "boundary_err_px",
+            "seam_ratio")
     table = {r: {k: float(np.mean([x[k] for x in results[r]])) for k in keys} for r in rows if results[r]}
     out = {"schema": "diffusers_nki.bench.quality/1", "chunks": chunks, "frames": F, "switch_at": switch_at,
            "seed": seed, "window": pipe.config.window_frames, "sink": pipe.config.sink_frames,
-           "rows": table, "rollouts": results, "seconds": time.perf_counter() - t0,
-           "not_covered": ["bad halo in a sharded VAE decode: vae_parallel needs a multi-rank process group"]}
+           "rows": table, "rollouts": results, "seconds": time.perf_counter() - t0, "loadavg_1min_at_start": load0,
+           "halo_ranks": HALO_RANKS, "not_covered": []}
     if keep_frames:
         out["frames_by_row"] = frames_out
     return out
@@ -281,12 +373,12 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
 def format_table(res: dict) -> str:
     lines = [f"tiny trained chunk-causal Wan, {res['chunks']} chunks x 3 latent frames (64x64), window "
              f"{res['window']} frames, sink {res['sink']}; prompt switch at chunk {res['switch_at']}",
-             f"{'row':<32} {'quality':>7} {'color':>6} {'shape':>6} {'motion':>6} {'bound.':>6} "
+             f"{'row':<54} {'quality':>7} {'color':>6} {'shape':>6} {'motion':>6} {'bound.':>6} {'seam':>6} "
              f"{'err in':>7} {'err at':>7}",
-             f"{'':<32} {'':>7} {'':>6} {'':>6} {'':>6} {'':>6} {'chunk':>7} {'bound.':>7}"]
+             f"{'':<54} {'':>7} {'':>6} {'':>6} {'':>6} {'':>6} {'':>6} {'chunk':>7} {'bound.':>7}"]
     for r, v in res["rows"].items():
-        lines.append(f"{r:<32} {v['quality']:>7.3f} {v['color']:>6.2f} {v['shape']:>6.2f} {v['motion']:>6.2f} "
-                     f"{v['boundary']:>6.2f} {v['within_err_px']:>6.2f}px {v['boundary_err_px']:>5.2f}px")
+        lines.append(f"{r:<54} {v['quality']:>7.3f} {v['color']:>6.2f} {v['shape']:>6.2f} {v['motion']:>6.2f} "
+                     f"{v['boundary']:>6.2f} {v['seam']:>6.2f} {v['within_err_px']:>6.2f}px {v['boundary_err_px']:>5.2f}px")
     return "\n".join(lines)
 
 
@@ -297,13 +389,16 @@ def markdown_table(res: dict) -> str:
     lines = [f"{res['chunks']} chunks x 3 latent frames (64x64) per rollout, window {res['window']} frames, sink "
              f"{res['sink']}; {len(res['rollouts']['patched']) if 'patched' in res['rollouts'] else '?'} prompts per "
              f"row (switch rows: prompt switch at chunk {res['switch_at']}); seed {res['seed']}; "
-             f"{res['seconds']:.0f} s on this machine's CPU.", "",
-             "| row | quality | colour | shape | motion in chunks | motion across boundaries | error in chunks (px) "
-             "| error at boundaries (px) |", "|---|---|---|---|---|---|---|---|"]
+             f"{res['seconds']:.0f} s on this machine's CPU" + (
+                 f" (1-minute load average {res['loadavg_1min_at_start']:.1f} at the start)"
+                 if res.get("loadavg_1min_at_start") is not None else "") + ".", "",
+             "| row | quality | colour | shape | motion in chunks | motion across boundaries | seam | error in chunks (px) "
+             "| error at boundaries (px) |", "|---|---|---|---|---|---|---|---|---|"]
     for r, v in res["rows"].items():
         lines.append(f"| {r} | {v['quality']:.3f} | {v['color']:.2f} | {v['shape']:.2f} | {v['motion']:.2f} | "
-                     f"{v['boundary']:.2f} | {v['within_err_px']:.2f} | {v['boundary_err_px']:.2f} |")
-    lines += ["", "Not covered: " + "; ".join(res["not_covered"]) + "."]
+                     f"{v['boundary']:.2f} | {v['seam']:.2f} | {v['within_err_px']:.2f} | {v['boundary_err_px']:.2f} |")
+    if res.get("not_covered"):
+        lines += ["", "Not covered: " + "; ".join(res["not_covered"]) + "."]
     return "\n".join(lines)
 
 
@@ -332,7 +427,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    res = measure(load_pipeline(args.weights), chunks=args.chunks, switch_at=args.switch_at, seed=args.seed)
+    res = measure(load_pipeline(args.weights), chunks=args.chunks, switch_at=args.switch_at, seed=args.seed,
+                  weights=args.weights)
     print(format_table(res))
     path = args.json or os.path.join("outputs", "bench", "quality.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

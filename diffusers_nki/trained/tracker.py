@@ -13,7 +13,11 @@ Scores, each in [0, 1] (``score_video``):
 - ``boundary``: the same across chunk boundaries (the last frame of a chunk to the first of the next: where a
   cache defect shows first);
 - ``found``: frames where an object was found at all (a frame without one scores 0 everywhere);
-- ``quality``: the mean of color, shape, motion and boundary.
+- ``seam``: ``min(1, max(0, 1 - (seam_ratio - 1) / SEAM_TOL))``, ``seam_ratio`` the jump between the two pixel
+  rows either side of ``seam_row`` (where a 2-rank height split of the decode puts its shard boundary) over the
+  jump at the other latent-row boundaries, over all frames (``seam_ratio()``): a discontinuity at the seam that
+  the rest of the picture does not have;
+- ``quality``: the mean of color, shape, motion, boundary and seam.
 Also ``boundary_err_px`` / ``within_err_px``: the mean displacement error (pixels) at and inside chunk boundaries.
 """
 from __future__ import annotations
@@ -26,10 +30,12 @@ import numpy as np
 
 from diffusers_nki.trained import world
 
-__all__ = ["THRESHOLD", "Detection", "detect", "score_video", "track"]
+__all__ = ["SEAM_STEP", "SEAM_TOL", "THRESHOLD", "Detection", "detect", "score_video", "seam_ratio", "track"]
 
 THRESHOLD = 0.25
 MIN_PIXELS = 24
+SEAM_STEP = 8  # pixel rows per latent row (the VAE's 8x8 patches): a shard boundary is a latent-row boundary
+SEAM_TOL = 1.0  # a seam jump this much above the other latent-row boundaries' (ratio 2) scores 0
 
 
 @dataclass
@@ -79,15 +85,30 @@ def detect(frame) -> Detection:
     return Detection(True, color, shape, (cx, cy), fill, n)
 
 
+def seam_ratio(frames, seam_row: int, step: int = SEAM_STEP, eps: float = 1e-3) -> float:
+    """Frames ``[T, H, W, 3]``: the mean jump between pixel rows ``seam_row - 1`` and ``seam_row`` (mean |difference|
+    over frames, columns and channels) over the mean jump at the other multiples of ``step`` (the other latent-row
+    boundaries: the VAE's 8x8 patches make every one of them a little blocky). ~1 where the seam is like any
+    other latent-row boundary."""
+    f = np.asarray(frames, dtype=np.float32)
+    H = f.shape[1]
+    if not 0 < seam_row < H or seam_row % step:
+        raise ValueError(f"seam_row={seam_row!r} must be a multiple of step={step} inside the frame's {H} rows")
+    jump = np.abs(np.diff(f, axis=1)).mean(axis=(0, 2, 3))  # jump[y - 1]: rows y - 1 -> y
+    others = [jump[y - 1] for y in range(step, H, step) if y != seam_row]
+    return float((jump[seam_row - 1] + eps) / (np.mean(others) + eps))
+
+
 def track(frames) -> List[Detection]:
     return [detect(f) for f in frames]
 
 
-def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3, first_frame: int = 0
-                ) -> Dict[str, float]:
+def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3, first_frame: int = 0,
+                seam_row: int = world.SIZE // 2) -> Dict[str, float]:
     """``frames`` ``[T, H, W, 3]`` in [0, 1], ``prompts[t]`` the prompt in force at frame t (a switch: the new
     one from its frame on); ``first_frame``: the video frame index of ``frames[0]`` (a slice of a video: where its
-    chunk boundaries lie). Returns the scores of the module docstring."""
+    chunk boundaries lie); ``seam_row``: the pixel row where a 2-rank height split of the decode puts its shard
+    boundary. Returns the scores of the module docstring."""
     dets = track(frames)
     T = len(dets)
     if len(prompts) != T:
@@ -119,5 +140,7 @@ def score_video(frames, prompts: Sequence[world.Prompt], chunk_frames: int = 3, 
         "within_err_px": float(np.mean(w_err)) if w_err else 0.0,
         "boundary_err_px": float(np.mean(b_err)) if b_err else 0.0,
     }
-    out["quality"] = (out["color"] + out["shape"] + out["motion"] + out["boundary"]) / 4
+    out["seam_ratio"] = seam_ratio(frames, seam_row)
+    out["seam"] = min(1.0, max(0.0, 1.0 - (out["seam_ratio"] - 1.0) / SEAM_TOL))
+    out["quality"] = (out["color"] + out["shape"] + out["motion"] + out["boundary"] + out["seam"]) / 5
     return out
