@@ -1,5 +1,6 @@
 """Packaging invariants: kernels/ and patches/ live only inside the package namespace, and the NKI shim
 falls back to the emulator on machines without the Neuron SDK."""
+import pytest
 import importlib
 import importlib.util
 import subprocess
@@ -63,3 +64,17 @@ def test_readme_is_a_front_page_and_the_docs_index_lists_every_page():
     for page in sorted((ROOT / "docs").glob("*.md")):
         if page.name != "README.md" and page.name != "NKI_SUBSET.md":
             assert f"]({page.name})" in index, f"docs/README.md does not list {page.name}"
+
+
+def test_spawn_ranks_reports_a_failing_rank_and_a_timeout():
+    """The bounded multi-process runner: logs come back; a rank exiting non-zero or a hang raises with the logs."""
+    from diffusers_nki.testing.spawn import SpawnError, spawn_ranks
+
+    logs = spawn_ranks(lambda r: ("-c", f"print('rank', {r})"), 2, 60)
+    assert [l.strip() for l in logs] == ["rank 0", "rank 1"]
+    with pytest.raises(SpawnError, match="rank 1"):
+        spawn_ranks(lambda r: ("-c", f"import sys; print('bye'); sys.exit({r})"), 2, 60)
+    with pytest.raises(SpawnError, match="TIMEOUT"):
+        spawn_ranks(lambda r: ("-c", "import time; time.sleep(30)"), 1, 1)
+    with pytest.raises(ValueError, match="world=0"):
+        spawn_ranks(lambda r: ("-c", "pass"), 0, 1)

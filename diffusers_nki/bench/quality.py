@@ -46,6 +46,7 @@ import diffusers_nki
 from diffusers_nki.bench._measure import json_safe
 from diffusers_nki.caching.core import find_hook
 from diffusers_nki.pipelines.causal_wan import denormalize_latents
+from diffusers_nki.testing.spawn import spawn_ranks
 from diffusers_nki.trained import TEXT_LEN, load_pipeline
 from diffusers_nki.trained import model as M
 from diffusers_nki.trained import tracker, world
@@ -234,32 +235,14 @@ def sharded_decodes(latents: List[torch.Tensor], weights: Optional[str], block: 
     (``_halo_worker``), right and with a broken halo; bounded in time (a hung collective raises, naming the
     ranks' logs). Returns ``{"sharded": [frames], "bad_halo": [frames], "rows": [...]}`` (frames ``[T, H, W, 3]``
     in [0, 1])."""
-    import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
         torch.save({"weights": weights, "latents": latents, "block": block}, inp)
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         store = os.path.join(tmp, "store")
-        procs = [subprocess.Popen([sys.executable, "-m", "diffusers_nki.bench._halo_worker", str(r), str(world),
-                                   store, inp, out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                  text=True) for r in range(world)]
-        deadline, logs, failed = time.monotonic() + timeout_s, [], False
-        for p in procs:
-            try:
-                log, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                log, _ = p.communicate()
-                failed, log = True, f"timed out after {timeout_s} s\n{log}"
-            logs.append(log)
-            failed = failed or p.returncode != 0
-        if failed:
-            raise RuntimeError("bench quality: the sharded decode's workers failed:\n" + "\n".join(
-                f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs)))
+        spawn_ranks(lambda r: ("-m", "diffusers_nki.bench._halo_worker", r, world, store, inp, out), world,
+                    timeout_s, what="bench quality: the sharded decode's workers", tail=2000)
         res = torch.load(out)
 
     def frames(v):

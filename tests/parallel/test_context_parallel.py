@@ -7,9 +7,7 @@ the emulated NKI kernel's lse too, exact gradients)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from gloo_spawn import spawn  # noqa: E402
 from cp_cases import (ANYFLOW_FAR_CACHE, CAUSAL_WAN_CACHE, CAUSAL_WAN_BLOCK, CAUSAL_WAN_CHUNKS,  # noqa: E402
                       anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs, causal_wan_session, wan_inputs)
 
@@ -29,28 +28,8 @@ COMPILED = {(1, 2)}  # also run the pipeline with torch.compile'd blocks (region
 def _spawn(U: int, R: int, tmp_path, cases: str = CASES):
     world = U * R
     store = tmp_path / "store"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "cp_worker.py"), str(r), str(world), str(store),
-                               str(U), str(R), str(tmp_path), cases],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-             for r in range(world)]
-    deadline = time.monotonic() + TIMEOUT_S
-    logs, failed = [], False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            failed = True
-            out = f"TIMEOUT after {TIMEOUT_S} s\n{out}"
-        logs.append(out)
-        failed = failed or p.returncode != 0
-    if failed:
-        pytest.fail("context-parallel workers failed:\n" + "\n".join(f"--- rank {r}\n{log[-3000:]}"
-                                                                    for r, log in enumerate(logs)))
+    spawn(os.path.join(HERE, "cp_worker.py"), world, lambda r: (r, world, store, U, R, tmp_path, cases), TIMEOUT_S,
+          what="context-parallel workers")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
