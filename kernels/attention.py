@@ -107,6 +107,7 @@ LAG_PV_DMA = 5
 LAG_PV_PE = 4
 N_SSB, N_PSB, N_OB, N_RING = 3, 4, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
+N_OUT = 8          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
@@ -168,33 +169,54 @@ def plan_segments(n_keys, D, isz, budget):
 
 
 def _split_table(gen, loading, k):
-    """(DMA, PE+VectorE, PE+ScalarE) shares of the P^T sub-tiles of a full 12-sub-tile item, per generation;
-    ``loading``: items of the phase that also loads K/V (the DMA queues carry the K/V rows then); ``k``: the
-    item's index (trn2 alternates two splits, balancing VectorE and ScalarE to within one eviction).
-    Chosen by sweeping the SCHEDULED time (module docstring)."""
+    """(DMA, PE+VectorE, PE+ScalarE copy, PE+ScalarE exp) shares of the P^T sub-tiles of a full 12-sub-tile
+    item, per generation; ``loading``: items of the phase that also loads K/V (the DMA queues carry the K/V
+    rows then); ``k``: the item's index (a generation may alternate two splits). The exp share transposes the
+    shifted scores x = scale*S - m (fp32, formed by GpSimd) and its ScalarE eviction IS the exp (writing P^T),
+    so ScalarE never switches to a copy for it. Chosen by sweeping the SCHEDULED time (module docstring)."""
     if gen == nisa.nc_version.gen2:
-        return 0, 0, 12
+        return 0, 0, 12, 0
     if gen == nisa.nc_version.gen3:
-        if loading:
-            return (7, 2, 3) if k % 2 == 0 else (7, 3, 2)
-        return (8, 2, 2) if k % 2 == 0 else (8, 1, 3)
-    return (11, 1, 0) if loading else (10, 2, 0)
+        return 8, 0, 0, 4   # fp32 kernels (no DMA transpose: 8 -> VectorE); 16-bit kernels: ``_split``
+    return (11, 1, 0, 0) if loading else (10, 2, 0, 0)
 
 
 def _split(gen, n_full, has_partial, dma_ok, loading, k):
-    """How the P^T sub-tiles of one item are made: (n_dma, n_pe_dve, n_pe_act); the DMA ones are the first
-    n_dma full 128-key sub-tiles (one SBUF->SBUF dma_transpose), the rest PE transposes evicted by VectorE
-    (first) or ScalarE."""
-    d, v, a = _split_table(gen, loading, k)
-    if not dma_ok:
+    """How the P^T sub-tiles of one item are made: (n_dma, n_pe_dve, n_pe_act, n_pe_exp); the DMA ones are the
+    first n_dma full 128-key sub-tiles (one SBUF->SBUF dma_transpose), then PE transposes of P evicted by
+    VectorE or by a ScalarE copy, the last ones PE transposes of the fp32 shifted scores evicted by the
+    ScalarE exp."""
+    nsub = n_full + (1 if has_partial else 0)
+    if gen == nisa.nc_version.gen3 and dma_ok:
+        # trn2: the shifted-score share by item size (swept on the SCHEDULED time of self_forcing_chunk and
+        # frame_causal_21f): a third of the sub-tiles, one fewer on every other 11-sub-tile item outside the
+        # K/V-loading phase (TensorE, which makes the fp32 transposes at twice the bf16 cost, has the least
+        # room then); the DMA transpose takes the rest
+        nx = (nsub + 1) // 3
+        if nsub == 11 and not loading and k % 2 == 1:
+            nx = nx - 1
+        if nx > nsub:
+            nx = nsub
+        nd = nsub - nx
+        if has_partial and nx == 0:
+            return nd - 1, 1, 0, 0
+        return nd, 0, 0, nx
+    d, v, a, x = _split_table(gen, loading, k)
+    if not dma_ok and gen == nisa.nc_version.gen2:
         v, a, d = v + (d + 1) // 2, a + d // 2, 0
-    tot = d + v + a
+    elif not dma_ok:
+        v, x, d = v + d // 2, x + (d + 1) // 2, 0   # trn2 / trn3: no ScalarE copies
+    tot = d + v + a + x
     nd = (n_full * d + tot // 2) // tot
     rest = n_full - nd + (1 if has_partial else 0)
+    nx = (rest * x + (v + a + x) // 2) // (v + a + x) if v + a + x > 0 else 0
+    if nx > rest:
+        nx = rest
+    rest = rest - nx
     nv = (rest * v + (v + a) // 2) // (v + a) if v + a > 0 else rest
     if nv > rest:
         nv = rest
-    return nd, nv, rest - nv
+    return nd, nv, rest - nv, nx
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -257,8 +279,11 @@ def _rows_into_tiles(dst, t0, src, b, a, e, src0, g, ntok, Hkv, D):
 # the evicting engines never wait for each other inside an item.
 # ----------------------------------------------------------------------------------------------------------
 def _emit_eviction(ctx, ev):
-    ctx["slot_busy"][ev["slot"]] = False
-    if ev["eng"] == 1:
+    for sl in ev["slots"]:
+        ctx["slot_busy"][sl] = False
+    if ev["eng"] == 2:
+        nisa.activation(dst=ev["dst"], op=nl.exp, data=ev["src"])
+    elif ev["eng"] == 1:
         if ctx["gen2"]:
             nisa.activation(dst=ev["dst"], op=nl.copy, data=ev["src"])
         else:
@@ -292,16 +317,31 @@ def _free_slot(ctx, slot):
 
 
 def _pe_transposes(ctx, jobs, k, kt=-1):
-    """jobs: (src [rows, cols] SBUF view, rows, cols, dst view [cols, rows], engine 0=DVE 1=ACT); k: the
-    item (tick) they belong to, -1 for loads (evicted at once)."""
+    """jobs: (src [rows, cols] SBUF view, rows, cols, dst view [cols, rows], engine 0=DVE 1=ACT copy 2=ACT
+    exp of fp32 shifted scores); k: the item (tick) they belong to, -1 for loads (evicted at once). An fp32
+    transpose of a 16-bit kernel takes two adjacent slots of the ring."""
     for job in jobs:
         slot = ctx["slot_next"]
-        ctx["slot_next"] = (slot + 1) % ctx["tslots"]
-        _free_slot(ctx, slot)
-        view = ctx["t_ps"][0:job[2], slot, 0:job[1]]
+        wide = job[4] == 2 and ctx["isz"] == 2
+        if wide:
+            if slot % 2 == 1:
+                slot = slot + 1
+            if slot + 1 >= ctx["tslots"]:
+                slot = 0
+            slots = [slot, slot + 1]
+        else:
+            slots = [slot]
+        ctx["slot_next"] = (slots[len(slots) - 1] + 1) % ctx["tslots"]
+        for sl in slots:
+            _free_slot(ctx, sl)
+        if wide:
+            view = ctx["t_ps32"][0:job[2], slot // 2, 0:job[1]]
+        else:
+            view = ctx["t_ps"][0:job[2], slot, 0:job[1]]
         nisa.nc_transpose(dst=view, data=job[0], engine=nisa.engine.tensor)
-        ctx["slot_busy"][slot] = True
-        ctx["ev_queue"].append({"slot": slot, "dst": job[3], "src": view, "eng": job[4], "k": k, "kt": kt})
+        for sl in slots:
+            ctx["slot_busy"][sl] = True
+        ctx["ev_queue"].append({"slots": slots, "dst": job[3], "src": view, "eng": job[4], "k": k, "kt": kt})
     if k < 0:
         _flush_evictions(ctx)
 
@@ -361,9 +401,14 @@ def _finish_k(ctx, pair, ent, eng):
     c0 = (t0 - seg0) * P
     # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
     # P^T and the K/V rows); their evictions are queued like an item's
+    if ctx["kt_dma"] > 0 and ent["si"] % ctx["kt_dma"] == 0:
+        # one SBUF->SBUF DMA transpose of the step's tiles (VectorE / ScalarE have no room for the evictions)
+        nisa.dma_transpose(dst=kT[0:D, c0:c0 + n * P].reshape((D, 1, n, P)), src=st[:, 0:n, :].reshape((P, 1, n, D)),
+                           axes=(3, 1, 2, 0))
+        return
     jobs = []
     for t in range(n):
-        jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], 0 if ctx["fused_update"] else t % 2))
+        jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], 0 if ctx["act_exp_only"] else t % 2))
     _pe_transposes(ctx, jobs, ctx["tick"] - 1, t0 + 1)   # kt: first tile + 1
 
 
@@ -377,7 +422,14 @@ def _finish_v(ctx, pair, ent, eng):
         _ensure_masks(ctx, pair, t1)
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
         # V rows of invalid keys set to 0 by a select (NaN-safe: 0 x NaN would be NaN)
-        nisa.tensor_copy_predicated(dst=vv, src=0.0, predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
+        if ctx["v_bits"]:
+            # GpSimd (VectorE has no room): the bits of V ANDed with 0xFFFF (valid) / 0 (invalid), a select
+            # as well (no arithmetic touches the value)
+            v16 = vv.view(nl.uint16)
+            nisa.tensor_tensor(dst=v16, data1=v16, data2=pair["vb"][:, t0:t1].expand_dim(2).broadcast(2, D),
+                               op=nl.bitwise_and, engine=nisa.engine.gpsimd)
+        else:
+            nisa.tensor_copy_predicated(dst=vv, src=0.0, predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
         nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
     else:
         nisa.memset(dst=vA[:, t0 - seg0:t1 - seg0, D], value=1.0, engine=eng)
@@ -410,6 +462,9 @@ def _masks_range(ctx, pair, m0, m1):
     nisa.tensor_tensor(dst=tmp, data1=tmp, data2=tmp2, op=nl.multiply, engine=eng)
     nisa.tensor_tensor(dst=valid, data1=valid, data2=tmp, op=nl.add, engine=eng)
     nisa.tensor_copy(dst=pair["vm"][:, m0:m1], src=valid, engine=eng)
+    if ctx["v_bits"]:
+        nisa.tensor_tensor(dst=pair["vb"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 5:6].broadcast(1, n),
+                           op=nl.multiply, engine=eng)
     nisa.tensor_tensor(dst=pair["im"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 1:2].broadcast(1, n),
                        op=nl.less, engine=eng)
 
@@ -576,6 +631,16 @@ def _st_max(ctx, it):
     if not it["first"]:
         nisa.tensor_tensor(dst=cur, data1=nm[0:nq, r, ps:ps + 1], data2=dst, op=nl.minimum,
                            engine=nisa.engine.gpsimd)
+    n_full = w // P
+    nsub = (w + P - 1) // P
+    sp = _split(ctx["gen"], n_full, nsub > n_full, ctx["dma_t"], it["loading"], it["k"])
+    it["split"] = sp
+    if sp[3] > 0:
+        # the exp-evicted sub-tiles: x = scale*S - m = cur - (-scale*S), fp32, in place (the main exp does not
+        # read them); GpSimd, which has the room
+        x0 = (nsub - sp[3]) * P
+        nisa.tensor_tensor(dst=ssb[0:nq, x0:w], data1=cur.broadcast(1, w - x0), data2=ssb[0:nq, x0:w],
+                           op=nl.subtract, engine=nisa.engine.gpsimd)
 
 
 def _st_exp(ctx, it):
@@ -592,18 +657,22 @@ def _st_exp(ctx, it):
     if not it["first"]:
         nisa.activation(dst=ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1], op=nl.exp,
                         data=nm[0:nq, r, ps:ps + 1], bias=cur, scale=-1.0)
-    nisa.activation(dst=psb[0:nq, 0:w], op=nl.exp, data=ssb[0:nq, 0:w], bias=cur, scale=-1.0)
     n_full = w // P
     nsub = (w + P - 1) // P
-    nd, nv, na = _split(ctx["gen"], n_full, nsub > n_full, ctx["dma_t"], it["loading"], it["k"])
+    nd, nv, na, nx = it["split"]
+    we = min(w, (nsub - nx) * P)   # P in natural layout: the DMA and P-transposed sub-tiles
+    if we > 0:
+        nisa.activation(dst=psb[0:nq, 0:we], op=nl.exp, data=ssb[0:nq, 0:we], bias=cur, scale=-1.0)
     if nd > 0:
         nisa.dma_transpose(dst=pT[:, 0:nd, 0:nq].reshape((P, 1, nd, nq)),
                            src=psb[0:nq, 0:nd * P].reshape((nq, 1, nd, P)), axes=(3, 1, 2, 0))
     jobs = []
     for t in range(nd, nsub):
         kw = min(P, w - t * P)
-        eng = 0 if t - nd < nv else 1
-        jobs.append((psb[0:nq, t * P:t * P + kw], nq, kw, pT[0:kw, t, 0:nq], eng))
+        if t >= nsub - nx:
+            jobs.append((ssb[0:nq, t * P:t * P + kw], nq, kw, pT[0:kw, t, 0:nq], 2))
+        else:
+            jobs.append((psb[0:nq, t * P:t * P + kw], nq, kw, pT[0:kw, t, 0:nq], 0 if t - nd < nv else 1))
     _pe_transposes(ctx, jobs, it["k"])
     _flush_evictions(ctx, it["k"])   # the previous items' evictions, after this item's PE transposes
 
@@ -635,6 +704,17 @@ def _st_update(ctx, it):
         else:
             al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
             nisa.scalar_tensor_tensor(dst=oacc, data=oacc, op0=nl.multiply, operand0=al, op1=nl.add, operand1=ops)
+    elif ctx["act_exp_only"]:
+        # VectorE evicts O_aug (ScalarE stays on exp), GpSimd updates
+        if it["first"]:
+            nisa.tensor_copy(dst=oacc, src=ops, engine=nisa.engine.vector)
+        else:
+            ob = ctx["oblk"][it["k"] % N_OB]
+            nisa.tensor_copy(dst=ob[0:nq, :], src=ops, engine=nisa.engine.vector)
+            al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
+            nisa.tensor_tensor(dst=oacc, data1=oacc, data2=al.broadcast(1, D1), op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=oacc, data1=oacc, data2=ob[0:nq, :], op=nl.add, engine=nisa.engine.gpsimd)
     elif it["first"]:
         nisa.activation(dst=oacc, op=nl.copy, data=ops)
     else:
@@ -653,7 +733,7 @@ def _finish(ctx, tl):
     D, nq = ctx["D"], tl["nq"]
     oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
     lcl = ctx["lcl"][0:nq, ctx["fin_i"] % N_RING:ctx["fin_i"] % N_RING + 1]
-    out = ctx["out_sb"][ctx["fin_i"] % 2]
+    out = ctx["out_sb"][ctx["fin_i"] % N_OUT]
     ctx["fin_i"] = ctx["fin_i"] + 1
     nisa.tensor_tensor(dst=lcl, data1=oacc[:, D:D + 1], data2=ctx["consts"][0:nq, 0:1], op=nl.maximum,
                        engine=nisa.engine.gpsimd)
@@ -788,6 +868,8 @@ def _run_pair(ctx, b, g, tiles):
     if ctx["has_cache"] or ctx["has_kvlen"]:
         pair["vm"] = ctx["mask_vm"]
         pair["im"] = ctx["mask_im"]
+        if ctx["v_bits"]:
+            pair["vb"] = ctx["mask_vb"]
         # every mask up front (unconditional code), the chunk's tiles first (its part runs first)
         nt = (NK + P - 1) // P
         c0 = ((ctx["C"] // P) // MASK_CHUNK) * MASK_CHUNK
@@ -920,6 +1002,10 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
             nmax = len(bl)
     if nmax == 0:
         return
+    # carry mode: a group that does not load continues the K/V loads the first group left pending (paced to
+    # its items, not a burst at the end of the first group that would stall VectorE on the K^T evictions)
+    cont = carry and not load and (pair["next_t"] < pair["end_t"] or len(pair["kq"]) > 0 or len(pair["vq"]) > 0)
+    ld = load or cont
     for j in range(nmax):
         for r in range(len(grp)):
             tl = grp[r]
@@ -927,7 +1013,7 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                 m = tl["m"]
                 items.append({"tile": tl, "c": blks[r][j][0] - pt["base_t"] * P, "w": blks[r][j][1],
                               "first": m == 0, "cs": 1 + m % 3, "ps": 1 + (m + 2) % 3,
-                              "loading": load, "key0": blks[r][j][0],
+                              "loading": ld, "key0": blks[r][j][0],
                               "last": carry and j == len(blks[r]) - 1})
                 tl["m"] = m + 1
     if load:
@@ -939,7 +1025,7 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
         it = items[ii]
         if carry and ii == 0:
             _wait_set(ctx, grp[0]["set"], gi)
-        if load:
+        if ld:
             need = (it["key0"] + it["w"] + P - 1) // P
             if pair["kready"] < need:
                 _force_k(ctx, pair, need, grp, q_loaded[gi])
@@ -961,7 +1047,7 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     _next_k(ctx, pair, nisa.engine.gpsimd)
                 _next_v(ctx, pair, nisa.engine.gpsimd)
         _tick(ctx, it)
-        if load:
+        if ld:
             kq, vq = pair["kq"], pair["vq"]
             if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
                 _next_k(ctx, pair, nisa.engine.gpsimd)
@@ -974,8 +1060,8 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
             for tl in groups[gi + 1]:
                 _load_q(ctx, pair, tl)
             q_loaded[gi + 1] = True
-    if load:
-        # the rest of the part (items still in flight read its V)
+    if ld and not (carry and gi + 1 < len(groups)):
+        # the rest of the part (items still in flight read its V); in carry mode the last group completes it
         while len(pair["kq"]) > 0 or len(pair["vq"]) > 0 or pair["next_t"] < pair["end_t"]:
             if len(pair["vq"]) > 0:
                 _next_v(ctx, pair, nisa.engine.gpsimd)
@@ -1022,9 +1108,11 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     dma_t = is16 and gen != nisa.nc_version.gen2
     # trn3: ScalarE runs exps only (no function switches): the O update on VectorE; trn2's VectorE has no room
     fused_update = gen == nisa.nc_version.gen4
+    # trn2 / trn3: ScalarE runs exps only (no activation-function switches): no ScalarE copies at all
+    act_exp_only = gen != nisa.nc_version.gen2
     ctx = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lse": lse_out,
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
-           "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
+           "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "kt_dma": 0, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
            "stage_i": 0, "qn_i": 0, "fin_i": 0}
 
@@ -1039,12 +1127,13 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     n_tiles_pair = (H // Hkv) * len(qtiles)
 
     # -- SBUF: constants, lengths, rings, group state, then K/V residency with what is left -------------------
-    consts = _sb(ctx, (P, 5), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf
+    consts = _sb(ctx, (P, 6), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf, 0xFFFF
     nisa.memset(dst=consts[:, 0:1], value=TINY, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 1:2], value=0.5, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 2:3], value=1.0, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 3:4], value=LOG_FLOOR, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 4:5], value=float("inf"), engine=nisa.engine.gpsimd)
+    nisa.memset(dst=consts[:, 5:6], value=65535.0, engine=nisa.engine.gpsimd)
     ctx["consts"] = consts
     if has_cache:
         li = _sb(ctx, (P, 1), cache_len.dtype, 4)
@@ -1075,6 +1164,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         ctx["mask_t2"] = _sb(ctx, (P, mc), nl.float32, 4)
         ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
         ctx["mask_im"] = _sb(ctx, (P, nkt), nl.uint8, 1)   # the select predicate: 1 = invalid key
+        if ctx["v_bits"]:
+            ctx["mask_vb"] = _sb(ctx, (P, nkt), nl.uint16, 2)   # 0xFFFF = valid key, 0 = invalid
     ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
@@ -1087,7 +1178,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["alpha"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["lcl"] = _sb(ctx, (P, N_RING), nl.float32, 4)
-    ctx["out_sb"] = _ring(ctx, 2, (P, D), q.dtype, isz)
+    ctx["out_sb"] = _ring(ctx, N_OUT, (P, D), q.dtype, isz)
     if return_lse:
         ctx["lse_t"] = _sb(ctx, (P, N_RING), nl.float32, 4)
         ctx["lse_b"] = _sb(ctx, (P, N_RING), nl.float32, 4)
@@ -1154,6 +1245,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     ctx["o_ps"] = _ps((P, N_OPS, 160), nl.float32, 6)
     ctx["tslots"] = PSUM_BANK // (P * isz)
     ctx["t_ps"] = _ps((P, ctx["tslots"], P), mm_dt, 7)
+    if isz == 2:
+        ctx["t_ps32"] = _ps((P, ctx["tslots"] // 2, P), nl.float32, 7)   # the same bank: fp32 transposes
     busy = []
     for i in range(ctx["tslots"]):
         busy.append(False)
