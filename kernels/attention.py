@@ -187,6 +187,7 @@ def _split(gen, n_full, has_partial, dma_ok, loading, k):
     VectorE or by a ScalarE copy, the last ones PE transposes of the fp32 shifted scores evicted by the
     ScalarE exp."""
     nsub = n_full + (1 if has_partial else 0)
+    nx = 0
     if gen == nisa.nc_version.gen3 and dma_ok:
         # trn2: the shifted-score share by item size (swept on the SCHEDULED time of self_forcing_chunk and
         # frame_causal_21f): a third of the sub-tiles, one fewer on every other 11-sub-tile item outside the
@@ -195,6 +196,11 @@ def _split(gen, n_full, has_partial, dma_ok, loading, k):
         nx = (nsub + 1) // 3
         if nsub == 11 and not loading and k % 2 == 1:
             nx = nx - 1
+    if gen == nisa.nc_version.gen4 and dma_ok:
+        # trn3 (swept the same way): a sixth of the sub-tiles while the DMA queues also carry K/V, a quarter
+        # after; none evicted by VectorE (trn3 is VectorE-bound)
+        nx = (nsub + 4) // 6 if loading else (nsub + 3) // 4
+    if (gen == nisa.nc_version.gen3 or gen == nisa.nc_version.gen4) and dma_ok:
         if nx > nsub:
             nx = nsub
         nd = nsub - nx
