@@ -15,14 +15,17 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
     per q tile (<= 128 rows, never straddling a frame-causal block) and key block of <= W_MAX = 1536 keys:
         S = Q K^T (TensorE, fp32 PSUM, 3 banks)  ->  m_new = max(m, rowmax(scale * S))  (VectorE reduce
         while copying -scale*S out of PSUM; GpSimd running max)  ->  P = exp(scale*S - m_new) and
-        alpha = exp(m - m_new) (ScalarE)  ->  P^T (DMA transpose and/or PE transposes evicted by VectorE /
-        ScalarE)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the same
-        matmul)  ->  O = alpha * O + O_aug (ScalarE eviction, GpSimd update)
+        alpha = exp(m - m_new) (ScalarE)  ->  P^T: a DMA transpose of P for most sub-tiles; for the rest
+        (trn2 / trn3) GpSimd forms x = scale*S - m_new in fp32, TensorE transposes x into PSUM and the
+        ScalarE exp reading PSUM writes P^T (the exp IS the eviction; trn1: PE transposes of P evicted by
+        ScalarE copies)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the
+        same matmul)  ->  O = alpha * O + O_aug (trn2: VectorE eviction + GpSimd update; trn3: one VectorE
+        instruction reading PSUM; trn1: ScalarE eviction + GpSimd update)
     epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
     Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
-    V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``, never a
-    multiply by 0: an unused slot may hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so
-    no -inf arithmetic and no NaN.
+    V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``; for 16-bit
+    V on trn2 / trn3 a GpSimd AND of V's bits with 0xFFFF / 0; never a multiply by 0: an unused slot may
+    hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so no -inf arithmetic and no NaN.
 
 Work follows the runtime fill (one compiled program for every cache_len): the cache's key space is cut into
     regions of whole chunks (about REGION_KEYS keys, a whole number of Skv-key chunks, whole tiles up to the
@@ -49,15 +52,18 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     (the next group's Q^T loads while the current one drains). Frame-causal: a tile's blocks end at its
     block's last visible key (tiles above the diagonal are never computed: the dense work share is the
     block-causal minimum at 128-row tile granularity).
-    Engine assignment per generation (``_split_table``): the P^T sub-tiles of an item are shared between one
-    SBUF->SBUF DMA transpose, PE transposes evicted by VectorE and PE transposes evicted by ScalarE, chosen
-    by sweeping the SCHEDULED modeled time (``diffusers_nki.sim.schedule``), never the roofline ceiling.
-    Per 12-sub-tile item: trn1 (no DMA transpose) all 12 by PE transposes evicted by ScalarE; trn2 7-8 by DMA,
-    the rest alternating VectorE / ScalarE; trn3 10 by DMA (11 while K/V load) and the rest evicted by VectorE.
-    trn3: ScalarE runs exps only (K^T evictions and the O update on VectorE: O_acc = alpha * O_acc + O_aug in
-    one instruction reading PSUM), so it never switches activation function (the act-table-reload hypothesis
-    of ``bench kernels --sensitivity`` costs it nothing); trn2's VectorE has no room for that work (it would
-    fall to ~63% scheduled), so there ScalarE still alternates exp / copy (see docs/BENCHMARKS.md).
+    Engine assignment per generation (``_split``, ``_split_table``): the P^T sub-tiles of an item are shared
+    between one SBUF->SBUF DMA transpose, PE transposes of P evicted by VectorE or a ScalarE copy, and PE
+    transposes of the fp32 shifted scores evicted by the ScalarE exp, chosen by sweeping the SCHEDULED modeled
+    time (``diffusers_nki.sim.schedule``), never the roofline ceiling. Per 12-sub-tile item: trn1 (no DMA
+    transpose) all 12 by PE transposes evicted by ScalarE copies; trn2 8 by DMA and 4 by the exp path (a third
+    of an item's sub-tiles, one fewer on every other 11-sub-tile item after the K/V-loading phase); trn3 10 by
+    DMA while K/V load and 9 after, the rest by the exp path. On trn2 and trn3 ScalarE runs exps only: no
+    ScalarE copy is left (K^T and O_aug evicted by VectorE, the V selects on GpSimd to make VectorE room), so
+    it never switches activation function and the act-table-reload hypothesis of ``bench kernels
+    --sensitivity`` costs it nothing. The price: GpSimd's x pass and TensorE's fp32 transposes (twice the
+    bf16 cost), which is why the exp path takes only a part of the sub-tiles (trn1 keeps its copies: its
+    ScalarE-bound schedule was not revisited).
 
 Limits (checked by the twin's ``not_supported_reasons`` in the op layer and by trace-time asserts here):
     1 <= D <= 128; H a multiple of Hkv (GQA / MQA); dtypes fp32, bf16, fp16 (matmuls in q's dtype, softmax
@@ -75,10 +81,11 @@ Tested (tests/kernels/test_attention.py, emulator vs the fp64 oracle, flash-atte
     (tests/kernels/test_attention_runtime_fill.py).
 
 Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled headline, roofline ceiling beside):
-    trn2 bf16 D=128 self_forcing_chunk (full cache) ~66% scheduled PE efficiency, trn3 ~77%; ~0.57 / ~0.65x
-    the scheduled time of nki-library's attention_cte; ``--sensitivity`` shows both under each named
-    hypothesis, ``--fill`` the time per cache fill. The bench prints the current figures; this note is not
-    the source of truth.
+    trn2 bf16 D=128 self_forcing_chunk (full cache) ~66% scheduled PE efficiency, trn3 ~83%; ~0.56 / ~0.60x
+    the scheduled time of nki-library's attention_cte, 0 activation-function switches on both (so the same
+    under the act-table-reload hypotheses); ``--sensitivity`` shows both under each named hypothesis,
+    ``--fill`` the time per cache fill. The bench prints the current figures; this note is not the source of
+    truth.
 """
 from __future__ import annotations
 
@@ -105,9 +112,9 @@ PSUM_BANK = 2048   # bytes per PSUM bank per partition
 # deep as the PV lag
 LAG_PV_DMA = 5
 LAG_PV_PE = 4
-N_SSB, N_PSB, N_OB, N_RING = 3, 4, 2, 8   # ring depths (SBUF)
+N_SSB, N_PSB, N_OB, N_RING = 3, 3, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
-N_OUT = 8          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
+N_OUT = 4          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
@@ -1176,7 +1183,15 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
     ctx["s_sb"] = _ring(ctx, N_SSB, (P, W_MAX), nl.float32, 4)
-    ctx["p_sb"] = _ring(ctx, N_PSB if dma_t else N_PSB_PE, (P, W_MAX), mm_dt, isz)
+    # P in natural layout is only written for the sub-tiles that are not on the exp path: its widest item
+    pw = 0
+    for nsub in range(1, W_MAX // P + 1):
+        for ldg in (False, True):
+            for kk in range(2):
+                sp = _split(gen, nsub, False, dma_t, ldg, kk)
+                if (nsub - sp[3]) * P > pw:
+                    pw = (nsub - sp[3]) * P
+    ctx["p_sb"] = _ring(ctx, N_PSB if dma_t else N_PSB_PE, (P, max(pw, P)), mm_dt, isz)
     ctx["lag_pv"] = LAG_PV_DMA if dma_t else LAG_PV_PE
     ctx["pT"] = _ring(ctx, ctx["lag_pv"], (P, W_MAX // P, P), mm_dt, isz)
     if not fused_update:
