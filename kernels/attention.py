@@ -414,11 +414,6 @@ def _finish_k(ctx, pair, ent, eng):
     c0 = (t0 - seg0) * P
     # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
     # P^T and the K/V rows); their evictions are queued like an item's
-    if ctx["kt_dma"] > 0 and ent["si"] % ctx["kt_dma"] == 0:
-        # one SBUF->SBUF DMA transpose of the step's tiles (VectorE / ScalarE have no room for the evictions)
-        nisa.dma_transpose(dst=kT[0:D, c0:c0 + n * P].reshape((D, 1, n, P)), src=st[:, 0:n, :].reshape((P, 1, n, D)),
-                           axes=(3, 1, 2, 0))
-        return
     jobs = []
     for t in range(n):
         jobs.append((st[:, t, :], P, D, kT[0:D, c0 + t * P:c0 + t * P + P], 0 if ctx["act_exp_only"] else t % 2))
@@ -1125,7 +1120,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     act_exp_only = gen != nisa.nc_version.gen2
     ctx = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lse": lse_out,
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
-           "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "kt_dma": 0, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
+           "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
            "stage_i": 0, "qn_i": 0, "fin_i": 0}
 
