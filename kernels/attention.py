@@ -47,8 +47,10 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
             a software pipeline: each tick admits one item and advances the in-flight ones one stage:
                 QK (tick 0) | max (1) | exp + P^T (2) | PV (4, or 5 when P^T comes by DMA) | update (PV + 2)
     Buffers rotate through explicit addresses (``nl.ndarray(..., address=...)``): scores 2 x 3 PSUM banks,
-    O_aug 3 slots in bank 6, a transpose-slot ring in bank 7; SBUF rings for scaled scores (3), P (4, or 2
-    with PE transposes only), P^T (as deep as the PV lag), O blocks (2), the softmax state of two groups
+    O_aug 3 slots in bank 6, a transpose-slot ring in bank 7 (an fp32 transpose of a 16-bit kernel takes
+    two slots); SBUF rings for scaled scores (3; the exp path's x overwrites its sub-tiles in place), P (3,
+    or 2 with PE transposes only; as wide as the widest share not on the exp path), P^T (as deep as the PV
+    lag), O blocks (2), epilogue outputs (4), the softmax state of two groups
     (the next group's Q^T loads while the current one drains). Frame-causal: a tile's blocks end at its
     block's last visible key (tiles above the diagonal are never computed: the dense work share is the
     block-causal minimum at 128-row tile granularity).
