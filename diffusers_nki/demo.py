@@ -4,7 +4,7 @@ chunk through diffusers_nki.
 What it does (offline, CPU, about a minute on 2 cores with the defaults):
 1. builds the ``CausalWanPipeline``: by default (``--model trained``) the tiny chunk-causal model trained in this
    repository on a procedural world (``diffusers_nki.trained``: a coloured shape moving as its prompt says, 64x64,
-   a 9-frame window with a 3-frame sink), streamed for 16 chunks with a prompt switch half way through
+   its colour shown only in a lit corner, a 9-frame window with a 3-frame sink), streamed for 16 chunks with a prompt switch half way through
    (``--switch-at``, ``--switch-prompt``: LongLive's KV re-cache through ``pipe.stream(...).send(prompt)``); the
    frames are read back by ``diffusers_nki.trained.tracker`` (colour, shape, motion) and a contact sheet of frames
    across the chunks is written. ``--model tiny``: the random-weight tiny config of ``diffusers_nki.testing.tiny``
@@ -51,8 +51,8 @@ PIPELINE = "causal_wan"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="trained", choices=("trained", "tiny"),
                    help="trained: the tiny model trained here (default); tiny: random weights (the plumbing only)")
-    p.add_argument("--prompt", default="a red square moving right", help="the first prompt (trained model)")
-    p.add_argument("--switch-prompt", default="a yellow circle moving left",
+    p.add_argument("--prompt", default="a yellow square moving right", help="the first prompt (trained model)")
+    p.add_argument("--switch-prompt", default="a blue circle moving up",
                    help="the prompt switched to at --switch-at (trained model)")
     p.add_argument("--switch-at", type=int, default=None,
                    help="chunk at which the prompt switches (default: half way; 0: no switch)")

@@ -14,12 +14,17 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
   frame were never added: the cached keys all stand at the same three times;
 - ``broken: evicted sink``: the ring treats the sink frames as ordinary ones, so they are evicted once the window
   rolls;
-- the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference with
-  every clean frame re-encoded under the new text), ``patched switch`` (``session.set_prompt``: LongLive's KV
+- the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference, the
+  frames committed before the switch re-encoded under the new text as LongLive's re-cache encodes them), ``patched switch`` (``session.set_prompt``: LongLive's KV
   re-cache), ``broken: no re-cache after switch (stale self-attn K/V)`` (the re-cache skipped: the window keeps
   the K/V computed under the old text) and ``broken: stale cross-attn K/V after switch`` (the cross-attention keeps attending to the old
   text, as a cross-attention cache not reset at the switch would: the video should keep following the old prompt).
   The switch rows are scored against the NEW prompt from the last frame before the switch on.
+- the keep-colour scenario (where only the sink remembers): chunk 0 under a coloured prompt ("a red square moving
+  right"), then from chunk 1 the same prompt without its colour ("a square moving right": keep the colour). The
+  world shows colour only in its lit square, and each lap of the torus takes the object through the shadow for
+  11+ frames: re-entering the light, the colour is in no recent frame and in no prompt, only in the sink chunk.
+  ``stock keep colour`` / ``patched keep colour`` / ``broken: evicted sink (keep colour)``.
 - ``patched, sharded decode (2 ranks)`` / ``broken: bad halo (sharded decode)``: the ``patched`` row's latents
   decoded by the VAE height-sharded over 2 gloo processes on 127.0.0.1 (``diffusers_nki.vae_parallel``; workers
   ``bench._halo_worker``, bounded in time), with the halo exchange and with zero rows in place of the neighbour's
@@ -51,13 +56,17 @@ from diffusers_nki.trained import TEXT_LEN, load_pipeline
 from diffusers_nki.trained import model as M
 from diffusers_nki.trained import tracker, world
 
-__all__ = ["PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure",
+__all__ = ["KEEP_PROMPTS", "PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure",
            "rope_not_offset", "run", "stale_kv"]
 
 PROMPTS = ("a red square moving left", "a blue circle moving up", "a green square moving down",
            "a yellow circle moving right")
 SWITCH_PROMPTS = (("a red square moving right", "a blue circle moving down"),
                   ("a yellow square moving up", "a green circle moving left"))
+# the keep-colour scenario: the colour is named in chunk 0 only (the switch to the colourless prompt at chunk 1)
+KEEP_PROMPTS = (("a red square moving right", "a square moving right"), ("a blue circle moving down", "a circle moving down"),
+                ("a green square moving left", "a square moving left"), ("a yellow circle moving up", "a circle moving up"))
+KEEP_AT = 1
 SIZE = world.SIZE
 
 
@@ -262,15 +271,18 @@ def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[wor
 
 SHARDED, BAD_HALO = "patched, sharded decode (2 ranks)", "broken: bad halo (sharded decode)"
 STALE_CROSS, NO_RECACHE = "broken: stale cross-attn K/V after switch", "broken: no re-cache after switch (stale self-attn K/V)"
+KEEP = "keep colour"
+EVICTED_KEEP = f"broken: evicted sink ({KEEP})"
 ROWS = ("stock", "patched", "broken: rope offset", "broken: rope not offset", "broken: evicted sink", SHARDED, BAD_HALO,
-        "stock switch", "patched switch", STALE_CROSS, NO_RECACHE)
+        "stock switch", "patched switch", STALE_CROSS, NO_RECACHE, f"stock {KEEP}", f"patched {KEEP}", EVICTED_KEEP)
 BREAKERS = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_not_offset,
-            "broken: evicted sink": evicted_sink, STALE_CROSS: "stale_cross_kv", NO_RECACHE: "stale_kv"}
+            "broken: evicted sink": evicted_sink, STALE_CROSS: "stale_cross_kv", NO_RECACHE: "stale_kv",
+            EVICTED_KEEP: evicted_sink}
 
 
-def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_PROMPTS, switch_at: int = 3,
+def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_PROMPTS, switch_at: int = 3,
             seed: int = 0, rows=ROWS, progress: bool = True, keep_frames: bool = False,
-            weights: Optional[str] = None) -> dict:
+            weights: Optional[str] = None, keep_prompts=KEEP_PROMPTS) -> dict:
     """Scores per row (means over the prompts) and per rollout. ``pipe``: ``trained.load_pipeline()`` by default
     (patched and unpatched in turn here; left unpatched); ``weights``: the file it was loaded from (the sharded
     decode's worker processes load the same VAE), None for the shipped one. The sharded rows decode the
@@ -283,6 +295,12 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
         raise ValueError(f"chunks={chunks!r} must be an int >= 2")
     if not 1 <= switch_at < chunks:
         raise ValueError(f"switch_at={switch_at!r} must be in 1..{chunks - 1} (a chunk boundary of the rollout)")
+    window = pipe.config.window_frames
+    if any(r.startswith("stock") and "switch" in r for r in rows) and switch_at * block > window:
+        raise ValueError(f"switch_at={switch_at!r}: the stock switch row's reference re-encodes a switch only while "
+                         f"the committed frames fit the window ({window} frames): switch_at <= {window // block}")
+    if any(KEEP in r for r in rows) and chunks <= KEEP_AT:
+        raise ValueError(f"chunks={chunks!r} must be > {KEEP_AT} for the keep-colour rows (their switch chunk)")
     F = chunks * block
     sharded_rows = [r for r in rows if r in (SHARDED, BAD_HALO)]
     if sharded_rows and "patched" not in rows:
@@ -291,9 +309,14 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
     for row in rows:
         if row in (SHARDED, BAD_HALO):
             continue
-        cases = switch_prompts if "switch" in row else [(p, None) for p in prompts]
+        if "switch" in row:
+            cases, at = switch_prompts, switch_at
+        elif KEEP in row:
+            cases, at = keep_prompts, KEEP_AT
+        else:
+            cases, at = [(p, None) for p in prompts], None
         for i, case in enumerate(cases):
-            jobs.append((row, i, case))
+            jobs.append((row, i, case, at))
     results: Dict[str, List[dict]] = {r: [] for r in rows}
     patched_latents, patched_prompts = [], []
     frames_out: Dict[str, list] = {r: [] for r in rows}
@@ -304,11 +327,11 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
         if patched:
             diffusers_nki.patch(pipe, backend="torch")
         try:
-            for row, i, case in jobs:
+            for row, i, case, at in jobs:
                 if row.startswith("stock") == patched:
                     continue
                 prompt, second = case
-                switch = (switch_at, second) if second is not None else None
+                switch = (at, second) if second is not None else None
                 g = torch.Generator().manual_seed(seed * 1000 + i)
                 latents = torch.randn((1, pipe.transformer.config.in_channels, F, SIZE // 8, SIZE // 8), generator=g)
                 noise = _Noise(seed * 1000 + i)
@@ -320,8 +343,9 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
                         patched_latents.append(lat)
                         patched_prompts.append(prompt)
                 expected = _expected(prompt, video.shape[0], switch, block)
-                # a switch row is scored from the last frame before the switch on (the part the re-cache decides)
-                start = switch_at * block - 1 if switch is not None else 0
+                # a switch row is scored from the last frame before the switch on (the part the re-cache decides);
+                # a keep-colour row from its first frame (chunk 0 names the colour the rest must keep)
+                start = at * block - 1 if switch is not None and KEEP not in row else 0
                 sc = tracker.score_video(video[start:], expected[start:], block, first_frame=start)
                 results[row].append({"prompt": prompt, "switch_to": second, **sc})
                 if keep_frames:
@@ -344,7 +368,8 @@ def measure(pipe=None, chunks: int = 8, prompts=PROMPTS, switch_prompts=SWITCH_P
     keys = ("quality", "color", "shape", "motion", "boundary", "seam", "found", "within_err_px", "boundary_err_px",
             "seam_ratio")
     table = {r: {k: float(np.mean([x[k] for x in results[r]])) for k in keys} for r in rows if results[r]}
-    out = {"schema": "diffusers_nki.bench.quality/1", "chunks": chunks, "frames": F, "switch_at": switch_at,
+    out = {"schema": "diffusers_nki.bench.quality/2", "chunks": chunks, "frames": F, "switch_at": switch_at,
+           "keep_at": KEEP_AT, "light": world.LIGHT, "dark_frames": world.dark_frames(),
            "seed": seed, "window": pipe.config.window_frames, "sink": pipe.config.sink_frames,
            "rows": table, "rollouts": results, "seconds": time.perf_counter() - t0, "loadavg_1min_at_start": load0,
            "halo_ranks": HALO_RANKS, "not_covered": []}
@@ -398,8 +423,10 @@ def write_doc(path: str, res: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chunks", type=int, default=8, help="chunks per rollout (default 8: 24 frames)")
-    p.add_argument("--switch-at", type=int, default=3, help="chunk at which the switch rows change prompt (3)")
+    p.add_argument("--chunks", type=int, default=12, help="chunks per rollout (default 12: 36 frames, one lap of "
+                   "the torus: out of the light and back)")
+    p.add_argument("--switch-at", type=int, default=3, help="chunk at which the switch rows change prompt (1..3; "
+                   "default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", default=None, help="a safetensors file (default: the shipped weights)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: "

@@ -1,6 +1,6 @@
 """A tiny chunk-causal video model trained in this repository (``scripts/train_tiny_causal.py``) on procedural
-video: one coloured shape moving on a plain background, prompted from a small vocabulary ("a red square moving
-left"). ``load_pipeline()`` gives a ``CausalWanPipeline`` with the shipped weights (diffusers_nki/assets/), a
+video: one coloured shape moving on a canvas lit only in its top-left corner (the colour shows only in the light),
+prompted from a small vocabulary ("a red square moving left"; "a square moving left": keep the colour). ``load_pipeline()`` gives a ``CausalWanPipeline`` with the shipped weights (diffusers_nki/assets/), a
 9-frame window with a 3-frame sink; ``tracker`` reads the object back from the frames."""
 from __future__ import annotations
 

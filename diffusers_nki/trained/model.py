@@ -15,8 +15,8 @@ size, plus the two forwards that do not go through the pipeline's cache:
 Components: ``WordTokenizer`` (a word-level ``PreTrainedTokenizerFast`` over ``world.VOCAB``), a 1-layer
 ``UMT5EncoderModel`` (d_model 32), a 4-layer ``WanTransformer3DModel`` (4 heads x 24, patch 1x2x2), an
 ``AutoencoderKLWan`` whose convolutions run at 8x8 (``patch_size=8``: 64x64 pixels -> 8x8 latents, no
-temporal compression), ``FlowMatchLCMScheduler(shift=1)``; trained on the sigmas of ``TIMESTEPS`` (4 steps, plus 20% uniform), sampled
-with ``SAMPLING_TIMESTEPS`` (8 steps) by default.
+temporal compression), ``FlowMatchLCMScheduler(shift=1)``; trained on the sigmas of ``TIMESTEPS`` (the sampler's 8 steps, plus 20%
+uniform) and sampled with ``SAMPLING_TIMESTEPS`` (8 steps) by default.
 """
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 BLOCK = 3  # latent frames per chunk (num_frame_per_block)
 WINDOW = 9  # attention window in latent frames, the current chunk included
 SINK = 3  # sink frames (the first chunk), never evicted
-TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)  # the training schedule's sigmas x 1000 (shift 1: sigma = t / 1000)
-# the pipeline's default sampling schedule: 8 steps (the model also trained on 20% uniform sigmas); with this
-# under-trained model 8 steps draw sharper objects than the 4 it trained on (bench quality: 0.474 vs 0.446)
+# the pipeline's default sampling schedule: 8 steps (shift 1: sigma = t / 1000)
 SAMPLING_TIMESTEPS = tuple(1000.0 * (1 - i / 8) for i in range(8))
+TIMESTEPS = SAMPLING_TIMESTEPS  # the training schedule's sigmas x 1000 (the model also trains on 20% uniform sigmas)
 TEXT_LEN = 16  # max_sequence_length the model is trained and run with
 SPECIALS = ("<pad>", "</s>", "<unk>")
 
@@ -265,13 +264,19 @@ def reference_rollout(pipe: CausalWanPipeline, text: torch.Tensor, latents: torc
     dense block-causal mask over [the clean frames so far | the chunk] (the cached history's K/V ARE those
     frames' K/V at their cache pass, which saw the same visibility). ``latents`` ``[B, C, F, h, w]`` the initial
     noise, ``step_noise(chunk, step, shape)`` the re-noising noise, as given to the pipeline. ``switch=(chunk,
-    text)``: from that chunk on the new text conditions everything (the clean frames re-encoded under it, as the
-    pipeline's KV re-cache does for the frames its window holds). Returns the clean latents ``[B, C, F, h, w]``."""
+    text)``: from that chunk on the new text conditions everything: the frames committed before the switch are
+    re-encoded under it as LongLive's KV re-cache encodes them (``CausalWanState.recache_span``: while no more than
+    the window's frames are committed, all of them together, each seeing all the others, no causal order among
+    them; a later switch, whose re-cache keeps the sinks' old-text K/V, is not expressible in one dense pass and
+    raises). Returns the clean latents ``[B, C, F, h, w]``."""
     tr = pipe.transformer
     cfg = pipe.config
     block, window, sink = cfg.num_frame_per_block, cfg.window_frames, cfg.sink_frames
     B, C, F, h, w = latents.shape
     chunks = F // block
+    if switch is not None and switch[0] * block > window:
+        raise ValueError(f"switch={switch[0]!r}: the reference re-encodes a switch only while the committed frames "
+                         f"({switch[0] * block}) fit the window ({window}); switch at chunk <= {window // block}")
     vis = visibility(chunks, window, sink, block)
     sigmas = [t / 1000.0 for t in cfg.denoising_timesteps] + [0.0]
     done: List[torch.Tensor] = []
@@ -286,6 +291,8 @@ def reference_rollout(pipe: CausalWanPipeline, text: torch.Tensor, latents: torc
             m[r, r] = True
             for k in cvis[j]:
                 m[r, k * block:(k + 1) * block] = True
+        if switch is not None and i >= switch[0]:  # the re-cached frames see each other, no causal order
+            m[:switch[0] * block, :switch[0] * block] = True
         del vis
         vis = cvis
         times = torch.arange(n_ctx + block).view(1, -1).expand(B, -1)
