@@ -150,7 +150,7 @@ def train_vae(comps, steps: int, batch: int, g: torch.Generator, log) -> float:
     vae.eval().requires_grad_(False)
     with torch.no_grad():  # what the tracker reads back from a reconstruction (the ceiling of the whole model)
         spec = W.ClipSpec(W.Prompt("red", "square", "left"))
-        clip = W.render_clip(spec, range(13)).unsqueeze(0) * 2 - 1  # through the shadow and back
+        clip = W.render_clip(spec, range(13)).unsqueeze(0) * 2 - 1  # out of the light into the shadow
         rec = vae.decode(vae.encode(clip).latent_dist.mode()).sample
         frames = ((rec[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
         log(f"vae reconstruction tracker scores: {tracker.score_video(frames, [spec.prompt] * 13)}")

@@ -15,7 +15,8 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
 - ``broken: evicted sink``: the ring treats the sink frames as ordinary ones, so they are evicted once the window
   rolls;
 - the prompt-switch scenario (the prompt changes at chunk ``--switch-at``): ``stock switch`` (the reference, the
-  frames committed before the switch re-encoded under the new text as LongLive's re-cache encodes them), ``patched switch`` (``session.set_prompt``: LongLive's KV
+  frames committed before the switch re-encoded under the new text as LongLive's re-cache encodes them),
+  ``patched switch`` (``session.set_prompt``: LongLive's KV
   re-cache), ``broken: no re-cache after switch (stale self-attn K/V)`` (the re-cache skipped: the window keeps
   the K/V computed under the old text) and ``broken: stale cross-attn K/V after switch`` (the cross-attention keeps attending to the old
   text, as a cross-attention cache not reset at the switch would: the video should keep following the old prompt).
@@ -56,16 +57,18 @@ from diffusers_nki.trained import TEXT_LEN, load_pipeline
 from diffusers_nki.trained import model as M
 from diffusers_nki.trained import tracker, world
 
-__all__ = ["KEEP_PROMPTS", "PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main", "measure",
-           "rope_not_offset", "run", "stale_kv"]
+__all__ = ["KEEP_PROMPTS", "PROMPTS", "SWITCH_PROMPTS", "add_arguments", "broken_rope", "evicted_sink", "main",
+           "measure", "rope_not_offset", "run", "stale_kv"]
 
 PROMPTS = ("a red square moving left", "a blue circle moving up", "a green square moving down",
            "a yellow circle moving right")
 SWITCH_PROMPTS = (("a red square moving right", "a blue circle moving down"),
                   ("a yellow square moving up", "a green circle moving left"))
 # the keep-colour scenario: the colour is named in chunk 0 only (the switch to the colourless prompt at chunk 1)
-KEEP_PROMPTS = (("a red square moving right", "a square moving right"), ("a blue circle moving down", "a circle moving down"),
-                ("a green square moving left", "a square moving left"), ("a yellow circle moving up", "a circle moving up"))
+KEEP_PROMPTS = (("a red square moving right", "a square moving right"),
+                ("a blue circle moving down", "a circle moving down"),
+                ("a green square moving left", "a square moving left"),
+                ("a yellow circle moving up", "a circle moving up"))
 KEEP_AT = 1
 SIZE = world.SIZE
 

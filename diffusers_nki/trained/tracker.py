@@ -34,7 +34,8 @@ import numpy as np
 
 from diffusers_nki.trained import world
 
-__all__ = ["MIN_LIT", "SEAM_STEP", "SEAM_TOL", "THRESHOLD", "Detection", "expected_colors", "detect", "score_video", "seam_ratio", "track"]
+__all__ = ["MIN_LIT", "SEAM_STEP", "SEAM_TOL", "THRESHOLD", "Detection", "detect", "expected_colors", "score_video",
+           "seam_ratio", "track"]
 
 THRESHOLD = 0.25
 MIN_PIXELS = 24
@@ -125,8 +126,8 @@ def track(frames) -> List[Detection]:
 
 def expected_colors(prompts: Sequence[world.Prompt], dets: Sequence[Detection]) -> List[Optional[str]]:
     """Per frame, the colour the object should show: the prompt's; for a prompt without one, the colour last named
-    by an earlier prompt, else the first colour the video shows (None until it shows one)."""
-    first = next((d.color for d in dets if d.found and d.color is not None), None)
+    by an earlier prompt, else the first of ``world.COLORS`` the video shows (None if it shows none)."""
+    first = next((d.color for d in dets if d.found and d.color in world.COLORS), None)
     out, named = [], None
     for p in prompts:
         named = p.color if p.color is not None else named

@@ -27,10 +27,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["BACKGROUND", "COLORS", "DIRECTIONS", "LIGHT", "SHADOW", "SHADOW_OBJECT", "SHAPES", "SIZE", "SPEED", "VOCAB",
-           "ClipSpec", "Prompt", "all_prompts", "background_image", "color_at", "dark_frames", "lit_mask",
-           "lit_pixels", "parse_prompt", "position_at", "random_color", "random_prompt", "random_start", "render_clip", "render_frame",
-           "wrapped_delta"]
+__all__ = ["BACKGROUND", "COLORS", "DIRECTIONS", "LIGHT", "SHADOW", "SHADOW_OBJECT", "SHAPES", "SIZE", "SPEED",
+           "VOCAB", "ClipSpec", "Prompt", "all_prompts", "background_image", "color_at", "dark_frames", "lit_mask",
+           "lit_pixels", "parse_prompt", "position_at", "random_prompt", "random_start", "render_clip",
+           "render_frame", "wrapped_delta"]
 
 SIZE = 64  # pixels (height = width)
 SPEED = 2.0  # pixels per frame
@@ -96,11 +96,6 @@ def random_prompt(g: torch.Generator) -> Prompt:
     """One of ``all_prompts()`` (all name a colour)."""
     ps = all_prompts()
     return ps[int(torch.randint(len(ps), (1,), generator=g))]
-
-
-def random_color(g: torch.Generator) -> str:
-    names = list(COLORS)
-    return names[int(torch.randint(len(names), (1,), generator=g))]
 
 
 @dataclass(frozen=True)
