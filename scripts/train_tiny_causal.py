@@ -55,7 +55,7 @@ def vae_batch(g: torch.Generator, batch: int, frames: int = 5) -> torch.Tensor:
 def _sink_only_gap(p: W.Prompt, start, g: torch.Generator) -> int:
     """A time skip after the sink chunk that leaves chunks 1-2 fully dark and chunk 3 re-entering the light (0 if
     none in 1..60)."""
-    spec = W.ClipSpec(p, start, color="red")
+    spec = W.ClipSpec(p, start)
     for gap in (torch.randperm(60, generator=g) + 1).tolist():
         dark = all(W.lit_pixels(p.shape, W.position_at(spec, gap + t)) == 0 for t in range(M.BLOCK, 3 * M.BLOCK))
         lit = sum(W.lit_pixels(p.shape, W.position_at(spec, gap + t)) for t in range(3 * M.BLOCK, FRAMES))

@@ -298,10 +298,6 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
         raise ValueError(f"chunks={chunks!r} must be an int >= 2")
     if not 1 <= switch_at < chunks:
         raise ValueError(f"switch_at={switch_at!r} must be in 1..{chunks - 1} (a chunk boundary of the rollout)")
-    window = pipe.config.window_frames
-    if any(r.startswith("stock") and "switch" in r for r in rows) and switch_at * block > window:
-        raise ValueError(f"switch_at={switch_at!r}: the stock switch row's reference re-encodes a switch only while "
-                         f"the committed frames fit the window ({window} frames): switch_at <= {window // block}")
     if any(KEEP in r for r in rows) and chunks <= KEEP_AT:
         raise ValueError(f"chunks={chunks!r} must be > {KEEP_AT} for the keep-colour rows (their switch chunk)")
     F = chunks * block

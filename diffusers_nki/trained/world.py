@@ -158,17 +158,21 @@ def background_image() -> torch.Tensor:
     return (torch.tensor(BACKGROUND).view(3, 1, 1) * lit + torch.tensor(SHADOW).view(3, 1, 1) * (1 - lit))
 
 
+def _half_extent(shape: str) -> float:
+    """Half the shape's width: the square's half side, the circle's radius."""
+    return SHAPE_SIZE / 2 if shape == "square" else SHAPE_SIZE / 2 + 1.0
+
+
 def _alpha(shape: str, center: Tuple[float, float]) -> torch.Tensor:
     cx, cy = center
     # wrapped distance from each pixel centre to the shape centre
     dx = torch.remainder(_COORD - cx + SIZE / 2, SIZE) - SIZE / 2
     dy = torch.remainder(_COORD - cy + SIZE / 2, SIZE) - SIZE / 2
     X, Y = dx.view(1, -1), dy.view(-1, 1)
-    half = SHAPE_SIZE / 2
     if shape == "square":
-        sdf = torch.maximum(X.abs(), Y.abs()) - half
+        sdf = torch.maximum(X.abs(), Y.abs()) - _half_extent(shape)
     else:
-        sdf = torch.sqrt(X * X + Y * Y) - (half + 1.0)
+        sdf = torch.sqrt(X * X + Y * Y) - _half_extent(shape)
     return torch.clamp(0.5 - sdf, 0.0, 1.0)
 
 
@@ -193,8 +197,7 @@ def lit_pixels(shape: str, center: Tuple[float, float]) -> int:
 
 def dark_frames(shape: str = "circle") -> int:
     """The consecutive frames a shape moving along an axis spends fully in the shadow per lap."""
-    extent = SHAPE_SIZE if shape == "square" else SHAPE_SIZE + 2.0
-    return int((SIZE - LIGHT - extent) // SPEED)
+    return int((SIZE - LIGHT - 2 * _half_extent(shape)) // SPEED)
 
 
 def render_clip(spec: ClipSpec, times: Sequence[int]) -> torch.Tensor:
