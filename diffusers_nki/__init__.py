@@ -20,6 +20,7 @@ already is), so ``model.set_attention_backend("nki")``, ``attention_backend("nki
 """
 import importlib
 import importlib.abc
+import importlib.machinery
 import sys
 
 __version__ = "0.1.0"
@@ -127,5 +128,55 @@ def _arrange_registration():
     elif not any(isinstance(f, _DispatchImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _DispatchImportHook())
 
+
+# The tree has three layers (docs/ARCHITECTURE.md): the emulator moved out to ``nkisim`` and the lab (bench,
+# the trained demo model, demo, serve, CLI, the production-kernel harness) to ``diffusers_nki_lab``. Their old
+# import paths keep working for one release, with a DeprecationWarning naming the new one. The targets are
+# data (module names), so the plugin still imports nothing above it.
+_MOVED = (
+    ("diffusers_nki.sim.prodcases", "diffusers_nki_lab.prodcases"),
+    ("diffusers_nki.sim.production", "diffusers_nki_lab.production"),
+    ("diffusers_nki.sim", "nkisim"),
+    ("diffusers_nki.bench", "diffusers_nki_lab.bench"),
+    ("diffusers_nki.trained", "diffusers_nki_lab.trained"),
+    ("diffusers_nki.serve", "diffusers_nki_lab.serve"),
+    ("diffusers_nki.demo", "diffusers_nki_lab.demo"),
+    ("diffusers_nki.cli", "diffusers_nki_lab.cli"),
+)
+
+
+def moved_to(name: str):
+    """The new dotted name of a module that moved out of the plugin (None if ``name`` did not move)."""
+    for old, new in _MOVED:
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return None
+
+
+class _MovedModuleAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import diffusers_nki.sim`` (and the other moved paths) -> the module at its new place, warned once each."""
+
+    def find_spec(self, fullname, path, target=None):
+        if moved_to(fullname) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        import warnings
+
+        new = moved_to(spec.name)
+        warnings.warn(f"{spec.name} moved to {new}; the old import path is deprecated and goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(new)
+        self._real_spec = module.__spec__  # the import system stamps the alias spec on the module: undone below
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self._real_spec
+        sys.modules[moved_to(module.__name__) or module.__name__] = module
+
+
+if not any(isinstance(f, _MovedModuleAlias) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModuleAlias())  # before the path finder, so old submodule paths alias too
 
 _arrange_registration()

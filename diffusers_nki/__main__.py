@@ -1,5 +1,4 @@
-import sys
+"""``python -m diffusers_nki`` is the ``diffusers-nki`` command, which lives in the lab (``python -m diffusers_nki_lab``)."""
+import runpy
 
-from diffusers_nki.cli import main
-
-sys.exit(main())
+runpy.run_module("diffusers_nki_lab", run_name="__main__", alter_sys=True)

@@ -1,7 +1,7 @@
 """The NKI shim: the one place kernels get ``nki``, ``nl`` (nki.language) and ``nisa`` (nki.isa) from.
 
 When the real standalone ``nki`` package is importable (a Trainium host with the Neuron SDK), this module
-re-exports it; otherwise it exposes our NumPy emulator (``diffusers_nki.sim``) under the same names, so
+re-exports it; otherwise it exposes our NumPy emulator (``nkisim``) under the same names, so
 the same kernel source runs on hardware and in the emulator.
 
 Set ``DIFFUSERS_NKI_FORCE_EMULATOR`` (1, true, yes or on, any case) to use the emulator even where the real
@@ -34,13 +34,13 @@ HAVE_REAL_NKI = _real is not None
 if HAVE_REAL_NKI:
     nki, nl, nisa = _real
 else:
-    from diffusers_nki.sim import nki_module as nki  # noqa: E402
-    from diffusers_nki.sim import language as nl  # noqa: E402
-    from diffusers_nki.sim import isa as nisa  # noqa: E402
+    from nkisim import nki_module as nki  # noqa: E402
+    from nkisim import language as nl  # noqa: E402
+    from nkisim import isa as nisa  # noqa: E402
 
 
 def simulate(kernel, target: str = "trn2"):
-    """Always the emulator's ``simulate`` (CPU), whatever the real package offers; see ``diffusers_nki.sim``."""
-    from diffusers_nki.sim import simulate as _sim  # the emulator: imported on first use
+    """Always the emulator's ``simulate`` (CPU), whatever the real package offers; see ``nkisim``."""
+    from nkisim import simulate as _sim  # the emulator: imported on first use
 
     return _sim(kernel, target=target)

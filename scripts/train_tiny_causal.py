@@ -1,6 +1,6 @@
-"""Train the tiny chunk-causal video model (diffusers_nki.trained) on procedural video, on CPU, deterministically.
+"""Train the tiny chunk-causal video model (diffusers_nki_lab.trained) on procedural video, on CPU, deterministically.
 
-    python scripts/train_tiny_causal.py                      # the shipped weights (diffusers_nki/assets/)
+    python scripts/train_tiny_causal.py                      # the shipped weights (diffusers_nki_lab/assets/)
     python scripts/train_tiny_causal.py --steps 5 --vae-steps 5 --pool 64 --out /tmp/t.safetensors   # a smoke run
 
 Stage 1: the VAE (``AutoencoderKLWan`` at patch size 8, convolutions at 8x8) learns to reconstruct 5-frame clips;
@@ -31,9 +31,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from diffusers_nki.trained import model as M
-from diffusers_nki.trained import tracker
-from diffusers_nki.trained import world as W
+from diffusers_nki_lab.trained import model as M
+from diffusers_nki_lab.trained import tracker
+from diffusers_nki_lab.trained import world as W
 
 SIGMAS = tuple(t / 1000.0 for t in M.TIMESTEPS)
 OBJECT_WEIGHT = 4.0  # loss weight of the latent pixels the object touches (the background is 1)

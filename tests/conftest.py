@@ -46,7 +46,7 @@ def pytest_terminal_summary(terminalreporter):
                     rows.append(json.loads(value))
     if not rows:
         return
-    from diffusers_nki.bench import gradients
+    from diffusers_nki_lab.bench import gradients
 
     order = {}
     rows.sort(key=lambda r: (order.setdefault(r["family"], len(order)), r["backend"] != "torch", r["masked"]))
@@ -95,7 +95,7 @@ def spy(monkeypatch):
 
 @pytest.fixture
 def rel_err():
-    from diffusers_nki.bench._measure import max_rel_err
+    from diffusers_nki_lab.bench._measure import max_rel_err
 
     return max_rel_err
 

@@ -1,4 +1,4 @@
-"""The modeled scaling under context parallelism (diffusers_nki.bench.scaling): the per-rank call shapes and the
+"""The modeled scaling under context parallelism (diffusers_nki_lab.bench.scaling): the per-rank call shapes and the
 bytes each layout moves follow what the code does; bandwidths come from the fabric table; the command prints the
 table and writes JSON; the per-chip figure that replaced the collective-free spread. Kernel times are faked here
 (the per-core model is bench/_modeled's, tested with the kernels) except in one small real check."""
@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from diffusers_nki.bench import scaling as sc
-from diffusers_nki.bench.published import AttnCall
+from diffusers_nki_lab.bench import scaling as sc
+from diffusers_nki_lab.bench.published import AttnCall
 
 
 def _fake_kernel(call: AttnCall) -> float:
@@ -131,11 +131,11 @@ def test_chip_figure_uses_fewer_cores_when_the_ring_is_ruled_out():
 
 
 def test_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys):
-    from diffusers_nki.bench import _modeled
+    from diffusers_nki_lab.bench import _modeled
 
     monkeypatch.setattr(_modeled, "model_call", lambda call, target="trn2", dtype="bfloat16": {
         "core_s": _fake_kernel(call), "flops": 4.0 * call.heads * call.sq * (call.skv + call.cache) * 128})
-    from diffusers_nki import cli
+    from diffusers_nki_lab import cli
 
     out = tmp_path / "scaling.json"
     assert cli.main(["bench", "scaling", "--json", str(out), "--workloads", "self_forcing_1.3b,wan14b_t2v_480p",
@@ -154,7 +154,7 @@ def test_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys)
 
 def test_real_kernel_model_small_shape():
     """One real emulator trace through bench/_modeled: a positive time that grows with the keys."""
-    from diffusers_nki.bench import _modeled
+    from diffusers_nki_lab.bench import _modeled
 
     if not _modeled.available():
         pytest.skip(_modeled.unavailable_reason())

@@ -17,8 +17,8 @@ import types
 
 import pytest
 
-from diffusers_nki import cli
-from diffusers_nki.bench import budget
+from diffusers_nki_lab import cli
+from diffusers_nki_lab.bench import budget
 
 TPF = 30 * 52  # tokens per latent frame at 480x832
 
@@ -64,7 +64,7 @@ class FakeModel(budget._Model):
         self.gemms = []
 
     def _r(self, flops, target):
-        from diffusers_nki.sim import cost
+        from nkisim import cost
 
         t = max(flops / (0.5 * cost.get_spec(target).pe_peak_flops), 1e-6)
         return {"scheduled_s": t, "ceiling_s": 0.8 * t, "efficiency": 0.5, "efficiency_ceiling": 0.625,
@@ -194,10 +194,10 @@ def test_sharded_decode_collectives_are_the_vae_workstreams(vae):
 
 
 def test_calibration_row_comes_from_bench_calibrate(monkeypatch):
-    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
+    monkeypatch.setitem(sys.modules, "diffusers_nki_lab.bench.calibrate", None)
     row = budget.calibration_row()
     assert row["available"] is False and "bench calibrate" in row["why"]
-    fake = types.ModuleType("diffusers_nki.bench.calibrate")
+    fake = types.ModuleType("diffusers_nki_lab.bench.calibrate")
     seen = []
 
     def run_anchor(a, quick=False):
@@ -208,7 +208,7 @@ def test_calibration_row_comes_from_bench_calibrate(monkeypatch):
     fake.anchors = lambda: [types.SimpleNamespace(name="tut2_v5_block_all", target="trn2"),
                             types.SimpleNamespace(name="tut1_tiled", target="trn1")]
     fake.run_anchor = run_anchor
-    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "diffusers_nki_lab.bench.calibrate", fake)
     row = budget.calibration_row("trn2")
     assert row["available"] and seen == [("tut2_v5_block_all", True)]  # the trn2 tutorial rows, its suite mode
     assert "published 28.30 ms, modeled 29.00 ms" in row["rows"][0]
@@ -220,7 +220,7 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(budget, "vae_decode_calls", lambda *a, **k: vae)
     monkeypatch.setattr(budget, "_Model", FakeModel)
     monkeypatch.setattr(budget, "implemented_layouts", lambda cores=8: {"serial_one_core": "WanStreamingDecoder"})
-    monkeypatch.setitem(sys.modules, "diffusers_nki.bench.calibrate", None)
+    monkeypatch.setitem(sys.modules, "diffusers_nki_lab.bench.calibrate", None)
     out_json = tmp_path / "sub" / "bench_budget.json"
     argv = ["bench", "budget", "--setups", "self_forcing", "--targets", "trn2", "--json", str(out_json), "--no-progress"]
     args = cli.build_parser(argv).parse_args(argv)  # only the named subcommand is imported (calibrate is hidden)
@@ -248,7 +248,7 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
 def test_matrix_causal_wan_row_still_uses_the_recorded_calls(monkeypatch, probe):
     import argparse
 
-    from diffusers_nki.bench import _modeled, matrix
+    from diffusers_nki_lab.bench import _modeled, matrix
 
     def fake_calls(calls, targets):
         return {"method": "stand-in", "targets": {t: {"chip_s": 0.25, "core_s": 2.0, "efficiency": 0.5,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from diffusers_nki import cli
+from diffusers_nki_lab import cli
 
 
 @pytest.fixture
@@ -16,7 +16,7 @@ def no_work(monkeypatch):
     import importlib
 
     ran = []
-    for module in ["diffusers_nki.demo", "diffusers_nki.bench.matrix",
+    for module in ["diffusers_nki_lab.demo", "diffusers_nki_lab.bench.matrix",
                    *[m for m, _ in cli.BENCH_SUBCOMMANDS.values()]]:
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, "run", lambda args, module=module: ran.append(module) or 0)
@@ -52,7 +52,7 @@ def test_demo_output_that_cannot_be_created(tmp_path, capsys, no_work):
 
 def test_demo_output_that_is_fine_reaches_the_command(tmp_path, no_work):
     assert cli.main(["demo", "--output", str(tmp_path / "new" / "dir"), "--backend", "torch"]) == 0
-    assert no_work == ["diffusers_nki.demo"]
+    assert no_work == ["diffusers_nki_lab.demo"]
     assert not (tmp_path / "new").exists()  # validation has no side effect
 
 

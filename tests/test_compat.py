@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = (ROOT / "diffusers_nki", ROOT / "kernels", ROOT / "patches")
+SOURCES = (ROOT / "diffusers_nki", ROOT / "nkisim", ROOT / "diffusers_nki_lab")
 
 # the private names of diffusers objects that compat wraps (a module using one outside compat is a defect)
 PRIVATE_NAMES = frozenset({

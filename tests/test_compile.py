@@ -65,7 +65,7 @@ def test_dense_mask_under_compile_routes_or_falls_back_at_run_time(frames, recwa
 def test_regional_compile_one_graph_for_all_patched_blocks(h):
     # compile_repeated_blocks compiles one block's code for every block: a per-module hook guarded by its own id
     # (an always_call forward hook) used to recompile it once per block
-    from diffusers_nki.bench._measure import GraphCounter
+    from diffusers_nki_lab.bench._measure import GraphCounter
 
     model, make_inputs = tiny.tiny_transformer("wan", num_layers=3)
     inputs = make_inputs()

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from diffusers_nki import cli, demo
+from diffusers_nki_lab import cli, demo
 
 
 def _args(tmp_path, *extra):

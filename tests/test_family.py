@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_family_file_is_in_modules():
-    files = {f.stem for f in (ROOT / "patches").glob("*.py") if f.name != "__init__.py"}
+    files = {f.stem for f in (ROOT / "diffusers_nki" / "patches").glob("*.py") if f.name != "__init__.py"}
     listed = {m.__name__.rpartition(".")[2] for m in patches.MODULES}
     assert listed == files
     assert len({f.name for f in patches.families()}) == len(patches.MODULES)

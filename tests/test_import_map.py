@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"diffusers_nki": ROOT / "diffusers_nki", "diffusers_nki.kernels": ROOT / "kernels",
-           "diffusers_nki.patches": ROOT / "patches"}
+# the three packages, bottom to top: the emulator, the plugin (with its kernels/ and patches/), the lab
+SOURCES = {"nkisim": ROOT / "nkisim", "diffusers_nki": ROOT / "diffusers_nki", "diffusers_nki_lab": ROOT / "diffusers_nki_lab"}
+PACKAGES = tuple(SOURCES)
 
 # bottom -> top (docs/ARCHITECTURE.md). A module belongs to the longest entry that names it or a package above it.
 LAYERS = (
+    ("emulator", ("nkisim",)),
     ("leaves", ("diffusers_nki.errors", "diffusers_nki.compat", "diffusers_nki.accounting", "diffusers_nki.nki",
-                "diffusers_nki.masks", "diffusers_nki.family", "diffusers_nki.kernels", "diffusers_nki.sim")),
+                "diffusers_nki.masks", "diffusers_nki.family", "diffusers_nki.kernels")),
     ("records and backends", ("diffusers_nki.patches", "diffusers_nki.backends")),
     ("ops", ("diffusers_nki.ops", "diffusers_nki.prologue_ops", "diffusers_nki.autograd", "diffusers_nki.dense_ops",
              "diffusers_nki.caching.config", "diffusers_nki.caching.core")),
@@ -27,28 +29,24 @@ LAYERS = (
     ("engine", ("diffusers_nki.lifecycle", "diffusers_nki.install", "diffusers_nki.cache", "diffusers_nki.patching",
                 "diffusers_nki.explanation")),
     ("applications", ("diffusers_nki.pipelines", "diffusers_nki.testing", "diffusers_nki.video_coverage",
-                      "diffusers_nki.trained", "diffusers_nki.demo", "diffusers_nki.serve", "diffusers_nki.cli",
-                      "diffusers_nki.bench",
-                      "diffusers_nki.__main__",
-                      "diffusers_nki")),
+                      "diffusers_nki.__main__", "diffusers_nki")),
+    ("lab", ("diffusers_nki_lab",)),
 )
-MAX_UPWARD = 3
+MAX_UPWARD = 1
 
 # imports of our modules a function may make: the optional heavy parts (the emulator, the NKI kernels written
 # against it, the NKI shim that picks the real SDK or the emulator)
-LAZY_TARGETS = ("diffusers_nki.sim", "diffusers_nki.nki", "diffusers_nki.kernels.attention",
+LAZY_TARGETS = ("nkisim", "diffusers_nki.nki", "diffusers_nki.kernels.attention",
                 "diffusers_nki.kernels.cache_write", "diffusers_nki.kernels.qk_norm_rope", "diffusers_nki.kernels.gemm",
                 "diffusers_nki.kernels.causal_conv3d")
 LAZY_SOURCES = {  # modules that may import more of ours inside functions, and why
     "diffusers_nki": "the package facade: lazy public names (import diffusers_nki stays cheap) and the import hook",
-    "diffusers_nki.sim": "the emulator (issue 19's stream owns its internals)",
-    "diffusers_nki.bench.kernels": "owned by the attention-kernel stream (issue 20); its lazy imports move with it",
-    "diffusers_nki.bench.budget": "owned by the GEMM / conv stream (issue 18); its lazy imports move with it",
-    "diffusers_nki.bench.scaling": "shared with the budget stream (issue 18); its lazy imports move with it",
+    "nkisim": "the emulator: its heavy parts (cost model, schedule, collectives) load on first use",
+    "diffusers_nki_lab": "the lab: each command imports what it runs, so `diffusers-nki --help` stays fast",
 }
 # importlib may load modules by name only where a name is data: diffusers' modules (compat), the records' dotted
-# paths (family), the tiny builders' diffusers classes, the CLI's subcommands, the facade
-IMPORTLIB_ALLOWED = ("diffusers_nki.compat", "diffusers_nki.family", "diffusers_nki", "diffusers_nki.sim")
+# paths (family), the facade (lazy names, the moved-module aliases), the emulator's kernel loader
+IMPORTLIB_ALLOWED = ("diffusers_nki.compat", "diffusers_nki.family", "diffusers_nki", "nkisim")
 RUNTIME_CORE = ("leaves", "records and backends", "ops", "routing", "implementations", "engine")
 KNOWN_CIRCLES: dict = {}  # none today; never add one here
 
@@ -58,8 +56,6 @@ def _modules():
     for pkg, base in SOURCES.items():
         for f in sorted(base.rglob("*.py")):
             parts = list(f.relative_to(base).with_suffix("").parts)
-            if pkg == "diffusers_nki" and parts and parts[0] in ("kernels", "patches"):
-                continue
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out[".".join([pkg] + parts)] = f
@@ -249,3 +245,47 @@ def test_the_layers_are_the_ones_docs_draw():
         for e in entries:
             short = e.replace("diffusers_nki.", "")
             assert e == "diffusers_nki" or short in text, f"docs/ARCHITECTURE.md does not place {short}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the three packages
+# ----------------------------------------------------------------------------------------------------------
+def _package_of(name):
+    return max((p for p in PACKAGES if name == p or name.startswith(p + ".")), key=len)
+
+
+def crossings(edges) -> list:
+    """Imports that break the packages' order (emulator < plugin < lab): any import from a lower package to a
+    higher one, lazy or not."""
+    rank = {p: i for i, p in enumerate(PACKAGES)}
+    return sorted({(s, d, line) for s, d, _, line in edges if rank[_package_of(s)] < rank[_package_of(d)]})
+
+
+def test_the_crossing_checker_catches_the_emulator_importing_the_plugin():
+    sources = {"nkisim.isa": "def f():\n    from diffusers_nki import ops\n", "diffusers_nki.ops": "import nkisim.isa\n",
+               "diffusers_nki_lab.cli": "from diffusers_nki import ops\n"}
+    edges, _ = scan(sources)
+    assert crossings(edges) == [("nkisim.isa", "diffusers_nki.ops", 2)]
+
+
+def test_the_emulator_imports_neither_the_plugin_nor_the_lab_nor_pytest(package):
+    edges, _, _ = package
+    assert crossings(edges) == [], "imports from a lower package to a higher one (emulator < plugin < lab)"
+    for name, f in MODULES.items():
+        if _package_of(name) == "nkisim":
+            tree = ast.parse(f.read_text())
+            imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
+                         if isinstance(n, ast.ImportFrom) and not n.level}
+            banned = {"pytest", "diffusers", "diffusers_nki", "diffusers_nki_lab"}
+            assert not imported & banned, (name, sorted(imported & banned))
+            # torch only inside functions (CPU tensors are accepted as inputs): `import nkisim` needs numpy alone
+            top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+            top |= {(n.module or "").split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom)}
+            assert "torch" not in top, name
+
+
+def test_upward_imports_are_at_most_one(package):
+    edges, _, _ = package
+    upward = sorted({(s, d) for s, d, _, _ in edges if layer_of(s) < layer_of(d)})
+    assert len(upward) <= MAX_UPWARD, upward

@@ -1,4 +1,4 @@
-"""The tiny chunk-causal model trained in this repository (diffusers_nki.trained, scripts/train_tiny_causal.py):
+"""The tiny chunk-causal model trained in this repository (diffusers_nki_lab.trained, scripts/train_tiny_causal.py):
 a few training steps lower the loss, the shipped weights load, the no-cache reference rollout equals the patched
 pipeline's cached one, the tracker reads the world back (and fails what does not follow the prompt), and the demo
 streams the trained model with a prompt switch."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import cli
-from diffusers_nki.trained import load_pipeline
-from diffusers_nki.trained import model as M
-from diffusers_nki.trained import tracker, world as W
+from diffusers_nki_lab import cli
+from diffusers_nki_lab.trained import load_pipeline
+from diffusers_nki_lab.trained import model as M
+from diffusers_nki_lab.trained import tracker, world as W
 
 ROOT = Path(__file__).resolve().parents[1]
 

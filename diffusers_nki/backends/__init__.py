@@ -9,7 +9,7 @@ heads)`` (the Wan q/k prologue, returns BSHD), the dense kernels ``gemm(x, w, bi
 available).
 
 - ``"torch"``: the PyTorch reference twins (``kernels/*_ref.py``); any device.
-- ``"sim"``: the NKI kernels run in our NumPy emulator (``diffusers_nki.sim``); CPU tensors, slow, for validation.
+- ``"sim"``: the NKI kernels run in our NumPy emulator (``nkisim``); CPU tensors, slow, for validation.
 - ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily;
   on TorchNeuron registered as ``torch_neuronx.nki_op`` ops, launched with the runtime's LNC degree).
 - ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"``. Resolved once per process, before

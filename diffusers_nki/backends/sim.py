@@ -1,5 +1,5 @@
 """The "sim" backend: the NKI kernels (``kernels/attention.py``, ``kernels/cache_write.py``,
-``kernels/qk_norm_rope.py``; the dense ``kernels/gemm.py`` and ``kernels/causal_conv3d.py``) run in our NumPy emulator through ``diffusers_nki.sim.simulate(kernel)``. CPU
+``kernels/qk_norm_rope.py``; the dense ``kernels/gemm.py`` and ``kernels/causal_conv3d.py``) run in our NumPy emulator through ``nkisim.simulate(kernel)``. CPU
 only and slow: it exists to validate the kernels inside real models (the numbers it produces are the
 kernel's numbers; its speed means nothing).
 
@@ -20,7 +20,7 @@ def _load():
     from diffusers_nki.kernels.attention import attention_kernel
     from diffusers_nki.kernels.cache_write import cache_write_kernel
     from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
-    from diffusers_nki.sim import simulate
+    from nkisim import simulate
 
     return simulate, attention_kernel, cache_write_kernel, qk_norm_rope_kernel
 
@@ -85,7 +85,7 @@ def _load_dense():
     # the dense kernels (diffusers_nki.dense_ops): imported on their first use here
     from diffusers_nki.kernels.causal_conv3d import causal_conv3d_kernel
     from diffusers_nki.kernels.gemm import gemm_kernel
-    from diffusers_nki.sim import simulate
+    from nkisim import simulate
 
     return simulate, gemm_kernel, causal_conv3d_kernel
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from diffusers_nki import cli
-from diffusers_nki.bench import gpu_rollout, matrix
-from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter, json_safe, max_rel_err, psnr
+from diffusers_nki_lab import cli
+from diffusers_nki_lab.bench import gpu_rollout, matrix
+from diffusers_nki_lab.bench._measure import AttentionRecorder, GraphCounter, json_safe, max_rel_err, psnr
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_compiled_graphs_stay_flat_with_the_static_cache():
 # --- published full-scale configurations (bench/published/configs.py) ---------------------------------------------
 def test_every_available_family_has_a_published_entry_with_cited_sources():
     from diffusers_nki.testing import tiny
-    from diffusers_nki.bench.published import published_for
+    from diffusers_nki_lab.bench.published import published_for
 
     assert published_for("no-such-family") is None
     for fam in tiny.available_families():
@@ -190,7 +190,7 @@ def test_published_history_tokens_match_diffusers_patch_embeds():
     from diffusers.models.transformers import transformer_helios as th
     from diffusers.models.transformers.transformer_hunyuan_video_framepack import HunyuanVideoHistoryPatchEmbed
 
-    from diffusers_nki.bench.published import PUBLISHED
+    from diffusers_nki_lab.bench.published import PUBLISHED
 
     def tokens(t):
         return 0 if t is None else t.shape[1]
@@ -221,7 +221,7 @@ def test_modeled_published_rows_are_positive_and_finite():
     import argparse
     import math
 
-    from diffusers_nki.bench import _modeled
+    from diffusers_nki_lab.bench import _modeled
 
     if not _modeled.available():
         pytest.skip(_modeled.unavailable_reason())
@@ -238,7 +238,7 @@ def test_modeled_published_rows_are_positive_and_finite():
 
 
 def test_sana_video_models_only_its_softmax_cross_attention():
-    from diffusers_nki.bench.published import PUBLISHED
+    from diffusers_nki_lab.bench.published import PUBLISHED
 
     pub = PUBLISHED["sana_video"]
     assert [c.name for c in pub.calls] == ["cross (text)"]

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from diffusers_nki import cli
-from diffusers_nki.bench import quality
-from diffusers_nki.trained import load_pipeline
+from diffusers_nki_lab import cli
+from diffusers_nki_lab.bench import quality
+from diffusers_nki_lab.trained import load_pipeline
 
 SAME = 0.05  # |patched - stock| quality (and |sharded decode - patched|)
 WORSE = 0.08  # each broken cache loses at least this much quality against its unbroken row, same run

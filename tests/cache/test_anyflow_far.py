@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from diffusers_nki.bench._measure import AttentionRecorder, ChunkTimer, GraphCounter
+from diffusers_nki_lab.bench._measure import AttentionRecorder, ChunkTimer, GraphCounter
 from diffusers_nki.cache import (StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache,
                                  reset_static_cache)
 from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline

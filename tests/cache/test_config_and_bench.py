@@ -8,7 +8,7 @@ import torch
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching import family_of
 from diffusers_nki.caching.core import FrameRing, Plan
-from diffusers_nki.cli import main
+from diffusers_nki_lab.cli import main
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki.bench._measure import AttentionRecorder
+from diffusers_nki_lab.bench._measure import AttentionRecorder
 from diffusers_nki.cache import StaticCacheConfig, describe_cache
 from diffusers_nki.caching.core import find_hook
 from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline

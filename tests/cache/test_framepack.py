@@ -5,7 +5,7 @@ shapes collapsing to one per call site (text trimming, history sizes), batch > 1
 import pytest
 import torch
 
-from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter
+from diffusers_nki_lab.bench._measure import AttentionRecorder, GraphCounter
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching.core import find_hook
 from diffusers_nki.testing.tiny import tiny_call_kwargs, tiny_pipeline, tiny_transformer

@@ -8,7 +8,7 @@ import torch._dynamo
 
 import diffusers_nki
 from diffusers_nki.testing import tiny
-from diffusers_nki.bench._measure import GraphCounter, max_rel_err
+from diffusers_nki_lab.bench._measure import GraphCounter, max_rel_err
 from diffusers_nki.caching import wan_vae
 from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder, denormalize_latents
 

@@ -64,7 +64,7 @@ class _Recorder:
                     return torch.empty_like(args[0]), torch.empty_like(args[1])
                 x, heads = args[0], args[5]
                 return x.new_empty((x.shape[0], x.shape[1], heads, x.shape[2] // heads))
-            from diffusers_nki.sim import simulate
+            from nkisim import simulate
 
             kern = self.target[lnc] if lnc > 1 else self.target
             return simulate(kern, target="trn2")(*args)

@@ -1,13 +1,13 @@
 """Gradients of every covered family, patched vs stock, torch and sim backends (batch 2, padded text where the
 family takes a text mask): d input and d every parameter within float32 rounding of stock, and, against a
 float64 stock run, within twice stock's own float32 error. Each row is the line of the parity table that
-``python -m diffusers_nki.bench.gradients`` prints for the README."""
+``python -m diffusers_nki_lab.bench.gradients`` prints for the README."""
 import json
 
 import pytest
 
 from diffusers_nki.testing import tiny
-from diffusers_nki.bench import gradients
+from diffusers_nki_lab.bench import gradients
 
 FAMILIES = [
     pytest.param(name, marks=pytest.mark.skip(reason=tiny.unavailable_families()[name]))

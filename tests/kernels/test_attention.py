@@ -31,7 +31,7 @@ import torch
 import diffusers_nki.kernels.attention as attn
 from diffusers_nki import ops
 from diffusers_nki.kernels.attention_ref import attention_oracle, attention_ref
-from diffusers_nki.sim import NkiValidationError, simulate
+from nkisim import NkiValidationError, simulate
 from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
 CAPACITY = 300

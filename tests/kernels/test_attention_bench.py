@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from diffusers_nki.bench import kernels as bench
-from diffusers_nki.cli import main
+from diffusers_nki_lab.bench import kernels as bench
+from diffusers_nki_lab.cli import main
 
 KEYS = {"shape", "kernel", "target", "modeled_seconds", "modeled_efficiency", "attention_efficiency", "bottleneck",
         "busy_seconds", "terms_seconds", "hbm_bytes", "hbm_bytes_min", "dense_work_share", "modeled", "utilisation",
@@ -37,7 +37,7 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
         assert set(r["busy_seconds"]) >= {"pe", "act", "dve", "pool", "dma"}
     att, cw = ours
     cte = [r for r in rows if r["kernel"] == "attention_cte"]
-    from diffusers_nki.sim import production
+    from diffusers_nki_lab import production
 
     if production.unavailable_reason() is None:
         assert [r["shape"] for r in cte] == ["self_forcing_chunk"] and cte[0]["lint"] == []
@@ -65,8 +65,8 @@ def test_modeled_time_scales_linearly_with_heads():
     import numpy as np
 
     from diffusers_nki.kernels.attention import attention_kernel
-    from diffusers_nki.sim import cost, simulate
-    from diffusers_nki.sim.schedule import schedule
+    from nkisim import cost, simulate
+    from nkisim.schedule import schedule
 
     def modeled(H):
         q = np.zeros((1, 640, H, 128), dtype=np.float32)
@@ -91,7 +91,7 @@ def test_sbuf_budget_is_the_usable_size_tile_size_reports(target, monkeypatch):
     import numpy as np
 
     from diffusers_nki.kernels.attention import attention_kernel
-    from diffusers_nki.sim import runtime, simulate
+    from nkisim import runtime, simulate
 
     q = np.zeros((1, 128, 1, 128), dtype=ml_dtypes.bfloat16)
     k = np.zeros((1, 32760, 1, 128), dtype=q.dtype)
@@ -135,7 +135,7 @@ def _ours(rows, target):
 
 def _peer_rows(rows, text, target):
     """ours' per-hypothesis comparison with attention_cte; skips, naming the reason, without the library."""
-    from diffusers_nki.sim import production
+    from diffusers_nki_lab import production
 
     reason = production.unavailable_reason()
     if reason is not None:

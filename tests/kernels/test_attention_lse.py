@@ -21,7 +21,7 @@ import torch
 import diffusers_nki.kernels.attention as attn
 from diffusers_nki import ops
 from diffusers_nki.kernels.attention_ref import attention_oracle, attention_ref
-from diffusers_nki.sim import schedule, simulate
+from nkisim import schedule, simulate
 from diffusers_nki.testing import K_TOL
 
 from .test_attention import make_case

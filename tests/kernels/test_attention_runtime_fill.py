@@ -18,8 +18,8 @@ import torch
 
 import diffusers_nki.kernels.attention as attn
 from diffusers_nki import ops
-from diffusers_nki.sim import simulate
-from diffusers_nki.sim.schedule import schedule
+from nkisim import simulate
+from nkisim.schedule import schedule
 
 from .test_attention import check_tolerance, run_kernel
 

@@ -14,7 +14,7 @@ import torch
 import diffusers_nki.kernels.cache_write as cw
 from diffusers_nki import ops
 from diffusers_nki.kernels.cache_write_ref import cache_write_ref
-from diffusers_nki.sim import NkiValidationError, simulate
+from nkisim import NkiValidationError, simulate
 
 C = 300
 
@@ -99,7 +99,7 @@ class _DmaSpy:
         return getattr(self._real, name)
 
     def dma_copy(self, dst, src, **kw):
-        from diffusers_nki.sim import language as nl
+        from nkisim import language as nl
 
         self.log.append((nl.program_id(0), dst.name, dst.shape))
         return self._real.dma_copy(dst=dst, src=src, **kw)
@@ -256,7 +256,7 @@ def test_opcheck_with_per_batch_slots():
 def test_emulator_returns_a_returned_input_as_the_callers_object():
     """The emulator rule this kernel relies on: an input returned WHOLE comes back as the caller's own object
     (aliasing, as on the device); a part of an input is not an output buffer and is still rejected."""
-    from diffusers_nki.sim import NkiLaunchError
+    from nkisim import NkiLaunchError
 
     def whole(x):
         return x

@@ -21,7 +21,7 @@ import torch
 import diffusers_nki.kernels.causal_conv3d as ck
 from diffusers_nki.kernels.causal_conv3d_ref import (MAX_CIN, causal_conv3d_oracle, causal_conv3d_ref,
                                                      conv_weight_layout, not_supported_reasons)
-from diffusers_nki.sim import simulate
+from nkisim import simulate
 from diffusers_nki.testing import FLOOR, K_TOL, all_pairs, pairs_of, pairwise_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -23,7 +23,7 @@ import torch
 
 import diffusers_nki.kernels.gemm as gk
 from diffusers_nki.kernels.gemm_ref import MAX_K, gemm_oracle, gemm_ref, linear_weight, not_supported_reasons
-from diffusers_nki.sim import simulate
+from nkisim import simulate
 from diffusers_nki.testing import FLOOR, K_TOL, all_pairs, pairs_of, pairwise_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,7 +184,7 @@ def test_kernel_is_inside_the_nki_subset():
 def test_full_wan_ffn_shape_traces_within_limits():
     """Wan's FFN up-projection at the per-rank shape (585 tokens of a 4680-token chunk over 8 cores) in trace
     mode: every hardware limit checked, no lint finding, the SBUF plan within the target's bytes."""
-    from diffusers_nki.sim import last_record
+    from nkisim import last_record
     import ml_dtypes
 
     z = lambda *s, dt=ml_dtypes.bfloat16: np.broadcast_to(np.zeros((), dt), s)  # noqa: E731
@@ -200,8 +200,8 @@ def test_bench_kernels_dense_rows():
     """The ``bench kernels`` rows of the dense kernels at Wan's per-rank shapes: the attention rows' keys, the
     schedule between its roofline ceiling and floor, no lint, exactly the useful FLOPs; and a guard on the FFN's
     scheduled efficiency (a regression of the kernel's pipelining shows here first)."""
-    from diffusers_nki.bench import kernels as kb
-    from diffusers_nki.bench import kernels_dense
+    from diffusers_nki_lab.bench import kernels as kb
+    from diffusers_nki_lab.bench import kernels_dense
 
     rows = [kernels_dense.bench_dense(s, "trn2") for s in ("gemm_ffn_up", "vae_conv_latent")]
     for r in rows:

@@ -159,7 +159,7 @@ def test_kernel_is_inside_the_nki_subset(module, item):
 def test_kernels_have_no_mutable_tables():
     """The old ``Y_POOL_PCT`` (an int-keyed dict read by the kernel) is now a pure function of the target."""
     import diffusers_nki.kernels.qk_norm_rope as qkr
-    from diffusers_nki.sim import isa
+    from nkisim import isa
 
     assert not hasattr(qkr, "Y_POOL_PCT")
     assert [qkr.y_pool_pct(g) for g in (isa.nc_version.gen2, isa.nc_version.gen3, isa.nc_version.gen4)] == [0, 25, 0]

@@ -3,7 +3,7 @@ kernel's own full-scale model (``kernels/qk_norm_rope.model_full_scale``), and `
 the chunk and, under LNC2 (V on core 0, K on core 1), is issued by both cores."""
 from __future__ import annotations
 
-from diffusers_nki.bench import kernels as bench
+from diffusers_nki_lab.bench import kernels as bench
 from diffusers_nki.kernels import qk_norm_rope as qkr
 
 

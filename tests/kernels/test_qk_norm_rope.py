@@ -26,7 +26,7 @@ import torch
 import diffusers_nki.kernels.qk_norm_rope as qkr
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_oracle, qk_norm_rope_ref
 from diffusers_nki.prologue_ops import qk_norm_rope
-from diffusers_nki.sim import NkiValidationError, cost, simulate
+from nkisim import NkiValidationError, cost, simulate
 from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
 LAYOUTS = {"b1h1": (1, 1, "wan"), "b2h3": (2, 3, "wan"), "b2h2pb": (2, 2, "random_per_batch"),

@@ -89,7 +89,7 @@ def run_case(case, cfg, spy):
         spy.watch(pipe.transformer)
         timer = None
         if case == "anyflow_far_compiled":  # regional compilation: the blocks (our collectives inside) compile once
-            from diffusers_nki.bench._measure import ChunkTimer, GraphCounter
+            from diffusers_nki_lab.bench._measure import ChunkTimer, GraphCounter
 
             counter, marks = GraphCounter(), []
             pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
@@ -114,7 +114,7 @@ def run_case(case, cfg, spy):
         plan = parallel.cp_plan(pipe.transformer)
         pipe.transformer.enable_parallelism(config=cfg, cp_plan=plan)
         if case == "causal_wan_compiled":  # regional compilation: the blocks (our collectives inside) compile once
-            from diffusers_nki.bench._measure import GraphCounter
+            from diffusers_nki_lab.bench._measure import GraphCounter
 
             counter, marks = GraphCounter(), []
             pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)

@@ -17,7 +17,7 @@ import torch._dynamo
 import diffusers_nki
 from diffusers_nki import ops
 from diffusers_nki.testing import tiny
-from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter, max_rel_err
+from diffusers_nki_lab.bench._measure import AttentionRecorder, GraphCounter, max_rel_err
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching import causal_wan
 from diffusers_nki.caching.core import find_hook

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 from diffusers_nki.testing import tiny
-from diffusers_nki.bench._measure import AttentionRecorder, GraphCounter
+from diffusers_nki_lab.bench._measure import AttentionRecorder, GraphCounter
 from diffusers_nki.cache import StaticCacheConfig, apply_static_cache, describe_cache, remove_static_cache
 from diffusers_nki.caching.core import find_hook
 from diffusers_nki.pipelines import original_step_noise

@@ -421,8 +421,8 @@ def test_modeled_rows_of_batched_calls(family):
     import argparse
     import math
 
-    from diffusers_nki.bench import _modeled, matrix
-    from diffusers_nki.bench.published import published_for
+    from diffusers_nki_lab.bench import _modeled, matrix
+    from diffusers_nki_lab.bench.published import published_for
 
     if not _modeled.available():
         pytest.skip(_modeled.unavailable_reason())

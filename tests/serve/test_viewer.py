@@ -42,7 +42,7 @@ def _chromium() -> None:
 def server():
     pytest.importorskip("aiohttp", reason="aiohttp (the viewer's server) is in requirements-lock.txt")
     from diffusers_nki.testing import tiny
-    from diffusers_nki.serve import ViewerServer
+    from diffusers_nki_lab.serve import ViewerServer
 
     pipe = tiny.tiny_pipeline("causal_wan")
     pipe.set_progress_bar_config(disable=True)

@@ -6,12 +6,12 @@ import pathlib
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import (NkiLimitError, NkiUninitializedReadError, NkiValidationError, last_record,
+from nkisim import (NkiLimitError, NkiUninitializedReadError, NkiValidationError, last_record,
                                simulate)
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
+from nkisim import isa as nisa
+from nkisim import language as nl
 
-SIM = pathlib.Path(__file__).resolve().parents[2] / "diffusers_nki" / "sim"
+SIM = pathlib.Path(__file__).resolve().parents[2] / "nkisim"
 
 
 def _run(body, *args, target="trn2", numerics=True, strict=False):

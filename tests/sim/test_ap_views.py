@@ -9,9 +9,9 @@ attention_tkg block-KV cache takes."""
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import NkiShapeError, simulate
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
+from nkisim import NkiShapeError, simulate
+from nkisim import isa as nisa
+from nkisim import language as nl
 
 CACHE = np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8)   # [blocks, rows per block, d]
 

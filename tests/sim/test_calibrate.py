@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from diffusers_nki.bench import calibrate as C
+from diffusers_nki_lab.bench import calibrate as C
 
 # the cheapest anchors of each nki-library family (a few seconds of CPU together)
 LIB_SUBSET = ("cte_b3_q2048_kv2048_d128_fl_causal", "cte_b1_q4096_kv9216_d64_fl", "rmsnorm_quant_",
@@ -62,7 +62,7 @@ def test_nki_library_anchors_within_tolerance_or_named():
 
 def test_tutorial_kernels_compute_the_matmul():
     """Our re-implementations are real matmuls (small shape, numerics on), each version."""
-    from diffusers_nki.sim import simulate
+    from nkisim import simulate
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((1024, 512)).astype(np.float32)

@@ -4,13 +4,13 @@ rendezvous): ``nisa.core_barrier`` and ``nisa.sendrecv`` exchange data between t
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import NkiValidationError, simulate
-from diffusers_nki.sim import collectives as ncc
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim import nki_module as nki
-from diffusers_nki.sim.cores import NkiDeadlockError
-from diffusers_nki.sim.cost import instr_cost
+from nkisim import NkiValidationError, simulate
+from nkisim import collectives as ncc
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim import nki_module as nki
+from nkisim.cores import NkiDeadlockError
+from nkisim.cost import instr_cost
 
 
 def exchange(x):

@@ -1,4 +1,4 @@
-"""Tests of the roofline cost model (diffusers_nki/sim/cost.py): the worked calibration examples of
+"""Tests of the roofline cost model (nkisim/cost.py): the worked calibration examples of
 COST_MODEL.md sections 3.2 and 3.3 rebuilt from hand-written RunRecords, and one test per cost rule.
 
 All figures are MODELED. Expected values are the document's own arithmetic; tolerances are a fraction of
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from diffusers_nki.sim import cost
-from diffusers_nki.sim.cost import instr_cost, model, model_all, dma_efficiency, get_spec
-from diffusers_nki.sim.records import Instr, RunRecord
+from nkisim import cost
+from nkisim.cost import instr_cost, model, model_all, dma_efficiency, get_spec
+from nkisim.records import Instr, RunRecord
 
 BF16, F32 = "bfloat16", "float32"
 MM_FLOPS = 2 * 128 * 128 * 512  # 16,777,216

@@ -13,10 +13,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import (NkiDtypeError, NkiLimitError, NkiOutOfBoundsError, NkiShapeError,
+from nkisim import (NkiDtypeError, NkiLimitError, NkiOutOfBoundsError, NkiShapeError,
                                NkiValidationError, last_record, simulate)
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
+from nkisim import isa as nisa
+from nkisim import language as nl
 
 BF16 = ml_dtypes.bfloat16
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from diffusers_nki import nki as shim
-from diffusers_nki.sim import (NkiLaunchError, NkiOutOfBoundsError, NkiShapeError, NkiUninitializedReadError,
+from nkisim import (NkiLaunchError, NkiOutOfBoundsError, NkiShapeError, NkiUninitializedReadError,
                                NkiValidationError, last_record, simulate)
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim import nki_module as nki
-from diffusers_nki.sim.selfbench import tiled_matmul
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim import nki_module as nki
+from nkisim.selfbench import tiled_matmul
 
 BF16 = ml_dtypes.bfloat16
 RNG = np.random.default_rng(7)

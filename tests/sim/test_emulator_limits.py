@@ -6,11 +6,11 @@ import warnings
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiShapeError, NkiValidationError,
+from nkisim import (NkiBufferError, NkiDtypeError, NkiLimitError, NkiShapeError, NkiValidationError,
                                last_record, simulate)
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim.errors import NkiCapacityWarning
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim.errors import NkiCapacityWarning
 
 X = np.zeros(1, np.float32)
 

@@ -5,9 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim import last_record, simulate
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim import last_record, simulate
 
 BF16 = ml_dtypes.bfloat16
 RNG = np.random.default_rng(1234)

@@ -1,4 +1,4 @@
-"""The kernel lint (``diffusers_nki.sim.lint``): it follows the call graph into the kernel's package, its
+"""The kernel lint (``nkisim.lint``): it follows the call graph into the kernel's package, its
 rules come from the official docs, AWS's production attention kernel passes it, and our own kernels have no
 findings at all (tested as an error, so they cannot regress)."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import NkiLaunchError, last_record, production, simulate
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim import nki_module as nki
-from diffusers_nki.sim.lint import NkiLintWarning, lint_kernel
+from nkisim import NkiLaunchError, last_record, production, simulate
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim import nki_module as nki
+from nkisim.lint import NkiLintWarning, lint_kernel
 
 FACTOR = {"a": 2}
 KNOB = None

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from diffusers_nki.nki import nki, nl, nisa  # noqa: F401  (the shim; the emulator here)
-from diffusers_nki.sim import simulate, last_record
-from diffusers_nki.sim.cost import model
+from nkisim import simulate, last_record
+from nkisim.cost import model
 
 TILE_K, TILE_M, TILE_N = 128, 128, 512
 

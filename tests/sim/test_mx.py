@@ -5,11 +5,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import NkiDtypeError, NkiLimitError, NkiValidationError
-from diffusers_nki.sim import cost
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim import last_record, simulate
+from nkisim import NkiDtypeError, NkiLimitError, NkiValidationError
+from nkisim import cost
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim import last_record, simulate
 
 BF16 = ml_dtypes.bfloat16
 E_MAX = {"float8_e4m3fn": 8, "float8_e5m2": 15}

@@ -2,7 +2,7 @@
 ``../shared/third_party/nki-library``; test input, never part of the project), run UNCHANGED in the emulator
 with numerics, against its own torch twin ``attention_cte_torch_ref`` and SDPA.
 
-The library is loaded by ``diffusers_nki.sim.production.load_attention_cte`` with ``nki`` / ``nki.language``
+The library is loaded by ``diffusers_nki_lab.production.load_attention_cte`` with ``nki`` / ``nki.language``
 / ``nki.isa`` bound to the emulator only for the import (``sys.modules`` and ``sys.path`` restored: checked
 below); its source is neither edited nor monkeypatched. Skipped, with that reason, when the folder is absent
 (``DIFFUSERS_NKI_NKILIB`` overrides the location).
@@ -33,7 +33,7 @@ import warnings
 import pytest
 import torch
 
-from diffusers_nki.sim import production, simulate
+from diffusers_nki_lab import production, simulate
 from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
 pytestmark = pytest.mark.skipif(production.unavailable_reason() is not None,
@@ -177,7 +177,7 @@ def test_aliasing_is_scoped_to_the_import():
     cte = production.load_attention_cte()
     after = {n for n in sys.modules if n == "nki" or n.startswith("nki.") or n.startswith("nkilib")}
     assert after == before and "nkilib" not in after
-    from diffusers_nki.sim import isa, language
+    from nkisim import isa, language
 
     assert cte.module.nl is language and cte.module.nisa is isa  # the loaded kernel keeps the emulator
     with production.emulated_nki():
@@ -190,7 +190,7 @@ def test_attention_cte_runs_on_trn3_and_not_on_trn1(cte):
     case = make_case(r)
     out, _ = run_cte(cte, case, 1, target="trn3")
     check(cte, case, out)
-    from diffusers_nki.sim import NkiValidationError
+    from nkisim import NkiValidationError
 
     with pytest.raises(NkiValidationError, match="dma_transpose: DMA transpose needs trn2 or later"):
         run_cte(cte, case, 1, target="trn1")   # Trainium2 introduced DMA transposes [ARCH3]

@@ -7,11 +7,11 @@ integer data: the trip count comes from an int32 kernel input)."""
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import NkiUninitializedReadError, NkiValidationError, simulate
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim.cost import instr_cost
-from diffusers_nki.sim.schedule import schedule
+from nkisim import NkiUninitializedReadError, NkiValidationError, simulate
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim.cost import instr_cost
+from nkisim.schedule import schedule
 
 ROWS = 128
 

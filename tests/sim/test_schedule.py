@@ -1,4 +1,4 @@
-"""Sanity of the dependency-aware schedule (``diffusers_nki.sim.schedule``): a double-buffered 2048^3 GEMM
+"""Sanity of the dependency-aware schedule (``nkisim.schedule``): a double-buffered 2048^3 GEMM
 schedules within 10% of its roofline ceiling, the same GEMM single-buffered clearly worse; RAW, WAR and WAW
 across two engines; aliasing through ``address=``; the ceiling bounds the schedule. All MODELED."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import simulate
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim.cost import GENERATIONS, instr_cost, model
-from diffusers_nki.sim.schedule import DMA_QUEUES, schedule, sensitivity
+from nkisim import simulate
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim.cost import GENERATIONS, instr_cost, model
+from nkisim.schedule import DMA_QUEUES, schedule, sensitivity
 
 TK, TM, TN = 128, 128, 512
 
@@ -223,8 +223,8 @@ def test_dma_queues_run_in_order_and_share_the_engines():
 def test_lnc2_programs_on_two_cores_and_the_ceiling_bounds_the_schedule():
     import ml_dtypes
 
-    from diffusers_nki.sim.selfbench import tiled_matmul
-    from diffusers_nki.sim.nki_module import jit
+    from nkisim.selfbench import tiled_matmul
+    from nkisim.nki_module import jit
 
     def split(lhsT, rhs):
         K, M = lhsT.shape
@@ -276,8 +276,8 @@ def test_sensitivity_reports_every_assumption():
 
 # -- named hypotheses (sim.cost.Hypotheses): undocumented behaviour, shown under each, tuned to none --------------
 
-from diffusers_nki.sim.cost import BASELINE, SENSITIVITY_ROWS, Hypotheses  # noqa: E402
-from diffusers_nki.sim.schedule import hypothesis_sensitivity  # noqa: E402
+from nkisim.cost import BASELINE, SENSITIVITY_ROWS, Hypotheses  # noqa: E402
+from nkisim.schedule import hypothesis_sensitivity  # noqa: E402
 
 
 def _act_switcher(n, switch=True):

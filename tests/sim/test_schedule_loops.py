@@ -3,8 +3,8 @@ modeled time follows the trip count that ran (the record holds the iterations th
 import numpy as np
 
 from diffusers_nki.nki import nki, nisa, nl
-from diffusers_nki.sim import simulate
-from diffusers_nki.sim.schedule import schedule
+from nkisim import simulate
+from nkisim.schedule import schedule
 
 
 @nki.jit

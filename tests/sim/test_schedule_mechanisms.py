@@ -10,12 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
-from diffusers_nki.sim import nki_module as nki
-from diffusers_nki.sim import simulate
-from diffusers_nki.sim.cost import GENERATIONS, instr_cost
-from diffusers_nki.sim.schedule import _Throttle, schedule
+from nkisim import isa as nisa
+from nkisim import language as nl
+from nkisim import nki_module as nki
+from nkisim import simulate
+from nkisim.cost import GENERATIONS, instr_cost
+from nkisim.schedule import _Throttle, schedule
 
 BF16 = ml_dtypes.bfloat16
 

@@ -5,9 +5,9 @@ that way), and operand dtypes the API text restricts more than AWS's hardware-te
 import numpy as np
 import pytest
 
-from diffusers_nki.sim import NkiDtypeError, NkiLimitError, NkiValidationError, simulate
-from diffusers_nki.sim import isa as nisa
-from diffusers_nki.sim import language as nl
+from nkisim import NkiDtypeError, NkiLimitError, NkiValidationError, simulate
+from nkisim import isa as nisa
+from nkisim import language as nl
 
 
 def _gather_kernel(src_h, idx_h, n, nv):
@@ -95,7 +95,7 @@ def test_scalar_tensor_tensor_operand0_any_dtype_tensor_scalar_any_float():
 
 def _ring_two_channels(x):
     """Each rank sends its two SBUF halves over two channels of a ring (collective_permute_implicit)."""
-    from diffusers_nki.sim import collectives as ncc
+    from nkisim import collectives as ncc
 
     a = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=a, src=x)

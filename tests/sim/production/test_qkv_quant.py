@@ -1,10 +1,10 @@
 """AWS's production NKI kernels, family 'qkv_quant', run UNCHANGED in the emulator at the pinned commits and
-compared with their reference in the same run (diffusers_nki/sim/prodcases/qkv_quant.py: configurations, references,
+compared with their reference in the same run (diffusers_nki_lab/prodcases/qkv_quant.py: configurations, references,
 tolerances). Skipped, with the reason, where the kernel sources are absent (sim/production.py says where it
 looks)."""
 import pytest
 
-from diffusers_nki.sim import prodcases
+from diffusers_nki_lab import prodcases
 
 CASES = prodcases.cases_of("qkv_quant")
 

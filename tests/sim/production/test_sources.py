@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from diffusers_nki.sim import production, prodcases
+from diffusers_nki_lab import production, prodcases
 
 PINNED = {"nki-library": "d2ad3a579498d1888aa8740af97fd325dd5f2740",
           "nki-samples": "6905a68a122f937e68403727759f035ddd144f95",
@@ -38,7 +38,7 @@ def test_absent_sources_give_the_reason_and_an_override_folder_is_used(monkeypat
     assert production.source_reason("nki-samples", "matrix_multiplication/x.py") is None
     mod = production.import_module("nki-samples", "matrix_multiplication/x.py", file=True)
     assert mod.VALUE == "bfloat16"
-    assert "nki" not in sys.modules or sys.modules["nki"].__name__ != "diffusers_nki.sim.nki_module"
+    assert "nki" not in sys.modules or sys.modules["nki"].__name__ != "nkisim.nki_module"
 
 
 def test_the_pre_03_namespace_is_rejected_by_design(tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_the_pre_03_namespace_is_rejected_by_design(tmp_path, monkeypatch):
 
 def test_report_command_writes_the_table_and_json(tmp_path):
     out = tmp_path / "p.json"
-    r = subprocess.run([sys.executable, "-m", "diffusers_nki.sim.prodcases", "--report", "--only", "tp_broadcast",
+    r = subprocess.run([sys.executable, "-m", "diffusers_nki_lab.prodcases", "--report", "--only", "tp_broadcast",
                         "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tp_broadcast" in r.stdout and "configurations" in r.stdout

@@ -1,4 +1,0 @@
-"""``python -m diffusers_nki.sim.prodcases --report``: the production-kernel coverage report (``prodcases.main``)."""
-from . import main
-
-raise SystemExit(main())

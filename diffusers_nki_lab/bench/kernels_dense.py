@@ -1,0 +1,179 @@
+"""MODELED time of the dense kernels (``kernels/gemm.py``, ``kernels/causal_conv3d.py``) at the real per-rank
+shapes of chunk-causal Wan, for ``diffusers-nki bench kernels`` (its rows) and ``diffusers-nki bench budget`` (every
+transformer matmul and VAE convolution). Never measured.
+
+Each shape runs the kernel in the emulator's trace mode (``simulate(..., numerics=False)``: every instruction
+recorded and every hardware limit checked, no arithmetic); ``sim.schedule.schedule`` turns the record into THE
+modeled time (dependency-aware list schedule); the roofline ceiling of ``sim.cost.model`` is handed out beside
+it (``ceiling_s``), never instead of it. Results are memoised per (kernel, shape, target): one trace per distinct
+shape, multiplied by its call count by the callers ("trace one representative call per shape and multiply").
+
+Shapes (``SHAPES``; Wan2.1-1.3B at 480x832, bf16; "per rank" = the 4680-token chunk over 8 NeuronCores under
+diffusers' context parallelism, 585 tokens, and the VAE decode of one latent frame split along height over 8
+ranks, each with its halo rows):
+  gemm_qkvo       [585, 1536] x [1536, 1536] + bias       self-attention q/k/v/o and cross-attention q/o
+  gemm_text_kv    [512, 1536] x [1536, 1536] + bias       cross-attention text k/v (every rank, all 512 tokens)
+  gemm_ffn_up     [585, 1536] x [1536, 8960] + bias, GELU-tanh
+  gemm_ffn_down   [585, 8960] x [8960, 1536] + bias
+  vae_conv_latent 384 -> 384, 3x3x3, 1 frame, 8 + 2 halo rows x 104 (the latent-resolution res blocks)
+  vae_conv_r120   384 -> 384, 3x3x3, 2 frames, 15 + 2 rows x 208
+  vae_conv_r240   192 -> 192, 3x3x3, 4 frames, 30 + 2 rows x 416
+  vae_conv_full   96 -> 96, 3x3x3, 4 frames, 60 + 2 rows x 832 (full resolution)
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from diffusers_nki_lab.bench._rows import kernel_row
+
+__all__ = ["SHAPES", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
+           "conv_out_rows"]
+
+_MEMO: Dict[Tuple, dict] = {}
+
+SHAPES: Dict[str, dict] = {
+    "gemm_qkvo": dict(kernel="gemm", M=585, K=1536, N=1536, bias=True, activation=None),
+    "gemm_text_kv": dict(kernel="gemm", M=512, K=1536, N=1536, bias=True, activation=None),
+    "gemm_ffn_up": dict(kernel="gemm", M=585, K=1536, N=8960, bias=True, activation="gelu_tanh"),
+    "gemm_ffn_down": dict(kernel="gemm", M=585, K=8960, N=1536, bias=True, activation=None),
+    "vae_conv_latent": dict(kernel="causal_conv3d", Cin=384, Cout=384, k=(3, 3, 3), T=1, Hin=10, W=104, pad_top=0,
+                            pad_bottom=0, cache=True, bias=True),
+    "vae_conv_r120": dict(kernel="causal_conv3d", Cin=384, Cout=384, k=(3, 3, 3), T=2, Hin=17, W=208, pad_top=0,
+                          pad_bottom=0, cache=True, bias=True),
+    "vae_conv_r240": dict(kernel="causal_conv3d", Cin=192, Cout=192, k=(3, 3, 3), T=4, Hin=32, W=416, pad_top=0,
+                          pad_bottom=0, cache=True, bias=True),
+    "vae_conv_full": dict(kernel="causal_conv3d", Cin=96, Cout=96, k=(3, 3, 3), T=4, Hin=62, W=832, pad_top=0,
+                          pad_bottom=0, cache=True, bias=True),
+}
+
+
+def _np_dtype(dtype: str):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
+
+
+def _zeros(shape, dt):
+    return np.broadcast_to(np.zeros((), dt), tuple(shape))
+
+
+def _report(rec, target: str) -> dict:
+    from nkisim.cost import model
+    from nkisim.schedule import schedule
+
+    rep = model(rec, target)
+    sch = schedule(rec, target, ceiling=rep)
+    return {"scheduled_s": sch.t_scheduled_s, "ceiling_s": rep.t_optimistic_s, "floor_s": rep.t_pessimistic_s,
+            "efficiency": sch.efficiency_scheduled, "efficiency_ceiling": rep.efficiency_optimistic,
+            "flops": rep.useful_flops, "bottleneck": rep.bottleneck, "instructions": len(rec.instrs),
+            "hbm_bytes": rep.hbm_read_bytes + rep.hbm_write_bytes, "lint": list(rec.lint)}
+
+
+def _trace(kern, args, target: str, lnc: int):
+    from nkisim import simulate
+
+    sim = simulate(kern[lnc] if lnc > 1 else kern, target=target, numerics=False)
+    sim(*args)
+    return sim.last_record
+
+
+def model_gemm(M: int, K: int, N: int, bias: bool = True, activation: Optional[str] = None, target: str = "trn2",
+               dtype: str = "bfloat16", lnc: int = 1, record: bool = False) -> dict:
+    """Modeled cost of ONE ``gemm_kernel`` call (``_report`` keys; memoised). ``record``: also return the
+    RunRecord under "record" (not memoised)."""
+    key = ("gemm", M, K, N, bool(bias), activation, target, dtype, lnc)
+    if key in _MEMO and not record:
+        return _MEMO[key]
+    from diffusers_nki.kernels.gemm import gemm_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    rec = _trace(gemm_kernel, (_zeros((M, K), dt), _zeros((K, N), dt), _zeros((N,), np.float32) if bias else None,
+                               activation), target, lnc)
+    out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    _MEMO[key] = out
+    return dict(out, record=rec) if record else out
+
+
+def conv_out_rows(Hin: int, kh: int, pad_top: int, pad_bottom: int) -> int:
+    return Hin + pad_top + pad_bottom - kh + 1
+
+
+def model_conv(Cin: int, Cout: int, k: Tuple[int, int, int], T: int, Hin: int, W: int, pad_top: int = -1,
+               pad_bottom: int = -1, cache: bool = True, bias: bool = True, target: str = "trn2",
+               dtype: str = "bfloat16", lnc: int = 1, record: bool = False) -> dict:
+    """Modeled cost of ONE ``causal_conv3d_kernel`` call on [1, Cin, T, Hin, W] (``_report`` keys; memoised)."""
+    k = tuple(int(v) for v in k)
+    key = ("conv", Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, bool(cache), bool(bias), target, dtype, lnc)
+    if key in _MEMO and not record:
+        return _MEMO[key]
+    from diffusers_nki.kernels.causal_conv3d import causal_conv3d_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    args = (_zeros((1, Cin, T, Hin, W), dt), _zeros(k + (Cin, Cout), dt),
+            _zeros((Cout,), np.float32) if bias else None,
+            _zeros((1, Cin, k[0] - 1, Hin, W), dt) if (cache and k[0] > 1) else None, pad_top, pad_bottom)
+    rec = _trace(causal_conv3d_kernel, args, target, lnc)
+    out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    _MEMO[key] = out
+    return dict(out, record=rec) if record else out
+
+
+def model_qk_norm_rope(S: int, H: int = 12, D: int = 128, target: str = "trn2", dtype: str = "bfloat16") -> dict:
+    """Modeled cost of ONE ``qk_norm_rope_kernel`` call (one of q or k: [1, S, H*D], fp32 tables; memoised)."""
+    key = ("qk_norm_rope", S, H, D, target, dtype)
+    if key in _MEMO:
+        return _MEMO[key]
+    from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    rec = _trace(qk_norm_rope_kernel, (_zeros((1, S, H * D), dt), _zeros((H * D,), dt), 1e-6,
+                                       _zeros((1, S, 1, D), np.float32), _zeros((1, S, 1, D), np.float32), H),
+                 target, 1)
+    _MEMO[key] = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    return _MEMO[key]
+
+
+def model_cache_write(S: int, C: int, H: int = 12, D: int = 128, target: str = "trn2", dtype: str = "bfloat16") -> dict:
+    """Modeled cost of ONE ``cache_write_kernel`` call (k and v of S tokens x H heads into a C-slot cache)."""
+    key = ("cache_write", S, C, H, D, target, dtype)
+    if key in _MEMO:
+        return _MEMO[key]
+    from diffusers_nki.kernels.cache_write import cache_write_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    rec = _trace(cache_write_kernel, (_zeros((1, C, H, D), dt), _zeros((1, C, H, D), dt), _zeros((1, S, H, D), dt),
+                                      _zeros((1, S, H, D), dt), np.array([max(0, C - S)], np.int32)), target, 1)
+    _MEMO[key] = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    return _MEMO[key]
+
+
+def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
+    """The ``bench kernels`` JSON row of dense shape ``name`` on ``target`` (the same keys as the attention rows:
+    ``bench.kernels._row``)."""
+    s = dict(SHAPES[name])
+    isz = 2
+    t0 = time.perf_counter()
+    if s["kernel"] == "gemm":
+        M, K, N = s["M"], s["K"], s["N"]
+        res = model_gemm(M, K, N, s["bias"], s["activation"], target, lnc=lnc, record=True)
+        hbm_min = (M * K + K * N + M * N) * isz + (N * 4 if s["bias"] else 0)
+        dims = {k: s[k] for k in ("M", "K", "N", "bias", "activation")}
+    else:
+        Hout = conv_out_rows(s["Hin"], s["k"][1], s["pad_top"], s["pad_bottom"])
+        res = model_conv(s["Cin"], s["Cout"], s["k"], s["T"], s["Hin"], s["W"], s["pad_top"], s["pad_bottom"],
+                         s["cache"], s["bias"], target, lnc=lnc, record=True)
+        taps = s["k"][0] * s["k"][1] * s["k"][2]
+        hbm_min = ((s["T"] + s["k"][0] - 1) * s["Cin"] * s["Hin"] * s["W"] + s["T"] * s["Cout"] * Hout * s["W"]
+                   + taps * s["Cin"] * s["Cout"]) * isz
+        dims = {k: (list(s[k]) if k == "k" else s[k]) for k in ("Cin", "Cout", "k", "T", "Hin", "W", "pad_top",
+                                                               "pad_bottom", "cache", "bias")}
+        dims["Hout"] = Hout
+    return kernel_row(name, s["kernel"], target, res["record"], 1.0, None, time.perf_counter() - t0, hbm_min, 0, 0,
+                      dims)[0]
