@@ -494,9 +494,11 @@ class CausalWanSession:
         - in the decode (after the cache pass): the chunk's latents are kept and the decoder's state restored
           (``WanStreamingDecoder.snapshot``; ``recoverable_decode = False`` skips that copy of the decode cache,
           and a failed decode then needs ``reset()``): the next call decodes them again;
-        - during the cache pass itself, once it has started writing the chunk's K/V (the rolling window may
-          have overwritten an evicted frame that the retried chunk would still attend to): the session cannot
-          retry exactly; every later ``next_chunk`` raises naming that failure until ``reset()``.
+        - during the cache pass, once it has started writing the chunk's K/V: the pass is undone
+          (``RolloutHandle.checkpoint`` / ``rollback``: the ring, the slot map and a copy of the K/V of the frames
+          it evicts, which the retried chunk still attends to; one chunk's K/V, copied only once the window has
+          rolled), then as above. Only a pass that grows the buffers (``StaticCacheConfig(grow=True)``) cannot be
+          undone: every later ``next_chunk`` raises naming that failure until ``reset()``.
 
         So the next ``next_chunk`` returns what the failed one would have returned, or raises why it cannot."""
         self._check_open()
@@ -537,14 +539,15 @@ class CausalWanSession:
                  self._history_start, None if self._bar is None else self._bar.n)
         rng = [(g, g.get_state()) for g in self._generators()]
         committed = self.handle.frames_committed
-        where = ["the prompt switch's re-cache" if self._pending is not None else "a denoising step"]
+        where = ["the prompt switch's re-cache" if self._pending is not None else "a denoising step", None]
         try:
             return self._generate_chunk(where)
         except BaseException as e:
-            if self.handle.frames_committed != committed:  # the cache pass had begun writing
+            # the cache pass had begun taking the chunk's K/V: undo it (ring, slot map, the evicted frames' K/V)
+            if self.handle.frames_committed != committed and not self.handle.rollback(where[1]):
                 self._broken = (f"CausalWanSession: chunk {self.index} failed in its cache pass ({type(e).__name__}: "
-                                f"{e}) after the cache had begun taking the chunk's K/V; the session cannot retry "
-                                f"it exactly: reset() it")
+                                f"{e}) after the cache had begun taking the chunk's K/V, and that pass could not be "
+                                f"undone (the buffers grew); the session cannot retry it exactly: reset() it")
                 _note(e, self._broken)
                 raise
             (self.step, self.prompt, self.prompt_embeds, self._pending, self.switches, self._history,
@@ -558,7 +561,8 @@ class CausalWanSession:
                      f"as before it: next_chunk() retries the chunk, or reset()")
             raise
 
-    def _generate_chunk(self, where: List[str]) -> Optional[CausalWanStreamChunk]:
+    def _generate_chunk(self, where: list) -> Optional[CausalWanStreamChunk]:
+        """The chunk's work; ``where`` = [the phase running, the cache pass's checkpoint] for ``_generate``."""
         pipe, inp = self.pipe, self.inputs
         pipe._cache_hook(inp.block)
         if self._pending is not None:
@@ -596,6 +600,7 @@ class CausalWanSession:
         self.prompt_embeds = embeds  # a callback's change of the condition carries on, as in a plain loop
         if not last:  # the cache pass (none after the last chunk: its K/V would never be read)
             where[0] = "the cache pass"
+            where[1] = self.handle.checkpoint(inp.block)
             ctx = torch.tensor(inp.ctx, device=x.device)
             self._call(x, ctx, embeds, self._chunk(start, commit=True))
             self._keep(x)
