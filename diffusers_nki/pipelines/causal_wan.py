@@ -309,7 +309,7 @@ class CausalWanSession:
         self._pending = None  # (prompt, embeds) to switch to at the next chunk
         self._undecoded = None  # a generated chunk whose decode failed: the next next_chunk decodes it again
         self._broken = None  # why the session must be reset (a failure after the cache pass began writing)
-        self.recoverable_decode = True  # copy the decode cache before each decode (see next_chunk)
+        self.recoverable = True  # keep what undoes a failed cache pass or decode (see next_chunk)
         self._progress = progress
         self._bar = None
         self.closed = False
@@ -491,14 +491,16 @@ class CausalWanSession:
           before the call (chunk index, step count, queued switch, the generator's state: with a ``generator``
           the retry draws the same noise; ``step_noise`` and ``callback_on_step_end`` are called again). A
           re-cache that failed half-way is redone whole (it re-encodes from the kept latents);
-        - in the decode (after the cache pass): the chunk's latents are kept and the decoder's state restored
-          (``WanStreamingDecoder.snapshot``; ``recoverable_decode = False`` skips that copy of the decode cache,
-          and a failed decode then needs ``reset()``): the next call decodes them again;
         - during the cache pass, once it has started writing the chunk's K/V: the pass is undone
           (``RolloutHandle.checkpoint`` / ``rollback``: the ring, the slot map and a copy of the K/V of the frames
-          it evicts, which the retried chunk still attends to; one chunk's K/V, copied only once the window has
-          rolled), then as above. Only a pass that grows the buffers (``StaticCacheConfig(grow=True)``) cannot be
-          undone: every later ``next_chunk`` raises naming that failure until ``reset()``.
+          it evicts, which the retried chunk still attends to: one chunk's K/V, copied only once the window has
+          rolled), then as above;
+        - in the decode (after the cache pass): the chunk's latents are kept and the decoder's state restored
+          (``WanStreamingDecoder.snapshot``: a copy of the decode cache): the next call decodes them again.
+
+        Those two copies cost memory and a copy per chunk; ``session.recoverable = False`` skips them. Where
+        nothing can undo the failure (``recoverable = False``, or a cache pass that grew the buffers:
+        ``StaticCacheConfig(grow=True)``), every later ``next_chunk`` raises naming it until ``reset()``.
 
         So the next ``next_chunk`` returns what the failed one would have returned, or raises why it cannot."""
         self._check_open()
@@ -515,7 +517,7 @@ class CausalWanSession:
             out = self._undecoded
         if self.decoder is not None:
             self._undecoded = out  # generated and committed: a failed decode is retried from these latents
-            saved = self.decoder.snapshot() if self.recoverable_decode else None
+            saved = self.decoder.snapshot() if self.recoverable else None
             try:
                 out.frames = self.pipe._postprocess(self.decoder.decode(out.latents), self.output_type)
             except BaseException as e:
@@ -525,7 +527,7 @@ class CausalWanSession:
                              f"latents are kept and the decoder restored: next_chunk() decodes it again, or reset()")
                 else:
                     self._broken = (f"CausalWanSession: chunk {self.index} failed in the VAE decode "
-                                    f"({type(e).__name__}: {e}) with recoverable_decode=False: the decode cache is "
+                                    f"({type(e).__name__}: {e}) with recoverable=False: the decode cache is "
                                     f"half-updated; reset() the session")
                     _note(e, self._broken)
                 raise
@@ -547,7 +549,8 @@ class CausalWanSession:
             if self.handle.frames_committed != committed and not self.handle.rollback(where[1]):
                 self._broken = (f"CausalWanSession: chunk {self.index} failed in its cache pass ({type(e).__name__}: "
                                 f"{e}) after the cache had begun taking the chunk's K/V, and that pass could not be "
-                                f"undone (the buffers grew); the session cannot retry it exactly: reset() it")
+                                f"undone (" + ("recoverable=False" if not self.recoverable else "the buffers grew")
+                                + "); the session cannot retry it exactly: reset() it")
                 _note(e, self._broken)
                 raise
             (self.step, self.prompt, self.prompt_embeds, self._pending, self.switches, self._history,
@@ -600,7 +603,7 @@ class CausalWanSession:
         self.prompt_embeds = embeds  # a callback's change of the condition carries on, as in a plain loop
         if not last:  # the cache pass (none after the last chunk: its K/V would never be read)
             where[0] = "the cache pass"
-            where[1] = self.handle.checkpoint(inp.block)
+            where[1] = self.handle.checkpoint(inp.block) if self.recoverable else None
             ctx = torch.tensor(inp.ctx, device=x.device)
             self._call(x, ctx, embeds, self._chunk(start, commit=True))
             self._keep(x)

@@ -174,6 +174,31 @@ def test_a_cache_pass_that_grew_the_buffers_cannot_be_undone_is_named_and_reset_
         torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["commit", "decode"])
+def test_without_the_copies_a_failure_is_named_and_reset_recovers(pipe, kind):
+    # session.recoverable = False: no copy of the evicted K/V nor of the decode cache; a failure there says so
+    pe, _ = _embeds(6)
+    apply_static_cache(pipe, StaticCacheConfig(**WINDOW))
+    try:
+        s = _session(pipe, pe)
+        s.recoverable = False
+        first = [s.next_chunk() for _ in range(2)]
+        with _Fault(pipe, RuntimeError("out of memory")) as fault:
+            fault.arm(kind)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                s.next_chunk()
+        where = "its cache pass" if kind == "commit" else "the VAE decode"
+        with pytest.raises(RuntimeError, match=rf"chunk 2 failed in {where} \(RuntimeError: out of memory\).*"
+                                               rf"recoverable=False.*reset\(\)"):
+            s.next_chunk()
+        s.reset(generator=torch.Generator().manual_seed(3))
+        again = [s.next_chunk() for _ in range(2)]
+        s.close()
+    finally:
+        remove_static_cache(pipe)
+    _same(again, first)
+
+
 def test_set_prompt_refuses_the_wrong_width_at_the_call(pipe):
     pe, pe2 = _embeds(2)
     s = _session(pipe, pe)
