@@ -21,8 +21,10 @@ backend, gloo included). ``gather(x)``: the whole rows on every rank (uneven sha
 back), used for the mid attention's keys/values and the decoded pixels. ``agree(what, fields)``: before any of
 those, the ranks compare the shapes they were given (height when the split is built; batch, width, frames and
 chunking at every decode): ranks that disagree fail on every rank with a ``ValueError`` naming each rank's values,
-instead of entering collectives of different sizes (a hang, or gloo's uncatchable abort). Every other op of the decoder is per
-pixel. The result equals the one-process decode within fp32 rounding (no tiles, no blending).
+instead of entering collectives of different sizes (a hang, or gloo's uncatchable abort): one all-gather of a few
+int64 per decode, which ``caching.wan_vae.decode_collectives`` (per decoder call, the budget's) does not list.
+Every other op of the decoder is per pixel. The result equals the one-process decode within fp32 rounding (no
+tiles, no blending).
 
 Layouts (``DecodeLayout``; ``implemented_layouts(cores)``)
 ---------------------------------------------------------

@@ -250,7 +250,8 @@ def test_the_vae_moved_to_bf16_mid_session_is_refused_then_reset_decodes_in_bf16
                 s.next_chunk()
         s.reset()
         frames = s.next_chunk().frames
-        assert frames.dtype == torch.bfloat16 and torch.isfinite(frames).all() and frames.abs().max() > 0  # decoded in bf16
+        assert frames.dtype == torch.bfloat16  # decoded in bf16
+        assert torch.isfinite(frames).all() and frames.abs().max() > 0
         s.close()
     finally:
         pipe.vae.to(torch.float32)
