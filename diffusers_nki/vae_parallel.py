@@ -18,8 +18,13 @@ upsampling factor. ``halo(x, p)``: ``p`` rows from each neighbour (zeros at the 
 all-gather of every rank's first and last ``p`` rows (functional collective: traceable by torch.compile; on a
 chip a neighbour exchange would move 2/W of these bytes: the all-gather is what torch.distributed gives every
 backend, gloo included). ``gather(x)``: the whole rows on every rank (uneven shards padded to the longest, cut
-back), used for the mid attention's keys/values and the decoded pixels. Every other op of the decoder is per
-pixel. The result equals the one-process decode within fp32 rounding (no tiles, no blending).
+back), used for the mid attention's keys/values and the decoded pixels. ``agree(what, fields)``: before any of
+those, the ranks compare the shapes they were given (height when the split is built; batch, width, frames and
+chunking at every decode): ranks that disagree fail on every rank with a ``ValueError`` naming each rank's values,
+instead of entering collectives of different sizes (a hang, or gloo's uncatchable abort): one all-gather of a few
+int64 per decode, which ``caching.wan_vae.decode_collectives`` (per decoder call, the budget's) does not list.
+Every other op of the decoder is per pixel. The result equals the one-process decode within fp32 rounding (no
+tiles, no blending).
 
 Layouts (``DecodeLayout``; ``implemented_layouts(cores)``)
 ---------------------------------------------------------
@@ -41,14 +46,15 @@ decode_collectives``) of the decode.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from diffusers_nki import parallel
 
-__all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "split_rows", "Disaggregation", "ReceivedChunk"]
+__all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "split_rows", "Disaggregation", "ReceivedChunk",
+           "agree"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -56,6 +62,40 @@ __all__ = ["HeightShards", "DecodeLayout", "implemented_layouts", "split_rows", 
 # ----------------------------------------------------------------------------------------------------------
 def _all_gather(x: torch.Tensor, n: int, group) -> torch.Tensor:
     return parallel.all_gather(x, n, group)
+
+
+def _control_device(group):
+    """Where a small control tensor of ``group`` lives: CPU for gloo, else the current accelerator."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    acc = getattr(torch, "accelerator", None)
+    dev = acc.current_accelerator() if acc is not None else None
+    return dev if dev is not None else torch.device("cpu")
+
+
+def agree(what: str, fields: Dict[str, int], group=None, device=None) -> None:
+    """Check that every rank of ``group`` passes the same ``fields`` (a few ints: the shapes a sharded call's
+    collectives depend on) BEFORE any of those collectives runs: one all-gather of a small int64 vector, then, when
+    they differ, a ``ValueError`` on EVERY rank naming each rank's values (ranks that disagree would otherwise
+    enter collectives of different sizes or counts: a hang, or gloo's uncatchable abort). ``device``: where the
+    vector lives (default: CPU for gloo, else the current accelerator)."""
+    group = dist.group.WORLD if group is None else group
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    names = list(fields)
+    mine = torch.tensor([int(fields[n]) for n in names], dtype=torch.int64,
+                        device=_control_device(group) if device is None else device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [[int(v) for v in t.tolist()] for t in every]
+    if any(r != rows[0] for r in rows):
+        differ = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+        each = "; ".join(f"rank {r}: " + ", ".join(f"{n}={row[i]}" for i, n in enumerate(names) if n in differ)
+                         for r, row in enumerate(rows))
+        raise ValueError(f"{what}: the {world} ranks of the sharded decode disagree on {', '.join(differ)} ({each}); "
+                         f"every rank must make the same call (the whole latent rows, the same chunking), or the "
+                         f"collectives would not match")
 
 
 def split_rows(height: int, world: int) -> List[int]:
@@ -75,6 +115,9 @@ class HeightShards:
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
             raise ValueError("HeightShards: this process is not a member of the process group")
+        # a collective: every rank of the group builds its shards together (a stream's first decode); heights that
+        # differ fail here on every rank, before any rank can fail alone below
+        agree("HeightShards", {"latent height": height if isinstance(height, int) else -1}, self.group)
         if not isinstance(height, int) or height < self.world:
             raise ValueError(f"HeightShards: a latent height of {height!r} rows cannot be split over {self.world} "
                              f"ranks (each rank needs at least one row; height >= ranks)")
@@ -120,6 +163,10 @@ class HeightShards:
         xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
         every = _all_gather(xp, self.world, self.group)
         return torch.cat([every[r][..., :self.rows[r] * s, :] for r in range(self.world)], dim=-2)
+
+    def agree(self, what: str, fields: Dict[str, int], device=None) -> None:
+        """``agree`` over this split's group (see there)."""
+        agree(what, fields, self.group, device)
 
     def describe(self) -> str:
         return (f"height split over {self.world} ranks (rows {self.rows}); rank {self.rank} holds latent rows "

@@ -136,6 +136,19 @@ class RolloutHandle:
         """What a prompt switch must re-encode now (``None``: nothing committed yet)."""
         return None if self.state is None else self.state.recache_span()
 
+    def checkpoint(self, frames: int):
+        """Before a cache pass of ``frames`` frames: what ``rollback`` needs to undo it if it fails half-way (None:
+        nothing to undo with, e.g. a pass that would grow the buffers). See ``_Rollout.checkpoint``."""
+        st = self.state
+        hook = None if st is None else st.hook()
+        return None if hook is None else (st, st.checkpoint(hook, frames))
+
+    def rollback(self, checkpoint) -> bool:
+        """Undo a cache pass that failed after ``checkpoint``: the cache as before it. False: it cannot be undone."""
+        if checkpoint is None or checkpoint[0] is not self.state or checkpoint[1] is None:
+            return False
+        return self.state.rollback(checkpoint[1])
+
     @property
     def frames_committed(self) -> int:
         return 0 if self.state is None else self.state.ring.placed
@@ -541,6 +554,34 @@ class _Rollout:
             return RecacheSpan(0, P, L, False)
         count = L - self.sink
         return RecacheSpan(P - count, count, L, self.sink > 0)
+
+    def checkpoint(self, hook, frames: int):
+        """What a commit of ``frames`` frames changes, for ``rollback``: the ring's counters, the slot map, and a
+        copy of the K/V of the frames it will overwrite (a rolled window's evictions: a retried chunk still attends
+        to them; empty slots need no copy). One chunk's K/V at most, taken only once the window has rolled. None
+        where the commit would grow or overflow the buffers."""
+        ring = self.ring
+        if not hook.config.rolling and ring.valid + frames > self.history:
+            return None
+        probe = FrameRing(ring.capacity, ring.sink, ring.rolling, ring.what)
+        probe.valid, probe.head, probe.placed, probe.evicted = ring.valid, ring.head, ring.placed, ring.evicted
+        n, saved = self._t(self.tpf), []
+        for s in probe.place(frames):
+            if self.slot_frames[s] >= 0:
+                a = self._t(s * self.tpf)
+                saved.append((a, [t[:, a:a + n].clone() for t in self.buffers.k + self.buffers.v]))
+        return (ring.valid, ring.head, ring.placed, ring.evicted), list(self.slot_frames), saved, self.buffers
+
+    def rollback(self, checkpoint) -> bool:
+        counters, slot_frames, saved, buffers = checkpoint
+        if buffers is not self.buffers:
+            return False
+        self.ring.valid, self.ring.head, self.ring.placed, self.ring.evicted = counters
+        self.slot_frames = slot_frames
+        for a, parts in saved:
+            for t, part in zip(self.buffers.k + self.buffers.v, parts):
+                t[:, a:a + part.shape[1]].copy_(part)
+        return True
 
     def _shift(self, end: int) -> int:
         """Window positions: how far the non-sink frames' re-based positions lag their absolute ones in a call

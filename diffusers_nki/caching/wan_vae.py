@@ -77,7 +77,6 @@ stock within fp32 rounding).
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -159,7 +158,11 @@ class WanVAECacheHook(ModelHook):
         self.origin = "user"  # "patch" when diffusers_nki.patch installed it (unpatch removes only those)
         self.stats = {"streams": 0, "calls": 0, "frames": 0}
         self._had_registry = True
-        self._vae_ref = None
+
+    # a copy (torch.save / torch.load, copy.deepcopy of the VAE or its pipeline) keeps the config and the forward
+    # chain, and starts with empty counters; the hook holds no decode state (each WanVAEStream owns its buffers)
+    def __getstate__(self):
+        return dict(self.__dict__, stats={k: 0 for k in self.stats})
 
     def new_forward(self, module, x, feat_cache=None, feat_idx=[0], first_chunk=False):  # noqa: B006 - stock API
         if isinstance(feat_cache, WanVAEStream):
@@ -201,7 +204,6 @@ def apply_wan_vae_cache(vae, config: Optional[WanVAECacheConfig] = None) -> WanV
     hook = WanVAECacheHook(config)
     hook._had_registry = had
     hook._had_forward = "forward" in dec.__dict__
-    hook._vae_ref = weakref.ref(vae)
     compat.register_model_hook(dec, hook, HOOK_NAME)
     return hook
 
@@ -390,6 +392,14 @@ class WanVAEStream:
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         vae = self.vae
+        if self.shards is not None:  # before any check that could fail on one rank alone, and any collective
+            dims = list(z.shape) if isinstance(z, torch.Tensor) and z.dim() == 5 else [-1] * 5
+            B, h, w = self.geometry
+            self.shards.agree("WanVAEStream.decode", {
+                "latent rank": z.dim() if isinstance(z, torch.Tensor) else -1, "batch": dims[0],
+                "z channels": dims[1], "latent frames": dims[2], "latent height": dims[3], "latent width": dims[4],
+                "stream batch": B, "stream height": h, "stream width": w, "frames_per_call": self.frames_per_call,
+                "first call": int(self.first), "frames decoded": self.frames_in}, device=self.device)
         hook = find_wan_vae_cache(vae)
         if hook is None:
             raise RuntimeError("WanVAEStream: the static VAE cache was removed from this VAE (unpatch?) during the "
@@ -402,6 +412,9 @@ class WanVAEStream:
         if (B, h, w) != self.geometry or C != vae.config.z_dim:
             raise ValueError(f"WanVAEStream.decode: latents of shape {tuple(z.shape)} do not match the stream's "
                              f"(batch, height, width)={self.geometry}, z_dim={vae.config.z_dim}; start a new stream")
+        if vae.dtype != self.dtype:
+            raise RuntimeError(f"WanVAEStream: the VAE is {vae.dtype}, this stream's buffers are {self.dtype} (the VAE "
+                               f"was cast after the stream began?); start a new stream in the VAE's dtype")
         if torch.is_grad_enabled():
             raise RuntimeError("WanVAEStream: gradients are enabled; the streaming decode serves inference only "
                                "(wrap the call in torch.no_grad())")

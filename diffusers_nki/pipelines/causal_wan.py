@@ -109,7 +109,12 @@ class WanStreamingDecoder:
     ``diffusers_nki.caching.wan_vae.apply_wan_vae_cache``) the feature cache is that module's preallocated,
     in-place buffers (one compiled graph per call shape; ``process_group``: the decode split over the height,
     every rank returns the whole frames); without it, the stock list cache (diffusers' own ``feat_cache``).
-    Tiled decoding is not streamed (raises): disable ``vae.use_tiling``."""
+    Tiled decoding is not streamed (raises): disable ``vae.use_tiling``.
+
+    The decode cache holds the VAE's dtype and device of the first chunk: a VAE moved or cast mid-stream (e.g.
+    ``vae.to(torch.bfloat16)``) is refused with an error naming both (start a new decoder; a session's ``reset()``
+    does). ``snapshot()`` / ``restore(state)``: the decoder's state (its feature cache, copied), so that a decode
+    that failed half-way (out of memory, KeyboardInterrupt) can be undone and the chunk decoded again exactly."""
 
     def __init__(self, vae, process_group=None):
         self.vae = vae
@@ -126,12 +131,51 @@ class WanStreamingDecoder:
             self.cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         self.first = True
         self.frames_in = 0
+        self.placement = None  # (dtype, device) of the VAE when the first chunk was decoded
+
+    def _check(self, latents: torch.Tensor) -> None:
+        vae = self.vae
+        if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
+            shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise ValueError(f"WanStreamingDecoder.decode: latents of shape {shape} must be 5-D [batch, z_dim="
+                             f"{vae.config.z_dim}, latent frames, height, width] (a single frame is f=1, not a "
+                             f"missing time axis)")
+        if latents.shape[1] != vae.config.z_dim or latents.shape[2] < 1:
+            raise ValueError(f"WanStreamingDecoder.decode: latents of shape {tuple(latents.shape)}: need z_dim="
+                             f"{vae.config.z_dim} channels (dim 1) and at least 1 latent frame (dim 2)")
+        now = (vae.dtype, vae.device)
+        if self.placement is not None and now != self.placement:
+            raise RuntimeError(f"WanStreamingDecoder: the VAE moved from {self.placement[0]} on {self.placement[1]} "
+                               f"to {now[0]} on {now[1]} in the middle of a stream; its decode cache holds the earlier "
+                               f"frames in {self.placement[0]}. Move it back, or start a new stream (a session: "
+                               f"reset() it; the new video decodes in {now[0]})")
+
+    def snapshot(self):
+        """The decoder's state: what ``restore`` needs to undo the decodes made after it. The static path copies
+        the stream's buffers (``WanVAEStream.nbytes``); the stock path's list cache is rebuilt by every call, so
+        a shallow copy of the list is enough."""
+        stream = self.stream
+        buffers = None if stream is None else [b.clone() for b in stream.buffers]
+        counts = None if stream is None else (stream.first, stream.frames_in, stream.calls)
+        return (stream, buffers, counts, list(self.cache), self.first, self.frames_in, self.placement)
+
+    def restore(self, state) -> None:
+        """Back to a ``snapshot()``: the buffers copied back in place (nothing reallocated)."""
+        stream, buffers, counts, cache, self.first, self.frames_in, self.placement = state
+        self.stream = stream
+        if stream is not None:
+            for b, saved in zip(stream.buffers, buffers):
+                b.copy_(saved)
+            stream.first, stream.frames_in, stream.calls = counts
+        self.cache[:] = cache
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.vae
         if getattr(vae, "use_tiling", False):
             raise NotImplementedError("WanStreamingDecoder: tiled VAE decoding cannot be streamed; call "
                                       "vae.disable_tiling() first")
+        self._check(latents)
+        self.placement = (vae.dtype, vae.device)
         if self.hook is not None:
             z = denormalize_latents(vae, latents)
             if self.stream is None:
@@ -203,6 +247,13 @@ def original_step_noise(generator: Optional[torch.Generator] = None, dtype: torc
     return draw
 
 
+def _note(e: BaseException, text: str) -> None:
+    """Attach ``text`` to the exception's report (``add_note``: Python >= 3.11; older Pythons skip it)."""
+    add = getattr(e, "add_note", None)
+    if add is not None and text not in getattr(e, "__notes__", ()):
+        add(text)
+
+
 @dataclass
 class _Inputs:
     """A session's validated call arguments (what ``__call__``/``stream``/``session`` share)."""
@@ -256,6 +307,9 @@ class CausalWanSession:
         self.prompt, self.prompt_embeds = prompt, prompt_embeds
         self.generator = generator
         self._pending = None  # (prompt, embeds) to switch to at the next chunk
+        self._undecoded = None  # a generated chunk whose decode failed: the next next_chunk decodes it again
+        self._broken = None  # why the session must be reset (a failure after the cache pass began writing)
+        self.recoverable = True  # keep what undoes a failed cache pass or decode (see next_chunk)
         self._progress = progress
         self._bar = None
         self.closed = False
@@ -269,6 +323,8 @@ class CausalWanSession:
         self.step = 0
         self._history: List[torch.Tensor] = []  # the latest chunks' clean latents (what a re-cache re-encodes)
         self._history_start = 0
+        self._undecoded = None
+        self._broken = None
         self.decoder = None
         if self.output_type != "latent":
             if self.pipe.vae is None:
@@ -298,7 +354,13 @@ class CausalWanSession:
 
     def set_prompt(self, prompt: Union[str, List[str], None] = None, prompt_embeds: Optional[torch.Tensor] = None):
         """Switch the condition at the next chunk boundary (text, or its embeddings): the next ``next_chunk``
-        first re-encodes the cached frames under it (LongLive's KV re-cache), then generates under it."""
+        first re-encodes the cached frames under it (LongLive's KV re-cache), then generates under it.
+
+        Checked here, at the call (batch, tokens, and the embedding width the transformer reads,
+        ``transformer.config.text_dim``), not at the next chunk. Ordering: the latest request wins. A second
+        ``set_prompt`` before the next chunk replaces the first; a ``reset()`` without a prompt starts the new
+        video under a prompt queued here and not yet applied (set_prompt(p) then reset() == reset(prompt=p));
+        ``reset(prompt=q)`` (later) wins over it. A chunk that fails keeps the switch queued for its retry."""
         self._check_open()
         embeds = self.pipe._prompt_embeds(prompt, prompt_embeds, self.num_videos_per_prompt,
                                           self.max_sequence_length, batch=self.prompt_embeds.shape[0])
@@ -308,12 +370,16 @@ class CausalWanSession:
               generator: Optional[torch.Generator] = None, latents: Optional[torch.Tensor] = None) -> None:
         """Back to frame 0 with an empty cache (every slot zeroed in place; weights, buffers and compiled graphs
         kept): the next chunk is the first of a new video, as from a fresh pipeline. Optionally a new prompt, a
-        new ``generator`` (the old one has advanced) or new initial ``latents``."""
+        new ``generator`` (the old one has advanced) or new initial ``latents``. Without a prompt, the new video
+        runs under the prompt last asked for: one queued by ``set_prompt`` and not yet applied, else the current
+        one. A reset also clears a failed chunk (``next_chunk``)."""
         self._check_open()
         if prompt is not None or prompt_embeds is not None:
             self.prompt = prompt
             self.prompt_embeds = self.pipe._prompt_embeds(prompt, prompt_embeds, self.num_videos_per_prompt,
                                                           self.max_sequence_length, batch=self.prompt_embeds.shape[0])
+        elif self._pending is not None:  # the queued switch is the latest request: the new video starts under it
+            self.prompt, self.prompt_embeds = self._pending
         if generator is not None:
             self.generator = generator
         if latents is not None:
@@ -410,13 +476,96 @@ class CausalWanSession:
             noise = randn_tensor(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
         return ((1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise).to(flow.dtype)
 
+    def _generators(self) -> list:
+        g = self.generator
+        return [x for x in (g if isinstance(g, (list, tuple)) else [g]) if x is not None]
+
     @torch.no_grad()
     def next_chunk(self) -> CausalWanStreamChunk:
-        """Generate the next chunk (switching the prompt first if ``set_prompt`` was called) and return it."""
+        """Generate the next chunk (switching the prompt first if ``set_prompt`` was called) and return it.
+
+        A failure inside a chunk (an exception, out of memory, KeyboardInterrupt) propagates with a note saying
+        where it happened, and leaves the session able to go on:
+
+        - before the chunk's cache pass (the prompt switch's re-cache, the denoising steps): the session is as
+          before the call (chunk index, step count, queued switch, the generator's state: with a ``generator``
+          the retry draws the same noise; ``step_noise`` and ``callback_on_step_end`` are called again). A
+          re-cache that failed half-way is redone whole (it re-encodes from the kept latents);
+        - during the cache pass, once it has started writing the chunk's K/V: the pass is undone
+          (``RolloutHandle.checkpoint`` / ``rollback``: the ring, the slot map and a copy of the K/V of the frames
+          it evicts, which the retried chunk still attends to: one chunk's K/V, copied only once the window has
+          rolled), then as above;
+        - in the decode (after the cache pass): the chunk's latents are kept and the decoder's state restored
+          (``WanStreamingDecoder.snapshot``: a copy of the decode cache): the next call decodes them again.
+
+        Those two copies cost memory and a copy per chunk; ``session.recoverable = False`` skips them. Where
+        nothing can undo the failure (``recoverable = False``, or a cache pass that grew the buffers:
+        ``StaticCacheConfig(grow=True)``), every later ``next_chunk`` raises naming it until ``reset()``.
+
+        So the next ``next_chunk`` returns what the failed one would have returned, or raises why it cannot."""
         self._check_open()
-        if self.done:
-            raise RuntimeError(f"CausalWanSession: the session's {self.inputs.frames} latent frames are done; reset() "
-                               f"it (or open it with num_frames=None for an endless stream)")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        if self._undecoded is None:
+            if self.done:
+                raise RuntimeError(f"CausalWanSession: the session's {self.inputs.frames} latent frames are done; "
+                                   f"reset() it (or open it with num_frames=None for an endless stream)")
+            out = self._generate()
+            if out is None:  # interrupted
+                return None
+        else:
+            out = self._undecoded
+        if self.decoder is not None:
+            self._undecoded = out  # generated and committed: a failed decode is retried from these latents
+            saved = self.decoder.snapshot() if self.recoverable else None
+            try:
+                out.frames = self.pipe._postprocess(self.decoder.decode(out.latents), self.output_type)
+            except BaseException as e:
+                if saved is not None:
+                    self.decoder.restore(saved)
+                    _note(e, f"CausalWanSession: chunk {self.index} failed in the VAE decode ({type(e).__name__}); its "
+                             f"latents are kept and the decoder restored: next_chunk() decodes it again, or reset()")
+                else:
+                    self._broken = (f"CausalWanSession: chunk {self.index} failed in the VAE decode "
+                                    f"({type(e).__name__}: {e}) with recoverable=False: the decode cache is "
+                                    f"half-updated; reset() the session")
+                    _note(e, self._broken)
+                raise
+        self._undecoded = None
+        self.index += 1
+        return out
+
+    def _generate(self) -> Optional[CausalWanStreamChunk]:
+        """The chunk's latents (re-cache, denoising steps, cache pass), undone on failure (see ``next_chunk``)."""
+        saved = (self.step, self.prompt, self.prompt_embeds, self._pending, self.switches, list(self._history),
+                 self._history_start, None if self._bar is None else self._bar.n)
+        rng = [(g, g.get_state()) for g in self._generators()]
+        committed = self.handle.frames_committed
+        where = ["the prompt switch's re-cache" if self._pending is not None else "a denoising step", None]
+        try:
+            return self._generate_chunk(where)
+        except BaseException as e:
+            # the cache pass had begun taking the chunk's K/V: undo it (ring, slot map, the evicted frames' K/V)
+            if self.handle.frames_committed != committed and not self.handle.rollback(where[1]):
+                self._broken = (f"CausalWanSession: chunk {self.index} failed in its cache pass ({type(e).__name__}: "
+                                f"{e}) after the cache had begun taking the chunk's K/V, and that pass could not be "
+                                f"undone (" + ("recoverable=False" if not self.recoverable else "the buffers grew")
+                                + "); the session cannot retry it exactly: reset() it")
+                _note(e, self._broken)
+                raise
+            (self.step, self.prompt, self.prompt_embeds, self._pending, self.switches, self._history,
+             self._history_start, n) = saved
+            for g, state in rng:
+                g.set_state(state)
+            if self._bar is not None and n is not None:
+                self._bar.n = n
+                self._bar.refresh()
+            _note(e, f"CausalWanSession: chunk {self.index} failed in {where[0]} ({type(e).__name__}); the session is "
+                     f"as before it: next_chunk() retries the chunk, or reset()")
+            raise
+
+    def _generate_chunk(self, where: list) -> Optional[CausalWanStreamChunk]:
+        """The chunk's work; ``where`` = [the phase running, the cache pass's checkpoint] for ``_generate``."""
         pipe, inp = self.pipe, self.inputs
         pipe._cache_hook(inp.block)
         if self._pending is not None:
@@ -424,6 +573,7 @@ class CausalWanSession:
             self._pending = None
             self._recache(self.prompt_embeds)
             self.switches += 1
+        where[0] = "a denoising step"
         start = self.index * inp.block
         x = self._chunk_noise()
         embeds = self.prompt_embeds
@@ -452,14 +602,12 @@ class CausalWanSession:
                 self._bar.update()
         self.prompt_embeds = embeds  # a callback's change of the condition carries on, as in a plain loop
         if not last:  # the cache pass (none after the last chunk: its K/V would never be read)
+            where[0] = "the cache pass"
+            where[1] = self.handle.checkpoint(inp.block) if self.recoverable else None
             ctx = torch.tensor(inp.ctx, device=x.device)
             self._call(x, ctx, embeds, self._chunk(start, commit=True))
             self._keep(x)
-        out = CausalWanStreamChunk(index=self.index, start_frame=start, latents=x)
-        if self.decoder is not None:
-            out.frames = pipe._postprocess(self.decoder.decode(x), self.output_type)
-        self.index += 1
-        return out
+        return CausalWanStreamChunk(index=self.index, start_frame=start, latents=x)
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -624,6 +772,12 @@ class CausalWanPipeline(DiffusionPipeline):
             emb = prompt_embeds.repeat_interleave(num_videos_per_prompt, dim=0)
             if L < max_sequence_length:
                 emb = torch.cat([emb, emb.new_zeros((emb.shape[0], max_sequence_length - L, emb.shape[2]))], dim=1)
+        width = getattr(self.transformer.config, "text_dim", None)
+        if width is not None and emb.shape[-1] != width:
+            what = "prompt_embeds" if prompt_embeds is not None else "the text encoder's output"
+            raise ValueError(f"{what} of shape {tuple(emb.shape if prompt_embeds is None else prompt_embeds.shape)} "
+                             f"has width {emb.shape[-1]}; the transformer reads text embeddings of width text_dim="
+                             f"{width} (transformer.config.text_dim: its text_embedder's input)")
         if batch is not None and emb.shape[0] != batch:
             raise ValueError(f"the new condition has batch {emb.shape[0]}; the session runs batch {batch}")
         return emb.to(device=device, dtype=self.transformer.dtype)

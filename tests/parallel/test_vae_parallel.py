@@ -127,3 +127,18 @@ def test_four_processes_sharded_decode_and_disaggregation_with_context_parallel_
     _check_shards(results, decodes, 4)
     _check_disagg(results, frames, latents, w_dit=2)
     print("cpu-seconds per rank:", [{k: round(v["cpu_s"], 1) for k, v in r.items()} for r in results])
+
+
+def test_ranks_that_disagree_on_shapes_fail_clearly_on_every_rank(tmp_path):
+    # before any collective the ranks compare what they were given: every rank raises a ValueError naming each
+    # rank's values (before: a gloo C++ abort on one rank, "connection reset by peer" on the other, or a hang)
+    results = _spawn(2, tmp_path, "disagree")
+    want = {"height": "latent height", "width": "latent width", "batch": "batch", "chunking": "latent frames",
+            "frames_per_call": "frames_per_call"}
+    for rank, res in enumerate(results):
+        got = res["disagree"]
+        assert got["agreed"] == "decoded", got["agreed"]  # the same calls on both ranks still run
+        for name, field in want.items():
+            assert "the 2 ranks of the sharded decode disagree on" in got[name], (rank, name, got[name])
+            assert f"rank 0: {field}=" in got[name] and f"rank 1: {field}=" in got[name], (rank, name, got[name])
+

@@ -11,7 +11,8 @@ Cases:
 - shared: the causal Wan pipeline, DiT context-parallel (Ulysses over all ranks) and the VAE height-sharded over
   the same ranks, ``stream()``;
 - disagg: ``Disaggregation(w_dit=W/2, w_vae=W/2)``: the DiT ranks (context-parallel among themselves when 2) denoise,
-  the VAE ranks decode, ``stream()``; the VAE side sleeps before its first decode so the DiT must run ahead.
+  the VAE ranks decode, ``stream()``; the VAE side sleeps before its first decode so the DiT must run ahead;
+- disagree: ranks given different heights, widths, batches, chunkings, frames_per_call: each fails with a clear error.
 """
 import datetime
 import os
@@ -100,6 +101,42 @@ def shard_case():
     return res
 
 
+def disagree_case():
+    """Ranks given different shapes: every rank must fail with the agreement's ValueError (never a gloo abort or a
+    hang), for a height that differs when the stream is built, then (same height) a width, a batch, a chunking
+    (latent frames per decode) and a frames_per_call that differ at the decode; then the ranks decode together."""
+    from diffusers_nki.caching import wan_vae
+    from diffusers_nki.testing import tiny
+
+    rank = dist.get_rank()
+    vae = tiny.tiny_wan_vae()
+    g = torch.Generator().manual_seed(7)
+    lat = torch.randn(2, 16, 4, 5, 4, generator=g)
+    res = {}
+
+    def attempt(name, fpc, z, height=5):
+        wan_vae.apply_wan_vae_cache(vae, wan_vae.WanVAECacheConfig(frames_per_call=fpc,
+                                                                   process_group=dist.group.WORLD))
+        try:
+            with torch.no_grad():
+                stream = wan_vae.find_wan_vae_cache(vae).new_stream(vae, z.shape[0], height, z.shape[4])
+                stream.decode(z[:, :, :1])
+                stream.decode(z[:, :, 1:])
+            res[name] = "decoded"
+        except ValueError as e:
+            res[name] = str(e)
+        finally:
+            wan_vae.remove_wan_vae_cache(vae)
+
+    attempt("height", 1, lat[:, :, :, :4 + rank], height=4 + rank)  # the stream's split
+    attempt("width", 1, lat[..., :3 + rank])
+    attempt("batch", 1, lat[:1 + rank])
+    attempt("chunking", 1, lat[:, :, :3 + rank])  # rank 1 decodes 3 frames after the first, rank 0 two
+    attempt("frames_per_call", 1 + rank, lat)
+    attempt("agreed", 2, lat)
+    return res
+
+
 def _pipe():
     import diffusers_nki
     from diffusers_nki.testing.tiny import tiny_pipeline
@@ -181,7 +218,8 @@ def main():
     results = {}
     for case in cases.split(","):
         t0 = time.process_time()
-        results[case] = {"shard": shard_case, "shared": shared_case, "disagg": disagg_case}[case]()
+        results[case] = {"shard": shard_case, "shared": shared_case, "disagg": disagg_case,
+                         "disagree": disagree_case}[case]()
         results[case]["cpu_s"] = time.process_time() - t0
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
