@@ -267,3 +267,19 @@ def test_clear_errors(pipe):
     s.close()
     with pytest.raises(RuntimeError, match="this session is closed"):
         s.next_chunk()
+
+
+def test_session_through_the_emulated_kernel_matches_stock(pipe):
+    # backend "sim": every attention of every chunk runs the NKI kernel in the emulator (counted), fp32
+    ref = _session_chunks(pipe, 2)
+    diffusers_nki.patch(pipe, backend="sim", strict=True)
+    try:
+        before = ops.counters()["attention"]["sim"]
+        out = _session_chunks(pipe, 2)
+        ran = ops.counters()["attention"]["sim"] - before
+    finally:
+        diffusers_nki.unpatch(pipe)
+    assert ran == 2 * STEPS * 2 * 2  # chunks x steps x layers x (self, cross)
+    for c in range(2):
+        err = float((out[c] - ref[c]).abs().max() / ref[c].abs().max())
+        assert err <= 1e-5, (c, err)
