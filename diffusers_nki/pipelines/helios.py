@@ -363,13 +363,17 @@ class HeliosSession:
         if self.paused:
             return None
         self._apply_commands()
+        out = None
         try:
             if self.done:
                 raise RuntimeError(f"HeliosSession: the session's {self.num_chunks} chunks are done; reset() it "
                                    "(or open it with num_chunks=None for an endless stream)")
-            return self._generate()
+            out = self._generate()
+            return out
         finally:
-            with self._lock:
+            with self._lock:  # the boundary moves on under the lock (next_boundary() reads both together)
+                if out is not None:
+                    self.index += 1
                 self._in_flight = False
 
     def _generate(self) -> HeliosStreamChunk:
@@ -405,7 +409,6 @@ class HeliosSession:
             z = x.to(pipe.vae.dtype) / self.latents_std + self.latents_mean
             video = pipe.vae.decode(z, return_dict=False)[0]
             out.frames = pipe.video_processor.postprocess_video(video, output_type=self.output_type)
-        self.index += 1
         return out
 
     def __iter__(self):
