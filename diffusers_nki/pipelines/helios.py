@@ -288,7 +288,7 @@ class HeliosSession:
         with self._lock:
             queue, kept = self._queue, []
             self._queue = []
-            for pos, (kind, target, payload) in enumerate(queue):
+            for kind, target, payload in queue:
                 if kind == "reset":
                     embeds, seed = payload
                     kept = []  # prompts scheduled before a reset belong to the old video

@@ -2,11 +2,11 @@
 
 ``CAUSAL_WAN_ORIGINAL``: the constructor kwargs of the original causal Wan (``wan.modules.causal_model.
 CausalWanModel`` of Self-Forcing / Causal Forcing; Wan's own names: ``dim``, ``num_heads``, ``in_dim``, ...) at
-the tiny size of ``tiny_transformer("wan", in_channels=16, out_channels=16)``: 2 heads of 12,
-2 layers, ffn 32, freq 256, 16 latent channels, but text 4096 (UMT5-XXL's width: ``CausalWanModel`` leaves
-``text_dim`` out of its saved config, ``ignore_for_config``, so their ``from_pretrained`` always builds 4096). ``causal_wan_diffusers_config()`` is the matching
-diffusers ``WanTransformer3DModel`` config (what ``convert_causal_wan_checkpoint`` loads the original's weights
-into)."""
+the tiny size of ``tiny_transformer("wan", in_channels=16, out_channels=16)``: 2 heads of 12, 2 layers, ffn 32,
+freq 256, 16 latent channels, but text 4096 (UMT5-XXL's width: ``CausalWanModel`` leaves ``text_dim`` out of its
+saved config, ``ignore_for_config``, so their ``from_pretrained`` always builds 4096).
+``causal_wan_diffusers_config()`` is the matching diffusers ``WanTransformer3DModel`` config (what
+``convert_causal_wan_checkpoint`` loads the original's weights into)."""
 from __future__ import annotations
 
 from diffusers_nki.testing.tiny.specs import SPECS
