@@ -84,3 +84,33 @@ def test_causal_wan_pipeline_equals_causal_forcing_original_loop(original, mode,
                  num_frames=4 * (frames - 1) + 1, denoising_timesteps=list(args.denoising_step_list),
                  step_noise=original_step_noise(torch.Generator().manual_seed(12)), output_type="latent").frames
     assert max(_chunk_errors(other, theirs, block)[1:] or _chunk_errors(other, theirs, block)) > 1e-2
+
+
+def test_frame_wise_session_compiles_one_graph_per_call_site_after_warmup():
+    # Causal Forcing's frame-wise model (chunks of 1 latent frame), Self-Forcing's 21-frame rolling window: after
+    # warmup() no chunk compiles a graph, before the window is full or after it rolled (counting backend). Needs
+    # no mirror: the tiny causal Wan pipeline.
+    import torch._dynamo
+
+    from diffusers_nki.bench._measure import GraphCounter
+    from diffusers_nki.testing import tiny
+
+    pipe = tiny.tiny_pipeline("causal_wan")
+    counter = GraphCounter()
+    try:
+        pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
+        with torch.no_grad():
+            pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
+            s = pipe.session(prompt_embeds=pe, height=32, width=32, num_frames=None, num_frame_per_block=1,
+                             denoising_timesteps=[1000.0, 750.0, 500.0, 250.0],
+                             generator=torch.Generator().manual_seed(0), output_type="latent", progress=False)
+            s.warmup()
+            warm = counter.graphs
+            for _ in range(24):  # past the 21-frame window: eviction from chunk 21 on
+                s.next_chunk()
+            s.close()
+    finally:
+        for block in pipe.transformer.blocks:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert warm >= 1 and counter.graphs == warm, (warm, counter.graphs)
