@@ -38,13 +38,14 @@ import tarfile
 import io
 import types
 from pathlib import Path
+from typing import Optional
 
 import torch
 import yaml
 
 REPO = "thu-ml/Causal-Forcing"
 _ROOT = Path(__file__).resolve().parents[2]
-_NAMES = ("wan", "pipeline", "utils", "demo_utils", "einops")
+_NAMES = ("utils", "demo_utils", "einops")
 
 
 def _mirrors():
@@ -52,7 +53,7 @@ def _mirrors():
     return ([Path(env)] if env else []) + [_ROOT.parent / ".mirror", _ROOT.parent.parent / ".mirror"]
 
 
-def source(repo: str = REPO):
+def source(repo: str = REPO) -> Optional[Path]:
     """The bare git directory of ``repo``'s mirror, or None."""
     name = repo.replace("/", "+")
     for base in _mirrors():
@@ -67,11 +68,11 @@ def skip_reason(repo: str = REPO) -> str:
             f"{', '.join(str(p) for p in _mirrors())}")
 
 
-def extract(git: Path, into: Path) -> str:
+def extract(git: Path, into: Path, paths=("pipeline", "utils", "wan", "configs")) -> str:
     """``git archive HEAD`` of the parts the loop needs into ``into``; returns the commit."""
     commit = subprocess.run(["git", "--git-dir", str(git), "rev-parse", "HEAD"], check=True, capture_output=True,
                             text=True).stdout.strip()
-    tar = subprocess.run(["git", "--git-dir", str(git), "archive", "HEAD", "pipeline", "utils", "wan", "configs"],
+    tar = subprocess.run(["git", "--git-dir", str(git), "archive", "HEAD", *paths],
                          check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         t.extractall(into, filter="data")
@@ -91,9 +92,11 @@ def _raising(name):
 
 
 @contextlib.contextmanager
-def _their_modules(root: Path):
-    """Their top-level packages (``wan``, ``pipeline``, ``utils``) importable for the block; ours restored after."""
-    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _NAMES}
+def their_modules(root: Path, packages=("wan", "pipeline")):
+    """Their top-level packages (``packages`` entered without their ``__init__``, ``utils``, ``demo_utils``)
+    importable for the block; ours restored after."""
+    names = _NAMES + tuple(packages)
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in names}
     for k in saved:
         del sys.modules[k]
     memory = types.ModuleType("demo_utils.memory")
@@ -103,9 +106,9 @@ def _their_modules(root: Path):
     memory.move_model_to_device_with_memory_preservation = lambda *a, **k: None
     einops = types.ModuleType("einops")
     einops.repeat, einops.rearrange = _raising("repeat"), _raising("rearrange")
-    stubs = {"wan": _package("wan", root / "wan"), "pipeline": _package("pipeline", root / "pipeline"),
-             "demo_utils": _package("demo_utils", root / "demo_utils"), "demo_utils.memory": memory,
-             "einops": einops}
+    stubs = {name: _package(name, root / name) for name in packages}
+    stubs.update({"demo_utils": _package("demo_utils", root / "demo_utils"), "demo_utils.memory": memory,
+                  "einops": einops})
     sys.modules.update(stubs)
     sys.path.insert(0, str(root))
     current_device = torch.cuda.current_device
@@ -115,7 +118,7 @@ def _their_modules(root: Path):
     finally:
         torch.cuda.current_device = current_device
         sys.path.remove(str(root))
-        for k in [k for k in sys.modules if k.split(".")[0] in _NAMES]:
+        for k in [k for k in sys.modules if k.split(".")[0] in names]:
             del sys.modules[k]
         sys.modules.update(saved)
 
@@ -125,7 +128,7 @@ class Original:
 
     def __init__(self, root: Path):
         self.root = root
-        with _their_modules(root):
+        with their_modules(root):
             import pipeline.causal_inference as causal_inference
             import utils.wan_wrapper as wan_wrapper
             import wan.modules.attention as attention

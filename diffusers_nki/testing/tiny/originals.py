@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from diffusers_nki.testing.tiny.specs import SPECS
 
-__all__ = ["CAUSAL_WAN_ORIGINAL", "causal_wan_diffusers_config"]
+__all__ = ["CAUSAL_WAN_ORIGINAL", "causal_wan_diffusers_config", "LONGLIVE2_ORIGINAL",
+           "longlive2_diffusers_config"]
 
 CAUSAL_WAN_ORIGINAL = dict(
     model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=24, ffn_dim=32, freq_dim=256,
@@ -27,4 +28,15 @@ def causal_wan_diffusers_config() -> dict:
                freq_dim=o["freq_dim"], num_layers=o["num_layers"], num_attention_heads=o["num_heads"],
                attention_head_dim=o["dim"] // o["num_heads"], eps=o["eps"], cross_attn_norm=o["cross_attn_norm"],
                qk_norm="rms_norm_across_heads", patch_size=o["patch_size"])
+    return cfg
+
+
+# LongLive 2.0 (NVlabs/LongLive, Wan2.2-TI2V-5B geometry: 48 latent channels, 16x spatial VAE) at the same tiny size
+LONGLIVE2_ORIGINAL = dict(CAUSAL_WAN_ORIGINAL, in_dim=48, out_dim=48)
+
+
+def longlive2_diffusers_config() -> dict:
+    """The diffusers ``WanTransformer3DModel`` config equal to ``LONGLIVE2_ORIGINAL``."""
+    cfg = causal_wan_diffusers_config()
+    cfg.update(in_channels=LONGLIVE2_ORIGINAL["in_dim"], out_channels=LONGLIVE2_ORIGINAL["out_dim"])
     return cfg

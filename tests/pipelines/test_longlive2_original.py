@@ -1,0 +1,115 @@
+"""LongLive 2.0 (NVlabs/LongLive HEAD: Wan2.2-TI2V-5B geometry) at the TRANSFORMER level: their own causal model
+(``wan_5b/modules/causal_model.py`` ``CausalWanModel``, loaded by their own ``WanDiffusionWrapper`` through
+``from_pretrained``, called through the wrapper with their KV-cache dicts) against the stock diffusers
+``WanTransformer3DModel`` with the same weights converted by ``convert_causal_wan_checkpoint``: 48 latent channels,
+per-frame timesteps (theirs ``[B, F]``, the image-to-video first frame at t = 0) given to diffusers per token
+(``[B, F * tokens_per_frame]``, Wan2.2's expanded timesteps), one chunk on an empty cache, fp32.
+
+NOT covered (and why): their rollout (UniPC per chunk, an 8-frame sink pinned per shot, the 32-frame window, a
+RoPE offset per shot) through CausalWanPipeline, which passes one timestep per call and has no pinned shot sink;
+those need the causal Wan pipeline and its cache changed. The harness (``causal_forcing_original.py``) changes in
+their code what it changes for Causal Forcing, plus: their Triton RoPE / adaLN kernels off (``LLV2_TRITON_ROPE=0``,
+``LLV2_TRITON_ADALN=0``, their own switches; the fp64 complex RoPE runs), and an unused import of a name newer
+transformers no longer has (``x_clip_loss``) answered with ``None`` while their modules import."""
+import functools
+import os
+import sys
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from diffusers_nki.pipelines import convert_causal_wan_checkpoint
+from diffusers_nki.testing.tiny.originals import LONGLIVE2_ORIGINAL, longlive2_diffusers_config
+
+sys.path.insert(0, os.path.dirname(__file__))
+import causal_forcing_original as cfo  # noqa: E402
+
+REPO = "NVlabs/LongLive"
+H = W = 4  # latent grid (tokens per frame: 4)
+
+
+@pytest.fixture(scope="module")
+def their(tmp_path_factory):
+    git = cfo.source(REPO)
+    if git is None:
+        pytest.skip(cfo.skip_reason(REPO))
+    root = tmp_path_factory.mktemp("longlive2")
+    commit = cfo.extract(git, root, paths=("utils", "wan_5b"))
+    saved = {k: os.environ.get(k) for k in ("LLV2_TRITON_ROPE", "LLV2_TRITON_ADALN")}
+    os.environ.update(LLV2_TRITON_ROPE="0", LLV2_TRITON_ADALN="0")  # read by their modules at import
+    import transformers.models.x_clip.modeling_x_clip as xclip
+
+    had = hasattr(xclip, "x_clip_loss")
+    if not had:
+        xclip.x_clip_loss = None
+    try:
+        with cfo.their_modules(root, packages=("wan_5b",)):
+            import utils.wan_5b_wrapper as wrapper
+            import wan_5b.modules.attention as attention
+            import wan_5b.modules.causal_model as causal_model
+            import wan_5b.modules.model as model
+    finally:
+        if not had:
+            del xclip.x_clip_loss
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    fp32 = functools.partial(attention.attention, dtype=torch.float32)  # as for Causal Forcing: float32 on CPU
+    causal_model.attention = causal_model.flash_attention = model.flash_attention = fp32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tiny = causal_model.CausalWanModel(**LONGLIVE2_ORIGINAL)
+        for p in tiny.parameters():
+            p.data.normal_(0.0, 0.3 if p.ndim < 2 else 0.2)
+    tiny.save_pretrained(str(root / "wan_models" / "Tiny5B"))
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:  # their loader: CausalWanModel.from_pretrained("wan_models/<model_name>/") inside their wrapper
+        w = wrapper.WanDiffusionWrapper(model_name="Tiny5B", timestep_shift=5.0, is_causal=True, local_attn_size=32,
+                                        sink_size=8, num_frame_per_block=2)
+    finally:
+        os.chdir(cwd)
+    return dict(wrapper=w, commit=commit, state={f"model.{k}": v for k, v in tiny.state_dict().items()})
+
+
+def _their_caches(model, batch, frames_window, tokens):
+    heads, head_dim = model.num_heads, model.dim // model.num_heads
+    kv = [{"k": torch.zeros(batch, frames_window * tokens, heads, head_dim),
+           "v": torch.zeros(batch, frames_window * tokens, heads, head_dim), "quantized": False,
+           "block_token_size": 2 * tokens, "max_blocks": frames_window // 2, "num_heads": heads,
+           "num_filled_blocks": 0, "global_end_index": torch.tensor([0]), "local_end_index": torch.tensor([0]),
+           "pinned_start": torch.tensor([-1]), "pinned_len": torch.tensor([0])} for _ in range(model.num_layers)]
+    cross = [{"k": torch.zeros(batch, 512, heads, head_dim), "v": torch.zeros(batch, 512, heads, head_dim),
+              "is_init": False} for _ in range(model.num_layers)]
+    return kv, cross
+
+
+@pytest.mark.parametrize("timesteps", [(0.0, 750.0), (500.0, 500.0)], ids=["i2v_first_frame_clean", "uniform"])
+def test_longlive2_transformer_with_per_frame_timesteps_equals_diffusers_per_token(their, timesteps):
+    g = torch.Generator().manual_seed(3)
+    F = len(timesteps)
+    x = torch.randn(1, F, LONGLIVE2_ORIGINAL["in_dim"], H, W, generator=g)  # theirs: [B, F, C, h, w]
+    pe = cfo.pad_text(torch.randn(1, 9, LONGLIVE2_ORIGINAL["text_dim"], generator=g) * 0.1)
+    t = torch.tensor([timesteps])
+    tokens = H * W // 4
+    w = their["wrapper"]
+    kv, cross = _their_caches(w.model, 1, 32, tokens)
+    with torch.no_grad():
+        flow, _ = w(noisy_image_or_video=x, conditional_dict={"prompt_embeds": pe}, timestep=t, kv_cache=kv,
+                    crossattn_cache=cross, current_start=0, cache_start=0)
+        ours_model = WanTransformer3DModel(**longlive2_diffusers_config()).eval()
+        convert_causal_wan_checkpoint({"generator": their["state"]}, transformer=ours_model)
+        ours = ours_model(hidden_states=x.permute(0, 2, 1, 3, 4), timestep=t.repeat_interleave(tokens, dim=1),
+                          encoder_hidden_states=pe, return_dict=False)[0]
+    ref = flow.permute(0, 2, 1, 3, 4)
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    print(f"longlive 2.0 transformer {timesteps}: max rel err {err:.2e}")
+    assert err <= 1e-5, (their["commit"], err)
+    if timesteps[0] != timesteps[1]:  # the per-token timesteps matter: one timestep for the chunk is another output
+        with torch.no_grad():
+            one = ours_model(hidden_states=x.permute(0, 2, 1, 3, 4), timestep=torch.tensor([timesteps[1]]),
+                             encoder_hidden_states=pe, return_dict=False)[0]
+        assert float((one - ref).abs().max() / ref.abs().max()) > 1e-2
