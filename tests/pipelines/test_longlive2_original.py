@@ -191,3 +191,35 @@ def test_per_token_timesteps_through_the_static_cache_without_the_mirror():
                                                       r"\(\[B\]\) or one per token of the call \(\[B, 8\]\)"):
             model(hidden_states=x, timestep=t[:, :5], encoder_hidden_states=pe, return_dict=False,
                   attention_kwargs={CHUNK_KEY: CausalChunk(start_frame=0, block_frames=2)})
+
+
+def test_per_token_timesteps_keep_one_compiled_graph_per_call_site():
+    # the blocks compiled (counting backend): per-token modulation has the same shape at every chunk, so after the
+    # first chunk (a denoising pass and a cache pass) no chunk compiles a graph, through the window's roll
+    import torch._dynamo
+
+    from diffusers_nki.bench._measure import GraphCounter
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**longlive2_diffusers_config()).eval()
+    apply_static_cache(model, StaticCacheConfig(capacity=6, sink=2, rolling=True, backend="torch"),
+                       families=("causal_wan",))
+    counter = GraphCounter()
+    g = torch.Generator().manual_seed(2)
+    pe = torch.randn(1, 512, LONGLIVE2_ORIGINAL["text_dim"], generator=g) * 0.1
+    marks = []
+    try:
+        model.compile_repeated_blocks(backend=counter, dynamic=False)
+        with torch.no_grad():
+            for c in range(6):
+                x = torch.randn(1, 48, 2, H, W, generator=g)
+                for commit, t in ((False, 750.0), (True, 0.0)):
+                    ts = torch.full((1, 2 * H * W // 4), t)
+                    model(hidden_states=x, timestep=ts, encoder_hidden_states=pe, return_dict=False,
+                          attention_kwargs={CHUNK_KEY: CausalChunk(start_frame=2 * c, block_frames=2, commit=commit)})
+                marks.append(counter.graphs)
+    finally:
+        for block in model.blocks:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert marks[0] >= 1 and marks[-1] == marks[0], marks
