@@ -92,11 +92,11 @@ def test_frame_wise_session_compiles_one_graph_per_call_site_after_warmup():
     # no mirror: the tiny causal Wan pipeline.
     import torch._dynamo
 
-    from diffusers_nki.bench._measure import GraphCounter
+    from torch._dynamo.testing import CompileCounter  # counts the graphs dynamo compiles, runs them eagerly
     from diffusers_nki.testing import tiny
 
     pipe = tiny.tiny_pipeline("causal_wan")
-    counter = GraphCounter()
+    counter = CompileCounter()
     try:
         pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
         with torch.no_grad():
@@ -105,7 +105,7 @@ def test_frame_wise_session_compiles_one_graph_per_call_site_after_warmup():
                              denoising_timesteps=[1000.0, 750.0, 500.0, 250.0],
                              generator=torch.Generator().manual_seed(0), output_type="latent", progress=False)
             s.warmup()
-            warm = counter.graphs
+            warm = counter.frame_count
             for _ in range(24):  # past the 21-frame window: eviction from chunk 21 on
                 s.next_chunk()
             s.close()
@@ -113,4 +113,4 @@ def test_frame_wise_session_compiles_one_graph_per_call_site_after_warmup():
         for block in pipe.transformer.blocks:
             block._compiled_call_impl = None
         torch._dynamo.reset()
-    assert warm >= 1 and counter.graphs == warm, (warm, counter.graphs)
+    assert warm >= 1 and counter.frame_count == warm, (warm, counter.frame_count)

@@ -10,7 +10,7 @@ from PIL import Image
 
 import diffusers_nki
 from diffusers_nki import ops
-from diffusers_nki.bench._measure import GraphCounter
+from torch._dynamo.testing import CompileCounter  # counts the graphs dynamo compiles, runs them eagerly
 from diffusers_nki.pipelines import HeliosSession
 from diffusers_nki.testing import tiny
 
@@ -216,13 +216,13 @@ def test_patched_session_matches_stock_and_compiles_one_graph_for_every_chunk(pi
     ref = _session_chunks(pipe, 4)
     new = _embeds(pipe, "a big dog")
     diffusers_nki.patch(pipe, backend="torch", strict=True)
-    counter = GraphCounter()
+    counter = CompileCounter()
     try:
         before = ops.counters()["attention"]["torch"]
         pipe.transformer.compile(backend=counter, dynamic=False, fullgraph=True)
         s = _session(pipe)
         s.warmup()
-        warm = counter.graphs
+        warm = counter.frame_count
         out = [s.next_chunk().latents for _ in range(4)]
         s.set_prompt(prompt_embeds=new)
         s.next_chunk()
@@ -235,7 +235,7 @@ def test_patched_session_matches_stock_and_compiles_one_graph_for_every_chunk(pi
         pipe.transformer._compiled_call_impl = None
         torch._dynamo.reset()
         diffusers_nki.unpatch(pipe)
-    assert warm == 1 and counter.graphs == 1, (warm, counter.graphs)
+    assert warm == 1 and counter.frame_count == 1, (warm, counter.frame_count)
     # 2 layers x (self + cross attention) per call, every call through our op
     calls = 1 + 7 * STEPS  # warmup (one call) + 7 chunks of STEPS calls
     assert routed == calls * 2 * 2, routed

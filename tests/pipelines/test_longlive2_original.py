@@ -198,13 +198,13 @@ def test_per_token_timesteps_keep_one_compiled_graph_per_call_site():
     # first chunk (a denoising pass and a cache pass) no chunk compiles a graph, through the window's roll
     import torch._dynamo
 
-    from diffusers_nki.bench._measure import GraphCounter
+    from torch._dynamo.testing import CompileCounter  # counts the graphs dynamo compiles, runs them eagerly
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**longlive2_diffusers_config()).eval()
     apply_static_cache(model, StaticCacheConfig(capacity=6, sink=2, rolling=True, backend="torch"),
                        families=("causal_wan",))
-    counter = GraphCounter()
+    counter = CompileCounter()
     g = torch.Generator().manual_seed(2)
     pe = torch.randn(1, 512, LONGLIVE2_ORIGINAL["text_dim"], generator=g) * 0.1
     marks = []
@@ -217,7 +217,7 @@ def test_per_token_timesteps_keep_one_compiled_graph_per_call_site():
                     ts = torch.full((1, 2 * H * W // 4), t)
                     model(hidden_states=x, timestep=ts, encoder_hidden_states=pe, return_dict=False,
                           attention_kwargs={CHUNK_KEY: CausalChunk(start_frame=2 * c, block_frames=2, commit=commit)})
-                marks.append(counter.graphs)
+                marks.append(counter.frame_count)
     finally:
         for block in model.blocks:
             block._compiled_call_impl = None
