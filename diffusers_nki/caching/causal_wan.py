@@ -639,7 +639,7 @@ class _Rollout:
             raise ValueError(f"causal Wan static cache: a call of {F} frames does not fit the window of "
                              f"{self.window} frames")
         tpf, ts = self.tpf, a["timestep"]
-        _check_timestep(ts)
+        _check_timestep(ts, F * tpf, self.cp)
         cache_len = self.ring.valid * tpf
         slots = []
         if chunk.commit:
@@ -684,7 +684,7 @@ class _Rollout:
             raise ValueError(f"causal Wan static cache: a re-cache call with start_frame={got[0]}, recache_frames="
                              f"{got[1]} in a call of {got[2]} frames, but this window re-caches {want} "
                              f"(RolloutHandle.recache_span())")
-        _check_timestep(a["timestep"])
+        _check_timestep(a["timestep"], F * self.tpf, self.cp)
         tpf, R, t = self.tpf, span.frames, self._t
         sink = self.sink if span.keep_sinks else 0
         values = {"cache_len": t(sink * tpf), "kv_len": t(R * tpf), "slot0": 0}
@@ -719,10 +719,17 @@ def _cp_key(cp) -> Optional[tuple]:
     return None if cp is None else (cp.layout, cp.backend)
 
 
-def _check_timestep(ts: torch.Tensor) -> None:
-    if ts.dim() != 1:
-        raise NotImplementedError(f"causal Wan static cache: timestep of shape {tuple(ts.shape)}; one timestep "
-                                  f"per batch row ([B]) is supported (every chunk of these models uses one)")
+def _check_timestep(ts: torch.Tensor, tokens: int, cp=None) -> None:
+    """One timestep per batch row ([B]), or one per token of the call ([B, tokens]: Wan2.2-TI2V's expanded
+    timesteps, LongLive 2.0's per-frame timesteps; not under context parallelism)."""
+    if ts.dim() == 1:
+        return
+    if ts.dim() != 2 or ts.shape[1] != tokens:
+        raise NotImplementedError(f"causal Wan static cache: timestep of shape {tuple(ts.shape)}; one timestep per "
+                                  f"batch row ([B]) or one per token of the call ([B, {tokens}]) is supported")
+    if cp is not None and cp.R > 1:
+        raise NotImplementedError("causal Wan static cache: per-token timesteps ([B, tokens]) under context "
+                                  "parallelism are not supported (the modulation is not sharded); use one per row")
 
 
 def _geometry(hs: torch.Tensor):
@@ -731,7 +738,8 @@ def _geometry(hs: torch.Tensor):
 
 
 def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=()) -> torch.Tensor:
-    """``WanTransformer3DModel.forward``'s math for a 1-D timestep, with our per-layer steps as ``rotary_emb``.
+    """``WanTransformer3DModel.forward``'s math (a timestep per row, or per token), with our per-layer steps as
+    ``rotary_emb``.
     Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
     gathered before unpatchify (every op outside the self-attention is per token)."""
     hs = a["hidden_states"]
@@ -739,14 +747,21 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
     x = module.patch_embedding(hs).flatten(2).transpose(1, 2).contiguous()
     if cp is not None:
         x = cp.shard(x, groups)
-    temb, proj, ehs, ehs_img = module.condition_embedder(a["timestep"], a["encoder_hidden_states"],
-                                                         a["encoder_hidden_states_image"], timestep_seq_len=None)
-    proj = proj.unflatten(1, (6, -1))
+    ts = a["timestep"]
+    per_token = ts.dim() == 2  # [B, tokens] (checked by _check_timestep): diffusers' Wan2.2-TI2V path
+    temb, proj, ehs, ehs_img = module.condition_embedder(ts.flatten() if per_token else ts,
+                                                         a["encoder_hidden_states"], a["encoder_hidden_states_image"],
+                                                         timestep_seq_len=ts.shape[1] if per_token else None)
+    proj = proj.unflatten(2 if per_token else 1, (6, -1))  # [B, tokens, 6, D] or [B, 6, D]
     if ehs_img is not None:
         ehs = torch.concat([ehs_img, ehs], dim=1)
     for block, step in zip(module.blocks, steps):
         x = block(x, ehs, proj, step)
-    shift, scale = (module.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    if per_token:
+        shift, scale = (module.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        shift, scale = (module.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
     shift, scale = shift.to(x.device), scale.to(x.device)
     x = module.proj_out((module.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
     if cp is not None:  # the head's output is the narrowest per-token tensor: gather it

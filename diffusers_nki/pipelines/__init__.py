@@ -3,13 +3,16 @@
 - ``CausalWanPipeline``: chunk-causal Wan (Self-Forcing / CausVid / LongLive class) on the stock
   ``WanTransformer3DModel``, ``AutoencoderKLWan`` and a UMT5 text encoder; ``stream()`` yields decoded frames
   chunk by chunk; ``session()`` is the interactive rollout (prompt switch with LongLive's KV re-cache, reset).
+- ``HeliosSession``: diffusers' stock ``HeliosPipeline`` streamed chunk by chunk with a hosted Helios' commands
+  (prompt now or at a chunk index, reference image and strength, seed, pause / resume / reset).
 - ``convert_causal_wan_checkpoint``: the published causal checkpoints (original Wan key names inside
   ``generator`` / ``generator_ema``) -> a diffusers ``WanTransformer3DModel`` state dict.
 """
 from .causal_wan import (CausalWanPipeline, CausalWanSession, CausalWanStreamChunk, WanStreamingDecoder, lookup_sigmas,
                          original_step_noise)
+from .helios import HeliosSession, HeliosStreamChunk
 from .convert import CheckpointKeyError, ConvertedStateDict, convert_causal_wan_checkpoint, to_original_wan_state_dict
 
 __all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "WanStreamingDecoder", "lookup_sigmas",
            "original_step_noise", "convert_causal_wan_checkpoint", "to_original_wan_state_dict", "CheckpointKeyError",
-           "ConvertedStateDict"]
+           "ConvertedStateDict", "HeliosSession", "HeliosStreamChunk"]
