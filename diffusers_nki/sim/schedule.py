@@ -81,7 +81,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from diffusers_nki.sim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, _psum_banks,
+from diffusers_nki.sim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, psum_banks,
                                     act_function, fits_sbuf, instr_cost_cached, model, resolve_target)
 from diffusers_nki.sim.records import RunRecord
 
@@ -782,7 +782,7 @@ class _Scheduler:
                                       (ins.engine == "pool" and ("sbuf" in bufs or not bufs))):
                 need.append(buses[c])                      # [ARCH3] VectorE perf mode / GpSimd bus
             if banks is not None and ins.engine in ("dve", "act") and "psum" in bufs:
-                for bk in _psum_banks(ins):
+                for bk in psum_banks(ins):
                     need.append(banks[c][bk])              # [ARCH3] same-bank PSUM accesses serialise
         if need:
             tt = t0
