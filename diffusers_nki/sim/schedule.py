@@ -484,7 +484,8 @@ class _Scheduler:
     per-core lanes, queues and ports (``_resources``) and the runtime loops' fences (``_loop_fences``).
     ``run()`` places the instructions in processing order (``_order_sync``); each placement
     (``place``) finds the instruction's dependencies (``dependencies``), holds its resources (``_place_dma``:
-    the DMA queue (``dma_queue``), the DGE, the DMA engines and HBM; ``_place_compute``: the activation-table
+    the DMA queue (``dma_queue``), the DGE (``_dge_issue``), the DMA engines and HBM (``_move_data``),
+    its waits (``_charge_dma_waits``); ``_place_compute``: the activation-table
     reload (``_act_table_switch``), the shared ports / bus / PSUM banks (``_shared_ports``), TensorE throttling)
     and records its footprints (``_record_footprints``). Every wait is charged in ``charge_wait``.
     ``report()`` builds the :class:`ScheduleReport` (``_busy_by_lane``, ``_largest_waits``, ``_critical_path``)."""
@@ -699,28 +700,9 @@ class _Scheduler:
         hbm_t = (cost.hbm_read_bytes + cost.hbm_write_bytes) / self.hbm_rate if self.hbm_rate else 0.0
         a_t = trig + self.lat
         t0 = max(a_t, base)
-        dge_end = 0.0
-        dge_t = self.dge_t
-        if dge_t is not None and ins.dge in ("hwdge", "unknown"):
-            lanes = self.dge_lanes[c]
-            cands = [L.earliest(trig, dge_t) for L in lanes]
-            k = int(np.argmin(cands))
-            lanes[k].reserve(cands[k], cands[k] + dge_t)
-            dge_end = cands[k] + dge_t
-            t0 = max(t0, dge_end)
-        dur_ = max(busy, hbm_t)
-        dma_lane = self.dma_lane[c]
-        if dur_ > 0:
-            hl = self.hbm_lanes[c]
-            st_, en_, pieces = _fill(t0, dur_, dma_lane, hl if hbm_t > 0 else None)
-            for x, y in pieces:
-                dma_lane.reserve(x, y)
-                if hbm_t > 0:
-                    hl.reserve(x, y)
-            hbm_bound = hbm_t > 0 and dma_lane.earliest(t0, 0.0) < st_ - 1e-9
-        else:
-            st_ = en_ = t0
-            hbm_bound = False
+        dge_end = self._dge_issue(ins, c, trig)
+        t0 = max(t0, dge_end)
+        st_, en_, hbm_bound = self._move_data(c, t0, busy, hbm_t)
         if self.xfer_floor > 0 and en_ < st_ + self.xfer_floor:
             self.charge_wait("dma", "dma", "transfer floor (hypothesis)", st_ + self.xfer_floor - en_)
             en_ = st_ + self.xfer_floor                           # Hypotheses.dma_transfer_floor_us
@@ -728,9 +710,47 @@ class _Scheduler:
         self.q_busy[c][q] += en_ - st_
         self.dma_busy[c] += busy
         self.hbm_busy[c] += hbm_t
-        # where the wait went: the transfer could have moved data when its queue's previous one ended
-        cur = base
         dep_bound = (dep_idx >= 0 or dep_kind == "rendezvous") and dep_t >= self.q_trig[c][q] - 1e-9 and dep_t > 0
+        self._charge_dma_waits(base, a_t, dge_end, st_, hbm_bound, dep_on, dep_kind, dep_bound)
+        if a_t >= t0 - 1e-9 and dep_bound and dep_idx >= 0:
+            self.pred[i], self.gap_lat[i] = dep_idx, self.lat
+        else:
+            self.pred[i] = self.q_last[c][q]
+        self.q_last[c][q] = i
+        return st_, en_
+
+    def _dge_issue(self, ins, c, trig):
+        """trn2/trn3 hardware-DGE transfers ("unknown" = hardware): one of the core's DGE instances for ``dge_ns``,
+        the earliest free at or after the trigger [ARCH3 "DGE"]. Returns when the descriptors are ready (0.0: none)."""
+        dge_t = self.dge_t
+        if dge_t is None or ins.dge not in ("hwdge", "unknown"):
+            return 0.0
+        lanes = self.dge_lanes[c]
+        cands = [L.earliest(trig, dge_t) for L in lanes]
+        k = int(np.argmin(cands))
+        lanes[k].reserve(cands[k], cands[k] + dge_t)
+        return cands[k] + dge_t
+
+    def _move_data(self, c, t0, busy, hbm_t):
+        """The transfer's data moves in pieces from ``t0`` whenever the core's DMA engines (``busy`` ns) and, for its
+        HBM bytes, its HBM share (``hbm_t`` ns) are free. Returns (start, end, HBM-bound)."""
+        dur_ = max(busy, hbm_t)
+        if dur_ <= 0:
+            return t0, t0, False
+        dma_lane = self.dma_lane[c]
+        hl = self.hbm_lanes[c]
+        st_, en_, pieces = _fill(t0, dur_, dma_lane, hl if hbm_t > 0 else None)
+        for x, y in pieces:
+            dma_lane.reserve(x, y)
+            if hbm_t > 0:
+                hl.reserve(x, y)
+        return st_, en_, hbm_t > 0 and dma_lane.earliest(t0, 0.0) < st_ - 1e-9
+
+    def _charge_dma_waits(self, base, a_t, dge_end, st_, hbm_bound, dep_on, dep_kind, dep_bound):
+        """Where a transfer's wait went: it could have moved data when its queue's previous one ended (``base``);
+        the time until its trigger + fixed latency (``a_t``) to its input (``dep_bound``) or to the fixed latency,
+        then to descriptor generation, then to the DMA engines' or HBM's bandwidth."""
+        cur = base
         if a_t > cur:
             if dep_bound:
                 self.charge_wait("dma", dep_on, dep_kind, a_t - cur)
@@ -742,12 +762,6 @@ class _Scheduler:
             cur = dge_end
         if st_ > cur:
             self.charge_wait("dma", "hbm" if hbm_bound else "dma", "bandwidth", st_ - cur)
-        if a_t >= t0 - 1e-9 and dep_bound and dep_idx >= 0:
-            self.pred[i], self.gap_lat[i] = dep_idx, self.lat
-        else:
-            self.pred[i] = self.q_last[c][q]
-        self.q_last[c][q] = i
-        return st_, en_
 
     def _act_table_switch(self, ins, c, lane, own, dep_t):
         """Hypotheses.act_table_reload_us: a ScalarE function switch reloads the table; the reload holds ScalarE
