@@ -830,7 +830,7 @@ _TERM_ORDER = ("pe", "pe_bg", "act", "dve", "pool", "dma", "dge", "hbm", "sbuf_p
                "psum_bank")
 
 
-def _psum_banks(i: Instr) -> List[int]:
+def psum_banks(i: Instr) -> List[int]:
     """The PSUM banks (0..7) an instruction's footprints touch."""
     out = set()
     for fp in tuple(i.reads) + tuple(i.writes):
@@ -982,7 +982,7 @@ def _accumulate(instrs: List[Instr], s: GenSpec, notes: List[str], expose_ls: bo
                                           (i.engine == "pool" and ("sbuf" in bufs or not bufs))):
                 a["bus"] += c.opt_ns                              # [ARCH3] VectorE perf mode / GpSimd bus
             if s.psum_bank_conflicts and i.engine in ("dve", "act") and "psum" in bufs:
-                for bk in _psum_banks(i):
+                for bk in psum_banks(i):
                     a["banks"][bk] += c.opt_ns                    # [ARCH3] same-bank PSUM accesses
     opt = a["opt"]
     terms = {"pe": opt["pe"], "act": opt["act"], "dve": opt["dve"], "pool": opt["pool"],

@@ -22,7 +22,7 @@ from .tensor import NkiTensor, dyn_footprint, footprint, psum, read, sbuf, write
 
 from .isa_common import (_mm_accumulate, _uninit, _has_bytes, _int_like, _known, _live, _mark_storage_unknown,  # noqa: F401
                          _BANK, _DGE, _E, _ENGINE_NAME, _HANDLE, _OOB, _ONCHIP, _PMAX, _PSUM, _RC,  # noqa: F401
-                         _RED_IDENTITY, _SBUF, F32, _buf, _colval, _contig_elems, _dma_check, _dma_geometry,
+                         _RED_IDENTITY, _SBUF, F32, _buf, _operands, _colval, _contig_elems, _dma_check, _dma_geometry,
                          _dve_accumulate, _emit, _enum, _footprint, _free_limit, _Handle, _inner_stride_bytes,
                          _no_psum_on_pool, _operand_col, _overlaps, _pick_engine, _read, _readf, _readn, _red_op,
                          _same_pf, _scalar_number, _start_ok, _tensor, _write, dge_mode, dma_engine, engine,
@@ -328,10 +328,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     """``dst = data1 <op> data2`` element-wise on VectorE (or GpSimd)."""
     opn = "nisa.tensor_tensor"
     prog = _rt.current()
-    for t, a in ((dst, "dst"), (data1, "data1"), (data2, "data2")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data1, "data1"), (data2, "data2"))
     if not isinstance(op, _ops.Op) or op.arity != 2 or not op.alu:
         raise NkiValidationError(f"{opn}: op={op!r} is not a binary ALU operator")
     _same_pf(data1, data2, opn, "data1", "data2")
@@ -373,10 +370,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     opn = "nisa.tensor_scalar"
     prog = _rt.current()
     gen = prog.gen
-    for t, a in ((dst, "dst"), (data, "data")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data, "data"))
     _same_pf(dst, data, opn, "dst", "data")
     for o, a in ((op0, "op0"), (op1, "op1")):
         if o is None and a == "op1":
@@ -458,10 +452,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     tile with data's partitions and elements per partition (one instruction; two tensor inputs)."""
     opn = "nisa.scalar_tensor_tensor"
     prog = _rt.current()
-    for t, a in ((dst, "dst"), (data, "data"), (operand1, "operand1")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data, "data"), (operand1, "operand1"))
     _same_pf(dst, data, opn, "dst", "data")
     _same_pf(operand1, data, opn, "operand1", "data")
     for o, a in ((op0, "op0"), (op1, "op1")):
@@ -507,10 +498,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     """Reduce ``data`` along trailing free axes on VectorE (``negate`` multiplies the result by -1)."""
     opn = "nisa.tensor_reduce"
     prog = _rt.current()
-    for t, a in ((dst, "dst"), (data, "data")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data, "data"))
     if not isinstance(op, _ops.Op) or op.reduce is None:
         legal = ", ".join(f"nl.{k}" for k, v in _ops.OPS.items() if v.reduce is not None)
         raise NkiValidationError(f"{opn}: op={op!r} is not a legal reduction op ({legal})")
@@ -552,10 +540,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None):
     prog = _rt.current()
     if dtype is not None:
         _dt.to_dtype(dtype, "dtype", opn)
-    for t, a in ((dst, "dst"), (src, "src")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (src, "src"))
     _same_pf(dst, src, opn, "dst", "src")
     E = _E
     eng = _pick_engine(engine, opn, (E.vector, E.scalar, E.gpsimd), E.vector)
@@ -682,10 +667,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     dimensions, through the VectorE accumulator registers [API-isa ``tensor_scalar_reduce``]."""
     opn = "nisa.tensor_scalar_reduce"
     prog = _rt.current()
-    for t, a in ((dst, "dst"), (data, "data")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data, "data"))
     _same_pf(dst, data, opn, "dst", "data")
     if not isinstance(op0, _ops.Op) or not op0.alu or op0.kind != "arith":
         raise NkiValidationError(f"{opn}: op0={op0!r} must be an arithmetic ALU operator (bit-vector ops are not "
@@ -753,10 +735,7 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
     prog = _rt.current()
     if prog.gen < 3:
         raise NkiValidationError(f"{opn}: range_select needs trn2 or later (target {prog.launch.target})")
-    for t, a in ((dst, "dst"), (on_true_tile, "on_true_tile")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (on_true_tile, "on_true_tile"))
     _same_pf(dst, on_true_tile, opn, "dst", "on_true_tile")
     if not on_true_tile.dtype.is_float:
         raise NkiDtypeError(f"{opn}: on_true_tile dtype {on_true_tile.dtype!r} must be a floating-point dtype")
@@ -863,10 +842,7 @@ def reciprocal(dst, data, name=None):
     """VectorE ``dst = 1 / data`` (fp32, cast to dst)."""
     opn = "nisa.reciprocal"
     prog = _rt.current()
-    for t, a in ((dst, "dst"), (data, "data")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data, "data"))
     _same_pf(dst, data, opn, "dst", "data")
     _free_limit(data, opn, "data", "VectorE")
     if prog.numerics:
@@ -1241,10 +1217,7 @@ del _nm
 def _vector_unary(dst, data, op, opn):
     """A unary element-wise function without a ScalarE table entry (cos, floor, ...): one VectorE pass."""
     prog = _rt.current()
-    for t, a in ((dst, "dst"), (data, "x")):
-        _tensor(t, opn, a)
-        _buf(t, opn, a, _ONCHIP)
-        _start_ok(t, opn, a)
+    _operands(opn, _ONCHIP, (dst, "dst"), (data, "x"))
     _same_pf(dst, data, opn, "dst", "x")
     _free_limit(data, opn, "x", "VectorE")
     if prog.numerics:

@@ -174,6 +174,16 @@ def _start_ok(t, op, arg):
                                     f"need the start partition in {allowed} for that partition count")
 
 
+def _operands(op, allowed, *named):
+    """The compute-engine operand checks, for each ``(tensor, argument name)`` in turn: an NKI tensor (``_tensor``),
+    in one of the ``allowed`` buffers (``_buf``), a partition count and start partition the engines take
+    (``_start_ok``)."""
+    for t, arg in named:
+        _tensor(t, op, arg)
+        _buf(t, op, arg, allowed)
+        _start_ok(t, op, arg)
+
+
 def _same_pf(a, b, op, an, bn):
     if a.P != b.P:
         raise NkiShapeError(f"{op}: {an} has {a.P} partitions but {bn} has {b.P}; they must be equal")

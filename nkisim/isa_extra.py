@@ -14,9 +14,9 @@ from . import dtypes as _dt
 from . import opdefs as _ops
 from . import runtime as _rt
 from .errors import NkiBufferError, NkiDtypeError, NkiLimitError, NkiShapeError, NkiValidationError
-from .isa_common import (_HANDLE, _ONCHIP, _RC, _SBUF, F32, _buf, _dve_accumulate, _emit, _enum, _free_limit,
-                         _inner_stride_bytes, _live, _operand_col, _colval, _read, _readf, _readn, _same_pf,
-                         _scalar_number, _start_ok, _tensor, _write, reduce_cmd)
+from .isa_common import (_HANDLE, _ONCHIP, _RC, _SBUF, F32, _dve_accumulate, _emit, _enum, _free_limit,
+                         _inner_stride_bytes, _live, _operand_col, _operands, _colval, _read, _readf, _readn, _same_pf,
+                         _scalar_number, _write, reduce_cmd)
 from .isa_common import _known  # noqa: F401
 from .tensor import NkiTensor, psum
 
@@ -26,17 +26,11 @@ __all__ = ["tensor_tensor_scan", "max8", "nc_find_index8", "nc_match_replace8", 
 
 
 def _onchip(op, **ts):
-    for a, t in ts.items():
-        _tensor(t, op, a)
-        _buf(t, op, a, _ONCHIP)
-        _start_ok(t, op, a)
+    _operands(op, _ONCHIP, *((t, a) for a, t in ts.items()))
 
 
 def _sbuf_only(op, **ts):
-    for a, t in ts.items():
-        _tensor(t, op, a)
-        _buf(t, op, a, _SBUF)
-        _start_ok(t, op, a)
+    _operands(op, _SBUF, *((t, a) for a, t in ts.items()))
 
 
 def _arith(o, op, arg):

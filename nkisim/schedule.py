@@ -81,7 +81,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from nkisim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, _psum_banks,
+from nkisim.cost import (BASELINE, GENERATIONS, SENSITIVITY_ROWS, CostReport, Hypotheses, psum_banks,
                                     act_function, fits_sbuf, instr_cost_cached, model, resolve_target)
 from nkisim.records import RunRecord
 
@@ -477,111 +477,135 @@ def _widths(record, cores):
     return w
 
 
-def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int = DMA_QUEUES,
-             sem_cycles: Optional[float] = None, dma_lat_ns: Optional[float] = None,
-             dge_ns: Optional[float] = None, keep_timeline: bool = False, top: int = 12,
-             ceiling: Optional[CostReport] = None, hypotheses: Optional[Hypotheses] = None,
-             throttle: bool = True) -> ScheduleReport:
-    """Schedule ``record`` on ``target`` (default ``record.target``); see the module docstring.
+class _Scheduler:
+    """The state of one schedule (``schedule()``) and its named steps.
 
-    ``dma_queues``, ``sem_cycles``, ``dma_lat_ns``, ``dge_ns`` override the schedule's constants (sensitivity
-    studies); ``keep_timeline`` keeps per-instruction (start_ns, end_ns) arrays on the report;
-    ``ceiling``: a precomputed ``cost.model`` report of the same record, target and hypotheses.
-    ``hypotheses``: a ``sim.cost.Hypotheses`` for the undocumented behaviours (default: ``BASELINE``); its
-    usable-SBUF setting acts at trace time (``Hypotheses.simulate_kwargs``), here it is only checked."""
-    name = resolve_target(target if target is not None else record.target)
-    s = GENERATIONS[name]
-    hyp = hypotheses or BASELINE
-    if not isinstance(hyp, Hypotheses):
-        raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
-    reload_ns = hyp.act_reload_ns()
-    xfer_floor = float(hyp.dma_transfer_floor_us) * 1e3
-    if int(dma_queues) < 1:
-        raise ValueError(f"dma_queues={dma_queues!r} must be >= 1")
-    nq = int(dma_queues)
-    sem_c = float(s.raw_latency_cycles if sem_cycles is None else sem_cycles)
-    lat = float(s.dma_lat_ns if dma_lat_ns is None else dma_lat_ns)
-    dge_t = s.dge_issue_ns if dge_ns is None else float(dge_ns)
-    clock = {"pe": s.f_pe, "pe_bg": s.f_pe, "act": s.f_act, "dve": s.f_dve, "pool": s.f_pool}
-    sem_ns = {k: sem_c / f for k, f in clock.items()}
-    cores = min(int(record.lnc or 1), s.max_lnc)
-    instrs = record.instrs
-    n = len(instrs)
-    notes: List[str] = []
-    if (record.lnc or 1) > cores:
-        notes.append(f"record has lnc={record.lnc}; {name} has no LNC: programs share one core, in order")
+    Construction sets the constants (``_constants``), the per-space dependency state (``_memory_state``), the
+    per-core lanes, queues and ports (``_resources``) and the runtime loops' fences (``_loop_fences``).
+    ``run()`` places the instructions in processing order (``_order_sync``); each placement
+    (``place``) finds the instruction's dependencies (``dependencies``), holds its resources (``_place_dma``:
+    the DMA queue (``dma_queue``), the DGE (``_dge_issue``), the DMA engines and HBM (``_move_data``),
+    its waits (``_charge_dma_waits``); ``_place_compute``: the activation-table
+    reload (``_act_table_switch``), the shared ports / bus / PSUM banks (``_shared_ports``), TensorE throttling)
+    and records its footprints (``_record_footprints``). Every wait is charged in ``charge_wait``.
+    ``report()`` builds the :class:`ScheduleReport` (``_busy_by_lane``, ``_largest_waits``, ``_critical_path``)."""
 
-    widths = _widths(record, cores)
-    mems: Dict[Tuple[int, str], _Mem] = {}
-    for (c, sp), wb in widths.items():
-        if sp.startswith("hbm"):
-            g = 4
-            while -(-wb // g) > HBM_MAX_GRANULES:
-                g *= 2
-            mems[(c, sp)] = _Mem(wb, g, 1)
-        else:
-            mems[(c, sp)] = _Mem(wb, ONCHIP_GRANULE, PMAX // QUADRANT)
+    def __init__(self, record: RunRecord, target: Optional[str], dma_queues, sem_cycles, dma_lat_ns, dge_ns,
+                 hypotheses, throttle: bool):
+        self.record = record
+        self.instrs = record.instrs
+        self.n = len(self.instrs)
+        self.notes: List[str] = []
+        self._constants(target, dma_queues, sem_cycles, dma_lat_ns, dge_ns, hypotheses)
+        self._memory_state()
+        self._resources(throttle)
+        n = self.n
+        self.start = np.zeros(n)
+        self.end = np.zeros(n)
+        self.pred = np.full(n, -1, np.int64)
+        self.gap_lat = np.zeros(n)  # latency on the edge from pred (sem / DMA fixed latency)
+        self.waits: Dict[Tuple[str, str, str], List[float]] = {}
+        self.flops = 0
+        self._loop_fences()
 
-    lane_free = [{k: 0.0 for k in _LANES} for _ in range(cores)]
-    throttles = ([_Throttle(s.pe_throttle_floor, s.pe_throttle_ramp_ns, s.pe_throttle_window_ns) for _ in range(cores)]
-                 if s.pe_throttle_floor is not None and throttle else None)
-    lane_last = [{k: -1 for k in _LANES} for _ in range(cores)]
-    lane_busy = [{k: 0.0 for k in _LANES} for _ in range(cores)]
-    act_func = [None] * cores
-    act_switches = [0] * cores
-    q_trig = [[0.0] * nq for _ in range(cores)]
-    q_free = [[0.0] * nq for _ in range(cores)]
-    q_last = [[-1] * nq for _ in range(cores)]
-    q_busy = [[0.0] * nq for _ in range(cores)]
-    q_rr = [0] * cores
-    dma_lane = [_Lane() for _ in range(cores)]
-    dge_lanes = [[_Lane() for _ in range(s.dge_instances)] for _ in range(cores)]
-    ports = [{"sbuf_port": _Lane(), "psum_port": _Lane()} for _ in range(cores)] if s.port_conflicts else None
-    buses = [_Lane() for _ in range(cores)] if s.dve_pool_shared_bus else None
-    banks = [[_Lane() for _ in range(8)] for _ in range(cores)] if s.psum_bank_conflicts else None
-    hbm_lanes = [_Lane() for _ in range(cores)]
-    dma_busy = [0.0] * cores   # sum of the transfers' engine time (the lanes also hold HBM-bound waits)
-    hbm_busy = [0.0] * cores
-    hbm_rate = s.hbm_per_core  # B/ns per core: the chip's bandwidth / its cores, as the ceiling
-    start = np.zeros(n)
-    end = np.zeros(n)
-    pred = np.full(n, -1, np.int64)
-    gap_lat = np.zeros(n)  # latency on the edge from pred (sem / DMA fixed latency)
-    waits: Dict[Tuple[str, str, str], List[float]] = {}
-    flops = 0
+    # -- set-up --------------------------------------------------------------------------------------------
+    def _constants(self, target, dma_queues, sem_cycles, dma_lat_ns, dge_ns, hypotheses):
+        """The target's generation, the hypotheses and the schedule's constants (overrides applied)."""
+        record = self.record
+        self.name = name = resolve_target(target if target is not None else record.target)
+        self.s = s = GENERATIONS[name]
+        hyp = hypotheses or BASELINE
+        if not isinstance(hyp, Hypotheses):
+            raise ValueError(f"hypotheses={hypotheses!r} must be a sim.cost.Hypotheses")
+        self.hyp = hyp
+        self.reload_ns = hyp.act_reload_ns()
+        self.xfer_floor = float(hyp.dma_transfer_floor_us) * 1e3
+        if int(dma_queues) < 1:
+            raise ValueError(f"dma_queues={dma_queues!r} must be >= 1")
+        self.nq = int(dma_queues)
+        self.sem_c = float(s.raw_latency_cycles if sem_cycles is None else sem_cycles)
+        self.lat = float(s.dma_lat_ns if dma_lat_ns is None else dma_lat_ns)
+        self.dge_t = s.dge_issue_ns if dge_ns is None else float(dge_ns)
+        clock = {"pe": s.f_pe, "pe_bg": s.f_pe, "act": s.f_act, "dve": s.f_dve, "pool": s.f_pool}
+        self.sem_ns = {k: self.sem_c / f for k, f in clock.items()}
+        self.cores = min(int(record.lnc or 1), s.max_lnc)
+        if (record.lnc or 1) > self.cores:
+            self.notes.append(f"record has lnc={record.lnc}; {name} has no LNC: programs share one core, in order")
 
-    # runtime loops (RunRecord.loops; Instr.loop): every instruction of a loop's body waits for the register
-    # instruction that last wrote a register before the loop began in its program (the loop's bound: the
-    # engines branch on it), plus the RAW latency. ASSUMPTION: no other per-iteration cost (sim/language.py).
-    loop_fence: Dict[int, int] = {}
-    if getattr(record, "loops", None):
-        reg_by_prog: Dict[int, List[int]] = {}
-        for k, ins_ in enumerate(instrs):
-            if ins_.op in ("register_load", "register_move"):
-                reg_by_prog.setdefault(int(ins_.program), []).append(k)
-        for lp in record.loops:
-            idx = reg_by_prog.get(int(lp.get("program", 0)), [])
-            j = bisect.bisect_left(idx, int(lp["first_instr"])) - 1
-            loop_fence[int(lp["id"])] = idx[j] if j >= 0 else -1
+    def _memory_state(self):
+        """One ``_Mem`` per (core, space) the record touches (HBM only where written), at its granularity."""
+        self.mems: Dict[Tuple[int, str], _Mem] = {}
+        for (c, sp), wb in _widths(self.record, self.cores).items():
+            if sp.startswith("hbm"):
+                g = 4
+                while -(-wb // g) > HBM_MAX_GRANULES:
+                    g *= 2
+                self.mems[(c, sp)] = _Mem(wb, g, 1)
+            else:
+                self.mems[(c, sp)] = _Mem(wb, ONCHIP_GRANULE, PMAX // QUADRANT)
 
-    def charge(waiter, on, kind, t):
+    def _resources(self, throttle):
+        """Per core: the engine lanes, the DMA queues, the DMA / DGE / HBM lanes, the ports, bus and PSUM banks."""
+        s, cores, nq = self.s, self.cores, self.nq
+        self.lane_free = [{k: 0.0 for k in _LANES} for _ in range(cores)]
+        self.throttles = ([_Throttle(s.pe_throttle_floor, s.pe_throttle_ramp_ns, s.pe_throttle_window_ns)
+                           for _ in range(cores)] if s.pe_throttle_floor is not None and throttle else None)
+        self.lane_last = [{k: -1 for k in _LANES} for _ in range(cores)]
+        self.lane_busy = [{k: 0.0 for k in _LANES} for _ in range(cores)]
+        self.act_func = [None] * cores
+        self.act_switches = [0] * cores
+        self.q_trig = [[0.0] * nq for _ in range(cores)]
+        self.q_free = [[0.0] * nq for _ in range(cores)]
+        self.q_last = [[-1] * nq for _ in range(cores)]
+        self.q_busy = [[0.0] * nq for _ in range(cores)]
+        self.q_rr = [0] * cores
+        self.dma_lane = [_Lane() for _ in range(cores)]
+        self.dge_lanes = [[_Lane() for _ in range(s.dge_instances)] for _ in range(cores)]
+        self.ports = ([{"sbuf_port": _Lane(), "psum_port": _Lane()} for _ in range(cores)]
+                      if s.port_conflicts else None)
+        self.buses = [_Lane() for _ in range(cores)] if s.dve_pool_shared_bus else None
+        self.banks = [[_Lane() for _ in range(8)] for _ in range(cores)] if s.psum_bank_conflicts else None
+        self.hbm_lanes = [_Lane() for _ in range(cores)]
+        self.dma_busy = [0.0] * cores   # sum of the transfers' engine time (the lanes also hold HBM-bound waits)
+        self.hbm_busy = [0.0] * cores
+        self.hbm_rate = s.hbm_per_core  # B/ns per core: the chip's bandwidth / its cores, as the ceiling
+
+    def _loop_fences(self):
+        """Runtime loops (RunRecord.loops; Instr.loop): every instruction of a loop's body waits for the register
+        instruction that last wrote a register before the loop began in its program (the loop's bound: the
+        engines branch on it), plus the RAW latency. ASSUMPTION: no other per-iteration cost (sim/language.py)."""
+        self.loop_fence: Dict[int, int] = {}
+        if getattr(self.record, "loops", None):
+            reg_by_prog: Dict[int, List[int]] = {}
+            for k, ins_ in enumerate(self.instrs):
+                if ins_.op in ("register_load", "register_move"):
+                    reg_by_prog.setdefault(int(ins_.program), []).append(k)
+            for lp in self.record.loops:
+                idx = reg_by_prog.get(int(lp.get("program", 0)), [])
+                j = bisect.bisect_left(idx, int(lp["first_instr"])) - 1
+                self.loop_fence[int(lp["id"])] = idx[j] if j >= 0 else -1
+
+    # -- per instruction -----------------------------------------------------------------------------------
+    def charge_wait(self, waiter, on, kind, t):
+        """Charge ``t`` ns of waiting by ``waiter`` to what held it (``on``, ``kind``): ``ScheduleReport.waits``."""
         if t > 1e-9:
-            w = waits.setdefault((waiter, on, kind), [0.0, 0])
+            w = self.waits.setdefault((waiter, on, kind), [0.0, 0])
             w[0] += t
             w[1] += 1
 
-    def _head(i):
-        ins = instrs[i]
-        c = ins.program if cores > 1 else 0
-        cost = instr_cost_cached(ins, s, None, hyp)
+    def _head(self, i):
+        ins = self.instrs[i]
+        c = ins.program if self.cores > 1 else 0
+        cost = instr_cost_cached(ins, self.s, None, self.hyp)
         is_dma = ins.engine == "dma"
         lane = "dma" if is_dma else cost.lane
         return ins, c, cost, is_dma, lane, _CODE[lane]
 
-    def _deps(i):
-        """(dep_t, dep_on, dep_kind, dep_idx, dep_lat, footprints read, footprints written) of instruction i."""
-        ins, c, cost, is_dma, lane, code = _head(i)
-        # -- dependencies -----------------------------------------------------------------------------
+    def dependencies(self, i):
+        """(dep_t, dep_on, dep_kind, dep_idx, dep_lat, footprints read, footprints written) of instruction i:
+        the binding RAW (plus its semaphore latency), loop-bound, WAR and WAW edges."""
+        ins, c, cost, is_dma, lane, code = self._head(i)
+        mems, sem_ns, end = self.mems, self.sem_ns, self.end
         dep_t, dep_on, dep_kind, dep_idx, dep_lat = 0.0, None, None, -1, 0.0
         fps_r, fps_w = [], []
         for fp in ins.reads:
@@ -602,9 +626,9 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                     l_ = sem_ns[lane]
                 if t + l_ > dep_t:
                     dep_t, dep_on, dep_kind, dep_idx, dep_lat = t + l_, _NAME[eng], "RAW", idx, l_
-        if ins.loop and loop_fence:
+        if ins.loop and self.loop_fence:
             for lid, _it in ins.loop:
-                j = loop_fence.get(int(lid), -1)
+                j = self.loop_fence.get(int(lid), -1)
                 if j >= 0 and end[j] > 0.0:
                     l_ = 0.0 if is_dma else sem_ns[lane]
                     if end[j] + l_ > dep_t:
@@ -622,154 +646,202 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
                     dep_t, dep_on, dep_kind, dep_idx, dep_lat = t, _NAME[eng], kind, idx, 0.0
         return dep_t, dep_on, dep_kind, dep_idx, dep_lat, fps_r, fps_w
 
-    def _ready(i):
+    def dma_queue(self, ins, c, advance: bool) -> int:
+        """The DMA queue of a transfer: its trigger engine's queue when ``engine=`` names one, else round-robin
+        in program order (``advance``: the transfer takes its turn; False: only peek)."""
+        trig_q = _TRIGGER_QUEUE.get(str(ins.extra.get("trigger", "")), None) if ins.extra else None
+        if trig_q is None or trig_q >= self.nq:
+            q = self.q_rr[c] % self.nq
+            if advance:
+                self.q_rr[c] += 1
+            return q
+        return trig_q
+
+    def ready_time(self, i):
         """When instruction i could start if nothing else were placed first (its inputs and its lane or
         queue): a sync group's members all start at the latest member's ready time."""
-        ins, c, cost, is_dma, lane, code = _head(i)
-        dep_t = _deps(i)[0]
+        ins, c, cost, is_dma, lane, code = self._head(i)
+        dep_t = self.dependencies(i)[0]
         if is_dma:
-            trig_q = _TRIGGER_QUEUE.get(str(ins.extra.get("trigger", "")), None) if ins.extra else None
-            q = q_rr[c] % nq if trig_q is None or trig_q >= nq else trig_q
-            return max(q_trig[c][q], dep_t)
-        own = lane_free[c][lane]
+            q = self.dma_queue(ins, c, advance=False)
+            return max(self.q_trig[c][q], dep_t)
+        own = self.lane_free[c][lane]
         func = act_function(ins)
-        if func is not None and act_func[c] is not None and func != act_func[c]:
-            own += reload_ns
+        if func is not None and self.act_func[c] is not None and func != self.act_func[c]:
+            own += self.reload_ns
         return max(own, dep_t)
 
-    def _place(i, floor=0.0, last=-1):
+    def place(self, i, floor=0.0, last=-1):
         """Schedule instruction i no earlier than ``floor`` (a sync group's rendezvous: the ready time of its last
         member ``last``) and update the state."""
-        nonlocal flops
-        ins, c, cost, is_dma, lane, code = _head(i)
-        flops += cost.flops
-        dep_t, dep_on, dep_kind, dep_idx, dep_lat, fps_r, fps_w = _deps(i)
+        ins, c, cost, is_dma, lane, code = self._head(i)
+        self.flops += cost.flops
+        dep_t, dep_on, dep_kind, dep_idx, dep_lat, fps_r, fps_w = self.dependencies(i)
         if floor > dep_t:
             # the rendezvous of Instr.extra["sync"]: this member waits for the last member of its group
             dep_t, dep_on, dep_kind, dep_idx, dep_lat = floor, "core", "rendezvous", (last if last != i else -1), 0.0
-        # -- resources ----------------------------------------------------------------------------------
+        dep = (dep_t, dep_on, dep_kind, dep_idx, dep_lat)
         if is_dma:
-            trig_q = _TRIGGER_QUEUE.get(str(ins.extra.get("trigger", "")), None) if ins.extra else None
-            if trig_q is None or trig_q >= nq:
-                q = q_rr[c] % nq
-                q_rr[c] += 1
-            else:
-                q = trig_q
-            base = q_free[c][q]
-            trig = max(q_trig[c][q], dep_t)
-            q_trig[c][q] = trig
-            busy = cost.opt_ns
-            hbm_t = (cost.hbm_read_bytes + cost.hbm_write_bytes) / hbm_rate if hbm_rate else 0.0
-            a_t = trig + lat
-            t0 = max(a_t, base)
-            dge_end = 0.0
-            if dge_t is not None and ins.dge in ("hwdge", "unknown"):
-                lanes = dge_lanes[c]
-                cands = [L.earliest(trig, dge_t) for L in lanes]
-                k = int(np.argmin(cands))
-                lanes[k].reserve(cands[k], cands[k] + dge_t)
-                dge_end = cands[k] + dge_t
-                t0 = max(t0, dge_end)
-            dur_ = max(busy, hbm_t)
-            if dur_ > 0:
-                hl = hbm_lanes[c]
-                st_, en_, pieces = _fill(t0, dur_, dma_lane[c], hl if hbm_t > 0 else None)
-                for x, y in pieces:
-                    dma_lane[c].reserve(x, y)
-                    if hbm_t > 0:
-                        hl.reserve(x, y)
-                hbm_bound = hbm_t > 0 and dma_lane[c].earliest(t0, 0.0) < st_ - 1e-9
-            else:
-                st_ = en_ = t0
-                hbm_bound = False
-            if xfer_floor > 0 and en_ < st_ + xfer_floor:
-                charge("dma", "dma", "transfer floor (hypothesis)", st_ + xfer_floor - en_)
-                en_ = st_ + xfer_floor                           # Hypotheses.dma_transfer_floor_us
-            q_free[c][q] = en_
-            q_busy[c][q] += en_ - st_
-            dma_busy[c] += busy
-            hbm_busy[c] += hbm_t
-            # where the wait went: the transfer could have moved data when its queue's previous one ended
-            cur = base
-            dep_bound = (dep_idx >= 0 or dep_kind == "rendezvous") and dep_t >= q_trig[c][q] - 1e-9 and dep_t > 0
-            if a_t > cur:
-                if dep_bound:
-                    charge("dma", dep_on, dep_kind, a_t - cur)
-                else:
-                    charge("dma", "dma", "fixed latency", a_t - cur)
-                cur = a_t
-            if dge_end > cur:
-                charge("dma", "dge", "descriptor generation", dge_end - cur)
-                cur = dge_end
-            if st_ > cur:
-                charge("dma", "hbm" if hbm_bound else "dma", "bandwidth", st_ - cur)
-            if a_t >= t0 - 1e-9 and dep_bound and dep_idx >= 0:
-                pred[i], gap_lat[i] = dep_idx, lat
-            else:
-                pred[i] = q_last[c][q]
-            q_last[c][q] = i
+            st_, en_ = self._place_dma(i, ins, c, cost, dep)
         else:
-            dur = cost.opt_ns
-            own = lane_free[c][lane]
-            func = act_function(ins)
-            if func is not None:
-                if act_func[c] is not None and func != act_func[c]:
-                    # Hypotheses.act_table_reload_us: the table reload holds ScalarE but needs no data, so it
-                    # runs while the instruction waits for its inputs
-                    act_switches[c] += 1
-                    if reload_ns > 0:
-                        if dep_t < own + reload_ns:
-                            charge(lane, "act", "activation table reload", own + reload_ns - max(own, dep_t))
-                        own += reload_ns
-                        lane_busy[c][lane] += reload_ns
-                act_func[c] = func
-            t0 = max(own, dep_t)
-            need = []
-            if ins.engine in ("dve", "pool", "act") and (ports is not None or buses is not None or banks is not None):
-                bufs = [str(b) for b in tuple(ins.in_buffers) + (ins.out_buffer,) if b]
-                if ports is not None:
-                    if ins.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
-                        need.append(ports[c]["sbuf_port"])
-                    if ins.engine in ("dve", "act") and "psum" in bufs:
-                        need.append(ports[c]["psum_port"])
-                if buses is not None and ((ins.engine == "dve" and cost.dve_perf) or
-                                          (ins.engine == "pool" and ("sbuf" in bufs or not bufs))):
-                    need.append(buses[c])                      # [ARCH3] VectorE perf mode / GpSimd bus
-                if banks is not None and ins.engine in ("dve", "act") and "psum" in bufs:
-                    for bk in _psum_banks(ins):
-                        need.append(banks[c][bk])              # [ARCH3] same-bank PSUM accesses serialise
-            if need:
-                tt = t0
-                while need:
-                    moved = False
-                    for L in need:
-                        t1 = L.earliest(tt, dur)
-                        if t1 > tt + 1e-9:
-                            tt, moved = t1, True
-                    if not moved:
-                        break
-                if tt > t0:
-                    charge(ins.engine, "port", "shared port / bus / PSUM bank", tt - t0)
-                t0 = tt
-                for L in need:
-                    L.reserve(t0, t0 + dur)
-            st_ = t0
-            if throttles is not None and lane == "pe":
-                d_full = dur
-                dur = throttles[c].duration(st_, dur)               # TensorE dI/dt throttling [EXPLORER]
-                charge("pe", "pe", "dI/dt throttle", dur - d_full)
-            en_ = st_ + dur
-            if dep_t > own:
-                charge(lane, dep_on, dep_kind, min(dep_t, st_) - own)
-            lane_free[c][lane] = en_
-            lane_busy[c][lane] += dur
-            if dep_t > own and dep_idx >= 0:
-                pred[i], gap_lat[i] = dep_idx, dep_lat
+            st_, en_ = self._place_compute(i, ins, c, cost, lane, dep)
+        self.start[i], self.end[i] = st_, en_
+        self._record_footprints(i, code, en_, fps_r, fps_w)
+
+    def _place_dma(self, i, ins, c, cost, dep):
+        """A transfer: its queue, its trigger, the fixed latency, a DGE instance, the DMA engines and HBM in
+        pieces; its waits charged and its binding predecessor set. Returns (start, end) in ns."""
+        dep_t, dep_on, dep_kind, dep_idx, dep_lat = dep
+        q = self.dma_queue(ins, c, advance=True)
+        base = self.q_free[c][q]
+        trig = max(self.q_trig[c][q], dep_t)
+        self.q_trig[c][q] = trig
+        busy = cost.opt_ns
+        hbm_t = (cost.hbm_read_bytes + cost.hbm_write_bytes) / self.hbm_rate if self.hbm_rate else 0.0
+        a_t = trig + self.lat
+        t0 = max(a_t, base)
+        dge_end = self._dge_issue(ins, c, trig)
+        t0 = max(t0, dge_end)
+        st_, en_, hbm_bound = self._move_data(c, t0, busy, hbm_t)
+        if self.xfer_floor > 0 and en_ < st_ + self.xfer_floor:
+            self.charge_wait("dma", "dma", "transfer floor (hypothesis)", st_ + self.xfer_floor - en_)
+            en_ = st_ + self.xfer_floor                           # Hypotheses.dma_transfer_floor_us
+        self.q_free[c][q] = en_
+        self.q_busy[c][q] += en_ - st_
+        self.dma_busy[c] += busy
+        self.hbm_busy[c] += hbm_t
+        dep_bound = (dep_idx >= 0 or dep_kind == "rendezvous") and dep_t >= self.q_trig[c][q] - 1e-9 and dep_t > 0
+        self._charge_dma_waits(base, a_t, dge_end, st_, hbm_bound, dep_on, dep_kind, dep_bound)
+        if a_t >= t0 - 1e-9 and dep_bound and dep_idx >= 0:
+            self.pred[i], self.gap_lat[i] = dep_idx, self.lat
+        else:
+            self.pred[i] = self.q_last[c][q]
+        self.q_last[c][q] = i
+        return st_, en_
+
+    def _dge_issue(self, ins, c, trig):
+        """trn2/trn3 hardware-DGE transfers ("unknown" = hardware): one of the core's DGE instances for ``dge_ns``,
+        the earliest free at or after the trigger [ARCH3 "DGE"]. Returns when the descriptors are ready (0.0: none)."""
+        dge_t = self.dge_t
+        if dge_t is None or ins.dge not in ("hwdge", "unknown"):
+            return 0.0
+        lanes = self.dge_lanes[c]
+        cands = [L.earliest(trig, dge_t) for L in lanes]
+        k = int(np.argmin(cands))
+        lanes[k].reserve(cands[k], cands[k] + dge_t)
+        return cands[k] + dge_t
+
+    def _move_data(self, c, t0, busy, hbm_t):
+        """The transfer's data moves in pieces from ``t0`` whenever the core's DMA engines (``busy`` ns) and, for its
+        HBM bytes, its HBM share (``hbm_t`` ns) are free. Returns (start, end, HBM-bound)."""
+        dur_ = max(busy, hbm_t)
+        if dur_ <= 0:
+            return t0, t0, False
+        dma_lane = self.dma_lane[c]
+        hl = self.hbm_lanes[c]
+        st_, en_, pieces = _fill(t0, dur_, dma_lane, hl if hbm_t > 0 else None)
+        for x, y in pieces:
+            dma_lane.reserve(x, y)
+            if hbm_t > 0:
+                hl.reserve(x, y)
+        return st_, en_, hbm_t > 0 and dma_lane.earliest(t0, 0.0) < st_ - 1e-9
+
+    def _charge_dma_waits(self, base, a_t, dge_end, st_, hbm_bound, dep_on, dep_kind, dep_bound):
+        """Where a transfer's wait went: it could have moved data when its queue's previous one ended (``base``);
+        the time until its trigger + fixed latency (``a_t``) to its input (``dep_bound``) or to the fixed latency,
+        then to descriptor generation, then to the DMA engines' or HBM's bandwidth."""
+        cur = base
+        if a_t > cur:
+            if dep_bound:
+                self.charge_wait("dma", dep_on, dep_kind, a_t - cur)
             else:
-                pred[i] = lane_last[c][lane]
-            lane_last[c][lane] = i
-        start[i], end[i] = st_, en_
-        # -- state updates --------------------------------------------------------------------------------
+                self.charge_wait("dma", "dma", "fixed latency", a_t - cur)
+            cur = a_t
+        if dge_end > cur:
+            self.charge_wait("dma", "dge", "descriptor generation", dge_end - cur)
+            cur = dge_end
+        if st_ > cur:
+            self.charge_wait("dma", "hbm" if hbm_bound else "dma", "bandwidth", st_ - cur)
+
+    def _act_table_switch(self, ins, c, lane, own, dep_t):
+        """Hypotheses.act_table_reload_us: a ScalarE function switch reloads the table; the reload holds ScalarE
+        but needs no data, so it runs while the instruction waits for its inputs. Returns the lane's free time."""
+        func = act_function(ins)
+        if func is not None:
+            if self.act_func[c] is not None and func != self.act_func[c]:
+                self.act_switches[c] += 1
+                reload_ns = self.reload_ns
+                if reload_ns > 0:
+                    if dep_t < own + reload_ns:
+                        self.charge_wait(lane, "act", "activation table reload", own + reload_ns - max(own, dep_t))
+                    own += reload_ns
+                    self.lane_busy[c][lane] += reload_ns
+            self.act_func[c] = func
+        return own
+
+    def _shared_ports(self, ins, c, cost, t0, dur):
+        """The shared lanes a compute instruction also holds (trn1 SBUF / PSUM ports; trn2/trn3 the VectorE perf
+        mode / GpSimd bus and the PSUM banks): the start moved until all are free, the wait charged, the lanes
+        reserved. Returns the start."""
+        ports, buses, banks = self.ports, self.buses, self.banks
+        need = []
+        if ins.engine in ("dve", "pool", "act") and (ports is not None or buses is not None or banks is not None):
+            bufs = [str(b) for b in tuple(ins.in_buffers) + (ins.out_buffer,) if b]
+            if ports is not None:
+                if ins.engine in ("dve", "pool") and ("sbuf" in bufs or not bufs):
+                    need.append(ports[c]["sbuf_port"])
+                if ins.engine in ("dve", "act") and "psum" in bufs:
+                    need.append(ports[c]["psum_port"])
+            if buses is not None and ((ins.engine == "dve" and cost.dve_perf) or
+                                      (ins.engine == "pool" and ("sbuf" in bufs or not bufs))):
+                need.append(buses[c])                      # [ARCH3] VectorE perf mode / GpSimd bus
+            if banks is not None and ins.engine in ("dve", "act") and "psum" in bufs:
+                for bk in psum_banks(ins):
+                    need.append(banks[c][bk])              # [ARCH3] same-bank PSUM accesses serialise
+        if need:
+            tt = t0
+            while need:
+                moved = False
+                for L in need:
+                    t1 = L.earliest(tt, dur)
+                    if t1 > tt + 1e-9:
+                        tt, moved = t1, True
+                if not moved:
+                    break
+            if tt > t0:
+                self.charge_wait(ins.engine, "port", "shared port / bus / PSUM bank", tt - t0)
+            t0 = tt
+            for L in need:
+                L.reserve(t0, t0 + dur)
+        return t0
+
+    def _place_compute(self, i, ins, c, cost, lane, dep):
+        """A compute instruction on its engine lane, in program order: the table reload, the shared ports,
+        TensorE throttling; the wait for its inputs charged and its binding predecessor set. Returns (start, end)."""
+        dep_t, dep_on, dep_kind, dep_idx, dep_lat = dep
+        dur = cost.opt_ns
+        own = self._act_table_switch(ins, c, lane, self.lane_free[c][lane], dep_t)
+        t0 = max(own, dep_t)
+        st_ = self._shared_ports(ins, c, cost, t0, dur)
+        if self.throttles is not None and lane == "pe":
+            d_full = dur
+            dur = self.throttles[c].duration(st_, dur)               # TensorE dI/dt throttling [EXPLORER]
+            self.charge_wait("pe", "pe", "dI/dt throttle", dur - d_full)
+        en_ = st_ + dur
+        if dep_t > own:
+            self.charge_wait(lane, dep_on, dep_kind, min(dep_t, st_) - own)
+        self.lane_free[c][lane] = en_
+        self.lane_busy[c][lane] += dur
+        if dep_t > own and dep_idx >= 0:
+            self.pred[i], self.gap_lat[i] = dep_idx, dep_lat
+        else:
+            self.pred[i] = self.lane_last[c][lane]
+        self.lane_last[c][lane] = i
+        return st_, en_
+
+    @staticmethod
+    def _record_footprints(i, code, en_, fps_r, fps_w):
+        """The dependency state after instruction i: the latest reader of what it read, the writer of what it wrote."""
         for m, sl in fps_r:
             v = m.r_end[sl]
             upd = v < en_
@@ -783,83 +855,127 @@ def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int
             m.w_idx[sl] = i
             m.r_end[sl] = 0.0
 
+    def run(self):
+        """Place every instruction in processing order; a sync group (Instr.extra["sync"]) at its rendezvous:
+        every member starts no earlier than the last one is ready."""
+        for group in _order_sync(self.instrs, self.cores, self.notes):
+            if len(group) == 1:
+                self.place(group[0])
+                continue
+            readies = [self.ready_time(j) for j in group]
+            k = int(np.argmax(readies))
+            for j in group:
+                self.place(j, readies[k], group[k])
 
-    for group in _order_sync(instrs, cores, notes):
-        # a sync group (Instr.extra["sync"]) rendezvous: every member starts no earlier than the last one is ready
-        if len(group) == 1:
-            _place(group[0])
-            continue
-        readies = [_ready(j) for j in group]
-        k = int(np.argmax(readies))
-        for j in group:
-            _place(j, readies[k], group[k])
+    # -- report --------------------------------------------------------------------------------------------
+    def _busy_by_lane(self, slow):
+        """Busy ns per lane of core ``slow``: engines, DMA engines, DGE, HBM, queues, ports and bus."""
+        s = self.s
+        busy = {k: v for k, v in self.lane_busy[slow].items() if k != "pe_bg" or s.background_transpose}
+        busy["dma"] = self.dma_busy[slow]
+        if self.dge_t is not None:
+            busy["dge"] = sum(L.busy for L in self.dge_lanes[slow]) / max(len(self.dge_lanes[slow]), 1)
+        busy["hbm"] = self.hbm_busy[slow]
+        for q in range(self.nq):
+            busy[f"q{q}"] = self.q_busy[slow][q]
+        if self.ports is not None:
+            busy["sbuf_port"] = self.ports[slow]["sbuf_port"].busy
+            busy["psum_port"] = self.ports[slow]["psum_port"].busy
+        if self.buses is not None:
+            busy["dve_pool_bus"] = self.buses[slow].busy
+        return busy
 
-    # -- report ---------------------------------------------------------------------------------------------
-    per_core = [0.0] * cores
-    for i, ins in enumerate(instrs):
-        c = ins.program if cores > 1 else 0
-        if end[i] > per_core[c]:
-            per_core[c] = end[i]
-    slow = int(np.argmax(per_core)) if per_core else 0
-    T = per_core[slow] if per_core else 0.0
-    busy = {k: v for k, v in lane_busy[slow].items() if k != "pe_bg" or s.background_transpose}
-    busy["dma"] = dma_busy[slow]
-    if dge_t is not None:
-        busy["dge"] = sum(L.busy for L in dge_lanes[slow]) / max(len(dge_lanes[slow]), 1)
-    busy["hbm"] = hbm_busy[slow]
-    for q in range(nq):
-        busy[f"q{q}"] = q_busy[slow][q]
-    if ports is not None:
-        busy["sbuf_port"] = ports[slow]["sbuf_port"].busy
-        busy["psum_port"] = ports[slow]["psum_port"].busy
-    if buses is not None:
-        busy["dve_pool_bus"] = buses[slow].busy
-    util = {k: (v / T if T > 0 else 0.0) for k, v in busy.items()}
-    wl = sorted(({"waiter": k[0], "on": k[1], "kind": k[2], "seconds": v[0] * 1e-9, "count": v[1]}
-                 for k, v in waits.items()), key=lambda w: -w["seconds"])[:top]
-    # critical path: binding predecessors back from the last instruction to finish
-    cp = {"seconds_by_lane": {}, "latency_s": 0.0, "wait_s": 0.0, "instructions": 0}
-    if n:
-        j = int(np.argmax(end))
-        seen = 0
-        while j >= 0 and seen <= n:
-            ins = instrs[j]
-            lane = "dma" if ins.engine == "dma" else ("pe_bg" if (s.background_transpose and ins.op == "nc_transpose"
-                                                                  and ins.engine == "pe") else ins.engine)
-            cp["seconds_by_lane"][lane] = cp["seconds_by_lane"].get(lane, 0.0) + (end[j] - start[j]) * 1e-9
-            p = int(pred[j])
-            gap = start[j] - (end[p] if p >= 0 else 0.0)
-            lat_ = min(max(gap, 0.0), gap_lat[j])
-            cp["latency_s"] += lat_ * 1e-9
-            cp["wait_s"] += max(gap - lat_, 0.0) * 1e-9
-            cp["instructions"] += 1
-            seen += 1
-            j = p
-        cp["seconds_by_lane"] = dict(sorted(cp["seconds_by_lane"].items(), key=lambda kv: -kv[1]))
-    ceil = ceiling if ceiling is not None else model(record, name, hypotheses=hyp)
-    peak = s.pe_peak_flops * cores
-    t_s = T * 1e-9
-    eff = flops / (t_s * peak) if t_s > 0 else 0.0
-    if t_s + 1e-15 < ceil.t_optimistic_s * (1 - 1e-6):
-        notes.append("scheduled time below the ceiling (unexpected: the schedule holds every ceiling resource)")
-    return ScheduleReport(
-        target=name, nc=s.nc, lnc=cores, t_scheduled_s=t_s, efficiency_scheduled=eff,
-        t_ceiling_s=ceil.t_optimistic_s, efficiency_ceiling=ceil.efficiency_optimistic,
-        t_floor_s=ceil.t_pessimistic_s, efficiency_floor=ceil.efficiency_pessimistic,
-        ceiling_bottleneck=ceil.bottleneck, useful_flops=int(flops), pe_peak_flops=peak,
-        busy_s={k: v * 1e-9 for k, v in busy.items()}, utilisation=util, waits=wl, critical_path=cp,
-        per_core_s=[p * 1e-9 for p in per_core], n_instrs=n,
-        constants={"dma_queues": nq, "sem_cycles": sem_c, "sem_ns": {k: round(v, 3) for k, v in sem_ns.items()},
-                   "dma_lat_ns": lat, "dge_ns": dge_t, "dge_instances": s.dge_instances,
-                   "hbm_GBps": hbm_rate, "onchip_granule_bytes": ONCHIP_GRANULE, "quadrant": QUADRANT,
-                   "pe_throttle": None if throttles is None else {"floor": s.pe_throttle_floor,
-                                                                  "ramp_ns": s.pe_throttle_ramp_ns,
-                                                                  "window_ns": s.pe_throttle_window_ns},
-                   "launch_ns": {"startup": s.launch_startup_ns, "teardown": s.launch_teardown_ns}},
-        notes=notes + [x for x in ceil.notes if x not in notes], timeline=(start, end) if keep_timeline else None,
-        hypotheses=hyp.to_dict(), act_table_switches=int(act_switches[slow]) if act_switches else 0,
-        fits_sbuf=fits_sbuf(record, name, hyp), launch_s=(s.launch_startup_ns + s.launch_teardown_ns) * 1e-9,
-        throttle_s=(throttles[slow].lost * 1e-9) if throttles is not None else 0.0)
+    def _largest_waits(self, top):
+        return sorted(({"waiter": k[0], "on": k[1], "kind": k[2], "seconds": v[0] * 1e-9, "count": v[1]}
+                       for k, v in self.waits.items()), key=lambda w: -w["seconds"])[:top]
+
+    def _critical_path(self):
+        """Binding predecessors back from the last instruction to finish: busy time per lane, latencies, waits."""
+        s, instrs, n = self.s, self.instrs, self.n
+        start, end, pred, gap_lat = self.start, self.end, self.pred, self.gap_lat
+        cp = {"seconds_by_lane": {}, "latency_s": 0.0, "wait_s": 0.0, "instructions": 0}
+        if n:
+            j = int(np.argmax(end))
+            seen = 0
+            while j >= 0 and seen <= n:
+                ins = instrs[j]
+                lane = "dma" if ins.engine == "dma" else ("pe_bg" if (s.background_transpose and ins.op == "nc_transpose"
+                                                                      and ins.engine == "pe") else ins.engine)
+                cp["seconds_by_lane"][lane] = cp["seconds_by_lane"].get(lane, 0.0) + (end[j] - start[j]) * 1e-9
+                p = int(pred[j])
+                gap = start[j] - (end[p] if p >= 0 else 0.0)
+                lat_ = min(max(gap, 0.0), gap_lat[j])
+                cp["latency_s"] += lat_ * 1e-9
+                cp["wait_s"] += max(gap - lat_, 0.0) * 1e-9
+                cp["instructions"] += 1
+                seen += 1
+                j = p
+            cp["seconds_by_lane"] = dict(sorted(cp["seconds_by_lane"].items(), key=lambda kv: -kv[1]))
+        return cp
+
+    def _constants_dict(self):
+        s = self.s
+        return {"dma_queues": self.nq, "sem_cycles": self.sem_c,
+                "sem_ns": {k: round(v, 3) for k, v in self.sem_ns.items()},
+                "dma_lat_ns": self.lat, "dge_ns": self.dge_t, "dge_instances": s.dge_instances,
+                "hbm_GBps": self.hbm_rate, "onchip_granule_bytes": ONCHIP_GRANULE, "quadrant": QUADRANT,
+                "pe_throttle": None if self.throttles is None else {"floor": s.pe_throttle_floor,
+                                                                    "ramp_ns": s.pe_throttle_ramp_ns,
+                                                                    "window_ns": s.pe_throttle_window_ns},
+                "launch_ns": {"startup": s.launch_startup_ns, "teardown": s.launch_teardown_ns}}
+
+    def report(self, ceiling: Optional[CostReport], keep_timeline: bool, top: int) -> ScheduleReport:
+        """The ScheduleReport of the slowest core, beside the roofline (``ceiling`` or ``cost.model``)."""
+        s, cores, notes, name, hyp = self.s, self.cores, self.notes, self.name, self.hyp
+        per_core = [0.0] * cores
+        for i, ins in enumerate(self.instrs):
+            c = ins.program if cores > 1 else 0
+            if self.end[i] > per_core[c]:
+                per_core[c] = self.end[i]
+        slow = int(np.argmax(per_core)) if per_core else 0
+        T = per_core[slow] if per_core else 0.0
+        busy = self._busy_by_lane(slow)
+        util = {k: (v / T if T > 0 else 0.0) for k, v in busy.items()}
+        wl = self._largest_waits(top)
+        cp = self._critical_path()
+        ceil = ceiling if ceiling is not None else model(self.record, name, hypotheses=hyp)
+        peak = s.pe_peak_flops * cores
+        t_s = T * 1e-9
+        flops = self.flops
+        eff = flops / (t_s * peak) if t_s > 0 else 0.0
+        if t_s + 1e-15 < ceil.t_optimistic_s * (1 - 1e-6):
+            notes.append("scheduled time below the ceiling (unexpected: the schedule holds every ceiling resource)")
+        throttles, act_switches = self.throttles, self.act_switches
+        return ScheduleReport(
+            target=name, nc=s.nc, lnc=cores, t_scheduled_s=t_s, efficiency_scheduled=eff,
+            t_ceiling_s=ceil.t_optimistic_s, efficiency_ceiling=ceil.efficiency_optimistic,
+            t_floor_s=ceil.t_pessimistic_s, efficiency_floor=ceil.efficiency_pessimistic,
+            ceiling_bottleneck=ceil.bottleneck, useful_flops=int(flops), pe_peak_flops=peak,
+            busy_s={k: v * 1e-9 for k, v in busy.items()}, utilisation=util, waits=wl, critical_path=cp,
+            per_core_s=[p * 1e-9 for p in per_core], n_instrs=self.n, constants=self._constants_dict(),
+            notes=notes + [x for x in ceil.notes if x not in notes],
+            timeline=(self.start, self.end) if keep_timeline else None,
+            hypotheses=hyp.to_dict(), act_table_switches=int(act_switches[slow]) if act_switches else 0,
+            fits_sbuf=fits_sbuf(self.record, name, hyp), launch_s=(s.launch_startup_ns + s.launch_teardown_ns) * 1e-9,
+            throttle_s=(throttles[slow].lost * 1e-9) if throttles is not None else 0.0)
+
+
+def schedule(record: RunRecord, target: Optional[str] = None, *, dma_queues: int = DMA_QUEUES,
+             sem_cycles: Optional[float] = None, dma_lat_ns: Optional[float] = None,
+             dge_ns: Optional[float] = None, keep_timeline: bool = False, top: int = 12,
+             ceiling: Optional[CostReport] = None, hypotheses: Optional[Hypotheses] = None,
+             throttle: bool = True) -> ScheduleReport:
+    """Schedule ``record`` on ``target`` (default ``record.target``); see the module docstring and the steps of
+    :class:`_Scheduler`.
+
+    ``dma_queues``, ``sem_cycles``, ``dma_lat_ns``, ``dge_ns`` override the schedule's constants (sensitivity
+    studies); ``keep_timeline`` keeps per-instruction (start_ns, end_ns) arrays on the report;
+    ``ceiling``: a precomputed ``cost.model`` report of the same record, target and hypotheses.
+    ``hypotheses``: a ``sim.cost.Hypotheses`` for the undocumented behaviours (default: ``BASELINE``); its
+    usable-SBUF setting acts at trace time (``Hypotheses.simulate_kwargs``), here it is only checked."""
+    sch = _Scheduler(record, target, dma_queues, sem_cycles, dma_lat_ns, dge_ns, hypotheses, throttle)
+    sch.run()
+    return sch.report(ceiling, keep_timeline, top)
 
 
 def sensitivity(record: RunRecord, target: Optional[str] = None, base: Optional[ScheduleReport] = None) -> dict:

@@ -99,9 +99,9 @@ import torch
 
 from diffusers_nki import parallel
 from diffusers_nki.caching.config import StaticCacheConfig
+from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan as wan_rope  # Wan's interleaved RoPE
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
-from .skyreels_v2 import _rope as wan_rope  # Wan's interleaved RoPE arithmetic (SkyReels-V2 is Wan's)
 
 __all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "RolloutHandle",
            "RecacheSpan", "SELF_FORCING", "LONGLIVE", "POSITIONS", "make_hook", "named_config"]

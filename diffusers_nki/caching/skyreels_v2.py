@@ -78,6 +78,7 @@ import torch
 from diffusers.hooks.hooks import StateManager
 
 from diffusers_nki import accounting, compat
+from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan  # Wan's interleaved RoPE (SkyReels-V2's)
 
 from .core import KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write, warn_once
 
@@ -92,16 +93,6 @@ def make_hook(model, config) -> "SkyReelsV2StaticCache":
                 f"StaticCacheConfig.{name}={value!r} does not apply to SkyReels-V2 diffusion forcing (no frame history "
                 f"outlives a window; the cache only holds the current window); leave it at {default!r}")
     return SkyReelsV2StaticCache(config, model)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The interleaved RoPE of ``SkyReelsV2AttnProcessor`` (same arithmetic, same order)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
 
 
 class _Step:
@@ -142,7 +133,7 @@ class SkyReelsV2CacheProcessor:
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        query, key = _rope(query, *rotary_emb), _rope(key, *rotary_emb)
+        query, key = apply_rotary_emb_wan(query, *rotary_emb), apply_rotary_emb_wan(key, *rotary_emb)
         out = attention_mask.attend(query, key, value).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -92,6 +92,7 @@ Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled he
 from __future__ import annotations
 
 from diffusers_nki.nki import nki, nl, nisa
+from diffusers_nki.kernels.sbuf import sbuf_alloc, sbuf_ring
 from diffusers_nki.kernels.attention_ref import not_supported_reasons  # noqa: F401  (the twin's checks)
 
 __all__ = ["attention_kernel", "not_supported_reasons", "plan_q_tiles", "plan_segments", "W_MAX", "GROUP_R"]
@@ -107,7 +108,6 @@ MASK_CHUNK = 16    # key tiles whose validity masks are computed at once
 N_STAGE = 4        # K staging tiles (>= LOAD_LAG + 2; a pair's first block is loaded at once)
 TINY = 1.0e-30     # epilogue guard: rows with no valid key have O = 0 and l = 0
 LOG_FLOOR = 2.0 ** -64   # lower end of the ScalarE log's valid input range (NKI_SUBSET.md); lse epilogue
-SB_ALIGN = 64      # byte alignment of every SBUF buffer (>= the 32 B nki-library aligns DMA-transpose targets to)
 PSUM_BANK = 2048   # bytes per PSUM bank per partition
 # pipeline: stage lags (ticks after an item enters) -- QK 0, max 1, exp/transposes 2, PV, update (PV + 2);
 # PV waits one tick more when P^T comes by DMA transpose (its ~1.3 us fixed latency), and the P^T ring is as
@@ -238,19 +238,11 @@ def _split(gen, n_full, has_partial, dma_ok, loading, k):
 # SBUF / PSUM placement: a bump allocator handing out explicit addresses (rotating buffers are lists of them)
 # ----------------------------------------------------------------------------------------------------------
 def _sb(ctx, shape, dtype, isz):
-    n = isz
-    for i in range(1, len(shape)):
-        n = n * shape[i]
-    off = ctx["sb_top"]
-    ctx["sb_top"] = off + ((n + SB_ALIGN - 1) // SB_ALIGN) * SB_ALIGN
-    return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, address=(0, off))
+    return sbuf_alloc(ctx, shape, dtype, isz, "sb_top")
 
 
 def _ring(ctx, n, shape, dtype, isz):
-    out = []
-    for i in range(n):
-        out.append(_sb(ctx, shape, dtype, isz))
-    return out
+    return sbuf_ring(ctx, n, shape, dtype, isz, "sb_top")
 
 
 def _ps(shape, dtype, bank):

@@ -62,6 +62,7 @@ roofline ceiling beside it; never measured) and every stage in ``diffusers-nki b
 from __future__ import annotations
 
 from diffusers_nki.nki import nki, nl, nisa
+from diffusers_nki.kernels.sbuf import sbuf_alloc as _sb
 from diffusers_nki.kernels.causal_conv3d_ref import W_BUDGET, not_supported_reasons  # noqa: F401  (the twin's)
 
 __all__ = ["causal_conv3d_kernel", "not_supported_reasons", "plan", "W_BUDGET", "X_BUDGET"]
@@ -70,7 +71,6 @@ P = 128            # partitions: input channels per matmul, output channels per 
 NT = 512           # fp32 columns of one PSUM bank = output positions per matmul
 PSUM_BANK = 2048
 N_PSUM = 8         # PSUM banks in rotation
-SB_ALIGN = 64
 X_BUDGET = 80 * 1024   # bytes per partition of the input frame ring
 N_ORING = 6        # output staging tiles (channels mode)
 N_OROW = 2         # output-row sets (positions mode)
@@ -169,15 +169,6 @@ def _check(x, w, bias, cache, pad_top, pad_bottom):
                 f"causal_conv3d: cache shape {cache.shape} must be [B, Cin, kt-1, Hin, W]=[{B}, {Cin}, {kt - 1}, "
                 f"{Hin}, {W}]")
         assert cache.dtype == x.dtype, f"causal_conv3d: cache dtype {cache.dtype} differs from x dtype {x.dtype}"
-
-
-def _sb(ctx, shape, dtype, isz):
-    n = isz
-    for i in range(1, len(shape)):
-        n = n * shape[i]
-    off = ctx["top"]
-    ctx["top"] = off + ((n + SB_ALIGN - 1) // SB_ALIGN) * SB_ALIGN
-    return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, address=(0, off))
 
 
 def _load_frame(ctx, x, cache, b, band, f, slot):

@@ -56,6 +56,7 @@ time with the roofline ceiling beside it; never measured). This docstring quotes
 from __future__ import annotations
 
 from diffusers_nki.nki import nki, nl, nisa
+from diffusers_nki.kernels.sbuf import sbuf_alloc as _sb, sbuf_ring as _ring
 from diffusers_nki.kernels.gemm_ref import MAX_K, XT_BUDGET, not_supported_reasons  # noqa: F401  (the twin's)
 
 __all__ = ["gemm_kernel", "not_supported_reasons", "plan", "XT_BUDGET", "MAX_K", "N_WRING", "X_CHUNK"]
@@ -63,7 +64,6 @@ __all__ = ["gemm_kernel", "not_supported_reasons", "plan", "XT_BUDGET", "MAX_K",
 P = 128            # partitions: K rows per matmul, tokens per output tile
 NT = 512           # fp32 columns per PSUM bank
 PSUM_BANK = 2048   # bytes per PSUM bank per partition
-SB_ALIGN = 64      # byte alignment of every SBUF buffer
 N_WRING = 4        # w slabs in flight (DMA ahead of the matmuls)
 W_SLAB = 4096      # bytes per partition of one w slab (several K tiles of one N tile per DMA)
 W_AHEAD = N_WRING - 1  # slabs loaded ahead of the one the matmuls consume
@@ -121,22 +121,6 @@ def _check(x, w, bias, activation):
             f"gemm: bias dtype {bias.dtype} must be float32 or x's dtype {x.dtype}")
     assert activation is None or activation == "gelu_tanh", (
         f"gemm: activation={activation} must be None or 'gelu_tanh'")
-
-
-def _sb(ctx, shape, dtype, isz):
-    n = isz
-    for i in range(1, len(shape)):
-        n = n * shape[i]
-    off = ctx["top"]
-    ctx["top"] = off + ((n + SB_ALIGN - 1) // SB_ALIGN) * SB_ALIGN
-    return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, address=(0, off))
-
-
-def _ring(ctx, n, shape, dtype, isz):
-    out = []
-    for i in range(n):
-        out.append(_sb(ctx, shape, dtype, isz))
-    return out
 
 
 def _evict_copy(dst, src, on_act, gen2):

@@ -16,13 +16,13 @@ import math
 import torch
 
 from diffusers_nki import accounting, masks, ops, routing
-from diffusers_nki.processors.base import _Routed, run_segments, zeros_like_rows
+from diffusers_nki.processors.base import Routed, run_segments, zeros_like_rows
 
 
 __all__ = ['NKIAnyFlowCausalAttnProcessor', 'anyflow_far_setup']
 
 
-class NKIAnyFlowCausalAttnProcessor(_Routed):
+class NKIAnyFlowCausalAttnProcessor(Routed):
     """AnyFlow-FAR causal self-attention through the kernel (the stock processor only accepts flex)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,

@@ -1,6 +1,6 @@
 """The shared parts of the routed processors (``diffusers_nki.processors.<family>``).
 
-- ``_Routed``: the base of every processor class (the stock processor, the patch's ``Route``);
+- ``Routed``: the base of every processor class (the stock processor, the patch's ``Route``);
 - ``split_heads`` / ``qkv`` / ``qk_norms``: the q/k/v projections, the head split and the q/k norms, as diffusers'
   processors compute them (exact: the same torch calls);
 - ``bshd`` / ``sdpa_bhsd``: layout views and the stock SDPA call for the fallback;
@@ -30,14 +30,14 @@ import torch.nn.functional as F
 from diffusers_nki import accounting, ops, routing
 from diffusers_nki.backends import Route
 
-__all__ = ["_Routed", "split_heads", "qkv", "qk_norms", "bshd", "sdpa_bhsd", "run_segments", "zeros_like_rows",
+__all__ = ["Routed", "split_heads", "qkv", "qk_norms", "bshd", "sdpa_bhsd", "run_segments", "zeros_like_rows",
            "NKIAttnProcessor2_0", "BLOCK_SPARSE_BUDGET", "block_sparse_reason", "block_sparse_attention",
            "sparse_or_fallback"]
 
 BLOCK_SPARSE_BUDGET = 1 << 26  # gathered K (and V) elements per kernel call of block_sparse_attention
 
 
-class _Routed:
+class Routed:
     """Base of the routed processors: the stock processor (the fallback) and the patch's ``Route`` (backend,
     strict), one frozen value handed in by the patch."""
 
@@ -108,7 +108,7 @@ def zeros_like_rows(t, n):
     return t.new_zeros(t.shape[0], n, *t.shape[2:])
 
 
-class NKIAttnProcessor2_0(_Routed):
+class NKIAttnProcessor2_0(Routed):
     """``AttnProcessor2_0`` with the SDPA call routed through the kernel (masks converted by the router)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,

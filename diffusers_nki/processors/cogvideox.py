@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from diffusers_nki import routing
-from diffusers_nki.processors.base import _Routed, bshd, qk_norms, sdpa_bhsd, split_heads
+from diffusers_nki.processors.base import Routed, bshd, qk_norms, sdpa_bhsd, split_heads
 
 
 __all__ = ['NKICogVideoXAttnProcessor2_0', 'NKIFusedCogVideoXAttnProcessor2_0']
 
 
-class NKICogVideoXAttnProcessor2_0(_Routed):
+class NKICogVideoXAttnProcessor2_0(Routed):
     """``CogVideoXAttnProcessor2_0``: [text | video] joint attention; RoPE on the video queries (and keys)."""
 
     fused = False

@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 
 from diffusers_nki import routing
-from diffusers_nki.processors.base import _Routed, bshd, qkv, sdpa_bhsd, split_heads
+from diffusers_nki.processors.base import Routed, bshd, qkv, sdpa_bhsd, split_heads
 
 
 __all__ = ['NKIEasyAnimateAttnProcessor2_0']
 
 
-class NKIEasyAnimateAttnProcessor2_0(_Routed):
+class NKIEasyAnimateAttnProcessor2_0(Routed):
     """``EasyAnimateAttnProcessor2_0``: [text | video] joint attention (separate text projections in the MMDiT
     layers), 3D RoPE on the video part."""
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from diffusers_nki import compat, routing
-from diffusers_nki.processors.base import _Routed, sparse_or_fallback, split_heads
+from diffusers_nki.processors.base import Routed, sparse_or_fallback, split_heads
 
 
 __all__ = ['NKIKandinsky5AttnProcessor']
 
 
-class NKIKandinsky5AttnProcessor(_Routed):
+class NKIKandinsky5AttnProcessor(Routed):
     """``Kandinsky5AttnProcessor``: dense calls through the router, NABLA sparse calls block-sparse. The stock
     fallback is the stock processor with its own backend (the NABLA BlockMask needs ``flex``)."""
 

@@ -5,13 +5,13 @@ always the flex backend) through ``processors.base.block_sparse_attention``.
 """
 from __future__ import annotations
 
-from diffusers_nki.processors.base import _Routed, sparse_or_fallback, split_heads
+from diffusers_nki.processors.base import Routed, sparse_or_fallback, split_heads
 
 
 __all__ = ['NKIKandinsky6SRAttnProcessor']
 
 
-class NKIKandinsky6SRAttnProcessor(_Routed):
+class NKIKandinsky6SRAttnProcessor(Routed):
     """``Kandinsky6SRAttnProcessor``: NABLA block-sparse self-attention (stock: always the flex backend)."""
 
     def __call__(self, attn, hidden_states, rotary_emb, sparse_params):

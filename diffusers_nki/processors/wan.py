@@ -34,7 +34,7 @@ from diffusers_nki import accounting, bridge, compat, routing
 from diffusers_nki.backends import Route
 from diffusers_nki.errors import warn_once
 from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan
-from diffusers_nki.processors.base import _Routed
+from diffusers_nki.processors.base import Routed
 from diffusers_nki.prologue_ops import qk_norm_rope, qk_norm_rope_not_supported_reasons
 
 
@@ -78,7 +78,7 @@ def _dispatch(tw, query, key, value, mask, backend, parallel_config, pass_pc):
                                     **kw)
 
 
-class NKIWanAttnProcessor(compat.DispatchAttributes, _Routed):
+class NKIWanAttnProcessor(compat.DispatchAttributes, Routed):
     """``WanAttnProcessor`` with the fused q/k prologue op and attention through our dispatch backend."""
 
     def __init__(self, stock, route: Route):

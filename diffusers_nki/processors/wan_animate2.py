@@ -11,13 +11,13 @@ import math
 import torch
 
 from diffusers_nki import compat, ops, routing
-from diffusers_nki.processors.base import _Routed, run_segments, split_heads
+from diffusers_nki.processors.base import Routed, run_segments, split_heads
 
 
 __all__ = ['NKIWanAnimate2AttnProcessor']
 
 
-class NKIWanAnimate2AttnProcessor(_Routed):
+class NKIWanAnimate2AttnProcessor(Routed):
     """Wan-Animate-2 self-attention: dense "extract" pass and the block-masked "cached" pass, through the kernel."""
 
     def __call__(self, attn, hidden_states, rotary_emb, grid_sizes, kv_cache, kv_cache_mode, rope_stride=1,

@@ -1,5 +1,6 @@
-"""The audit of Python outside the NKI language, applied to ``kernels/attention.py``, ``kernels/cache_write.py`` and
-``kernels/qk_norm_rope.py``.
+"""The audit of Python outside the NKI language, applied to ``kernels/attention.py``, ``kernels/cache_write.py``,
+``kernels/qk_norm_rope.py``, ``kernels/gemm.py`` and ``kernels/causal_conv3d.py`` (and the helpers they import from
+``kernels/sbuf.py``).
 
 The kernel code (the ``@nki.jit`` function and every module-level helper it calls, transitively) must stay
 inside the Python production kernels use: no comprehensions or generator expressions, no ``zip`` /
@@ -15,15 +16,19 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import importlib.util
 import inspect
+import sys
 import types
 
 import numpy as np
 import pytest
 
-KERNELS = {"attention": "attention_kernel", "cache_write": "cache_write_kernel", "qk_norm_rope": "qk_norm_rope_kernel"}
+KERNELS = {"attention": "attention_kernel", "cache_write": "cache_write_kernel", "qk_norm_rope": "qk_norm_rope_kernel",
+           "gemm": "gemm_kernel", "causal_conv3d": "causal_conv3d_kernel"}
 _IMMUTABLE = (int, float, str, bool, type(None), bytes, frozenset)
 _NKI_MODULE_NAMES = ("nki", "nl", "nisa")
+KERNEL_PACKAGE = "diffusers_nki.kernels"
 
 
 def _functions(tree):
@@ -53,8 +58,11 @@ def _is_immutable(value):
     return False
 
 
-def audit(tree, kernel_name, module_globals):
-    """{item: [problem, ...]} for the kernel code of ``tree``."""
+def audit(tree, kernel_name, module_globals, _seen=None):
+    """{item: [problem, ...]} for the kernel code of ``tree``; a helper imported from another module of the kernels'
+    package (e.g. ``kernels/sbuf.py``'s allocator) is audited in its own module, its problems prefixed with it."""
+    _seen = set() if _seen is None else _seen
+    imported = []
     found = {k: [] for k in ("comprehension", "zip_enumerate", "non_string_dict_key", "raise", "step_slice",
                              "getattr_int", "dtype_by_name", "module_global")}
     code = _kernel_code(tree, kernel_name)
@@ -106,10 +114,22 @@ def audit(tree, kernel_name, module_globals):
                 value = module_globals[name]
                 if isinstance(value, types.FunctionType) and value.__module__ == module_globals.get("__name__"):
                     continue  # a helper of this module (audited when called)
+                if isinstance(value, types.FunctionType) and value.__module__.startswith(KERNEL_PACKAGE + "."):
+                    imported.append(value)  # a helper of another kernel module: audited there, below
+                    continue
                 if isinstance(value, types.ModuleType):
                     found["module_global"].append(f"{ln} {name} (module other than nki/nl/nisa)")
                 elif not _is_immutable(value):
                     found["module_global"].append(f"{ln} {name} = {type(value).__name__} (mutable)")
+    for fn in imported:
+        key = (fn.__module__, fn.__name__)
+        if key in _seen:
+            continue
+        _seen.add(key)
+        mod = sys.modules[fn.__module__]
+        sub = audit(ast.parse(inspect.getsource(mod)), fn.__name__, vars(mod), _seen)
+        for item, problems in sub.items():
+            found[item].extend(f"{fn.__module__}.{x}" for x in problems)
     return found
 
 
@@ -147,6 +167,22 @@ def test_audit_catches_each_item(item):
 def test_audit_follows_helpers():
     src = "def _h(x):\n    return [i for i in x]\n\ndef k(x):\n    return _h(x)\n"
     assert _snippet_audit(src)["comprehension"] == ["_h:2 ListComp"]
+
+
+def test_audit_follows_helpers_imported_from_another_kernel_module(tmp_path, monkeypatch):
+    """The shared SBUF allocator lives in ``kernels/sbuf.py``: a helper imported from a module of the kernels'
+    package is audited in its own module (a problem there is found and named with it)."""
+    path = tmp_path / "probe_helpers.py"
+    path.write_text("def _h(x):\n    return [i for i in x]\n\ndef _ok(x):\n    return x\n")
+    name = f"{KERNEL_PACKAGE}._audit_probe"
+    spec = importlib.util.spec_from_file_location(name, path)
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, probe)
+    spec.loader.exec_module(probe)
+    found = _snippet_audit("def k(x):\n    return _h(x)\n", _h=probe._h)
+    assert found["comprehension"] == [f"{name}._h:2 ListComp"]
+    assert [k for k, v in found.items() if v] == ["comprehension"]
+    assert not any(_snippet_audit("def k(x):\n    return _ok(x)\n", _ok=probe._ok).values())
 
 
 @pytest.mark.parametrize("module", list(KERNELS))

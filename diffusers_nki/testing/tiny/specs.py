@@ -209,6 +209,16 @@ def _ltx2_inputs(model, g, B, F, H, W, L, dtype):
     return inputs
 
 
+def _ltx2_config():
+    """The tiny LTX-2 audio-video transformer (LTX-2 and the SANA-WM refiner, an LTX-2 transformer, share it)."""
+    return dict(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+        qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False,
+    )
+
+
 def _cosmos_inputs(model, g, B, F, H, W, L, dtype):
     cfg = model.config
     return {
@@ -382,12 +392,7 @@ SPECS: dict[str, Spec] = {
         text_len=16,
     ),
     "ltx2": Spec(
-        lambda: dict(
-            in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
-            attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
-            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
-            qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False,
-        ),
+        _ltx2_config,
         _ltx2_inputs,
         (2, 8, 8),
         text_len=16,
@@ -423,12 +428,7 @@ SPECS: dict[str, Spec] = {
         text_len=16,
     ),
     "sana_wm_refiner": Spec(
-        lambda: dict(
-            in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
-            attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
-            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
-            qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False,
-        ),
+        _ltx2_config,   # the refiner is an LTX-2 audio-video transformer: the same tiny config
         _sana_wm_refiner_inputs,
         (2, 4, 4),
         text_len=8,
