@@ -28,6 +28,7 @@ LAYERS = (
                 "diffusers_nki.explanation")),
     ("applications", ("diffusers_nki.pipelines", "diffusers_nki.testing", "diffusers_nki.video_coverage",
                       "diffusers_nki.trained", "diffusers_nki.demo", "diffusers_nki.serve", "diffusers_nki.cli",
+                      "diffusers_nki.doctor",
                       "diffusers_nki.bench",
                       "diffusers_nki.__main__",
                       "diffusers_nki")),
