@@ -378,7 +378,13 @@ def self_forcing_chunk(device: str, backend: str, config: Optional[dict] = None,
     cfg = dict(WAN_1_3B if config is None else config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        transformer = WanTransformer3DModel(**cfg).to(dtype).eval()
+        transformer = WanTransformer3DModel(**cfg).eval()
+    if dtype != torch.float32:  # as the published checkpoints load: the modules diffusers keeps in fp32 stay fp32
+        keep = tuple(getattr(transformer, "_keep_in_fp32_modules", None) or ())
+        transformer.to(dtype)
+        for name, mod in transformer.named_modules():
+            if any(k in name.split(".") for k in keep):
+                mod.float()
     pipe = CausalWanPipeline(tokenizer=tiny.tiny_tokenizer(), text_encoder=tiny.tiny_umt5_encoder(0),
                              transformer=transformer, vae=tiny.tiny_wan_vae(0), scheduler=FlowMatchLCMScheduler(shift=5.0),
                              num_frame_per_block=3, window_frames=window, sink_frames=0)

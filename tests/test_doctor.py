@@ -152,8 +152,8 @@ def test_doctor_hardware_branch_on_the_fake_torchneuron_host(fake_neuron, monkey
                                        causal_block=0),
              "gemm_qkvo": dict(kernel="gemm", M=64, K=128, N=64, bias=True, activation=None)}
     monkeypatch.setattr(doctor, "timing_shapes", lambda: small)
-    rep = doctor.doctor(skip=("tiny_pipeline", "full_chunk"), kernels=["attention", "cache_write", "gemm"], iters=3,
-                        warmup=1)
+    rep = doctor.doctor(skip=("full_chunk",), kernels=["attention", "cache_write", "gemm"], iters=3, warmup=1,
+                        chunks=2, steps=1)
     doctor.validate_report(rep)
     assert rep["mode"] == "hardware" and rep["host"]["target"] == "trn2" and rep["host"]["lnc"] == 2
     for k in rep["kernels"]:
@@ -161,5 +161,21 @@ def test_doctor_hardware_branch_on_the_fake_torchneuron_host(fake_neuron, monkey
         assert k["parity"]["status"] == "ok" and k["parity"]["backend"].startswith("nki"), k
     assert {t["shape"]: t["status"] for t in rep["timings"]} == {"cache_write_chunk": "measured", "gemm_qkvo": "measured"}
     assert all(t["measured_s"]["median"] > 0 and t["iters"] == 3 and t["lnc"] == 2 for t in rep["timings"])
+    (tiny_run,) = rep["pipelines"]
+    assert tiny_run["status"] == "ok", tiny_run
+    assert tiny_run["detail"]["backend"] == "nki" and tiny_run["detail"]["attention_kernel_calls"] > 0
     launched = {x.kernel for x in fake.launches}
     assert {"attention", "cache_write", "gemm"} <= launched
+
+
+def test_self_forcing_chunk_runs_the_geometry_it_is_given():
+    """The full-geometry step's code path (Wan2.1-1.3B on a Trainium host), here at a tiny configuration on the CPU."""
+    import torch
+
+    cfg = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16,
+               text_dim=32, freq_dim=16, ffn_dim=32, num_layers=1, cross_attn_norm=True,
+               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32)
+    res = doctor.self_forcing_chunk("cpu", "torch", config=cfg, height=32, width=32, steps=2, window=6, text_len=16,
+                                    dtype=torch.float32)
+    assert res["finite"] and res["latents_shape"] == [1, 16, 3, 4, 4] and res["seconds"] > 0
+    assert doctor.WAN_1_3B["num_layers"] == 30 and doctor.WAN_1_3B["num_attention_heads"] * 128 == 1536
