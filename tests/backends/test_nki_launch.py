@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from diffusers_nki import ops
 from diffusers_nki.backends import nki as hw
@@ -22,6 +22,8 @@ from diffusers_nki.kernels.cache_write_ref import cache_write_ref
 from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
 from diffusers_nki.prologue_ops import qk_norm_rope
+
+_REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -191,28 +193,55 @@ def test_attention_runtime_lnc1(fake_neuron, monkeypatch):
 _READS = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts reads of tensor values on the host (``int(t)``, ``float(t)``, ``bool(t)``, ``t.item()``,
-    ``t.tolist()``: under XLA each is a graph break, on a device a sync), except those the fake device makes
-    while a kernel runs "on the device" (the emulator reads its inputs: that is the device's work)."""
+class _HostReads:
+    """Counts reads of tensor values on the host (``int(t)``, ``float(t)``, ``bool(t)``, ``t.__index__()``,
+    ``t.item()``, ``t.tolist()``: on a device each is a sync, under XLA a graph break) by wrapping those methods of
+    ``torch.Tensor`` for the block (a torch-function mode would not see inside custom-op bodies), except the reads
+    the fake device makes while a kernel runs "on the device" (the emulator reading its inputs is the device's
+    work). ``only`` (paths) keeps the reads whose calling frame is in one of them."""
 
-    def __init__(self, fake=None):
-        super().__init__()
-        self.fake, self.reads = fake, []
+    def __init__(self, fake=None, only=()):
+        self.fake, self.only, self.reads, self._saved = fake, tuple(only), [], {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _READS and not (self.fake and self.fake.on_device):
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
+    def _site(self):
+        f = sys._getframe(2)
+        while f is not None and ("/torch/" in f.f_code.co_filename or f.f_code.co_filename == __file__):
+            f = f.f_back
+        return ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+
+    def __enter__(self):
+        for name in _READS:
+            orig = self._saved[name] = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _name=name, _orig=orig, **k):
+                if not (self.fake and self.fake.on_device):
+                    path, line = self._site()
+                    if not self.only or any(str(o) in path for o in self.only):
+                        self.reads.append(f"{path}:{line} {_name}" if self.only else _name)
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._saved.items():
+            setattr(torch.Tensor, name, orig)
+        return False
 
 
 def test_host_read_counter_fires():
-    """The counter below is proven first: each way of reading a value is counted."""
+    """The counter is proven first: each way of reading a value is counted, inside a custom op's body too."""
     t = torch.tensor([3, 4])
+
+    @torch.library.custom_op("diffusers_nki_test::reads_inside", mutates_args=())
+    def reads_inside(x: torch.Tensor) -> torch.Tensor:
+        int(x[0])
+        return x.clone()
+
     with _HostReads() as m:
         int(t[0]), float(t[0]), bool(t[0] > 1), t[1].item(), t.tolist(), int(t.min())
-    assert m.reads == ["__int__", "__float__", "__bool__", "item", "tolist", "__int__"]
+        reads_inside(t)
+    assert m.reads == ["__int__", "__float__", "__bool__", "item", "tolist", "__int__", "__int__"]
 
 
 def test_nki_path_reads_no_runtime_value_on_the_host(fake_neuron):
@@ -467,3 +496,19 @@ def test_auto_without_neuron_devices_does_not_warn(monkeypatch):
         assert backends.resolve("auto") == "torch"
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert hw.install_hint() is None
+
+
+def test_cached_causal_wan_rollout_reads_no_runtime_value_on_the_host(fake_neuron):
+    """A whole cached rollout of the tiny causal Wan pipeline on the "nki" path: every length and slot comes from the
+    host-side plan; the project's code reads no tensor value on the host (the pipeline ran the nki kernels)."""
+    import diffusers_nki
+    from diffusers_nki.testing import tiny
+
+    fake = fake_neuron()
+    pipe = tiny.tiny_pipeline("causal_wan")
+    diffusers_nki.patch(pipe, backend="nki")
+    with torch.no_grad(), _HostReads(fake, only=(_REPO / "diffusers_nki", _REPO / "kernels")) as m:
+        pipe(**tiny.tiny_call_kwargs("causal_wan", chunks=2, steps=1))
+    c = ops.counters()
+    assert c["attention"]["nki"] > 0 and c["cache_write"]["nki"] > 0, c
+    assert m.reads == [], m.reads
