@@ -386,8 +386,8 @@ def _aot_capture(graphs):
 
 def test_nki_op_bodies_trace_under_fake_and_functional_modes(fake_neuron):
     """torch.compile through AOT autograd: dynamo traces with FakeTensorMode, AOT functionalizes under
-    FunctionalTensorMode; the nki_op bodies run there and call the kernel objects, which TRACE the kernels at the
-    fake shapes (no short-circuit). The in-place cache write becomes a functionalized node; the compiled step
+    FunctionalTensorMode (which runs each op's fake implementation, the nki_op body, on the unwrapped fake tensors);
+    the bodies call the kernel objects, which TRACE the kernels at the fake shapes (no short-circuit). The in-place cache write becomes a functionalized node; the compiled step
     gives the eager numbers."""
     fake = fake_neuron()
     from diffusers_nki import backends
@@ -410,7 +410,9 @@ def test_nki_op_bodies_trace_under_fake_and_functional_modes(fake_neuron):
         ref = step(q, k, v, kc2, vc2, *args)
         assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
         traced = [x.kernel for x in fake.launches if x.traced]
-        assert "attention" in traced and "cache_write" in traced, traced
+        # each kernel traced by dynamo (FakeTensorMode) and again by AOT's functionalization (FunctionalTensorMode
+        # re-invokes the op's fake implementation, the nki_op body, on the unwrapped fake tensors)
+        assert traced.count("attention") >= 2 and traced.count("cache_write") >= 2, traced
         assert fake.trace_modes and all(fm for fm, _ in fake.trace_modes), "a trace ran outside FakeTensorMode"
         text = "\n".join(str(gm.graph) for gm in graphs)
         assert "auto_functionalized" in text and "cache_write_nki" in text and "attention_nki" in text, text
