@@ -91,7 +91,6 @@ def _at_least(v: Optional[str], floor: str) -> bool:
 
 
 def check_sdk() -> dict:
-
     versions = {p: _version(p) for p in PACKAGES}
     problems = []
     for pkg, floor in PINS.items():
@@ -108,7 +107,6 @@ def check_sdk() -> dict:
 
 
 def _host(mode: str) -> dict:
-
     info = {"python": sys.version.split()[0], "platform": _platform.platform(),
             "neuron_devices": len(glob.glob("/dev/neuron*")), "target": None, "lnc": None}
     try:
@@ -234,7 +232,6 @@ def check_kernels(mode: str, names: Optional[List[str]] = None) -> List[dict]:
 
 
 def _calls(kernel: str, backend: str) -> int:
-
     table = dense_ops.counters() if kernel in ("gemm", "causal_conv3d") else ops.counters()
     return int(table.get(kernel, {}).get(backend, 0))
 
@@ -248,13 +245,11 @@ _NO_COMPILER = ("no Neuron device / SDK here: the kernel ran in the NKI emulator
 # ----------------------------------------------------------------------------------------------------------
 def timing_shapes() -> Dict[str, dict]:
     """The ``bench kernels`` shapes: name -> dims (the attention / cache / prologue shapes and the dense ones)."""
-
     return {**kernels.SHAPES, **kernels_dense.SHAPES}
 
 
 def _timing_inputs(s: dict, device):
     """Random bf16 inputs for one ``bench kernels`` shape and the call that launches it with backend "nki"."""
-
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)
 
@@ -373,7 +368,6 @@ def self_forcing_chunk(device: str, backend: str, config: Optional[dict] = None,
     Wan2.1-1.3B) with random weights in ``dtype`` (default bf16), patched with ``backend`` and its static cache,
     ``steps`` denoising passes + the cache pass, random text embeddings, latents out (no VAE decode). Returns
     {seconds (wall, first call: compile included), latents shape, finite}."""
-
     dtype = torch.bfloat16 if dtype is None else dtype
     cfg = dict(WAN_1_3B if config is None else config)
     with torch.random.fork_rng(devices=[]):
