@@ -39,6 +39,7 @@ from diffusers_nki import autograd, backends
 from diffusers_nki.accounting import count as _count
 from diffusers_nki.accounting import counters, reset_counters
 from diffusers_nki.backends import nki as _hw
+from diffusers_nki.backends._launch import host_readable
 from diffusers_nki.kernels import attention_ref as _att_ref
 from diffusers_nki.kernels import cache_write_ref as _cw_ref
 
@@ -63,7 +64,9 @@ def _attention_op(
     backend: str,
 ) -> torch.Tensor:
     impl = backends.require(backend)
-    if kv_len is not None and kv_len.numel():  # runtime values (also from compiled graphs): never clamp silently
+    # runtime values (also from compiled graphs): never clamp silently. Read only in host memory: a device read
+    # is a sync per call (a graph break per layer under XLA); on a device the host-side plan checked them
+    if kv_len is not None and kv_len.numel() and host_readable(kv_len):
         lo, hi = int(kv_len.min()), int(kv_len.max())
         if lo < 0 or hi > k.shape[1]:
             raise ValueError(f"diffusers_nki::attention: kv_len={kv_len.tolist()} is outside 0..Skv={k.shape[1]} "

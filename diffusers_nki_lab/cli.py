@@ -1,5 +1,5 @@
-"""The ``diffusers-nki`` command (also ``python -m diffusers_nki``): ``demo``, ``serve`` (the live viewer), ``bench``
-(the cross-model matrix) and ``bench kernels | cache | budget | scaling | calibrate | quality``.
+"""The ``diffusers-nki`` command (also ``python -m diffusers_nki``): ``demo``, ``serve`` (the live viewer), ``doctor``
+(check a host), ``bench`` (the cross-model matrix) and ``bench kernels | cache | budget | scaling | calibrate | quality``.
 
 Only the chosen subcommand's module is imported (``diffusers-nki --help`` imports neither torch nor diffusers).
 Arguments are validated BEFORE any work (``validate``), the same way for every subcommand, and a bad one is
@@ -25,6 +25,8 @@ COMMANDS = {
     "demo": ("diffusers_nki_lab.demo", "stream a tiny autoregressive video pipeline chunk by chunk and write the video"),
     "serve": ("diffusers_nki_lab.serve", "watch a causal Wan session live in a browser: prompt switches, reset"),
     "bench": ("diffusers_nki_lab.bench.matrix", "the cross-model benchmark matrix (--quick: about a minute)"),
+    "doctor": ("diffusers_nki_lab.doctor", "check this host: SDK versions, each kernel vs its torch twin (compiled on a "
+               "Trainium host, emulated elsewhere), kernel timings, the tiny and a full-geometry pipeline; writes JSON"),
 }
 BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki_lab.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
@@ -43,6 +45,7 @@ its instruction trace (never measured)."""
 EPILOG = """commands:
   diffusers-nki demo                 stream the trained tiny chunk-causal Wan model (outputs/demo)
   diffusers-nki serve                the live viewer on 127.0.0.1 (prompt switches, reset)
+  diffusers-nki doctor               check this host (on Trainium: compile, compare, time); JSON for calibrate
   diffusers-nki bench --quick        the benchmark matrix, a cheaper pass (outputs/bench)
   diffusers-nki bench                the full matrix
   diffusers-nki bench kernels        modeled cost of the attention kernels at full scale
@@ -79,9 +82,10 @@ def build_parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     load_all = argv is None
     parser = argparse.ArgumentParser(prog="diffusers-nki", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,bench,doctor}")
     _add(sub, "demo", *COMMANDS["demo"], load=load_all or command == "demo")
     _add(sub, "serve", *COMMANDS["serve"], load=load_all or command == "serve")
+    _add(sub, "doctor", *COMMANDS["doctor"], load=load_all or command == "doctor")
     bench = sub.add_parser("bench", help=COMMANDS["bench"][1], description=COMMANDS["bench"][1])
     bsub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(BENCH_SUBCOMMANDS) + "}")
     for name, (module, help_) in BENCH_SUBCOMMANDS.items():
@@ -96,7 +100,7 @@ def build_parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------------------
 # argument validation (before any work)
 # ----------------------------------------------------------------------------------------------------------
-NONNEGATIVE = ("seed", "sink", "port", "switch_at")  # integer options where 0 is meaningful; every other integer option is a count >= 1
+NONNEGATIVE = ("seed", "sink", "port", "switch_at", "warmup")  # integer options where 0 is meaningful; every other integer option is a count >= 1
 DIRECTORY_OPTIONS = ("output", "out")
 FILE_OPTIONS = ("json",)
 

@@ -132,3 +132,24 @@ def test_the_emulator_runs_a_kernel_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_neuron_extra_pins_the_sdk_so_placeholders_fail_loudly():
+    """``.[neuron]``: TorchNeuron and NKI 0.7+ (SDK 2.33+), pinned so that the public index's placeholders under
+    these names (nki 0.0.1, torch-neuronx 1.0, neuronx-cc 1.0.post1) do not satisfy them; optimum-neuron, imported
+    nowhere and unresolvable beside diffusers 0.42.1, is in no extra."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = {r.name: r for r in map(Requirement, meta["optional-dependencies"]["neuron"])}
+    assert set(reqs) == {"torch-neuronx", "nki", "neuronx-cc"}
+    assert reqs["nki"].specifier.contains("0.7.0") and reqs["torch-neuronx"].specifier.contains("2.13.0")
+    for name, placeholder in (("nki", "0.0.1"), ("torch-neuronx", "1.0"), ("neuronx-cc", "1.0.post1"),
+                              ("nki", "0.6.0"), ("torch-neuronx", "2.9.0")):
+        assert not reqs[name].specifier.contains(placeholder), (name, placeholder)
+    every = [r for extra in meta["optional-dependencies"].values() for r in extra] + meta["dependencies"]
+    assert not [r for r in every if Requirement(r).name == "optimum-neuron"]
+    sources = [p for d in ("diffusers_nki", "kernels", "patches") for p in (ROOT / d).rglob("*.py")]
+    assert not [p for p in sources if "optimum" in p.read_text()], "optimum-neuron is imported somewhere"

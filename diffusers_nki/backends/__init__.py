@@ -12,7 +12,8 @@ available).
 - ``"sim"``: the NKI kernels run in our NumPy emulator (``nkisim``); CPU tensors, slow, for validation.
 - ``"nki"``: the NKI kernels compiled with ``nki.jit`` through torch-neuronx (Trainium only, imported lazily;
   on TorchNeuron registered as ``torch_neuronx.nki_op`` ops, launched with the runtime's LNC degree).
-- ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"``. Resolved once per process, before
+- ``"auto"``: ``"nki"`` when a Neuron device is available, else ``"torch"`` (on a host WITH Neuron devices but no
+  importable SDK, a RuntimeWarning says what to install, once). Resolved once per process, before
   any trace: ``bridge.install()`` and ``patch()`` resolve it eagerly, and a first resolution that does happen
   inside ``torch.compile`` (a direct ``ops.attention(..., backend="auto")``) runs as a constant
   (``torch.compiler.assume_constant_result``: executed for real at trace time, logging included, never traced),
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from dataclasses import dataclass
 
 from torch import compiler as _compiler  # (no global named "torch": that name is the submodule backends.torch)
@@ -83,6 +85,9 @@ def _resolve_auto() -> str:
                 logger.info("diffusers_nki: backend 'auto' -> 'nki' (a Neuron device is available)")
             else:
                 logger.info("diffusers_nki: backend 'auto' -> 'torch' (%s)", reason)
+                hint = _nki.install_hint(reason)
+                if hint is not None:  # a Neuron host whose SDK is missing: say so loudly (once: resolved once)
+                    warnings.warn(hint, RuntimeWarning, stacklevel=2)
         return _auto_choice
 
 

@@ -4,10 +4,19 @@ Imported lazily and never needed to import or test the package: nothing of the N
 module import, and without the SDK (or without a Neuron device) ``unavailable_reason()`` says why and every
 launch raises a RuntimeError naming it. NOT validated on hardware in this repository (no Trainium here):
 the kernels are validated in the emulator ("sim" backend) and this launch layer with a fake
-``torch_neuronx`` / ``nki`` (tests/backends/test_nki_launch.py), which records what would be launched.
+``torch_neuronx`` / ``nki`` (tests/backends/test_nki_launch.py) whose ``nki.jit`` kernel objects trace the
+kernel (the emulator's trace mode) for shapes under torch's FakeTensorMode / FunctionalTensorMode and run it
+for numbers on real tensors.
 
-Two integrations, chosen by what the installed torch-neuronx offers:
-- TorchNeuron (Neuron SDK 2.33+, ``torch_neuronx.nki_op`` exists): the three kernels are registered ONCE as
+One integration: TorchNeuron, as AWS's "How to work with NKI kernels from torch-neuronx" guide (SDK 2.33+,
+torch-neuronx 2.13+) documents it: a kernel is a function decorated with ``@nki.jit`` (our kernel modules
+decorate theirs; the object is used as is, never re-jitted), called on Neuron tensors inside an op registered
+with ``torch_neuronx.nki_op``. A torch-neuronx without ``nki_op`` (the XLA-device integration, torch-neuronx
+2.9 and older) is REFUSED: ``unavailable_reason()`` names TorchNeuron, so ``backend="nki"`` raises with it and
+``backend="auto"`` resolves to "torch" (warned once). docs/TRAINIUM.md says why (no documented recipe for
+the XLA path at 2.33).
+
+- the kernels are registered ONCE as
   torch ops with ``nki_op`` (``hardware_ops()``): ``diffusers_nki::attention_nki`` and
   ``diffusers_nki::qk_norm_rope_nki`` (``mutates_args=()``) and ``diffusers_nki::cache_write_nki``
   (``mutates_args=("k_cache", "v_cache")``: the caches are updated in place, nothing is returned, as PyTorch's
@@ -15,22 +24,25 @@ Two integrations, chosen by what the installed torch-neuronx offers:
   calls these ops for backend "nki" (its hardware-dispatch hook), so under
   ``torch.compile(backend="neuron")`` the kernel call is a node of the FX graph instead of an opaque
   Python op the Neuron compiler cannot lower.
-- otherwise (torch-neuronx without ``nki_op``, XLA tensors): ``diffusers_nki.ops``' own custom ops call
-  ``attention`` / ``cache_write`` / ``qk_norm_rope`` below, which launch the ``nki.jit`` kernel on the
-  device tensors.
 
-Launch contract (both integrations, ``launch()``):
-- LNC: ``kernel[runtime_lnc()]`` where the degree is the Neuron runtime's: ``NEURON_LOGICAL_NC_CONFIG`` when
-  set (checked against an ``--lnc`` in ``NEURON_CC_FLAGS``, a mismatch is a clear error here instead of a
-  runtime error on the device), else the compiler's platform default (2 on trn2/trn3, 1 on trn1/inf2; the
-  platform from ``NEURON_PLATFORM_TARGET_OVERRIDE`` or the instance type). A kernel launched without a
-  degree would be LNC 1 while trn2 compiles for LNC 2 by default: exactly the mismatch this avoids.
+Launch contract (``launch()``):
+- LNC (AWS: "Using Logical NeuronCores (LNC) with NKI", SDK 2.33.1; compiler error NCC_EVRF066): the degree
+  is set by ``NEURON_LOGICAL_NC_CONFIG`` or by the bracket at the call site, and must equal the compiler's.
+  With ``NEURON_LOGICAL_NC_CONFIG`` set (checked against an ``--lnc`` in ``NEURON_CC_FLAGS``: a mismatch is a
+  clear error here instead of EVRF066 on the device) the kernel is called plainly, ``kernel(*args)``, the
+  resolution EVRF066 recommends; unset, ``kernel[d](*args)`` with the compiler's platform default d (2 on
+  trn2/trn3, 1 on trn1/inf2; the platform from ``NEURON_PLATFORM_TARGET_OVERRIDE`` or the instance type): a
+  plain call would be LNC 1 while trn2 compiles for LNC 2 (the bracket is documented and "being deprecated").
 - ``cache_len``, ``kv_len`` and ``slot`` are passed as contiguous int32 [n] tensors (NKI has 32-bit
   integers only); every tensor input is made contiguous (the kernels address HBM with explicit row-major
   access patterns).
-- ``cache_write``: the kernel returns the caches (a framework kernel call is functional); the results are
-  rebound into the caller's tensors (``_launch.rebind``: no copy when they are the caller's buffers, one
-  copy when a strided cache view was passed as a contiguous copy).
+- no runtime value (``cache_len``, ``kv_len``, ``slot``) is read on the host here: shapes are checked
+  (``not_supported_reasons``), values are the host-side plan's (``caching.core.Plan``), so a call is no device
+  sync and no graph break.
+- ``cache_write``: the kernel returns the caches (a framework kernel call is functional); only the chunk's
+  rows are taken from the result into the caller's tensors (``_launch.rebind_rows``, device-side indexing): no
+  copy when the result is the caller's buffer, the S written rows otherwise, so a framework that returns a
+  fresh buffer (only the DMA-written rows defined) leaves every other cache slot intact.
 
 The dense kernels (``gemm``, ``causal_conv3d``; ``diffusers_nki.dense_ops``) are launched the same way and
 registered with ``nki_op`` (``diffusers_nki::gemm_nki``, ``diffusers_nki::causal_conv3d_nki``) on their FIRST USE
@@ -51,10 +63,10 @@ from typing import Optional, Tuple
 import torch
 
 from diffusers_nki import accounting
-from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind
+from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind_rows
 from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref
 
-__all__ = ["unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
+__all__ = ["install_hint", "INSTALL", "unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
            "hardware_op", "prepare", "attention", "attention_lse", "cache_write", "qk_norm_rope", "force_emulator",
            "HW_OP_NAMES", "gemm", "causal_conv3d", "dense_hardware_op", "DENSE_OP_NAMES"]
 
@@ -120,12 +132,30 @@ def unavailable_reason():
     if not _shim().HAVE_REAL_NKI:
         return "the Neuron SDK's `nki` package is not installed"
     try:
-        _torch_neuronx()
+        tnx = _torch_neuronx()
     except Exception as exc:  # the placeholder distribution is empty: any failure means absent
         return f"torch-neuronx is not importable ({type(exc).__name__})"
+    if getattr(tnx, "nki_op", None) is None:
+        return (f"torch-neuronx {getattr(tnx, '__version__', '(version unknown)')} has no nki_op: the XLA-device "
+                "path (torch-neuronx 2.9 and older) is not supported; install TorchNeuron (torch-neuronx>=2.13, "
+                "Neuron SDK 2.33+; docs/TRAINIUM.md)")
     if not _has_device():
         return "no Neuron device (/dev/neuron*) on this host"
     return None
+
+
+INSTALL = ("the Neuron SDK 2.33+ from AWS's own package index: torch-neuronx>=2.13 (TorchNeuron) and nki>=0.7 "
+           "(`pip install -e \".[neuron]\"` with that index configured; docs/TRAINIUM.md)")
+
+
+def install_hint(reason: Optional[str] = None) -> Optional[str]:
+    """On a host WITH Neuron devices whose SDK cannot be used (``reason``: ``unavailable_reason()``), the one line
+    saying what to install; None elsewhere (no device, the SDK usable, or the emulator forced)."""
+    reason = unavailable_reason() if reason is None else reason
+    if reason is None or force_emulator() or not _has_device():
+        return None
+    return (f"diffusers_nki: this host has Neuron devices but backend 'auto' falls back to 'torch' because {reason}; "
+            f"install {INSTALL}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -197,20 +227,31 @@ def kernel(name: str):
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"diffusers_nki backend 'nki' is unavailable: {reason}")
-        fn = _kernel_function(name)
-        _jitted[name] = fn if hasattr(fn, "__wrapped__") else _shim().nki.jit(fn)
+        # the module's own ``@nki.jit`` object, called as AWS's torch-neuronx guide calls a kernel (never
+        # re-jitted: the kernels are decorated where they are defined, with the real ``nki`` on a Neuron host)
+        _jitted[name] = _kernel_function(name)
     return _jitted[name]
 
 
 def launch(name: str, *args):
-    """``kernel(name)[runtime_lnc()](*args)``: the one place a kernel is launched on the device."""
-    return kernel(name)[runtime_lnc()](*args)
+    """The one place a kernel is launched on the device: ``kernel(*args)`` when ``NEURON_LOGICAL_NC_CONFIG`` sets
+    the degree, else ``kernel[d](*args)`` with the compiler's platform default d (see the module docstring)."""
+    lnc = runtime_lnc()  # validates the env / NEURON_CC_FLAGS agreement first
+    k = kernel(name)
+    if os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip():
+        return k(*args)
+    return k[lnc](*args)
+
+
+def _check_shapes(what: str, reasons) -> None:
+    """Shape / dtype checks only (no runtime value is read on the host: that would be a device sync per call)."""
+    if reasons:
+        raise ValueError(f"{what}: " + "; ".join(reasons))
 
 
 def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
-    if is_real(q):  # runtime checks the kernel cannot make (cache_len <= capacity), with the twin's text
-        attention_ref.check_inputs(
-            q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    _check_shapes("attention", attention_ref.not_supported_reasons(
+        q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block))
     return launch("attention", contiguous(q), contiguous(k), contiguous(v), contiguous(k_cache),
                   contiguous(v_cache), as_int32(cache_len), as_int32(kv_len),
                   None if scale is None else float(scale), int(causal_block))
@@ -218,9 +259,8 @@ def attention(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, 
 
 def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=None, scale=None, causal_block=0):
     """(out, lse float32 [B, H, Sq]): the attention kernel launched with ``return_lse=True``."""
-    if is_real(q):
-        attention_ref.check_inputs(
-            q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
+    _check_shapes("attention", attention_ref.not_supported_reasons(
+        q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block))
     out, lse = launch("attention", contiguous(q), contiguous(k), contiguous(v), contiguous(k_cache),
                       contiguous(v_cache), as_int32(cache_len), as_int32(kv_len),
                       None if scale is None else float(scale), int(causal_block), True)
@@ -228,15 +268,15 @@ def attention_lse(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=No
 
 
 def cache_write(k_cache, v_cache, k, v, slot) -> None:
-    """Write the chunk at ``slot``; the kernel returns the caches and they are rebound into the caller's."""
-    if is_real(k):
-        cache_write_ref.check_inputs(k_cache, v_cache, k, v, slot)
-    res = launch("cache_write", contiguous(k_cache), contiguous(v_cache), contiguous(k), contiguous(v),
-                 as_int32(slot))
+    """Write the chunk at ``slot``; the kernel returns the caches and the chunk's rows of them are rebound into
+    the caller's (``rebind_rows``: the slot stays on the device)."""
+    _check_shapes("cache_write", cache_write_ref.not_supported_reasons(k_cache, v_cache, k, v, slot))
+    slot32 = as_int32(slot)
+    res = launch("cache_write", contiguous(k_cache), contiguous(v_cache), contiguous(k), contiguous(v), slot32)
     if not isinstance(res, (tuple, list)) or len(res) != 2:
         raise RuntimeError(f"cache_write_kernel returned {type(res).__name__}, expected (k_cache, v_cache)")
-    rebind(k_cache, res[0])
-    rebind(v_cache, res[1])
+    rebind_rows(k_cache, res[0], slot32, k.shape[1])
+    rebind_rows(v_cache, res[1], slot32, v.shape[1])
 
 
 def qk_norm_rope(x, weight, eps, cos, sin, heads):
@@ -295,8 +335,8 @@ def _define(nki_op) -> dict:
 
 def hardware_ops() -> dict:
     """``{"attention": op, "cache_write": op, "qk_norm_rope": op}``: the ``torch_neuronx.nki_op``-registered ops,
-    registered on the first call; ``{}`` when the backend is unavailable or torch-neuronx has no ``nki_op``
-    (then ``diffusers_nki.ops`` uses its own custom ops, which call the kernels directly)."""
+    registered on the first call; ``{}`` when the backend is unavailable (a torch-neuronx without ``nki_op``
+    included: then ``diffusers_nki.ops``' custom ops raise, naming the reason)."""
     if _hw_ops is not None:
         return _hw_ops
     return _register()
@@ -309,8 +349,7 @@ def _register() -> dict:
         if _hw_ops is None:
             if unavailable_reason() is not None:
                 return {}  # not cached: the custom ops then raise, naming the reason
-            nki_op = getattr(_torch_neuronx(), "nki_op", None)
-            _hw_ops = _define(nki_op) if nki_op is not None else {}
+            _hw_ops = _define(_torch_neuronx().nki_op)  # available implies nki_op exists
     return _hw_ops
 
 
@@ -365,7 +404,7 @@ def _causal_conv3d_nki(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Te
 
 def dense_hardware_op(name: str):
     """The ``nki_op``-registered dense op ("gemm", "causal_conv3d"), registering both on the first call; None when
-    the backend is unavailable or torch-neuronx has no ``nki_op`` (the dense custom ops then launch directly)."""
+    the backend is unavailable (the dense custom ops then raise, naming the reason)."""
     regs = _dense_hw if _dense_hw is not None else _register_dense()
     return regs.get(name)
 
@@ -377,11 +416,10 @@ def _register_dense() -> dict:
         if _dense_hw is None:
             if unavailable_reason() is not None:
                 return {}  # not cached: the custom ops then raise, naming the reason
-            nki_op = getattr(_torch_neuronx(), "nki_op", None)
+            nki_op = _torch_neuronx().nki_op  # available implies nki_op exists
             regs = {}
-            if nki_op is not None:
-                for op, fn in (("gemm", _gemm_nki), ("causal_conv3d", _causal_conv3d_nki)):
-                    reg, mutates = DENSE_OP_NAMES[op]
-                    regs[op] = nki_op(reg, mutates_args=mutates)(fn)
+            for op, fn in (("gemm", _gemm_nki), ("causal_conv3d", _causal_conv3d_nki)):
+                reg, mutates = DENSE_OP_NAMES[op]
+                regs[op] = nki_op(reg, mutates_args=mutates)(fn)
             _dense_hw = regs
     return _dense_hw

@@ -86,10 +86,28 @@ def check_inputs(q, k, v, k_cache=None, v_cache=None, cache_len=None, kv_len=Non
     reasons = not_supported_reasons(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal_block)
     if reasons:
         raise ValueError("attention: " + "; ".join(reasons))
-    if k_cache is not None and not _compiling():
+    # the runtime value is read only where it lives in host memory: a device read would be a sync per call (a
+    # graph break per layer under XLA); on a device the host-side plan that built it checked it
+    if k_cache is not None and not _compiling() and _on_host(cache_len):
         n = int(cache_len.reshape(-1)[0])
         if n < 0 or n > k_cache.shape[1]:
             raise ValueError(f"attention: cache_len={n} is outside 0..capacity={k_cache.shape[1]}")
+
+
+def _on_host(t) -> bool:
+    """True for a real tensor in host memory (CPU), whose values can be read without a device sync or a graph
+    break (None: nothing to read). Fake, functional and meta tensors of a trace, and device tensors, are not."""
+    if t is None:
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if is_fake(t) or isinstance(t, FunctionalTensor):
+            return False
+    except ImportError:  # pragma: no cover - very old torch
+        pass
+    return t.device.type == "cpu"
 
 
 def _compiling() -> bool:

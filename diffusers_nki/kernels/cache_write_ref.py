@@ -13,6 +13,8 @@ from typing import List
 
 import torch
 
+from diffusers_nki.kernels.attention_ref import _on_host
+
 
 def not_supported_reasons(k_cache, v_cache, k, v, slot) -> List[str]:
     r: List[str] = []
@@ -45,7 +47,9 @@ def check_inputs(k_cache, v_cache, k, v, slot):
         compiling = bool(torch.compiler.is_compiling())
     except Exception:  # pragma: no cover
         compiling = False
-    if not compiling:
+    # read only in host memory: a device read would be a sync per call (a graph break under XLA); on a device
+    # the host-side plan that chose the slot checked it (and the kernel's DMA is oob_mode=error)
+    if not compiling and _on_host(slot):
         for s in slot.reshape(-1).tolist():
             if s < 0 or s + k.shape[1] > k_cache.shape[1]:
                 raise ValueError(

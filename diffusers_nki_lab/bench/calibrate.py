@@ -29,6 +29,13 @@ within_tolerance (|ratio - 1| <= TOLERANCE), status ("ok" | "blocked" | "absent"
 (the constants of ``sim.cost`` this anchor was used to set: it is no independent check of those), notes,
 trace/schedule seconds; with ``--hypotheses`` also the ratio under each named hypothesis
 (``sim.cost.SENSITIVITY_ROWS``), shown side by side, never used to pick one.
+
+``--measured FILE`` (a ``diffusers-nki doctor`` report, schema ``diffusers-nki-doctor/1``) runs no anchor: it
+prints the kernel timings MEASURED on a Trainium host beside the MODELED times of the same ``bench kernels``
+shape, target and LNC degree (scheduled, the ceiling in brackets; ratio = modeled / measured median), taken from
+``--modeled`` (a ``bench kernels --json`` file) where it has the row, else traced now (attention shapes with
+``--heads 1`` x the head count, as ``bench kernels --heads 1``). A timing the report did not measure is listed
+with its reason. ``--json`` then writes {"measured_vs_modeled": rows}.
 """
 from __future__ import annotations
 
@@ -47,7 +54,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from diffusers_nki_lab import doctor
 from diffusers_nki_lab.bench import kernels as K
+from diffusers_nki_lab.bench import kernels_dense
 
 __all__ = ["TOLERANCE", "Anchor", "ANCHORS", "anchors", "run_anchor", "run", "add_arguments", "nkilib_root",
            "mm_tiled", "mm_hoisted", "mm_block_free", "mm_block_all"]
@@ -610,6 +619,93 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rewrite the generated sections (calibration table, sensitivity tables) of PATH, "
                              "e.g. docs/COST_MODEL_SCHEDULE.md (implies --hypotheses)")
     parser.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    parser.add_argument("--measured", metavar="FILE", default=None,
+                        help="a `diffusers-nki doctor` JSON: its measured kernel timings beside the modeled times of "
+                             "the same shapes (runs no anchor)")
+    parser.add_argument("--modeled", metavar="FILE", default=None,
+                        help="with --measured: a `bench kernels --json` file to take the modeled rows from (default: "
+                             "trace the measured shapes now)")
+
+
+def _check_args(args) -> None:
+    if getattr(args, "modeled", None) and not getattr(args, "measured", None):
+        raise ValueError("--modeled is only read with --measured FILE")
+    for flag in ("measured", "modeled"):
+        path = getattr(args, flag, None)
+        if path and not os.path.isfile(path):
+            raise ValueError(f"--{flag} {path}: no such file")
+
+
+def _modeled_row(shape: str, kernel: str, target: str, lnc: int, rows: Optional[List[dict]]):
+    """(row, source): the modeled ``bench kernels`` row of (shape, kernel, target, lnc), from ``rows`` when they
+    have it, else traced now."""
+    for r in rows or ():
+        if (r.get("shape"), r.get("kernel"), r.get("target"), r.get("lnc", 1)) == (shape, kernel, target, lnc) \
+                and "fill" not in r:
+            return r, "--modeled file"
+    if shape in kernels_dense.SHAPES:
+        return kernels_dense.bench_dense(shape, target, lnc=lnc), "traced now"
+    heads = 1 if K.SHAPES[shape]["kernel"] == "attention" else None
+    with contextlib.redirect_stdout(io.StringIO()):
+        return K.bench_shape(shape, target, heads=heads, lnc=lnc), "traced now"
+
+
+def measured_vs_modeled(report: dict, modeled_rows: Optional[List[dict]] = None) -> List[dict]:
+    """One row per timing of a doctor ``report``: measured (median / p10 / p90 seconds) beside the modeled
+    scheduled time and its ceiling; ratio = modeled scheduled / measured median."""
+    out = []
+    for t in report["timings"]:
+        row = {"shape": t["shape"], "kernel": t["kernel"], "target": t["target"], "lnc": t["lnc"],
+               "status": t["status"], "reason": t.get("reason"), "measured_s": t.get("measured_s"),
+               "modeled_scheduled_s": None, "modeled_ceiling_s": None, "modeled_source": None, "ratio": None}
+        if t["status"] == "measured":
+            m, source = _modeled_row(t["shape"], t["kernel"], t["target"], t["lnc"], modeled_rows)
+            ms = m["modeled_seconds"]
+            row.update(modeled_scheduled_s=ms["scheduled"], modeled_ceiling_s=ms["ceiling"], modeled_source=source,
+                       ratio=ms["scheduled"] / t["measured_s"]["median"])
+        out.append(row)
+    return out
+
+
+def run_measured(args) -> int:
+    prog = "diffusers-nki bench calibrate"
+    try:
+        with open(args.measured) as f:
+            report = json.load(f)
+        doctor.validate_report(report)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{prog}: --measured {args.measured}: {exc}")
+    modeled_rows = None
+    if args.modeled:
+        with open(args.modeled) as f:
+            data = json.load(f)
+        modeled_rows = data["rows"] if isinstance(data, dict) and "rows" in data else data
+        if not isinstance(modeled_rows, list):
+            raise SystemExit(f"{prog}: --modeled {args.modeled}: not a `bench kernels --json` list of rows")
+    rows = measured_vs_modeled(report, modeled_rows)
+    print(f"MEASURED on a Trainium host (doctor report {args.measured}, mode {report['mode']}, created "
+          f"{report.get('created')}) vs MODELED (dependency-aware schedule of the emulated trace; ceiling in brackets); "
+          "ratio = modeled / measured median")
+    print(f"{'shape':<24}{'kernel':>14}{'tgt':>5}{'lnc':>4}{'measured ms (p10..p90)':>28}{'modeled ms (ceiling)':>24}"
+          f"{'ratio':>7}")
+    for r in rows:
+        lnc = "-" if r["lnc"] is None else str(r["lnc"])
+        head = f"{r['shape']:<24}{r['kernel']:>14}{str(r['target']):>5}{lnc:>4}"
+        if r["status"] != "measured":
+            print(f"{head}  not measured: {r['reason']}")
+            continue
+        m = r["measured_s"]
+        meas = f"{1e3 * m['median']:.3f} ({1e3 * m['p10']:.3f}..{1e3 * m['p90']:.3f})"
+        mod = f"{1e3 * r['modeled_scheduled_s']:.3f} ({1e3 * r['modeled_ceiling_s']:.3f})"
+        print(f"{head}{meas:>28}{mod:>24}{r['ratio']:>7.2f}")
+    n = sum(r["status"] == "measured" for r in rows)
+    print(f"{n} of {len(rows)} timings measured" + ("" if n else ": nothing to compare (run `diffusers-nki doctor` on "
+                                                         "a Trainium host)"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"measured_vs_modeled": rows}, f, indent=2)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
 
 
 def _select(spec: Optional[str]) -> List[Anchor]:
@@ -651,6 +747,8 @@ def summary(rows: List[dict]) -> dict:
 
 
 def run(args) -> int:
+    if getattr(args, "measured", None):
+        return run_measured(args)
     sel = _select(getattr(args, "anchors", None))
     if getattr(args, "list", False):
         for a in sel:

@@ -57,14 +57,15 @@ def test_gemm_and_conv_launch_contract(fake_neuron):
                                     "causal_conv3d": {"torch": 0, "sim": 0, "nki": 1}}
 
 
-def test_without_nki_op_the_custom_ops_launch(fake_neuron, monkeypatch):
+def test_without_nki_op_the_dense_ops_are_refused_naming_torchneuron(fake_neuron, monkeypatch):
+    """A torch-neuronx without nki_op (the XLA-device integration): refused with the error naming TorchNeuron."""
     fake = fake_neuron(nki_op=False)
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     assert hw.dense_hardware_op("gemm") is None
     x, w = torch.randn(3, 4), torch.randn(4, 5)
-    torch.testing.assert_close(dense_ops.gemm(x, w, backend="nki"), x @ w, rtol=1e-5, atol=1e-5)
-    assert [(l.kernel, l.lnc) for l in fake.launches] == [("gemm", 1)]
-    assert dense_ops.counters()["gemm"]["nki"] == 1
+    with pytest.raises(RuntimeError, match="install TorchNeuron"):
+        dense_ops.gemm(x, w, backend="nki")
+    assert fake.launches == []
 
 
 def test_unavailable_nki_raises_naming_why():

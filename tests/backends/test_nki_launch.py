@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from diffusers_nki.kernels.cache_write_ref import cache_write_ref
 from diffusers_nki.kernels.qk_norm_rope import qk_norm_rope_kernel
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
 from diffusers_nki.prologue_ops import qk_norm_rope
+
+_REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -187,12 +190,90 @@ def test_attention_runtime_lnc1(fake_neuron, monkeypatch):
     assert [x.lnc for x in fake.launches] == [1]
 
 
-def test_attention_runtime_checks_still_apply(fake_neuron):
-    fake_neuron()
+_READS = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
+
+
+class _HostReads:
+    """Counts reads of tensor values on the host (``int(t)``, ``float(t)``, ``bool(t)``, ``t.__index__()``,
+    ``t.item()``, ``t.tolist()``: on a device each is a sync, under XLA a graph break) by wrapping those methods of
+    ``torch.Tensor`` for the block (a torch-function mode would not see inside custom-op bodies), except the reads
+    the fake device makes while a kernel runs "on the device" (the emulator reading its inputs is the device's
+    work). ``only`` (paths) keeps the reads whose calling frame is in one of them."""
+
+    def __init__(self, fake=None, only=()):
+        self.fake, self.only, self.reads, self._saved = fake, tuple(only), [], {}
+
+    def _site(self):
+        f = sys._getframe(2)
+        while f is not None and ("/torch/" in f.f_code.co_filename or f.f_code.co_filename == __file__):
+            f = f.f_back
+        return ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+
+    def __enter__(self):
+        for name in _READS:
+            orig = self._saved[name] = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _name=name, _orig=orig, **k):
+                if not (self.fake and self.fake.on_device):
+                    path, line = self._site()
+                    if not self.only or any(str(o) in path for o in self.only):
+                        self.reads.append(f"{path}:{line} {_name}" if self.only else _name)
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._saved.items():
+            setattr(torch.Tensor, name, orig)
+        return False
+
+
+def test_host_read_counter_fires():
+    """The counter is proven first: each way of reading a value is counted, inside a custom op's body too."""
+    t = torch.tensor([3, 4])
+
+    @torch.library.custom_op("diffusers_nki_test::reads_inside", mutates_args=())
+    def reads_inside(x: torch.Tensor) -> torch.Tensor:
+        int(x[0])
+        return x.clone()
+
+    with _HostReads() as m:
+        int(t[0]), float(t[0]), bool(t[0] > 1), t[1].item(), t.tolist(), int(t.min())
+        reads_inside(t)
+    assert m.reads == ["__int__", "__float__", "__bool__", "item", "tolist", "__int__", "__int__"]
+
+
+def test_nki_path_reads_no_runtime_value_on_the_host(fake_neuron):
+    """cache_len, kv_len and slot are never read on the host on the "nki" path (the host-side plan built them);
+    before the fix ops.attention read kv_len (min/max) and the twin's check read cache_len and slot per call."""
+    fake = fake_neuron()
     q, k, v = _qkv()
-    kc = torch.zeros(2, 8, 2, 8)
-    with pytest.raises(ValueError, match="cache_len"):
-        ops.attention(q, k, v, kc, kc.clone(), torch.tensor([9]), backend="nki")
+    kc, vc = torch.zeros(2, 20, 2, 8), torch.zeros(2, 20, 2, 8)
+    cl, kvl, slot = torch.tensor([4]), torch.tensor([11, 4]), torch.tensor([4])
+    with _HostReads(fake) as m:
+        ops.cache_write(kc, vc, k, v, slot, backend="nki")
+        out = ops.attention(q, k, v, kc, vc, cl, kvl, backend="nki")
+    assert m.reads == [], f"host reads of runtime values on the nki path: {m.reads}"
+    ref = attention_oracle(q, k, v, kc, vc, cl, kvl)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cache_len must be an integer tensor with one element"):
+        ops.attention(q, k, v, kc, vc, torch.tensor([4, 4]), backend="nki")  # shapes are still checked
+    with pytest.raises(ValueError, match="cache_len=30 is outside"):  # host memory, torch twin: values checked
+        ops.attention(q, k, v, kc, vc, torch.tensor([30]), backend="torch")
+
+
+def test_kernel_objects_are_called_as_jitted_never_rejitted(fake_neuron, monkeypatch):
+    """The module's @nki.jit object is the kernel (no ``__wrapped__`` guess, no second nki.jit); with
+    NEURON_LOGICAL_NC_CONFIG set it is called plainly (the env sets the degree), unset with the bracket."""
+    fake = fake_neuron()
+    q, k, v = _qkv(B=1)
+    ops.attention(q, k, v, backend="nki")
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    ops.attention(q, k, v, backend="nki")
+    assert hw.kernel("attention").target is attention_kernel
+    assert fake.jit_calls == [], "the backend re-jitted a kernel object"
+    assert [(x.lnc, x.bracket) for x in fake.launches] == [(2, True), (2, False)]
 
 
 @pytest.mark.parametrize("slot", [[4], [1, 5]], ids=["shared_slot", "per_batch_slot"])
@@ -255,21 +336,99 @@ def test_qk_norm_rope_launch_contract(fake_neuron):
     assert ops.counters()["qk_norm_rope"]["nki"] == 1
 
 
-def test_xla_path_without_nki_op(fake_neuron, monkeypatch):
-    """A torch-neuronx without ``nki_op``: the diffusers_nki custom ops launch the nki.jit kernel themselves."""
+def test_xla_path_is_refused_naming_torchneuron(fake_neuron):
+    """A torch-neuronx without ``nki_op`` (the XLA-device integration, torch-neuronx 2.9): one clear error naming
+    TorchNeuron, for an explicit backend="nki" and for the op; nothing is launched."""
+    from diffusers_nki import backends
+
     fake = fake_neuron(nki_op=False)
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-    assert hw.hardware_ops() == {} and not fake.nki_op_calls
+    reason = hw.unavailable_reason()
+    assert "TorchNeuron" in reason and "nki_op" in reason and "2.9.0" in reason
+    assert hw.hardware_ops() == {}
+    with pytest.raises(RuntimeError, match="TorchNeuron"):
+        backends.require("nki")
     q, k, v = _qkv()
-    out = ops.attention(q, k, v, backend="nki")
-    torch.testing.assert_close(out.double(), attention_oracle(q, k, v), rtol=1e-5, atol=1e-5)
-    base = torch.zeros(2, 2, 2, 8, 8)
-    kc, vc = base[0].transpose(1, 2), base[1].transpose(1, 2)
-    ops.cache_write(kc, vc, k[:, :3], v[:, :3], torch.tensor([2]), backend="nki")
-    assert torch.equal(kc[:, 2:5], k[:, :3]) and torch.equal(vc[:, 2:5], v[:, :3])
-    assert [(x.kernel, x.lnc) for x in fake.launches] == [("attention", 1), ("cache_write", 1)]
-    c = ops.counters()
-    assert c["attention"]["nki"] == 1 and c["cache_write"]["nki"] == 1
+    with pytest.raises(RuntimeError, match="TorchNeuron"):
+        ops.attention(q, k, v, backend="nki")
+    assert fake.launches == []
+
+
+@pytest.mark.parametrize("slot", [[4], [1, 5]], ids=["shared_slot", "per_batch_slot"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided_views"])
+def test_fresh_output_buffers_keep_every_untouched_slot(fake_neuron, slot, layout):
+    """A framework that returns FRESH buffers for the caches (only the kernel's DMA-written rows defined, the rest
+    NaN) instead of aliases: the caller's caches get exactly the chunk's rows; every other slot keeps its value."""
+    fake_neuron(fresh_outputs=True)
+    _, k, v = _qkv(Skv=3)
+    g = torch.Generator().manual_seed(7)
+    if layout == "strided_views":
+        base = torch.randn(2, 2, 2, 8, 8, generator=g)
+        kc, vc = base[0].transpose(1, 2), base[1].transpose(1, 2)
+    else:
+        kc, vc = torch.randn(2, 8, 2, 8, generator=g), torch.randn(2, 8, 2, 8, generator=g)
+    kr, vr = kc.clone(), vc.clone()
+    s = torch.tensor(slot)
+    cache_write_ref(kr, vr, k, v, s)
+    ops.cache_write(kc, vc, k, v, s, backend="nki")
+    assert not torch.isnan(kc).any() and not torch.isnan(vc).any(), "garbage rows of the fresh buffer leaked in"
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+def _aot_capture(graphs):
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return aot_autograd(fw_compiler=fw)
+
+
+def test_nki_op_bodies_trace_under_fake_and_functional_modes(fake_neuron):
+    """torch.compile through AOT autograd: dynamo traces with FakeTensorMode, AOT functionalizes under
+    FunctionalTensorMode (which runs each op's fake implementation, the nki_op body, on the unwrapped fake tensors);
+    the bodies call the kernel objects, which TRACE the kernels at the fake shapes (no short-circuit). The in-place cache write becomes a functionalized node; the compiled step
+    gives the eager numbers."""
+    fake = fake_neuron()
+    from diffusers_nki import backends
+
+    backends.require("nki")
+    graphs = []
+
+    def step(q, k, v, kc, vc, slot, cache_len):
+        ops.cache_write(kc, vc, k, v, slot, backend="nki")
+        return ops.attention(q, k, v, kc, vc, cache_len, backend="nki")
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, backend=_aot_capture(graphs))
+        q, k, v = _qkv()
+        kc, vc = torch.zeros(2, 20, 2, 8), torch.zeros(2, 20, 2, 8)
+        args = (torch.tensor([4], dtype=torch.int32), torch.tensor([7], dtype=torch.int32))
+        out = compiled(q, k, v, kc, vc, *args)
+        kc2, vc2 = torch.zeros(2, 20, 2, 8), torch.zeros(2, 20, 2, 8)
+        ref = step(q, k, v, kc2, vc2, *args)
+        assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        traced = [x.kernel for x in fake.launches if x.traced]
+        # each kernel traced by dynamo (FakeTensorMode) and again by AOT's functionalization (FunctionalTensorMode
+        # re-invokes the op's fake implementation, the nki_op body, on the unwrapped fake tensors)
+        assert traced.count("attention") >= 2 and traced.count("cache_write") >= 2, traced
+        assert fake.trace_modes and all(fm for fm, _ in fake.trace_modes), "a trace ran outside FakeTensorMode"
+        text = "\n".join(str(gm.graph) for gm in graphs)
+        assert "auto_functionalized" in text and "cache_write_nki" in text and "attention_nki" in text, text
+    finally:
+        torch._dynamo.reset()
+
+
+def test_kernel_trace_fails_like_the_kernel(fake_neuron):
+    """The trace is the kernel's own: a shape the kernel asserts against fails under fake tracing too."""
+    fake_neuron()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(1, 5, 2, 256)  # head_dim 256 > the kernel's limit
+        with pytest.raises(Exception):
+            hw.launch("attention", q, q, q, None, None, None, None, None, 0)
 
 
 def test_compiled_graph_holds_the_nki_ops(fake_neuron):
@@ -305,3 +464,53 @@ def test_compiled_graph_holds_the_nki_ops(fake_neuron):
         assert not any(t.startswith("diffusers_nki.attention.") for t in targets), targets
     finally:
         torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a Neuron host without an importable SDK: backend="auto" says what to install, once
+# ----------------------------------------------------------------------------------------------------------
+def test_auto_on_a_neuron_host_without_the_sdk_warns_once(monkeypatch):
+    import warnings
+
+    from diffusers_nki import backends
+
+    monkeypatch.delenv("DIFFUSERS_NKI_FORCE_EMULATOR", raising=False)
+    monkeypatch.setattr(hw, "_has_device", lambda: True)  # /dev/neuron* present; the SDK is not installed here
+    monkeypatch.setattr(backends, "_auto_choice", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert backends.resolve("auto") == "torch" and backends.resolve("auto") == "torch"
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1, msgs
+    assert "Neuron devices" in msgs[0] and "torch-neuronx>=2.13" in msgs[0] and "nki>=0.7" in msgs[0]
+    assert hw.unavailable_reason() in msgs[0]
+
+
+def test_auto_without_neuron_devices_does_not_warn(monkeypatch):
+    import warnings
+
+    from diffusers_nki import backends
+
+    monkeypatch.setattr(hw, "_has_device", lambda: False)
+    monkeypatch.setattr(backends, "_auto_choice", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert backends.resolve("auto") == "torch"
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert hw.install_hint() is None
+
+
+def test_cached_causal_wan_rollout_reads_no_runtime_value_on_the_host(fake_neuron):
+    """A whole cached rollout of the tiny causal Wan pipeline on the "nki" path: every length and slot comes from the
+    host-side plan; the project's code reads no tensor value on the host (the pipeline ran the nki kernels)."""
+    import diffusers_nki
+    from diffusers_nki.testing import tiny
+
+    fake = fake_neuron()
+    pipe = tiny.tiny_pipeline("causal_wan")
+    diffusers_nki.patch(pipe, backend="nki")
+    with torch.no_grad(), _HostReads(fake, only=(_REPO / "diffusers_nki", _REPO / "kernels")) as m:
+        pipe(**tiny.tiny_call_kwargs("causal_wan", chunks=2, steps=1))
+    c = ops.counters()
+    assert c["attention"]["nki"] > 0 and c["cache_write"]["nki"] > 0, c
+    assert m.reads == [], m.reads
