@@ -234,7 +234,8 @@ def bench_peer(name: str, target: str, heads: Optional[int] = None, lnc: int = 1
     """nki-library ``attention_cte`` at ``PEER_SHAPES[name]`` on ``target`` (trace mode), as a JSON row."""
     import ml_dtypes
 
-    from nkisim import NkiValidationError, production, simulate
+    from diffusers_nki_lab import production
+    from nkisim import NkiValidationError, simulate
 
     p = PEER_SHAPES[name]
     H_full, D = 12, 128

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nkisim import NkiLaunchError, last_record, production, simulate
+from diffusers_nki_lab import production
+from nkisim import NkiLaunchError, last_record, simulate
 from nkisim import isa as nisa
 from nkisim import language as nl
 from nkisim import nki_module as nki

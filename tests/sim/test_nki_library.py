@@ -33,7 +33,8 @@ import warnings
 import pytest
 import torch
 
-from diffusers_nki_lab import production, simulate
+from diffusers_nki_lab import production
+from nkisim import simulate
 from diffusers_nki.testing import FLOOR, K_TOL, pairs_of, pairwise_rows
 
 pytestmark = pytest.mark.skipif(production.unavailable_reason() is not None,
