@@ -43,7 +43,6 @@ LAZY_SOURCES = {  # modules that may import more of ours inside functions, and w
     "diffusers_nki": "the package facade: lazy public names (import diffusers_nki stays cheap) and the import hook",
     "diffusers_nki.sim": "the emulator (issue 19's stream owns its internals)",
     "diffusers_nki.bench.kernels": "owned by the attention-kernel stream (issue 20); its lazy imports move with it",
-    "diffusers_nki.bench.budget": "owned by the GEMM / conv stream (issue 18); its lazy imports move with it",
     "diffusers_nki.bench.scaling": "shared with the budget stream (issue 18); its lazy imports move with it",
 }
 # importlib may load modules by name only where a name is data: diffusers' modules (compat), the records' dotted

@@ -8,28 +8,30 @@ with a 3-frame sink and a 12-frame window. The unit is a STEADY-STATE chunk (win
 which yields 12 video frames, decoded by the Wan VAE (``AutoencoderKLWan()``: base 96, dim_mult (1, 2, 4, 4)) one
 latent frame at a time with its causal feature cache kept (``WanStreamingDecoder``).
 
-Every term is either SCHEDULED -- an NKI kernel of ``kernels/`` traced in the emulator at the per-rank shape and
-costed by the dependency-aware schedule (``sim.schedule``; the roofline ceiling kept beside it) -- or an
-ASSUMPTION, labelled with why. The label is in every row ("scheduled: <kernel>" / "ASSUMPTION: ...").
-- DiT, per pass and layer at W ranks (diffusers' context parallelism as ``parallel.CacheParallel`` runs it: the
-  hidden states split per frame, 4680 / W tokens per rank): attention (self over [cache | chunk] and the text
-  cross-attention): ``bench/scaling.model_layout`` at the best Ulysses x ring layout of W ranks, each rank's calls
-  from the attention kernel (``bench/_modeled``), its collectives (all-to-all / all-gather bytes at the documented
-  bandwidths, ASSUMPTION, not overlapped) in their own row; q/k/v/o, cross-attention q/o, text k/v (all 512 tokens
-  on every rank), FFN 1536 -> 8960 (+ GELU-tanh fused) -> 1536, patch embedding (the whole chunk on every rank),
-  output head, text / time embedders: ``kernels/gemm.py``; q/k RMSNorm + RoPE: ``kernels/qk_norm_rope.py``; the
-  cache pass's K/V write: ``kernels/cache_write.py``; norms, modulation, gated residuals: HBM traffic
-  (ASSUMPTION); the output all-gather per pass (ASSUMPTION collective model).
-- VAE decode at V ranks (the latent split along height, every rank its rows plus one halo row per neighbour
-  before each 3-row convolution): every causal 3-D convolution (res blocks, time convolutions, shortcuts) and the
-  upsamplers' 3x3 Conv2d, at each stage's per-rank shape: ``kernels/causal_conv3d.py``, the feature cache read in
-  place (static [B, C, 2, H, W] buffers); the mid-block attention (one head, d = 384, per frame): its q/k/v/proj
-  1x1 convolutions scheduled, QK^T and PV as ``kernels/gemm.py`` GEMMs, the softmax and the K/V all-gather
-  ASSUMPTION; norms, SiLU, residuals, upsampling copies, the cache update: HBM traffic (ASSUMPTION); the halo
-  exchange: ASSUMPTION collective model.
-Tracing cost: ONE call per distinct shape is traced and multiplied by its count (every layer, pass and frame
-repeats the same shapes); VAE convolutions taller than ``VAE_ROWS_TRACED`` output rows are traced on that many
-interior rows and scaled by rows (each band of rows is identical work).
+The budget is DERIVED from the calls the default path makes, never assembled beside it. ``chunk_attention_calls``
+rolls the default patched ``CausalWanPipeline`` out (``diffusers_nki.patch(pipe)``, the emulator's backend standing
+in for the device's: the same wiring) over Wan2.1-1.3B's published config on the meta device, and
+``vae_decode_calls`` runs the static streaming decode ``patch(pipe)`` installs on the full ``AutoencoderKLWan``;
+``bench/_record.OpRecorder`` logs every op either dispatches, with its call site (module path), shapes and count.
+Each term then comes from those records:
+- "scheduled: <kernel>": a call of ours (``diffusers_nki::attention``, ``qk_norm_rope``, ``cache_write``,
+  ``causal_conv3d``, ``gemm`` where wired) is the NKI kernel of ``kernels/`` that call launches, traced in the
+  emulator at the per-rank shape and costed by the dependency-aware schedule (``sim.schedule``; the roofline
+  ceiling kept beside it). The attention's per-rank calls come from ``bench/scaling.model_layout`` at the best
+  Ulysses x ring layout of W ranks (diffusers' context parallelism as ``parallel.CacheParallel`` runs it).
+- "XLA-compiled: ASSUMPTION ...": every other op. Matmuls (the projections and FFN, the embedders, the patch
+  embedding, the VAE's mid-block attention) at ``XLA_MATMUL_EFFICIENCY`` of the PE peak (published utilisation
+  of other workloads; the GEMM kernel's modeled time at the same shape is printed beside each, not counted);
+  elementwise ops and copies (pads, concatenations, the decode's cache-buffer writes) read and written once in
+  bf16 at the core's HBM share, unfused.
+- "ASSUMPTION: ...": collectives (bench/scaling's model, not overlapped), launches (every kernel call and compiled
+  graph at ``sim.cost``'s measured launch start-up + tear-down).
+Per-rank shares: an op whose output spans the chunk's tokens is split over the W DiT ranks, the rest (text,
+embedders, patch embedding) replicated; the decode's convolutions take the slowest rank's rows plus halos.
+The JSON carries, per term, its call sites and counts; ``scheduled_kernels`` / ``kernels_called`` list the
+kernels the terms name and the kernels the path called (a test checks the first against a held-out count).
+Tracing cost: ONE call per distinct shape is traced and multiplied by its count; VAE convolutions taller than
+``VAE_ROWS_TRACED`` output rows are traced on that many interior rows and scaled by rows.
 
 Layouts of the chip's 8 NeuronCores (one rank = one core):
 - serial, decode on one core: the DiT on all 8 cores, then the chunk's decode on one core -- what the code runs
@@ -42,7 +44,7 @@ Layouts of the chip's 8 NeuronCores (one rank = one core):
   pruned (said so in the JSON).
 A layout COUNTS (its fps is printed as a result) only when the code implements it: the one-core decode always
 (``WanStreamingDecoder``); the shared (height-sharded) decode and every disaggregated split only when
-``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the vae workstream's gloo tests run each); a layout
+``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the gloo tests in tests/parallel/ run each); a layout
 it does not list says "not implemented" and is left out of the headline fps. The sharded decode's collectives are
 those ``caching.wan_vae.decode_collectives`` lists (all-gathers of the edge rows before every 3-row convolution,
 of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model.
@@ -57,9 +59,15 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
+import diffusers_nki
 from diffusers_nki import vae_parallel
-from diffusers_nki.bench import calibrate
-from diffusers_nki.caching.wan_vae import decode_collectives
+from diffusers_nki.bench import _modeled, _record, calibrate, kernels_dense, scaling
+from diffusers_nki.bench._measure import AttentionRecorder, json_safe
+from diffusers_nki.bench.published import AttnCall
+from diffusers_nki.caching.causal_wan import CHUNK_KEY
+from diffusers_nki.caching.wan_vae import (WanVAECacheConfig, apply_wan_vae_cache, decode_collectives,
+                                           remove_wan_vae_cache)
+from diffusers_nki.pipelines.causal_wan import CausalWanPipeline, WanStreamingDecoder
 
 __all__ = ["SETUPS", "PUBLISHED_GPU", "GPU_SCOPE", "scheduled_kernels", "kernels_called", "WAN13", "chunk_attention_calls", "transformer_flops", "vae_decode_flops",
            "vae_decode_calls", "dit_terms", "vae_terms", "layouts", "implemented_layouts", "budget",
@@ -143,12 +151,6 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     import torch
     from diffusers import FlowMatchLCMScheduler
 
-    import diffusers_nki
-    from diffusers_nki.bench._measure import AttentionRecorder
-    from diffusers_nki.bench._record import OpRecorder
-    from diffusers_nki.bench.published import AttnCall
-    from diffusers_nki.caching.causal_wan import CHUNK_KEY
-    from diffusers_nki.pipelines import CausalWanPipeline
 
     if chunks is None:  # the window full, then one more chunk with its cache pass
         chunks = (window or 21) // chunk_frames + 1
@@ -162,7 +164,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     h = transformer.register_forward_pre_hook(
         lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
     latent = chunks * chunk_frames
-    ops = OpRecorder(transformer, tag=lambda: starts[-1] // chunk_frames if starts else -1)
+    ops = _record.OpRecorder(transformer, tag=lambda: starts[-1] // chunk_frames if starts else -1)
     try:
         with torch.no_grad(), AttentionRecorder(scope=transformer) as rec, ops:
             pipe(prompt_embeds=torch.zeros(1, WAN13["text_len"], WAN13["text_dim"], device="meta"),
@@ -233,9 +235,6 @@ def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
     import torch
     from diffusers import AutoencoderKLWan
 
-    from diffusers_nki.bench._record import OpRecorder
-    from diffusers_nki.caching.wan_vae import WanVAECacheConfig, apply_wan_vae_cache, remove_wan_vae_cache
-    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
 
     if decoder not in DECODERS:
         raise ValueError(f"decoder={decoder!r}: choose from {list(DECODERS)}")
@@ -244,7 +243,7 @@ def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
     apply_wan_vae_cache(vae, WanVAECacheConfig(backend=backend))
     h, w = height // 8, width // 8
     phase = [0]
-    rec = OpRecorder(vae, tag=lambda: phase[0])
+    rec = _record.OpRecorder(vae, tag=lambda: phase[0])
     try:
         dec = WanStreamingDecoder(vae)
         with torch.no_grad(), rec:
@@ -265,7 +264,6 @@ def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
 def recorded_flops(ops: dict) -> float:
     """Matmul FLOPs of recorded ops: the causal_conv3d kernel calls (at their whole-image shapes) and the XLA
     matmuls (torch's flop counter does not see our custom ops)."""
-    from diffusers_nki.bench import _record
 
     total = 0.0
     for r, n in ops.items():
@@ -287,7 +285,6 @@ def vae_decode_flops(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
     from diffusers import AutoencoderKLWan
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
 
     with torch.device("meta"):
         vae = AutoencoderKLWan()
@@ -309,27 +306,22 @@ class _Model:
     ``bench/scaling``); a test replaces them with stand-ins."""
 
     def gemm(self, M, K, N, bias, activation, target):
-        from diffusers_nki.bench import kernels_dense
 
         return kernels_dense.model_gemm(M, K, N, bias, activation, target)
 
     def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target):
-        from diffusers_nki.bench import kernels_dense
 
         return kernels_dense.model_conv(Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, True, target)
 
     def qk_norm_rope(self, S, target):
-        from diffusers_nki.bench import kernels_dense
 
         return kernels_dense.model_qk_norm_rope(S, WAN13["heads"], WAN13["head_dim"], target)
 
     def cache_write(self, S, C, H, target):
-        from diffusers_nki.bench import kernels_dense
 
         return kernels_dense.model_cache_write(S, C, H, WAN13["head_dim"], target)
 
     def attention_kernel_time(self, call, target):
-        from diffusers_nki.bench import _modeled
 
         return float(_modeled.model_call(call, target)["core_s"])
 
@@ -351,7 +343,6 @@ def _sched(kernel, r, n=1, note=""):
 
 
 def _rank_layouts(W: int, heads: int = WAN13["heads"]) -> List[Tuple[int, int]]:
-    from diffusers_nki.bench import scaling
 
     return scaling.layouts(heads, W)
 
@@ -407,7 +398,6 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
     """The DiT's per-chunk terms on each of W ranks (the ranks are symmetric), derived from ``ops`` (the steady
     chunk's recorded ops, ``chunk_attention_calls()["ops"]``): each kernel call of ours at its per-rank shape,
     every other op an XLA row. ``{"terms": [...], "seconds", "layout": (U, R), "tokens_per_rank"}``."""
-    from diffusers_nki.bench import _record, scaling
 
     model = model or _Model()
     if ops is None:
@@ -581,7 +571,6 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
     """The VAE decode's per-chunk terms on the slowest of V ranks (height split, halos), derived from the recorded
     ops of the default decode (``vae_decode_calls()["ops"]``): every ``causal_conv3d`` kernel call at its per-rank
     rows, every other op an XLA row. ``{"terms", "seconds"}``."""
-    from diffusers_nki.bench import _record, scaling
 
     model = model or _Model()
     ops = vae["ops"]
@@ -699,7 +688,6 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
                 progress.update(1)
         return vaes[n]
 
-    from diffusers_nki.bench import scaling
 
     hand = scaling._Comm()  # the latents of a chunk from the DiT cores to the VAE cores (disaggregated)
     scaling._collective(scaling.FABRICS[target], CORES, 1, 2, WAN13["in_channels"] * CHUNK_FRAMES * 4 * tpf * E,
@@ -945,8 +933,6 @@ def run(args) -> int:
     except ValueError as e:
         print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
         return 2
-    from diffusers_nki.bench import _modeled
-    from diffusers_nki.bench._measure import json_safe
 
     why = _modeled.unavailable_reason()
     if why:
