@@ -109,8 +109,8 @@ GPU_SCOPE = {
     "longlive": (
         "scope UNSETTLED: the original's pipeline times 'Diffusion generation' (per block) and 'VAE decoding' "
         "(the whole clip at the end) apart; a user's H100 profile (NVlabs/LongLive#26) shows ~0.6-0.77 s per "
-        "3-latent-frame block of diffusion alone (16-20 fps DiT-only); NVlabs/LongLive#103 reports end-to-end "
-        "figures below the denoise-loop ones for LongLive 2.0"),
+        "block of diffusion alone; NVlabs/LongLive#103 reports end-to-end figures below the denoise-loop ones "
+        "for LongLive 2.0"),
 }
 TARGET_FPS = {"self_forcing": (17.0, 25.0), "longlive": (20.7, 30.0)}   # (issue target, moonshot)
 
