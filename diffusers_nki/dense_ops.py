@@ -270,18 +270,23 @@ def _conv_forward(mod, backend):
 
 
 def conv_module(mod, x: torch.Tensor, cache: Optional[torch.Tensor] = None, pad_top: int = -1,
-                pad_bottom: int = -1, backend: str = "torch", stock=None) -> torch.Tensor:
+                pad_bottom: int = -1, backend: str = "torch", stock=None, counts: Optional[dict] = None) -> torch.Tensor:
     """``mod`` (a ``WanCausalConv3d`` or a stride-1 ``nn.Conv2d`` taken as kt = 1) over the 5-D ``x`` through the
     causal conv3d kernel: its weight in the kernel layout (remade when the parameter changes), ``cache`` the
     static buffer read in place, the rows padded by ``pad_top`` / ``pad_bottom`` (-1: the image's). Inputs the
-    kernel cannot take run ``stock()`` instead, a visible fallback (``fallbacks()``, warned once per reason)."""
+    kernel cannot take run ``stock()`` instead, a visible fallback (``fallbacks()``, warned once per reason).
+    ``counts``: a caller's dict whose "kernel_convs" / "fallback_convs" entries count this call (eager only)."""
     w = kernel_weight(mod, _conv_ref.conv_weight_layout)
     reasons = _conv_ref.not_supported_reasons(x, w, mod.bias, cache, pad_top, pad_bottom)
     if reasons or tuple(getattr(mod, "stride", (1,))) not in ((1, 1, 1), (1, 1)):
         if stock is None:
             raise ValueError("diffusers_nki.dense_ops.conv_module: " + ("; ".join(reasons) or "stride != 1"))
         note_fallback("; ".join(reasons) or f"{type(mod).__name__} with stride {tuple(mod.stride)}")
+        if counts is not None and not accounting.compiling():
+            counts["fallback_convs"] = counts.get("fallback_convs", 0) + 1
         return stock()
+    if counts is not None and not accounting.compiling():
+        counts["kernel_convs"] = counts.get("kernel_convs", 0) + 1
     return causal_conv3d(x, w, mod.bias, cache, pad_top, pad_bottom, backend)
 
 

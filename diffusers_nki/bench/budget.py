@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 import math
 import os
 import sys
@@ -140,14 +141,15 @@ def wan13_transformer(layers: int = WAN13["layers"]):
 
 def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int] = None, steps: int = STEPS,
                           height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES,
-                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND) -> dict:
+                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True) -> dict:
     """The DEFAULT patched ``CausalWanPipeline`` (``diffusers_nki.patch(pipe, backend=backend)``: what a Trainium
     host gets, with the emulator's backend standing in for the device's: the same wiring) rolled out over
     Wan2.1-1.3B on the meta device at full geometry: every op it dispatches recorded with its call site
     (``bench._record.OpRecorder``; our kernels are their custom ops, run by their fake implementations), and
     the attention calls' dims (``AttentionRecorder``). Returns ``{"chunks": [[AttnCall, ...], ...], "steady":
     index, "ops": {OpRecord: n} of the steady chunk, "dispatches": its op count, ...}``; the steady
-    chunk is the last one with a cache pass (the window is full there)."""
+    chunk is the last one with a cache pass (the window is full there). ``record_ops=False``: the attention calls
+    only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need."""
     import torch
     from diffusers import FlowMatchLCMScheduler
 
@@ -166,7 +168,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     latent = chunks * chunk_frames
     ops = _record.OpRecorder(transformer, tag=lambda: starts[-1] // chunk_frames if starts else -1)
     try:
-        with torch.no_grad(), AttentionRecorder(scope=transformer) as rec, ops:
+        with torch.no_grad(), AttentionRecorder(scope=transformer) as rec, (ops if record_ops else nullcontext()):
             pipe(prompt_embeds=torch.zeros(1, WAN13["text_len"], WAN13["text_dim"], device="meta"),
                  latents=torch.zeros(1, WAN13["in_channels"], latent, height // 8, width // 8, device="meta"),
                  height=height, width=width, num_frames=4 * (latent - 1) + 1, output_type="latent")

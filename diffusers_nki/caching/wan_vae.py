@@ -166,13 +166,13 @@ class WanVAECacheHook(ModelHook):
         super().__init__()
         self.config = config
         self.origin = "user"  # "patch" when diffusers_nki.patch installed it (unpatch removes only those)
-        self.stats = {"streams": 0, "calls": 0, "frames": 0}
+        self.stats = {"streams": 0, "calls": 0, "frames": 0, "kernel_convs": 0, "fallback_convs": 0}
         self._had_registry = True
         self._vae_ref = None
 
     def new_forward(self, module, x, feat_cache=None, feat_idx=[0], first_chunk=False):  # noqa: B006 - stock API
         if isinstance(feat_cache, WanVAEStream):
-            return _Run(feat_cache, bool(first_chunk)).decoder(module, x)
+            return _Run(feat_cache, bool(first_chunk), self.stats).decoder(module, x)
         return self.fn_ref.original_forward(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
 
     def new_stream(self, vae, batch: int, height: int, width: int, dtype=None, device=None,
@@ -187,6 +187,8 @@ class WanVAECacheHook(ModelHook):
         return [f"Wan VAE streaming decode cache: static per-conv buffers, {c.frames_per_call} latent frame(s) per "
                 f"decoder call" + (", height sharded over the process group" if c.process_group is not None else "")
                 + f"; convolutions through the causal_conv3d kernel (backend {c.backend!r})",
+                f"causal_conv3d kernel calls {self.stats['kernel_convs']}, stock fallbacks "
+                f"{self.stats['fallback_convs']}",
                 f"streams {self.stats['streams']}, decoder calls {self.stats['calls']}, latent frames "
                 f"{self.stats['frames']}"]
 
@@ -422,7 +424,7 @@ class WanVAEStream:
         if self.shards is not None:
             z = self.shards.local(z)
         pq = vae.post_quant_conv
-        x = dense_ops.conv_module(pq, z, backend=self.backend, stock=lambda: pq(z))
+        x = dense_ops.conv_module(pq, z, backend=self.backend, stock=lambda: pq(z), counts=hook.stats)
         outs, i = [], 0
         while i < f:
             n = 1 if self.first else min(self.frames_per_call, f - i)
@@ -457,8 +459,8 @@ class WanVAEStream:
 class _Run:
     """One decoder call: walks the decoder in the stock forward's order, taking the buffers in ``_walk`` order."""
 
-    def __init__(self, stream: WanVAEStream, first: bool):
-        self.s, self.first, self.i = stream, first, 0
+    def __init__(self, stream: WanVAEStream, first: bool, counts: Optional[dict] = None):
+        self.s, self.first, self.i, self.counts = stream, first, 0, counts
         self.shards = stream.shards
         self.backend = stream.backend
 
@@ -482,13 +484,13 @@ class _Run:
         place). A call the kernel cannot take runs the stock math, a visible ``dense_ops`` fallback."""
         t, ph, pw = compat.wan_causal_padding(conv)
         if t == 0:  # no temporal extent (1x1x1): no cache, the kernel with kt = 1
-            return dense_ops.conv_module(conv, x, backend=self.backend, stock=lambda: conv(x))
+            return dense_ops.conv_module(conv, x, backend=self.backend, stock=lambda: conv(x), counts=self.counts)
         buf = self._buffer(conv)
         xp = self._hpad(x, ph)
         y = dense_ops.conv_module(
             conv, xp, buf, 0, 0, self.backend,
             stock=lambda: conv._conv_forward(F.pad(torch.cat([buf, xp], dim=2), (pw, pw, 0, 0, 0, 0)), conv.weight,
-                                             conv.bias))
+                                             conv.bias), counts=self.counts)
         n = xp.shape[2]
         if n >= t:
             buf.copy_(xp[:, :, n - t:])
@@ -543,7 +545,8 @@ class _Run:
         x5 = x.unsqueeze(2)
         x = dense_ops.conv_module(
             conv2d, x5, None, pad, pad, self.backend,
-            stock=lambda: F.conv2d(x, conv2d.weight, conv2d.bias, padding=(0 if pad == 0 else 1, 1)).unsqueeze(2))
+            stock=lambda: F.conv2d(x, conv2d.weight, conv2d.bias, padding=(0 if pad == 0 else 1, 1)).unsqueeze(2),
+            counts=self.counts)
         x = x.squeeze(2)
         return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
 

@@ -282,7 +282,9 @@ def test_patch_routes_the_streamed_decode_through_the_kernel_and_explain_lists_i
         rep = str(diffusers_nki.explain(pipe))
     finally:
         diffusers_nki.unpatch(pipe)
-    assert dense_ops.counters()["causal_conv3d"]["torch"] > 0 and dense_ops.fallbacks() == {}
+    n = dense_ops.counters()["causal_conv3d"]["torch"]
+    assert n > 0 and dense_ops.fallbacks() == {}
     assert "convolutions through the causal_conv3d kernel (backend 'torch')" in rep
+    assert f"causal_conv3d kernel calls {n}, stock fallbacks 0" in rep  # explain() lists what ran
     with pytest.raises(ValueError, match="backend"):
         wan_vae.WanVAECacheConfig(backend="cuda")
