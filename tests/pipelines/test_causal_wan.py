@@ -431,3 +431,11 @@ def test_sim_backend_smallest_case(pipe, ref_model, kernel_counts):
     assert calls["qk_norm_rope"]["sim"] == 2 * layers * 3  # the prologue kernel in the emulator, q and k
     ref = reference_rollout(ref_model, latents, pe, [1000.0], 1, seed=2)
     assert max(_errs(out, ref)) <= 1e-4
+    # the same cached rollout with the torch twins (the stock torch math of the norm, RoPE and attention): the
+    # emulated kernels match it within 1e-5 (fp32)
+    apply_static_cache(pipe, StaticCacheConfig(capacity=3, backend="torch"))
+    try:
+        twin = _run(pipe, latents, pe, 1, [1000.0], seed=2)
+    finally:
+        remove_static_cache(pipe)
+    assert max(_errs(out, twin)) <= 1e-5, _errs(out, twin)
