@@ -39,7 +39,7 @@ from diffusers_nki.kernels import causal_conv3d_ref as _conv_ref
 from diffusers_nki.kernels import gemm_ref as _gemm_ref
 
 __all__ = ["gemm", "causal_conv3d", "counters", "reset_counters", "fallbacks", "DenseKernelsConfig",
-           "apply_dense_kernels", "remove_dense_kernels", "DENSE_OPS"]
+           "apply_dense_kernels", "remove_dense_kernels", "DENSE_OPS", "conv_module", "kernel_weight", "note_fallback"]
 
 DENSE_OPS = accounting.DENSE_OPS
 _lock = threading.Lock()
@@ -162,11 +162,17 @@ class DenseKernelsConfig:
 _HOOK = "_diffusers_nki_dense"
 
 
-def _fallback(reason: str) -> None:
+def note_fallback(reason: str) -> None:
+    """A call of ours served by the stock module instead of a dense kernel: counted in ``fallbacks()``, warned once
+    per reason (the static VAE decode's convolutions report here too)."""
+    _fallback(reason, stacklevel=5)
+
+
+def _fallback(reason: str, stacklevel: int = 4) -> None:
     with _lock:
         _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
     errors.warn_once(("dense_ops", reason), f"diffusers_nki dense kernels: falling back to the module's own "
-                     f"forward: {reason}", stacklevel=4)
+                     f"forward: {reason}", stacklevel=stacklevel)
 
 
 def _gelu_tanh_owner(parent, child) -> bool:
@@ -177,10 +183,12 @@ def _gelu_tanh_owner(parent, child) -> bool:
     return type(parent) is GELU and parent.approximate == "tanh" and parent.proj is child
 
 
-def _kernel_weight(mod, layout):
+def kernel_weight(mod, layout):
     """The layer's weight in the kernel's layout, remade whenever the parameter changed (version, storage,
-    dtype or device), so it never goes stale."""
+    dtype or device), so it never goes stale; under ``torch.compile`` the layout is traced as graph ops."""
     p = mod.weight
+    if accounting.compiling():  # a traced graph: the layout is a graph op on the parameter (constant-folded)
+        return layout(p.detach())
     key = (p._version, p.data_ptr(), p.dtype, p.device)
     cached = mod.__dict__.get("_diffusers_nki_w")
     if cached is None or cached[0] != key:
@@ -192,7 +200,7 @@ def _kernel_weight(mod, layout):
 def _linear_forward(mod, fuse_gelu, backend):
     """``mod`` (an nn.Linear) through the GEMM kernel; ``fuse_gelu``: the result of its owning tanh-GELU module."""
     def forward(x):
-        w = _kernel_weight(mod, _gemm_ref.linear_weight)
+        w = kernel_weight(mod, _gemm_ref.linear_weight)
         x2 = x.reshape(-1, x.shape[-1])
         act = "gelu_tanh" if fuse_gelu else None
         reasons = _gemm_ref.not_supported_reasons(x2, w, mod.bias, act)
@@ -245,7 +253,7 @@ def _conv_forward(mod, backend):
             _fallback("WanCausalConv3d with a stride or padding the kernel does not take" if not ok
                       else "gradients are enabled (the dense kernels serve inference)")
             return orig(x, cache_x)
-        w = _kernel_weight(mod, _conv_ref.conv_weight_layout)
+        w = kernel_weight(mod, _conv_ref.conv_weight_layout)
         cache = None
         if kt > 1 and cache_x is not None:  # diffusers' 1- or 2-frame cache as the static right-aligned layout
             cache = cache_x.to(x.dtype)
@@ -259,6 +267,27 @@ def _conv_forward(mod, backend):
         return causal_conv3d(x, w, mod.bias, cache, -1, -1, backend)
 
     return forward
+
+
+def conv_module(mod, x: torch.Tensor, cache: Optional[torch.Tensor] = None, pad_top: int = -1,
+                pad_bottom: int = -1, backend: str = "torch", stock=None, counts: Optional[dict] = None) -> torch.Tensor:
+    """``mod`` (a ``WanCausalConv3d`` or a stride-1 ``nn.Conv2d`` taken as kt = 1) over the 5-D ``x`` through the
+    causal conv3d kernel: its weight in the kernel layout (remade when the parameter changes), ``cache`` the
+    static buffer read in place, the rows padded by ``pad_top`` / ``pad_bottom`` (-1: the image's). Inputs the
+    kernel cannot take run ``stock()`` instead, a visible fallback (``fallbacks()``, warned once per reason).
+    ``counts``: a caller's dict whose "kernel_convs" / "fallback_convs" entries count this call (eager only)."""
+    w = kernel_weight(mod, _conv_ref.conv_weight_layout)
+    reasons = _conv_ref.not_supported_reasons(x, w, mod.bias, cache, pad_top, pad_bottom)
+    if reasons or tuple(getattr(mod, "stride", (1,))) not in ((1, 1, 1), (1, 1)):
+        if stock is None:
+            raise ValueError("diffusers_nki.dense_ops.conv_module: " + ("; ".join(reasons) or "stride != 1"))
+        note_fallback("; ".join(reasons) or f"{type(mod).__name__} with stride {tuple(mod.stride)}")
+        if counts is not None and not accounting.compiling():
+            counts["fallback_convs"] = counts.get("fallback_convs", 0) + 1
+        return stock()
+    if counts is not None and not accounting.compiling():
+        counts["kernel_convs"] = counts.get("kernel_convs", 0) + 1
+    return causal_conv3d(x, w, mod.bias, cache, pad_top, pad_bottom, backend)
 
 
 def remove_dense_kernels(module: torch.nn.Module) -> int:

@@ -186,7 +186,7 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             if cache is not None and cache is not False and not served:
                 # nothing to install the cache on: apply_static_cache warns (raises with config.strict)
                 cache_api.apply_static_cache(pipe_or_model, cache)
-            wan_vae.install_for_patch(pipe_or_model, cache)
+            wan_vae.install_for_patch(pipe_or_model, cache, route.backend)
         except BaseException:
             _release(ps)
             raise

@@ -163,7 +163,7 @@ def _modeled_per_chunk(args) -> dict:
     if why:
         return {"available": False, "reason": why}
     probe = chunk_attention_calls(window=args.window, sink=args.sink, chunks=args.chunks, steps=args.steps,
-                                  chunk_frames=args.frames_per_chunk)
+                                  chunk_frames=args.frames_per_chunk, record_ops=False)
 
     from tqdm.auto import tqdm
 

@@ -100,6 +100,9 @@ import torch
 from diffusers_nki import parallel
 from diffusers_nki.caching.config import StaticCacheConfig
 from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan as wan_rope  # Wan's interleaved RoPE
+from diffusers_nki.errors import warn_once
+from diffusers_nki.processors.wan import prologue_reason
+from diffusers_nki.prologue_ops import qk_norm_rope
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
 
@@ -398,8 +401,11 @@ class _LayerStep:
 
 class CausalWanCacheProcessor:
     """Self-attention (``attn1``) of ``WanAttention`` over the causal static cache: the module's own
-    projections and q/k RMS norms, Wan's RoPE at absolute frame positions, then one kernel call (BSHD). Calls
-    not served by the hook (``rotary_emb`` a plain (cos, sin) pair) go to the processor it replaced."""
+    projections, then the q/k RMS norms and Wan's RoPE at absolute frame positions as ONE fused prologue call
+    each for q and k (``prologue_ops.qk_norm_rope``, ``kernels/qk_norm_rope.py``, on the hook's backend; where
+    ``processors.wan.prologue_reason`` says the kernel cannot serve the module, the stock torch norm + RoPE run
+    and the call is a visible fallback of the processor it replaced), then one attention kernel call (BSHD).
+    Calls not served by the hook (``rotary_emb`` a plain (cos, sin) pair) go to the processor it replaced."""
 
     def __init__(self, original):
         self.original = original
@@ -413,10 +419,26 @@ class CausalWanCacheProcessor:
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        reason = prologue_reason(attn, query, key, (step.cos, step.sin))
+        if reason is None:  # the fused q/k RMSNorm + RoPE kernel (the route's backend), as the uncached processor
+            query = qk_norm_rope(query, attn.norm_q.weight, attn.norm_q.eps, step.cos, step.sin, attn.heads,
+                                 backend=step.backend)
+            key = qk_norm_rope(key, attn.norm_k.weight, attn.norm_k.eps, step.cos, step.sin, attn.heads,
+                               backend=step.backend)
+            ran = getattr(self.original, "_ran", None)  # NKIWanAttnProcessor's explain() count
+            if ran is not None:
+                ran()
+        else:
+            fell = getattr(self.original, "_fallback", None)  # visible: counted, warned once, raises when strict
+            if fell is not None:
+                fell(reason)
+            else:
+                warn_once(("causal_wan qk_norm_rope", reason), "diffusers_nki causal Wan cache: qk_norm_rope "
+                          f"prologue not applied (stock norm and RoPE run in torch): {reason}", stacklevel=3)
+            query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+            key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+            query, key = wan_rope(query, step.cos, step.sin), wan_rope(key, step.cos, step.sin)
         value = value.unflatten(2, (attn.heads, -1))
-        query, key = wan_rope(query, step.cos, step.sin), wan_rope(key, step.cos, step.sin)
         out = step.attend(query, key, value).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 

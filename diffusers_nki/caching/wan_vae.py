@@ -17,11 +17,15 @@ reads it. A zero-initialised buffer IS the stock left zero padding of the first 
 changes shape: the first decoder call of a stream compiles one graph, every later call of the same frame count
 one more, and nothing else (tested with a counting ``torch.compile`` backend over 10 chunks).
 ``WanVAEStream.decode(z)`` decodes the next latent frames of a video (``diffusers_nki.pipelines.causal_wan.
-WanStreamingDecoder`` calls it chunk by chunk). The decoder math is the stock modules' own
-(norms, activations, 1x1 convolutions, upsampling, the mid attention block are called as they are); only the
-causal convolutions (cache read in place, then written) and, under sharding, the spatial halos are ours.
+WanStreamingDecoder`` calls it chunk by chunk). The decoder's norms, activations, upsampling and the mid attention
+block are the stock modules, called as they are; every convolution of the decode runs the causal conv3d kernel
+(``dense_ops.causal_conv3d``, ``kernels/causal_conv3d.py``, on the config's backend; ``patch(pipe)`` passes its
+own): the causal 3x3x3 and 3x1x1 convolutions with their buffer read in place, the 1x1x1 post-quant conv and
+residual shortcuts (kt = 1, no cache), the upsamplers' 3x3 ``Conv2d`` (kt = 1, each frame a batch entry). A call
+the kernel cannot take runs the stock math as a visible ``dense_ops`` fallback (``dense_ops.fallbacks()``).
+Under sharding, the spatial halos are ours too.
 
-Cache layout (the contract with the NKI causal conv3d kernel, ``kernels/`` of the gemm-conv stream)
+Cache layout (the contract with the NKI causal conv3d kernel, ``kernels/causal_conv3d.py``)
 -----------------------------------------------------------------------------------------------
 Per causal conv ``c`` (in the decoder's forward order, ``WanVAEStream.convs[i]`` / ``buffers[i]``)::
 
@@ -39,10 +43,10 @@ The convolution of a call with ``n`` input frames ``x`` [B, C_in, n, h_loc, W]::
     buffers[i][:, :, :] <- the last 2 frames of [buffers[i] | xp]   (n >= 2: xp[:, :, -2:];
                                              n == 1: slot 0 <- slot 1, then slot 1 <- xp[:, :, 0])
 
-With the gemm-conv stream's kernel (``kernels/causal_conv3d.py``: ``causal_conv3d_kernel(x, w, bias, cache,
-pad_top, pad_bottom)``, cache ``[B, Cin, kt - 1, Hin, W]`` newest frame last, the same rows as ``x``) this conv is
-``causal_conv3d_kernel(xp, w, bias, cache=buffers[i], pad_top=0, pad_bottom=0)``: the buffer is read in place as
-it lies; the write above stays a separate in-place copy (the kernel only reads the cache).
+The kernel (``kernels/causal_conv3d.py``: ``causal_conv3d_kernel(x, w, bias, cache, pad_top, pad_bottom)``, cache
+``[B, Cin, kt - 1, Hin, W]`` newest frame last, the same rows as ``x``) runs this conv as
+``causal_conv3d(xp, w, bias, cache=buffers[i], pad_top=0, pad_bottom=0)`` (``_Run.conv``): the buffer is read in
+place as it lies; the write above stays a separate in-place copy (the kernel only reads the cache).
 ``h_loc`` at a conv is the rank's latent rows times the stage's upsampling factor (1, 2, 4, 8 for Wan2.1);
 ``conv_plan(vae, ...)`` lists every conv with its per-rank input shape (the budget schedules the kernel there).
 The temporal upsamplers' ``time_conv`` is skipped on the stream's first call (stock ``"Rep"``), and its buffer
@@ -84,7 +88,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
-from diffusers_nki import compat
+from diffusers_nki import backends, compat, dense_ops
 from diffusers_nki.family import resolve_class
 from diffusers_nki.vae_parallel import HeightShards, split_rows
 
@@ -111,12 +115,17 @@ class WanVAECacheConfig:
         always one frame).
     process_group: ``None`` (one process) or the ``torch.distributed`` group whose ranks split the height
         (the DiT's context-parallel group, or a dedicated VAE group; see ``diffusers_nki.vae_parallel``).
+    backend: where the decoder's convolutions run (``dense_ops.causal_conv3d``, ``kernels/causal_conv3d.py``):
+        "torch" (the twin), "sim", "nki" or "auto" ("nki" on a Neuron host, else "torch"); ``patch(pipe)`` passes
+        its own backend.
     """
 
     frames_per_call: int = 1
     process_group: Any = field(default=None, compare=False)
+    backend: str = "auto"
 
     def __post_init__(self):
+        backends.check_name(self.backend)
         if not isinstance(self.frames_per_call, int) or isinstance(self.frames_per_call, bool) \
                 or self.frames_per_call < 1:
             raise ValueError(f"WanVAECacheConfig.frames_per_call={self.frames_per_call!r} must be an int >= 1")
@@ -156,7 +165,7 @@ class WanVAECacheHook(ModelHook):
         super().__init__()
         self.config = config
         self.origin = "user"  # "patch" when diffusers_nki.patch installed it (unpatch removes only those)
-        self.stats = {"streams": 0, "calls": 0, "frames": 0}
+        self.stats = {"streams": 0, "calls": 0, "frames": 0, "kernel_convs": 0, "fallback_convs": 0}
         self._had_registry = True
 
     # a copy (torch.save / torch.load, copy.deepcopy of the VAE or its pipeline) keeps the config and the forward
@@ -166,19 +175,23 @@ class WanVAECacheHook(ModelHook):
 
     def new_forward(self, module, x, feat_cache=None, feat_idx=[0], first_chunk=False):  # noqa: B006 - stock API
         if isinstance(feat_cache, WanVAEStream):
-            return _Run(feat_cache, bool(first_chunk)).decoder(module, x)
+            return _Run(feat_cache, bool(first_chunk), self.stats).decoder(module, x)
         return self.fn_ref.original_forward(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
 
     def new_stream(self, vae, batch: int, height: int, width: int, dtype=None, device=None,
                    process_group: Any = "config") -> "WanVAEStream":
         """A fresh stream (its own zeroed buffers) for a latent video of ``height`` x ``width`` latent pixels."""
         group = self.config.process_group if process_group == "config" else process_group
-        return WanVAEStream(vae, batch, height, width, dtype, device, self.config.frames_per_call, group)
+        return WanVAEStream(vae, batch, height, width, dtype, device, self.config.frames_per_call, group,
+                            backend=self.config.backend)
 
     def describe(self) -> List[str]:
         c = self.config
         return [f"Wan VAE streaming decode cache: static per-conv buffers, {c.frames_per_call} latent frame(s) per "
-                f"decoder call" + (", height sharded over the process group" if c.process_group is not None else ""),
+                f"decoder call" + (", height sharded over the process group" if c.process_group is not None else "")
+                + f"; convolutions through the causal_conv3d kernel (backend {c.backend!r})",
+                f"causal_conv3d kernel calls {self.stats['kernel_convs']}, stock fallbacks "
+                f"{self.stats['fallback_convs']}",
                 f"streams {self.stats['streams']}, decoder calls {self.stats['calls']}, latent frames "
                 f"{self.stats['frames']}"]
 
@@ -223,16 +236,17 @@ def remove_wan_vae_cache(vae) -> bool:
     return True
 
 
-def install_for_patch(pipe, cache=None) -> bool:
+def install_for_patch(pipe, cache=None, backend: str = "auto") -> bool:
     """``diffusers_nki.patch(pipe)``: install the cache on the VAE of a pipeline that streams its decode (exact
-    class in ``STREAMING_PIPELINES``), unless ``cache is False`` or the user installed one. True if installed."""
+    class in ``STREAMING_PIPELINES``), unless ``cache is False`` or the user installed one; its convolutions run
+    on the patch's ``backend``. True if installed."""
     if cache is False or not any(path.rpartition(".")[2] == type(pipe).__name__ and type(pipe) is resolve_class(path)
                                  for path in STREAMING_PIPELINES):
         return False
     vae = getattr(pipe, "vae", None)
     if vae is None or not_supported_reasons(vae) or find_wan_vae_cache(vae) is not None:
         return False
-    apply_wan_vae_cache(vae).origin = "patch"
+    apply_wan_vae_cache(vae, WanVAECacheConfig(backend=backend)).origin = "patch"
     return True
 
 
@@ -355,7 +369,7 @@ class WanVAEStream:
     (f - 1) for the stream's first frames, 4 f after), whole frames on every rank."""
 
     def __init__(self, vae, batch: int, height: int, width: int, dtype=None, device=None, frames_per_call: int = 1,
-                 process_group: Any = None):
+                 process_group: Any = None, backend: str = "auto"):
         why = not_supported_reasons(vae)
         if why:
             raise ValueError(f"WanVAEStream: cannot serve this VAE: {'; '.join(why)}")
@@ -363,6 +377,7 @@ class WanVAEStream:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"WanVAEStream: {name}={v!r} must be an int >= 1")
         self.vae = vae
+        self.backend = backends.resolve(backend)
         self.geometry = (batch, height, width)
         self.frames_per_call = frames_per_call
         self.dtype = vae.dtype if dtype is None else dtype
@@ -421,7 +436,8 @@ class WanVAEStream:
         z = z.to(device=self.device, dtype=self.dtype)
         if self.shards is not None:
             z = self.shards.local(z)
-        x = vae.post_quant_conv(z)
+        pq = vae.post_quant_conv
+        x = dense_ops.conv_module(pq, z, backend=self.backend, stock=lambda: pq(z), counts=hook.stats)
         outs, i = [], 0
         while i < f:
             n = 1 if self.first else min(self.frames_per_call, f - i)
@@ -456,9 +472,10 @@ class WanVAEStream:
 class _Run:
     """One decoder call: walks the decoder in the stock forward's order, taking the buffers in ``_walk`` order."""
 
-    def __init__(self, stream: WanVAEStream, first: bool):
-        self.s, self.first, self.i = stream, first, 0
+    def __init__(self, stream: WanVAEStream, first: bool, counts: Optional[dict] = None):
+        self.s, self.first, self.i, self.counts = stream, first, 0, counts
         self.shards = stream.shards
+        self.backend = stream.backend
 
     def _buffer(self, conv) -> torch.Tensor:
         i = self.i
@@ -475,13 +492,18 @@ class _Run:
         return self.shards.halo(x, p)
 
     def conv(self, conv, x: torch.Tensor) -> torch.Tensor:
-        """A causal conv over [its buffer | x]; the buffer then takes the last frames (in place)."""
+        """A causal conv over [its buffer | x] through the causal_conv3d kernel (the buffer read in place, the
+        rows already padded or haloed, the kernel pads the width); the buffer then takes the last frames (in
+        place). A call the kernel cannot take runs the stock math, a visible ``dense_ops`` fallback."""
         t, ph, pw = compat.wan_causal_padding(conv)
-        if t == 0:  # no temporal extent (1x1x1): the stock call
-            return conv(x)
+        if t == 0:  # no temporal extent (1x1x1): no cache, the kernel with kt = 1
+            return dense_ops.conv_module(conv, x, backend=self.backend, stock=lambda: conv(x), counts=self.counts)
         buf = self._buffer(conv)
         xp = self._hpad(x, ph)
-        y = conv._conv_forward(F.pad(torch.cat([buf, xp], dim=2), (pw, pw, 0, 0, 0, 0)), conv.weight, conv.bias)
+        y = dense_ops.conv_module(
+            conv, xp, buf, 0, 0, self.backend,
+            stock=lambda: conv._conv_forward(F.pad(torch.cat([buf, xp], dim=2), (pw, pw, 0, 0, 0, 0)), conv.weight,
+                                             conv.bias), counts=self.counts)
         n = xp.shape[2]
         if n >= t:
             buf.copy_(xp[:, :, n - t:])
@@ -491,7 +513,8 @@ class _Run:
         return y
 
     def resnet(self, r, x: torch.Tensor) -> torch.Tensor:
-        h = r.conv_shortcut(x)
+        h = self.conv(r.conv_shortcut, x) if type(r.conv_shortcut) is compat.wan_vae_module().WanCausalConv3d \
+            else r.conv_shortcut(x)  # a 1x1x1 shortcut (channels change) through the kernel; else nn.Identity
         x = self.conv(r.conv1, r.nonlinearity(r.norm1(x)))
         x = r.dropout(r.nonlinearity(r.norm2(x)))
         x = self.conv(r.conv2, x)
@@ -526,12 +549,18 @@ class _Run:
                 x = torch.stack((x[:, 0], x[:, 1]), 3).reshape(b, c, t * 2, h, w)
         t = x.shape[2]
         x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+        up, conv2d = m.resample[0], m.resample[1]  # stock: nearest-exact x2, then the 3x3 conv2d
         if self.shards is None:
-            x = m.resample(x)  # stock: nearest-exact x2, then the 3x3 conv2d
+            x, pad = up(x), -1
         else:
-            up, conv2d = m.resample[0], m.resample[1]
-            x = self.shards.halo(up(x), 1)  # halo rows at the upsampled resolution
-            x = F.conv2d(x, conv2d.weight, conv2d.bias, padding=(0, 1))
+            x, pad = self.shards.halo(up(x), 1), 0  # halo rows at the upsampled resolution
+        # the 3x3 conv2d as the kernel with kt = 1: every frame one batch entry ([bt, c, 1, h, w], a view)
+        x5 = x.unsqueeze(2)
+        x = dense_ops.conv_module(
+            conv2d, x5, None, pad, pad, self.backend,
+            stock=lambda: F.conv2d(x, conv2d.weight, conv2d.bias, padding=(0 if pad == 0 else 1, 1)).unsqueeze(2),
+            counts=self.counts)
+        x = x.squeeze(2)
         return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
 
     def up_block(self, ub, x: torch.Tensor) -> torch.Tensor:

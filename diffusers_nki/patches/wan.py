@@ -13,8 +13,8 @@ PATCH = FamilyPatch(
     swap={_T + "transformer_wan.WanAttnProcessor": "diffusers_nki.processors.wan.NKIWanAttnProcessor"},
     reached_by_dispatch=(_T + "transformer_wan.WanAttnProcessor",),
     notes=("self-attention: NKIWanAttnProcessor can run the q/k prologue (RMSNorm across heads + RoPE) as the "
-           "qk_norm_rope op (a static cache's processor computes q/k itself); whether it ran: each processor's "
-           "'prologue ran Nx'; attention itself goes through dispatch",),
+           "qk_norm_rope op (so does the causal static cache's processor, through the same op); whether it ran: each "
+           "processor's 'prologue ran Nx'; attention itself goes through dispatch",),
     caches=(CacheSpec(
         name="causal_wan",
         models=(_T + "transformer_wan.WanTransformer3DModel",),

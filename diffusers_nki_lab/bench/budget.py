@@ -8,28 +8,30 @@ with a 3-frame sink and a 12-frame window. The unit is a STEADY-STATE chunk (win
 which yields 12 video frames, decoded by the Wan VAE (``AutoencoderKLWan()``: base 96, dim_mult (1, 2, 4, 4)) one
 latent frame at a time with its causal feature cache kept (``WanStreamingDecoder``).
 
-Every term is either SCHEDULED -- an NKI kernel of ``kernels/`` traced in the emulator at the per-rank shape and
-costed by the dependency-aware schedule (``sim.schedule``; the roofline ceiling kept beside it) -- or an
-ASSUMPTION, labelled with why. The label is in every row ("scheduled: <kernel>" / "ASSUMPTION: ...").
-- DiT, per pass and layer at W ranks (diffusers' context parallelism as ``parallel.CacheParallel`` runs it: the
-  hidden states split per frame, 4680 / W tokens per rank): attention (self over [cache | chunk] and the text
-  cross-attention): ``bench/scaling.model_layout`` at the best Ulysses x ring layout of W ranks, each rank's calls
-  from the attention kernel (``bench/_modeled``), its collectives (all-to-all / all-gather bytes at the documented
-  bandwidths, ASSUMPTION, not overlapped) in their own row; q/k/v/o, cross-attention q/o, text k/v (all 512 tokens
-  on every rank), FFN 1536 -> 8960 (+ GELU-tanh fused) -> 1536, patch embedding (the whole chunk on every rank),
-  output head, text / time embedders: ``kernels/gemm.py``; q/k RMSNorm + RoPE: ``kernels/qk_norm_rope.py``; the
-  cache pass's K/V write: ``kernels/cache_write.py``; norms, modulation, gated residuals: HBM traffic
-  (ASSUMPTION); the output all-gather per pass (ASSUMPTION collective model).
-- VAE decode at V ranks (the latent split along height, every rank its rows plus one halo row per neighbour
-  before each 3-row convolution): every causal 3-D convolution (res blocks, time convolutions, shortcuts) and the
-  upsamplers' 3x3 Conv2d, at each stage's per-rank shape: ``kernels/causal_conv3d.py``, the feature cache read in
-  place (static [B, C, 2, H, W] buffers); the mid-block attention (one head, d = 384, per frame): its q/k/v/proj
-  1x1 convolutions scheduled, QK^T and PV as ``kernels/gemm.py`` GEMMs, the softmax and the K/V all-gather
-  ASSUMPTION; norms, SiLU, residuals, upsampling copies, the cache update: HBM traffic (ASSUMPTION); the halo
-  exchange: ASSUMPTION collective model.
-Tracing cost: ONE call per distinct shape is traced and multiplied by its count (every layer, pass and frame
-repeats the same shapes); VAE convolutions taller than ``VAE_ROWS_TRACED`` output rows are traced on that many
-interior rows and scaled by rows (each band of rows is identical work).
+The budget is DERIVED from the calls the default path makes, never assembled beside it. ``chunk_attention_calls``
+rolls the default patched ``CausalWanPipeline`` out (``diffusers_nki.patch(pipe)``, the emulator's backend standing
+in for the device's: the same wiring) over Wan2.1-1.3B's published config on the meta device, and
+``vae_decode_calls`` runs the static streaming decode ``patch(pipe)`` installs on the full ``AutoencoderKLWan``;
+``bench/_record.OpRecorder`` logs every op either dispatches, with its call site (module path), shapes and count.
+Each term then comes from those records:
+- "scheduled: <kernel>": a call of ours (``diffusers_nki::attention``, ``qk_norm_rope``, ``cache_write``,
+  ``causal_conv3d``, ``gemm`` where wired) is the NKI kernel of ``kernels/`` that call launches, traced in the
+  emulator at the per-rank shape and costed by the dependency-aware schedule (``sim.schedule``; the roofline
+  ceiling kept beside it). The attention's per-rank calls come from ``bench/scaling.model_layout`` at the best
+  Ulysses x ring layout of W ranks (diffusers' context parallelism as ``parallel.CacheParallel`` runs it).
+- "XLA-compiled: ASSUMPTION ...": every other op. Matmuls (the projections and FFN, the embedders, the patch
+  embedding, the VAE's mid-block attention) at ``XLA_MATMUL_EFFICIENCY`` of the PE peak (published utilisation
+  of other workloads; the GEMM kernel's modeled time at the same shape is printed beside each, not counted);
+  elementwise ops and copies (pads, concatenations, the decode's cache-buffer writes) read and written once in
+  bf16 at the core's HBM share, unfused.
+- "ASSUMPTION: ...": collectives (bench/scaling's model, not overlapped), launches (every kernel call and compiled
+  graph at ``sim.cost``'s measured launch start-up + tear-down).
+Per-rank shares: an op whose output spans the chunk's tokens is split over the W DiT ranks, the rest (text,
+embedders, patch embedding) replicated; the decode's convolutions take the slowest rank's rows plus halos.
+The JSON carries, per term, its call sites and counts; ``scheduled_kernels`` / ``kernels_called`` list the
+kernels the terms name and the kernels the path called (a test checks the first against a held-out count).
+Tracing cost: ONE call per distinct shape is traced and multiplied by its count; VAE convolutions taller than
+``VAE_ROWS_TRACED`` output rows are traced on that many interior rows and scaled by rows.
 
 Layouts of the chip's 8 NeuronCores (one rank = one core):
 - serial, decode on one core: the DiT on all 8 cores, then the chunk's decode on one core -- what the code runs
@@ -42,7 +44,7 @@ Layouts of the chip's 8 NeuronCores (one rank = one core):
   pruned (said so in the JSON).
 A layout COUNTS (its fps is printed as a result) only when the code implements it: the one-core decode always
 (``WanStreamingDecoder``); the shared (height-sharded) decode and every disaggregated split only when
-``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the vae workstream's gloo tests run each); a layout
+``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the gloo tests in tests/parallel/ run each); a layout
 it does not list says "not implemented" and is left out of the headline fps. The sharded decode's collectives are
 those ``caching.wan_vae.decode_collectives`` lists (all-gathers of the edge rows before every 3-row convolution,
 of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model.
@@ -50,15 +52,25 @@ of the mid attention's keys and values, and of the decoded rows), costed by the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+from contextlib import nullcontext
 import math
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-__all__ = ["SETUPS", "PUBLISHED_GPU", "WAN13", "chunk_attention_calls", "transformer_flops", "vae_decode_flops",
+import diffusers_nki
+from diffusers_nki import vae_parallel
+from diffusers_nki_lab.bench import _modeled, _record, calibrate, kernels_dense, scaling
+from diffusers_nki_lab.bench._measure import AttentionRecorder, json_safe
+from diffusers_nki_lab.bench.published import AttnCall
+from diffusers_nki.caching.causal_wan import CHUNK_KEY
+from diffusers_nki.caching.wan_vae import (WanVAECacheConfig, apply_wan_vae_cache, decode_collectives,
+                                           remove_wan_vae_cache)
+from diffusers_nki.pipelines.causal_wan import CausalWanPipeline, WanStreamingDecoder
+
+__all__ = ["SETUPS", "PUBLISHED_GPU", "GPU_SCOPE", "scheduled_kernels", "kernels_called", "WAN13", "chunk_attention_calls", "transformer_flops", "vae_decode_flops",
            "vae_decode_calls", "dit_terms", "vae_terms", "layouts", "implemented_layouts", "budget",
            "calibration_row", "add_arguments", "run", "render"]
 
@@ -68,6 +80,13 @@ HEIGHT, WIDTH, CHUNK_FRAMES, STEPS = 480, 832, 3, 4
 CORES = 8
 VAE_ROWS_TRACED = 64    # output rows traced per VAE convolution call (taller calls scaled by rows)
 E = 2                    # bytes per activation element (bf16)
+RECORD_BACKEND = "sim"   # the backend the recorded default patch uses (the device's wiring; fake impls on meta)
+DECODERS = ("wan",)      # the recorded decoders (--decoder); another decoder is another recorded run
+PRECISIONS = ("bf16",)   # the modeled precisions (--precision); another precision is another set of kernel models
+# compiled XLA's matmul efficiency (of the PE peak) for the matmuls no kernel of ours serves: only published
+# utilisation figures of OTHER workloads exist (an AWS talk: 60% TensorE utilisation on trn2, > 90% on trn3 for a
+# production workload; NKIBench / AccelOpt average 45% -> 59% on trn2; FIELD_GUIDE section 4): ASSUMPTION
+XLA_MATMUL_EFFICIENCY = {"trn2": 0.60, "trn3": 0.90}
 
 SETUPS = {
     "self_forcing": dict(window=21, sink=0, label="Self-Forcing (21-frame window)", published_fps=17.0),
@@ -81,6 +100,19 @@ PUBLISHED_GPU = [
     ("StreamDiffusionV2", "58-65 fps", "4 x H100 (pipeline parallel)"),
 ]
 PUBLISHED_SOURCE = "published figures as collected in the project's field guide (section 5/7)"
+# what the published H100 figures include (read in the originals' code and issues; the scope is not documented)
+GPU_SCOPE = {
+    "self_forcing": (
+        "scope UNSETTLED: the original's inference loop denoises every block, then decodes the whole clip with the "
+        "Wan VAE at the end, timed apart in its profile output (diffusion vs VAE decoding); issue "
+        "guandeh17/Self-Forcing#67 asks whether 17 fps includes the VAE decode (open, unanswered); a user "
+        "(JaydenLyh/Reward-Forcing#13) measures ~6.2 s for an 81-frame video end to end on an H100 (~13 fps)"),
+    "longlive": (
+        "scope UNSETTLED: the original's pipeline times 'Diffusion generation' (per block) and 'VAE decoding' "
+        "(the whole clip at the end) apart; a user's H100 profile (NVlabs/LongLive#26) shows ~0.6-0.77 s per "
+        "block of diffusion alone; NVlabs/LongLive#103 reports end-to-end figures below the denoise-loop ones "
+        "for LongLive 2.0"),
+}
 TARGET_FPS = {"self_forcing": (17.0, 25.0), "longlive": (20.7, 30.0)}   # (issue target, moonshot)
 
 # elementwise work left outside the kernels, per layer and pass, in activation-sized (tokens x 1536, bf16) HBM
@@ -91,40 +123,58 @@ ELEMENTWISE_IO_PER_LAYER = 17.0
 
 
 # ------------------------------------------------------------------------------------------------------
-# attention shapes recorded from the patched pipeline at full geometry
+# the default patched path, recorded at full geometry on the meta device
 # ------------------------------------------------------------------------------------------------------
-def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: int = 8, steps: int = STEPS,
-                          height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES) -> dict:
-    """Per-chunk attention calls of the patched ``CausalWanPipeline`` rollout at full geometry, re-headed to
-    Wan2.1-1.3B. Returns ``{"chunks": [[AttnCall, ...], ...], "steady": index, "unrouted": n, ...}``; the steady
-    chunk is the last one with a cache pass (the window is full there when ``chunks`` is long enough)."""
+def wan13_transformer(layers: int = WAN13["layers"]):
+    """Wan2.1-T2V-1.3B's transformer (its published config) on the meta device: shapes only, no weights."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    m = WAN13
+    with torch.device("meta"):
+        return WanTransformer3DModel(patch_size=m["patch"], num_attention_heads=m["heads"],
+                                     attention_head_dim=m["head_dim"], in_channels=m["in_channels"],
+                                     out_channels=m["in_channels"], text_dim=m["text_dim"], freq_dim=m["freq_dim"],
+                                     ffn_dim=m["ffn"], num_layers=layers, cross_attn_norm=True,
+                                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int] = None, steps: int = STEPS,
+                          height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES,
+                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True) -> dict:
+    """The DEFAULT patched ``CausalWanPipeline`` (``diffusers_nki.patch(pipe, backend=backend)``: what a Trainium
+    host gets, with the emulator's backend standing in for the device's: the same wiring) rolled out over
+    Wan2.1-1.3B on the meta device at full geometry: every op it dispatches recorded with its call site
+    (``bench._record.OpRecorder``; our kernels are their custom ops, run by their fake implementations), and
+    the attention calls' dims (``AttentionRecorder``). Returns ``{"chunks": [[AttnCall, ...], ...], "steady":
+    index, "ops": {OpRecord: n} of the steady chunk, "dispatches": its op count, ...}``; the steady
+    chunk is the last one with a cache pass (the window is full there). ``record_ops=False``: the attention calls
+    only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need."""
     import torch
     from diffusers import FlowMatchLCMScheduler
 
-    import diffusers_nki
-    from diffusers_nki_lab.bench._measure import AttentionRecorder
-    from diffusers_nki_lab.bench.published import AttnCall
-    from diffusers_nki.caching.causal_wan import CHUNK_KEY
-    from diffusers_nki.pipelines import CausalWanPipeline
-    from diffusers_nki.testing.tiny import tiny_transformer
 
-    transformer, _ = tiny_transformer("wan", num_layers=1, in_channels=WAN13["in_channels"],
-                                      out_channels=WAN13["in_channels"], text_dim=32, rope_max_seq_len=1024)
+    if chunks is None:  # the window full, then one more chunk with its cache pass
+        chunks = (window or 21) // chunk_frames + 1
+    transformer = wan13_transformer(layers)
     pipe = CausalWanPipeline(None, None, transformer, None, FlowMatchLCMScheduler(shift=5.0),
                              num_frame_per_block=chunk_frames, window_frames=window, sink_frames=sink,
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
     pipe.set_progress_bar_config(disable=True)
-    diffusers_nki.patch(pipe, backend="torch")
+    diffusers_nki.patch(pipe, backend=backend)
     starts: List[int] = []
     h = transformer.register_forward_pre_hook(
         lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
     latent = chunks * chunk_frames
+    ops = _record.OpRecorder(transformer, tag=lambda: starts[-1] // chunk_frames if starts else -1)
     try:
-        with torch.no_grad(), AttentionRecorder(stub=True, scope=transformer) as rec:
-            pipe(prompt_embeds=torch.zeros(1, WAN13["text_len"], 32), height=height, width=width,
-                 num_frames=4 * (latent - 1) + 1, output_type="latent")
+        with torch.no_grad(), AttentionRecorder(scope=transformer) as rec, (ops if record_ops else nullcontext()):
+            pipe(prompt_embeds=torch.zeros(1, WAN13["text_len"], WAN13["text_dim"], device="meta"),
+                 latents=torch.zeros(1, WAN13["in_channels"], latent, height // 8, width // 8, device="meta"),
+                 height=height, width=width, num_frames=4 * (latent - 1) + 1, output_type="latent")
     finally:
         h.remove()
+        ops.close()
         diffusers_nki.unpatch(pipe)
     calls_per_pass = len(rec.calls) // len(starts)
     tpf = (height // 16) * (width // 16)
@@ -138,7 +188,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: int = 8, step
         cache_len = min(start, history) * tpf if d["C"] else 0
         key = (d["Sq"], d["Skv"], d["C"], cache_len, d["causal_block"])
         calls = per_chunk.setdefault(start // chunk_frames, {})
-        calls[key] = calls.get(key, 0) + WAN13["layers"]
+        calls[key] = calls.get(key, 0) + 1
     chunks_out = []
     for ci in sorted(per_chunk):
         out = []
@@ -148,18 +198,20 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: int = 8, step
                                 cb))
         chunks_out.append(out)
     passes = [sum(1 for s in starts if s // chunk_frames == ci) for ci in range(len(chunks_out))]
-    # the last chunk with its cache pass (the last chunk of a rollout skips it: a 1-chunk rollout has none)
     steady = max((i for i, p in enumerate(passes) if p == steps + 1), default=len(passes) - 1)
+    steady_ops = ops.records(tag=steady)
     return {"chunks": chunks_out, "steady": steady, "passes": passes,
             "unrouted": sum(1 for c in rec.calls if c.path != "diffusers_nki"),
             "distinct_shapes": rec.distinct([c for c in rec.calls if c.path == "diffusers_nki"]),
+            "ops": steady_ops, "dispatches": sum(steady_ops.values()), "transformer_calls": passes[steady],
+            "backend": backend, "layers": layers,
             "geometry": {"height": height, "width": width, "chunk_frames": chunk_frames, "chunks": chunks,
                          "window": window, "sink": sink, "tokens_per_frame": tpf, "steps": steps}}
 
 
 def transformer_flops(tokens: int, passes: int, m: dict = WAN13) -> Dict[str, float]:
     """Matmul FLOPs (2 x MACs) of everything but the attention cores, for ``passes`` transformer passes over
-    ``tokens`` tokens (a cross-check of the GEMM terms: the kernels' recorded FLOPs must add up to this)."""
+    ``tokens`` tokens (a cross-check of the recorded matmuls: they must add up to this)."""
     S, T, d, f, L = tokens, m["text_len"], m["dim"], m["ffn"], m["layers"]
     patch = m["in_channels"] * math.prod(m["patch"])
     per_pass = {
@@ -174,107 +226,67 @@ def transformer_flops(tokens: int, passes: int, m: dict = WAN13) -> Dict[str, fl
     return {k: float(v * passes) for k, v in per_pass.items()}
 
 
-# ------------------------------------------------------------------------------------------------------
-# the VAE decode, recorded on the meta device
-# ------------------------------------------------------------------------------------------------------
-def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, width: int = WIDTH) -> dict:
-    """The steady-state streaming decode of ``latent_frames`` latent frames by the full ``AutoencoderKLWan``
-    (meta device, no compute), as ``WanStreamingDecoder`` runs it: every convolution call's shape, the mid-block
-    attentions, and the elementwise HBM bytes (norms, SiLU, residual adds, upsampling copies, the final clamp).
-    Returns ``{"convs": [{Cin, Cout, k, T, H, W, causal, count}], "attention": [{C, T, H, W, count}],
-    "elementwise_bytes": float, "cache_update_bytes": float, "flops": float}``."""
+def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, width: int = WIDTH,
+                     backend: str = RECORD_BACKEND, decoder: str = "wan") -> dict:
+    """The steady-state streaming decode of ``latent_frames`` latent frames as the default patched path runs it:
+    the full ``AutoencoderKLWan`` on the meta device with the static streaming cache ``patch(pipe)`` installs
+    (``caching.wan_vae``, convolutions on ``backend``'s kernel), driven by ``WanStreamingDecoder`` (a first
+    1-frame call primes the buffers, not counted). Every op recorded with its call site (``bench._record``).
+    ``decoder``: "wan" (the only one today; another decoder is another recorded run). Returns ``{"ops":
+    {OpRecord: n}, "flops", "latent_frames", "video_frames", "dispatches", "decoder_calls", "decoder"}``."""
     import torch
     from diffusers import AutoencoderKLWan
-    from diffusers.models.autoencoders import autoencoder_kl_wan as akw
-    from torch.utils.flop_counter import FlopCounterMode
 
-    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
 
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder={decoder!r}: choose from {list(DECODERS)}")
     with torch.device("meta"):
         vae = AutoencoderKLWan()
-    dec = WanStreamingDecoder(vae)
+    apply_wan_vae_cache(vae, WanVAECacheConfig(backend=backend))
     h, w = height // 8, width // 8
-    convs: Dict[tuple, int] = {}
-    attn: Dict[tuple, int] = {}
-    io = {"elem": 0.0, "cache": 0.0}
-    on = [False]
-    hooks = []
-
-    def conv3d_hook(mod, args):
-        if on[0]:
-            x = args[0]
-            kt = mod.kernel_size[0]
-            key = (mod.in_channels, mod.out_channels, tuple(mod.kernel_size), x.shape[2], x.shape[3], x.shape[4],
-                   kt > 1)
-            convs[key] = convs.get(key, 0) + 1
-            if kt > 1:  # the static cache update: the last kt - 1 input frames read and written (ASSUMPTION)
-                io["cache"] += 2.0 * (kt - 1) * x.shape[1] * x.shape[3] * x.shape[4] * E
-
-    def conv2d_hook(mod, args):
-        if on[0]:
-            x = args[0]  # [frames, C, H, W]
-            key = (mod.in_channels, mod.out_channels, (1,) + tuple(mod.kernel_size), x.shape[0], x.shape[2],
-                   x.shape[3], False)
-            convs[key] = convs.get(key, 0) + 1
-
-    def attn_hook(mod, args):
-        if on[0]:
-            x = args[0]
-            key = (x.shape[1], x.shape[2], x.shape[3], x.shape[4])
-            attn[key] = attn.get(key, 0) + 1
-
-    def elem_hook(factor):
-        def hook(mod, args, out):
-            if on[0]:
-                io["elem"] += factor * out.numel() * E
-        return hook
-
-    def upsample_hook(mod, args, out):
-        if on[0]:
-            io["elem"] += (args[0].numel() + out.numel()) * E
-
-    for m in vae.modules():  # the decoder and post_quant_conv (the encoder does not run)
-        if isinstance(m, akw.WanCausalConv3d):
-            hooks.append(m.register_forward_pre_hook(conv3d_hook))
-        elif isinstance(m, torch.nn.Conv2d):
-            hooks.append(m.register_forward_pre_hook(conv2d_hook))
-        elif isinstance(m, akw.WanAttentionBlock):
-            hooks.append(m.register_forward_pre_hook(attn_hook))
-        elif isinstance(m, akw.WanRMS_norm):
-            hooks.append(m.register_forward_hook(elem_hook(2.0)))
-        elif isinstance(m, torch.nn.SiLU):
-            hooks.append(m.register_forward_hook(elem_hook(2.0)))
-        elif isinstance(m, akw.WanResidualBlock):
-            hooks.append(m.register_forward_hook(elem_hook(3.0)))  # x + h
-        elif isinstance(m, akw.WanUpsample):
-            hooks.append(m.register_forward_hook(upsample_hook))
+    phase = [0]
+    rec = _record.OpRecorder(vae, tag=lambda: phase[0])
     try:
-        with torch.no_grad():
-            dec.decode(torch.zeros(1, 16, 2, h, w, device="meta"))  # prime the causal caches (not counted)
-            on[0] = True
-            with FlopCounterMode(display=False) as fc:
-                out = dec.decode(torch.zeros(1, 16, latent_frames, h, w, device="meta"))
+        dec = WanStreamingDecoder(vae)
+        with torch.no_grad(), rec:
+            dec.decode(torch.zeros(1, 16, 1, h, w, device="meta"))  # the stream's first frame (not counted)
+            phase[0] = 1
+            calls0 = dec.stream.calls
+            out = dec.decode(torch.zeros(1, 16, latent_frames, h, w, device="meta"))
+            calls = dec.stream.calls - calls0
     finally:
-        for hk in hooks:
-            hk.remove()
-    io["elem"] += 2.0 * out.numel() * E  # the final clamp
-    conv_list = [dict(Cin=k[0], Cout=k[1], k=k[2], T=k[3], H=k[4], W=k[5], causal=k[6], count=n)
-                 for k, n in convs.items()]
-    attn_list = [dict(C=k[0], T=k[1], H=k[2], W=k[3], count=n) for k, n in attn.items()]
-    return {"convs": conv_list, "attention": attn_list, "elementwise_bytes": io["elem"],
-            "cache_update_bytes": io["cache"], "flops": float(fc.get_total_flops()),
-            "latent_frames": latent_frames, "video_frames": int(out.shape[2])}
+        rec.close()
+        remove_wan_vae_cache(vae)
+    recs = rec.records(tag=1)
+    return {"ops": recs, "flops": recorded_flops(recs), "latent_frames": latent_frames,
+            "video_frames": int(out.shape[2]), "dispatches": sum(recs.values()), "decoder_calls": calls,
+            "backend": backend, "decoder": decoder}
+
+
+def recorded_flops(ops: dict) -> float:
+    """Matmul FLOPs of recorded ops: the causal_conv3d kernel calls (at their whole-image shapes) and the XLA
+    matmuls (torch's flop counter does not see our custom ops)."""
+
+    total = 0.0
+    for r, n in ops.items():
+        if r.name == "causal_conv3d":
+            (B, Cin, T, Hin, W), (kt, kh, kw, _, Cout) = r.ins[0], r.ins[1]
+            pt, pb = ((kh - 1) // 2 if int(p) < 0 else int(p) for p in r.args[-3:-1])
+            total += n * 2.0 * B * Cin * Cout * kt * kh * kw * T * (Hin + pt + pb - kh + 1) * W
+        elif r.kind == "matmul":
+            total += n * _record.flops(r)
+    return total
 
 
 def vae_decode_flops(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, width: int = WIDTH,
                      first: bool = False) -> float:
-    """FLOPs of streaming-decoding ``latent_frames`` latent frames with the full Wan2.1 VAE on the meta device.
-    ``first=False``: a steady chunk (after the first latent frame)."""
+    """FLOPs of streaming-decoding ``latent_frames`` latent frames with the full Wan2.1 VAE on the meta device, as
+    STOCK diffusers does it (no static cache: torch's flop counter sees every convolution; a held-out count for
+    the recorded path). ``first=False``: a steady chunk (after the first latent frame)."""
     import torch
     from diffusers import AutoencoderKLWan
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
 
     with torch.device("meta"):
         vae = AutoencoderKLWan()
@@ -296,27 +308,22 @@ class _Model:
     ``bench/scaling``); a test replaces them with stand-ins."""
 
     def gemm(self, M, K, N, bias, activation, target):
-        from diffusers_nki_lab.bench import kernels_dense
 
         return kernels_dense.model_gemm(M, K, N, bias, activation, target)
 
     def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target):
-        from diffusers_nki_lab.bench import kernels_dense
 
         return kernels_dense.model_conv(Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, True, target)
 
     def qk_norm_rope(self, S, target):
-        from diffusers_nki_lab.bench import kernels_dense
 
         return kernels_dense.model_qk_norm_rope(S, WAN13["heads"], WAN13["head_dim"], target)
 
     def cache_write(self, S, C, H, target):
-        from diffusers_nki_lab.bench import kernels_dense
 
         return kernels_dense.model_cache_write(S, C, H, WAN13["head_dim"], target)
 
     def attention_kernel_time(self, call, target):
-        from diffusers_nki_lab.bench import _modeled
 
         return float(_modeled.model_call(call, target)["core_s"])
 
@@ -337,28 +344,66 @@ def _sched(kernel, r, n=1, note=""):
     return f"scheduled: {kernel} ({eff}{'; ' + note if note else ''})"
 
 
-def _gemm_term(model, name, count, M, K, N, target, bias=True, activation=None, note=""):
-    r = model.gemm(M, K, N, bias, activation, target)
-    return _term(name, count * r["scheduled_s"], _sched("gemm", r, note=note), calls=count,
-                 shape=f"[{M}, {K}] x [{K}, {N}]" + (" + GELU-tanh" if activation else ""),
-                 ceiling_s=count * r["ceiling_s"], flops=count * r["flops"])
-
-
 def _rank_layouts(W: int, heads: int = WAN13["heads"]) -> List[Tuple[int, int]]:
-    from diffusers_nki_lab.bench import scaling
 
     return scaling.layouts(heads, W)
 
 
-def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: int = 1560) -> dict:
-    """The DiT's per-chunk terms on each of W ranks (the ranks are symmetric): ``{"terms": [...], "seconds",
-    "layout": (U, R), "tokens_per_rank"}``."""
-    from diffusers_nki_lab.bench import scaling
+def _role(site: str) -> str:
+    """A call site with its layer index folded ("blocks.7.attn1.to_q" -> "blocks.*.attn1.to_q")."""
+    return ".".join("*" if p.isdigit() else p for p in site.split("."))
+
+
+def _spec(target):
+    from nkisim import cost
+
+    return cost.get_spec(target)
+
+
+def launch_seconds(target: str) -> float:
+    """One kernel launch's start-up + tear-down (``sim.cost`` GenSpec.launch_*: MEASURED on AWS's published Mamba
+    tutorial profile, [MAMBA]; trn3 the same, ASSUMPTION)."""
+    g = _spec(target)
+    return (g.launch_startup_ns + g.launch_teardown_ns) * 1e-9
+
+
+def _xla_matmul(flops: float, elems: float, target: str) -> float:
+    """Compiled XLA's time for a matmul of ``flops`` touching ``elems`` elements: at XLA_MATMUL_EFFICIENCY of the
+    PE peak, never faster than its HBM traffic (ASSUMPTION)."""
+    g = _spec(target)
+    return max(flops / (g.pe_peak_flops * XLA_MATMUL_EFFICIENCY[target]), elems * E / (g.hbm_per_core * 1e9))
+
+
+def _xla_label(target: str) -> str:
+    return (f"XLA-compiled: ASSUMPTION {_pct(XLA_MATMUL_EFFICIENCY[target])} of the PE peak (published utilisation "
+            f"of other workloads on {target}; no kernel of ours serves these calls on the default path)")
+
+
+def _sites(recs) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for r, n in recs:
+        out[r.site] = out.get(r.site, 0) + n
+    return out
+
+
+def _kernel_counts(ops) -> Dict[str, int]:
+    """Calls per kernel of ours in a recorded op map."""
+    out: Dict[str, int] = {}
+    for r, n in ops.items():
+        if r.kind == "kernel":
+            out[r.name] = out.get(r.name, 0) + n
+    return out
+
+
+def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: int = 1560,
+              ops: Optional[dict] = None) -> dict:
+    """The DiT's per-chunk terms on each of W ranks (the ranks are symmetric), derived from ``ops`` (the steady
+    chunk's recorded ops, ``chunk_attention_calls()["ops"]``): each kernel call of ours at its per-rank shape,
+    every other op an XLA row. ``{"terms": [...], "seconds", "layout": (U, R), "tokens_per_rank"}``."""
 
     model = model or _Model()
-    m = WAN13
-    L, d, f, T = m["layers"], m["dim"], m["ffn"], m["text_len"]
-    passes = STEPS + 1
+    if ops is None:
+        raise ValueError("dit_terms: ops (the recorded calls of the default path) are required")
     tokens = CHUNK_FRAMES * tpf
     if tpf % W:
         raise ValueError(f"dit_terms: {tpf} tokens per frame do not split evenly over W={W} ranks")
@@ -378,64 +423,98 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
     if best is None:
         raise ValueError(f"dit_terms: no even Ulysses x ring layout of {W} ranks")
     U, R = best["ulysses_degree"], best["ring_degree"]
-    terms = [
-        _term("attention: self over the cache + chunk, text cross-attention", best["compute_s"],
-              "scheduled: attention (bench/_modeled, the rank's calls of this layout)", layout=f"{U} x {R}"),
-    ]
+    kinds: Dict[str, list] = {}
+    for r, n in ops.items():
+        kinds.setdefault(r.name if r.kind == "kernel" else r.kind, []).append((r, n))
+
+    def share(r) -> float:  # per-token work splits over the ranks (the hidden states split per frame); else replicated
+        return 1.0 / W if any(tokens in o for o in r.outs) else 1.0
+
+    att = kinds.get("attention", [])
+    terms = [_term("attention: self over the cache + chunk, text cross-attention", best["compute_s"],
+                   "scheduled: attention (bench/_modeled, the rank's calls of this layout)", layout=f"{U} x {R}",
+                   calls=sum(n for _, n in att), sites=_sites(att))]
     if W > 1:
         terms.append(_term("attention collectives (Ulysses all-to-alls, pass-Q ring)", best["collective_s"],
                            "ASSUMPTION: bench/scaling collective model (HBM-to-HBM DMA at the documented "
                            "bandwidths, 2 us per collective), not overlapped"))
-    n = L * passes
-    terms += [
-        _gemm_term(model, "self-attention q/k/v/o projections", 4 * n, S, d, d, target),
-        _gemm_term(model, "cross-attention q/o projections", 2 * n, S, d, d, target),
-        _gemm_term(model, "cross-attention text k/v projections (all 512 tokens, every rank)", 2 * n, T, d, d,
-                   target),
-        _gemm_term(model, "feed-forward up 1536 -> 8960 + GELU-tanh", n, S, d, f, target, activation="gelu_tanh"),
-        _gemm_term(model, "feed-forward down 8960 -> 1536", n, S, f, d, target),
-    ]
-    qk = model.qk_norm_rope(S, target)
-    terms.append(_term("self-attention q/k RMSNorm + RoPE", 2 * n * qk["scheduled_s"], _sched("qk_norm_rope", qk),
-                       calls=2 * n))
-    # the cache pass writes this rank's share of the chunk's K/V: its ring row's S/R tokens, H/U heads
-    cached = [c for c in calls if c.cache]
-    if cached:
-        c = cached[0]
-        cw = model.cache_write(-(-c.sq // R), -(-c.cache // R), c.heads // U, target)
-        terms.append(_term("KV cache write (the cache pass)", L * cw["scheduled_s"], _sched("cache_write", cw),
-                           calls=L))
-    patch = m["in_channels"] * math.prod(m["patch"])
-    terms += [
-        _gemm_term(model, "patch embedding (the whole chunk, every rank)", passes, tokens, patch, d, target,
-                   note="the (1, 2, 2) patchify is in the elementwise row"),
-        _gemm_term(model, "output head proj_out", passes, S, d, patch, target),
-        _gemm_term(model, "text embedder 4096 -> 1536 + GELU-tanh (every rank)", passes, T, m["text_dim"], d, target,
-                   activation="gelu_tanh"),
-        _gemm_term(model, "text embedder 1536 -> 1536 (every rank)", passes, T, d, d, target),
-        _gemm_term(model, "time embedder 256 -> 1536 (every rank)", passes, 1, m["freq_dim"], d, target),
-        _gemm_term(model, "time embedder 1536 -> 1536 (every rank)", passes, 1, d, d, target),
-        _gemm_term(model, "time projection 1536 -> 9216 (every rank)", passes, 1, d, 6 * d, target),
-    ]
-    # elementwise: per token of this rank (ASSUMPTION), plus the replicated text-key norm and the patchify
-    from nkisim import cost
-
-    hbm = cost.get_spec(target).hbm_per_core * 1e9
-    el_bytes = (ELEMENTWISE_IO_PER_LAYER * S * d * E * n + 2.0 * T * d * E * n
-                + passes * (2 * tokens * patch * E + 2 * S * patch * E + 6 * S * d * E))
-    terms.append(_term("norms, modulation, gated residuals, patchify (HBM traffic)", el_bytes / hbm,
-                       f"ASSUMPTION: {ELEMENTWISE_IO_PER_LAYER:.0f} activation-sized bf16 reads/writes per layer and "
-                       "pass (+ the text-key norm, patchify, output norm), none fused, at the core's HBM share",
-                       bytes=el_bytes))
+    qk = kinds.get("qk_norm_rope", [])
+    if qk:
+        sec, n_all, last = 0.0, 0, None
+        for r, n in qk:
+            s_rank = -(-r.ins[0][1] // W) if r.ins[0][1] == tokens else r.ins[0][1]
+            last = model.qk_norm_rope(s_rank, target)
+            sec += n * last["scheduled_s"]
+            n_all += n
+        terms.append(_term("self-attention q/k RMSNorm + RoPE", sec, _sched("qk_norm_rope", last), calls=n_all,
+                           sites=_sites(qk)))
+    cw = kinds.get("cache_write", [])
+    if cw:
+        sec, n_all, last = 0.0, 0, None
+        for r, n in cw:  # k_cache [B, C, H, D], v_cache, k [B, S, H, D]: this rank's ring row, its heads
+            C, H = r.ins[0][1], r.ins[0][2]
+            last = model.cache_write(-(-r.ins[2][1] // R), -(-C // R), H // U, target)
+            sec += n * last["scheduled_s"]
+            n_all += n
+        terms.append(_term("KV cache write (the cache pass)", sec, _sched("cache_write", last), calls=n_all,
+                           sites=_sites(cw)))
+    for r, n in kinds.get("gemm", []):  # a GEMM kernel call of ours (wired): x [M, K], w [K, N]
+        M, K = r.ins[0]
+        N = r.ins[1][1]
+        act = "gelu_tanh" if "'gelu_tanh'" in r.args else None
+        g = model.gemm(-(-M // W) if M == tokens else M, K, N, True, act, target)
+        terms.append(_term(f"{_role(r.site)} [{M}, {K}] x [{K}, {N}]", n * g["scheduled_s"], _sched("gemm", g),
+                           calls=n, sites={r.site: n}, flops=n * g["flops"]))
+    # every matmul no kernel of ours serves: an XLA row per call-site role, with the GEMM kernel's model beside it
+    roles: Dict[str, dict] = {}
+    for r, n in kinds.get("matmul", []):
+        f = _record.flops(r) * share(r)
+        g = roles.setdefault(_role(r.site), {"seconds": 0.0, "flops": 0.0, "calls": 0, "sites": {}, "shapes": set(),
+                                             "kernel_s": 0.0})
+        g["seconds"] += n * _xla_matmul(f, _record.io_elements(r) * share(r), target)
+        g["flops"] += n * f
+        g["calls"] += n
+        g["sites"][r.site] = g["sites"].get(r.site, 0) + n
+        if r.name == "addmm":  # what the GEMM kernel would schedule at this per-rank shape (not counted)
+            (M, K), (_, N) = r.ins[1], r.ins[2]
+            Mr = -(-M // W) if M == tokens else M
+            g["shapes"].add(f"[{Mr}, {K}] x [{K}, {N}]")
+            g["kernel_s"] += n * model.gemm(Mr, K, N, True, None, target)["scheduled_s"]
+        else:
+            g["shapes"].add(f"{r.name} {r.ins[0]} -> {r.outs[0]}")
+    for role, g in sorted(roles.items(), key=lambda kv: -kv[1]["seconds"]):
+        note = ""
+        if g["kernel_s"]:
+            note = (f"; the gemm kernel would schedule {1e3 * g['kernel_s']:.1f} ms here (not wired: "
+                    f"{'it would be faster' if g['kernel_s'] < g['seconds'] else 'XLA is as fast'})")
+        terms.append(_term(f"matmul {role} ({', '.join(sorted(g['shapes']))})", g["seconds"], _xla_label(target) + note,
+                           calls=g["calls"], sites=g["sites"], flops=g["flops"], gemm_kernel_s=g["kernel_s"]))
+    hbm = _spec(target).hbm_per_core * 1e9
+    for kind, what in (("elementwise", "norms, modulation, gated residuals, activations, RoPE tables (elementwise)"),
+                       ("copy", "copies and concatenations (cat, clone, index_select, casts)")):
+        recs = kinds.get(kind, [])
+        el = sum(n * _record.io_elements(r) * share(r) for r, n in recs)
+        ops_named = sorted({r.name for r, _ in recs})
+        terms.append(_term(what, el * E / hbm,
+                           "XLA-compiled: ASSUMPTION every op reads its inputs and writes its output once in bf16 at the "
+                           f"core's HBM share, unfused ({', '.join(ops_named)})", calls=sum(n for _, n in recs),
+                           bytes=el * E, sites=_sites(recs)))
     if W > 1:
         comm = scaling._Comm()
-        piece = S * patch * E
-        for _ in range(passes):
-            scaling._collective(fab, W, 1, W, piece, "all_gather", comm)
+        patch = WAN13["in_channels"] * math.prod(WAN13["patch"])
+        for _ in range(STEPS + 1):
+            scaling._collective(fab, W, 1, W, S * patch * E, "all_gather", comm)
         terms.append(_term("output all-gather per pass (CacheParallel.gather)", comm.seconds,
                            "ASSUMPTION: bench/scaling collective model, not overlapped"))
+    kcalls = sum(n for r, n in ops.items() if r.kind == "kernel") + STEPS + 1
+    terms.append(_term("launches: every kernel call of ours + one compiled graph per transformer pass",
+                       kcalls * launch_seconds(target),
+                       f"ASSUMPTION: {1e6 * launch_seconds(target):.1f} us start-up + tear-down per launch (sim.cost "
+                       "GenSpec.launch_*, measured on AWS's published NKI Mamba tutorial profile), each call its own "
+                       "launch (an upper bound where the kernels sit in one compiled graph)", calls=kcalls))
     return {"W": W, "layout": (U, R), "tokens_per_rank": S, "terms": terms,
-            "seconds": sum(t["seconds"] for t in terms), "attention_layouts_tried": len(_rank_layouts(W))}
+            "seconds": sum(t["seconds"] for t in terms), "attention_layouts_tried": len(_rank_layouts(W)),
+            "kernels": _kernel_counts(ops)}
 
 
 def _shard_rows(H: int, V: int, kh: int) -> Tuple[int, int, int, float]:
@@ -461,73 +540,93 @@ def _shard_rows(H: int, V: int, kh: int) -> Tuple[int, int, int, float]:
     return rows + halo, pt, pb, scale
 
 
-_COLLECTIVES: Dict[tuple, Optional[list]] = {}
+_COLLECTIVES: Dict[tuple, list] = {}
 
 
-def _decode_collectives(V: int, vae: dict) -> Optional[list]:
+def _decode_collectives(V: int, vae: dict) -> list:
     """The collectives of the height-sharded decode over V ranks for one steady chunk (``caching.wan_vae.
-    decode_collectives`` per decoder call, one call per latent frame), or None where that module is absent."""
+    decode_collectives`` per decoder call, one call per latent frame)."""
     key = (V, vae["latent_frames"])
     if key not in _COLLECTIVES:
         import torch
         from diffusers import AutoencoderKLWan
 
-        try:
-            from diffusers_nki.caching.wan_vae import decode_collectives
-
-            with torch.device("meta"):
-                m = AutoencoderKLWan()
-            per_call = decode_collectives(m, 1, HEIGHT // 8, WIDTH // 8, V, frames=1, first=False)
-        except ImportError:  # the vae workstream's modules are not in this tree: the budget's own estimate
-            return None
+        with torch.device("meta"):
+            m = AutoencoderKLWan()
+        per_call = decode_collectives(m, 1, HEIGHT // 8, WIDTH // 8, V, frames=1, first=False)
         _COLLECTIVES[key] = list(per_call) * vae["latent_frames"]
     return _COLLECTIVES[key]
 
 
+def _conv_kind(k, causal: bool) -> str:
+    kt, kh, _ = k
+    if kt == 3 and kh == 3:
+        return "3x3x3 causal conv"
+    if kt == 3:
+        return "3x1x1 time conv"
+    if kh == 1:
+        return "1x1x1 conv (post-quant, shortcuts)"
+    return "3x3 upsampler Conv2d (kt = 1)"
+
+
 def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) -> dict:
-    """The VAE decode's per-chunk terms on the slowest of V ranks (height split, halos): ``{"terms", "seconds"}``."""
-    from diffusers_nki_lab.bench import scaling
-    from nkisim import cost
+    """The VAE decode's per-chunk terms on the slowest of V ranks (height split, halos), derived from the recorded
+    ops of the default decode (``vae_decode_calls()["ops"]``): every ``causal_conv3d`` kernel call at its per-rank
+    rows, every other op an XLA row. ``{"terms", "seconds"}``."""
 
     model = model or _Model()
+    ops = vae["ops"]
     groups: Dict[str, dict] = {}
-    for c in vae["convs"]:
-        kt, kh, kw = c["k"]
-        Hin, pt, pb, scale = _shard_rows(c["H"], V, kh)
-        r = model.conv(c["Cin"], c["Cout"], (kt, kh, kw), c["T"], Hin, c["W"], pt, pb, c["causal"], target)
-        res = f"{c['H']}x{c['W']}"
-        kind = ("3x3x3 causal conv" if (kt, kh, kw) == (3, 3, 3) else "3x1x1 time conv" if (kt, kh) == (3, 1)
-                else "1x1 conv" if kh == 1 else "3x3 upsampler Conv2d")
-        key = f"{kind} {c['Cin']} -> {c['Cout']} at {res}, {c['T']} frame(s)"
-        g = groups.setdefault(key, {"seconds": 0.0, "ceiling": 0.0, "flops": 0.0, "calls": 0, "eff": []})
-        g["seconds"] += c["count"] * r["scheduled_s"] * scale
-        g["ceiling"] += c["count"] * r["ceiling_s"] * scale
-        g["flops"] += c["count"] * r["flops"] * scale
-        g["calls"] += c["count"]
-    peak = cost.get_spec(target).pe_peak_flops
+    other: Dict[str, list] = {}
+    for r, n in ops.items():
+        if r.kind != "kernel" or r.name != "causal_conv3d":
+            other.setdefault(r.kind if r.kind != "kernel" else r.name, []).append((r, n))
+            continue
+        x, w = r.ins[0], r.ins[1]  # x [B, Cin, T, Hin, W], w [kt, kh, kw, Cin, Cout]; then bias, cache, pads
+        B, Cin, T, Hin, Wd = x
+        kt, kh, kw, _, Cout = w
+        cache = len(r.ins) > 3 and r.ins[3] is not None
+        pads = [int(a) for a in r.args[-3:-1]]  # (..., pad_top, pad_bottom, backend)
+        pt, pb = ((kh - 1) // 2 if p < 0 else p for p in pads)
+        H = Hin + pt + pb - kh + 1  # the output rows of the whole image
+        Hr, prt, prb, scale = _shard_rows(H, V, kh)
+        m = model.conv(Cin, Cout, (kt, kh, kw), T, Hr, Wd, prt, prb, cache, target)
+        key = f"{_conv_kind((kt, kh, kw), cache)} {Cin} -> {Cout} at {H}x{Wd}, {T} frame(s) x {B}"
+        g = groups.setdefault(key, {"seconds": 0.0, "ceiling": 0.0, "flops": 0.0, "calls": 0, "sites": {}})
+        g["seconds"] += n * B * m["scheduled_s"] * scale
+        g["ceiling"] += n * B * m["ceiling_s"] * scale
+        g["flops"] += n * B * m["flops"] * scale
+        g["calls"] += n
+        g["sites"][r.site] = g["sites"].get(r.site, 0) + n
+    peak = _spec(target).pe_peak_flops
     terms = []
     for key, g in groups.items():
         eff = g["flops"] / (g["seconds"] * peak) if g["seconds"] else 0.0
         effc = g["flops"] / (g["ceiling"] * peak) if g["ceiling"] else 0.0
         terms.append(_term(key, g["seconds"], f"scheduled: causal_conv3d ({_pct(eff)} PE, ceiling {_pct(effc)})",
-                           calls=g["calls"], ceiling_s=g["ceiling"]))
-    hbm = cost.get_spec(target).hbm_per_core * 1e9
-    fab = scaling.FABRICS[target]
-    # the mid-block attention: one head, d = C, over every position of a frame; this rank's queries
-    for a in vae["attention"]:
-        C, T, H, W = a["C"], a["T"], a["H"], a["W"]
-        n = H * W
-        q_rows = -(-n // V)
-        s1 = model.gemm(q_rows, C, n, False, None, target)
-        s2 = model.gemm(q_rows, n, C, False, None, target)
-        k = a["count"] * T
-        terms.append(_term("mid-block attention QK^T and PV (one head, d=384)", k * (s1["scheduled_s"] + s2["scheduled_s"]),
-                           _sched("gemm", s1, note="QK^T; PV " + _pct(s2["efficiency"])), calls=2 * k))
-        soft = k * q_rows * n * (4 + 4 + 2 + 2)  # fp32 scores written + read, bf16 probabilities written + read
-        terms.append(_term("mid-block attention softmax (HBM traffic)", soft / hbm,
-                           "ASSUMPTION: the scores round-trip HBM once in fp32 and once in bf16, unfused", bytes=soft))
+                           calls=g["calls"], ceiling_s=g["ceiling"], sites=g["sites"]))
+    # the mid-block attention (stock module: 1x1 Conv2d projections, SDPA) and any other matmul: XLA rows, this
+    # rank's share of the rows
+    mm = other.get("matmul", [])
+    if mm:
+        sec = sum(n * _xla_matmul(_record.flops(r) / V, _record.io_elements(r) / V, target) for r, n in mm)
+        terms.append(_term("mid-block attention: q/k/v/proj 1x1 Conv2d, QK^T and PV (one head, d = 384)", sec,
+                           _xla_label(target), calls=sum(n for _, n in mm), sites=_sites(mm),
+                           flops=sum(n * _record.flops(r) / V for r, n in mm)))
+    hbm = _spec(target).hbm_per_core * 1e9
+    for kind, what in (("elementwise", "norms, SiLU, residual adds, softmax, clamp (elementwise)"),
+                       ("copy", "copies: halo / zero-row pads, cache-buffer writes, upsampling, time interleave, "
+                                "frame concatenation")):
+        recs = other.get(kind, [])
+        el = sum(n * _record.io_elements(r) for r, n in recs) / V
+        terms.append(_term(what, el * E / hbm,
+                           "XLA-compiled: ASSUMPTION every op reads its inputs and writes its output once in bf16 at "
+                           f"the core's HBM share, unfused, split evenly over the ranks "
+                           f"({', '.join(sorted({r.name for r, _ in recs}))})",
+                           calls=sum(n for _, n in recs), bytes=el * E, sites=_sites(recs)))
     listed = _decode_collectives(V, vae) if V > 1 else None
-    if V > 1 and listed is not None:  # what the sharded decode does (the vae workstream's list), costed here
+    if listed:  # what the sharded decode does (caching.wan_vae.decode_collectives), costed here
+        fab = scaling.FABRICS[target]
         comm = scaling._Comm()
         for c in listed:
             scaling._collective(fab, V, 1, V, c["elements_per_rank"] * E, "all_gather", comm)
@@ -535,25 +634,13 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
                            "decoded rows)", comm.seconds,
                            "ASSUMPTION: bench/scaling collective model (bandwidth share + 2 us each), not overlapped; "
                            "the collectives are caching.wan_vae.decode_collectives'", collectives=comm.collectives))
-    el = (vae["elementwise_bytes"] + vae["cache_update_bytes"]) / V
-    terms.append(_term("norms, SiLU, residual adds, upsampling copies, clamp, cache update (HBM traffic)", el / hbm,
-                       "ASSUMPTION: every elementwise op reads and writes its tensor once in bf16 (unfused), the "
-                       "static cache update reads + writes 2 frames per causal convolution; split evenly over the "
-                       "ranks", bytes=el))
-    if V > 1 and listed is None:  # no list from the vae workstream: one halo row per neighbour, K/V all-gathered
-        comm = scaling._Comm()
-        for c in vae["convs"]:
-            if c["k"][1] > 1:
-                piece = ((c["k"][1] - 1) // 2) * c["Cin"] * c["T"] * c["W"] * E
-                for _ in range(c["count"]):
-                    scaling._collective(fab, V, 1, min(3, V), piece, "all_to_all", comm)
-        for a in vae["attention"]:
-            for _ in range(a["count"] * a["T"]):
-                scaling._collective(fab, V, 1, V, 2 * -(-a["H"] * a["W"] // V) * a["C"] * E, "all_gather", comm)
-        terms.append(_term("halo exchange and mid-attention K/V all-gather", comm.seconds,
-                           "ASSUMPTION: point-to-point halos and a K/V all-gather at the bench/scaling bandwidth and "
-                           "latency, not overlapped", collectives=comm.collectives))
-    return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
+    kcalls = sum(n for r, n in ops.items() if r.kind == "kernel") + vae.get("decoder_calls", vae["latent_frames"])
+    terms.append(_term("launches: every kernel call of ours + one compiled graph per decoder call",
+                       kcalls * launch_seconds(target),
+                       f"ASSUMPTION: {1e6 * launch_seconds(target):.1f} us start-up + tear-down per launch (sim.cost "
+                       "GenSpec.launch_*, measured on AWS's published NKI Mamba tutorial profile), each call its own "
+                       "launch", calls=kcalls))
+    return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms), "kernels": _kernel_counts(ops)}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -563,16 +650,9 @@ def implemented_layouts(cores: int = CORES) -> Dict[str, str]:
     """Which layouts the code implements, each with the evidence: ``{"serial_one_core": why, "shared": why,
     "disaggregated W_dit/W_vae": why, ...}``. The one-core decode is ``WanStreamingDecoder`` in one process (always);
     the sharded and disaggregated layouts are the ones ``diffusers_nki.vae_parallel.implemented_layouts(cores)``
-    lists with ``implemented=True`` (the vae workstream: each is run by its gloo tests)."""
+    lists with ``implemented=True`` (each is run by the gloo tests in tests/parallel/)."""
     out = {"serial_one_core": "diffusers_nki.pipelines.causal_wan.WanStreamingDecoder (one process decodes the chunk)"}
-    try:
-        vp = importlib.import_module("diffusers_nki.vae_parallel")
-    except ImportError:
-        return out
-    fn = getattr(vp, "implemented_layouts", None)
-    if fn is None:
-        return out
-    for lay in fn(cores):
+    for lay in vae_parallel.implemented_layouts(cores):
         if not getattr(lay, "implemented", False):
             continue
         if lay.name == "shared":
@@ -589,7 +669,7 @@ def _valid_dit_worlds(tpf: int) -> List[int]:
 
 
 def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: int = 1560,
-            implemented: Optional[Dict[str, str]] = None, progress=None) -> dict:
+            implemented: Optional[Dict[str, str]] = None, progress=None, ops: Optional[dict] = None) -> dict:
     """Every layout of the chip's cores for one setup and target (see the module doc), best first."""
     model = model or _Model()
     impl = implemented if implemented is not None else implemented_layouts()
@@ -598,7 +678,7 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
 
     def D(W):
         if W not in dit:
-            dit[W] = dit_terms(calls, W, target, model, tpf)
+            dit[W] = dit_terms(calls, W, target, model, tpf, ops)
             if progress is not None:
                 progress.update(1)
         return dit[W]
@@ -610,7 +690,6 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
                 progress.update(1)
         return vaes[n]
 
-    from diffusers_nki_lab.bench import scaling
 
     hand = scaling._Comm()  # the latents of a chunk from the DiT cores to the VAE cores (disaggregated)
     scaling._collective(scaling.FABRICS[target], CORES, 1, 2, WAN13["in_channels"] * CHUNK_FRAMES * 4 * tpf * E,
@@ -620,6 +699,7 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
     def add(name, kind, Wd, Wv, need, chunk_s, latency_s, extra=""):
         missing = [n for n in need if n not in impl]
         rows.append({"name": name, "kind": kind, "W_dit": Wd, "W_vae": Wv, "chunk_s": chunk_s, "latency_s": latency_s,
+
                      "fps": 4 * CHUNK_FRAMES / chunk_s, "dit_s": D(Wd)["seconds"], "vae_s": V(Wv)["seconds"],
                      "implemented": not missing, "needs": list(need),
                      "status": ("implemented: " + "; ".join(impl[n] for n in need if n in impl) if not missing else
@@ -657,20 +737,13 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
 # ------------------------------------------------------------------------------------------------------
 def calibration_row(target: str = "trn2", quick: bool = True) -> dict:
     """AWS's published trn2 kernel-optimization tutorial matmuls (fp32 [4096, 8192] @ [8192, 8192], one core)
-    beside the same kernels modeled in THIS run, from the sim-cost workstream's ``bench calibrate``
-    (``diffusers_nki_lab.bench.calibrate``: its anchors ``tut2_*`` and ``run_anchor``; ``quick``: its suite mode,
-    1/8 of the outermost loop traced and scaled). ``{"available": False, "why"}`` where that module is absent."""
-    try:
-        cal = importlib.import_module("diffusers_nki_lab.bench.calibrate")
-    except ImportError as e:
-        return {"available": False, "why": f"diffusers_nki_lab.bench.calibrate is not in this tree ({e}); the sim-cost "
-                                           "workstream's `bench calibrate` provides the tutorial matmul rows"}
-    if not hasattr(cal, "anchors") or not hasattr(cal, "run_anchor"):
-        return {"available": False, "why": "diffusers_nki_lab.bench.calibrate has no anchors() / run_anchor()"}
+    beside the same kernels modeled in THIS run, from ``bench calibrate`` (``diffusers_nki_lab.bench.calibrate``: its
+    anchors ``tut2_*`` and ``run_anchor``; ``quick``: its suite mode, 1/8 of the outermost loop traced and
+    scaled). ``{"available": False, "why"}`` when it has no such anchor for ``target``."""
     rows = []
-    for a in cal.anchors():
+    for a in calibrate.anchors():
         if a.name.startswith("tut2_") and a.target == target:
-            r = cal.run_anchor(a, quick=quick)
+            r = calibrate.run_anchor(a, quick=quick)
             if r.get("status") == "ok":
                 rows.append(f"{a.name} ({r['shape']}, {target}): published {1e3 * r['published_s']:.2f} ms, modeled "
                             f"{1e3 * r['modeled']['scheduled_s']:.2f} ms (scheduled), ratio {r['ratio']:.2f}")
@@ -690,19 +763,25 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     IMPLEMENTED layout) beside the best modeled one."""
     s = SETUPS[setup]
     probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"])
+    if "ops" not in probe:
+        raise ValueError("budget: the probe has no recorded ops (chunk_attention_calls() records them)")
     vae = vae or vae_decode_calls()
     calls = probe["chunks"][probe["steady"]]
     tpf = probe["geometry"]["tokens_per_frame"]
     impl = implemented if implemented is not None else implemented_layouts()
     frames = 4 * CHUNK_FRAMES
+    host = {"dit_dispatches": probe.get("dispatches"), "decode_dispatches": vae.get("dispatches"),
+            "graphs": (probe.get("transformer_calls") or STEPS + 1) + (vae.get("decoder_calls") or CHUNK_FRAMES)}
     out = {"modeled": True, "setup": setup, "label": s["label"], "published_fps": s["published_fps"],
            "targets_fps": TARGET_FPS.get(setup), "unit": f"one steady-state chunk = {CHUNK_FRAMES} latent frames = "
            f"{frames} video frames at {HEIGHT}x{WIDTH}, {STEPS} denoising passes + 1 cache pass",
            "attention_calls": [c.to_dict() for c in calls], "implemented": impl,
            "matmul_flops_check": transformer_flops(CHUNK_FRAMES * tpf, STEPS + 1), "vae_flops": vae["flops"],
+           "kernels_called": {"dit": _kernel_counts(probe["ops"]), "vae": _kernel_counts(vae["ops"])},
+           "record_backend": probe.get("backend"), "host": host, "gpu_scope": GPU_SCOPE.get(setup),
            "targets": {}}
     for t in targets:
-        lay = layouts(calls, vae, t, model, tpf, impl, progress)
+        lay = layouts(calls, vae, t, model, tpf, impl, progress, probe["ops"])
         rows = lay["layouts"]
         done = [r for r in rows if r["implemented"]]
         head = done[0] if done else None
@@ -711,6 +790,7 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
             "layouts": rows, "pruned": lay["pruned"], "handover_s": lay["handover_s"],
             "headline": head, "best_modeled": best,
             "fps": head["fps"] if head else None,
+            "dit_only_fps": 4 * CHUNK_FRAMES / lay["dit"][CORES]["seconds"],
             "dit": {str(W): v for W, v in lay["dit"].items()}, "vae": {str(V): v for V, v in lay["vae"].items()},
         }
     return out
@@ -723,17 +803,49 @@ def _ms(s):
     return f"{1e3 * s:.1f}"
 
 
+def scheduled_kernels(result: dict) -> set:
+    """Every kernel a "scheduled: <kernel>" term of ``budget()``'s result names (all targets, layouts)."""
+    out = set()
+    for v in result["targets"].values():
+        for part in list(v["dit"].values()) + list(v["vae"].values()):
+            for t in part["terms"]:
+                if t["label"].startswith("scheduled: "):
+                    out.add(t["label"][len("scheduled: "):].split(" ", 1)[0])
+    return out
+
+
+def kernels_called(result: dict) -> Dict[str, int]:
+    """Calls per chunk of each kernel of ours on the recorded default path (DiT + decode)."""
+    out: Dict[str, int] = {}
+    for part in ("dit", "vae"):
+        for k, n in result["kernels_called"][part].items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
 def render(results: List[dict], calibration: Optional[dict] = None) -> str:
     L = ["MODELED (never measured) time per steady-state chunk of chunk-causal Wan on ONE chip (8 NeuronCores); "
-         "12 video frames per chunk. Every term is a kernel the emulator schedules ('scheduled: <kernel>') or an "
-         "'ASSUMPTION: <why>'. fps counts ONLY layouts the code implements."]
+         "12 video frames per chunk. Derived from the calls the DEFAULT patched path makes (recorded at full "
+         "geometry on the meta device): each call of ours is the kernel it launches, scheduled in the emulator "
+         "('scheduled: <kernel>'); every other op is an 'XLA-compiled: ASSUMPTION' row; the rest 'ASSUMPTION: <why>'. "
+         "fps counts ONLY layouts the code implements."]
     for r in results:
+        kc = r.get("kernels_called")
+        if kc:
+            L += ["", f"## {r['label']}: kernels the default path calls per chunk (recorded, backend "
+                  f"{r.get('record_backend')!r}): DiT " + ", ".join(f"{k} {n}" for k, n in sorted(kc["dit"].items()))
+                  + "; decode " + ", ".join(f"{k} {n}" for k, n in sorted(kc["vae"].items()))
+                  + (f"; host work per chunk: {r['host']['dit_dispatches']} + {r['host']['decode_dispatches']} "
+                     f"eager op dispatches (DiT + decode), or {r['host']['graphs']} graph executions compiled "
+                     "(transformer passes + decoder calls): ASSUMPTION overlapped with device work (asynchronous "
+                     "dispatch), the graphs' launches counted in the launch rows" if r.get("host") else "")]
         for t, v in r["targets"].items():
             h = v["headline"]
             L += ["", f"## {r['label']} on {t}: "
-                  + (f"{h['fps']:.1f} fps MODELED ({h['name']}, implemented)" if h else "no implemented layout")
-                  + f"; published {r['published_fps']} fps on one H100"
-                  + (f"; target {r['targets_fps'][0]}, moonshot {r['targets_fps'][1]}" if r.get("targets_fps") else "")]
+                  + (f"{h['fps']:.1f} fps MODELED end to end ({h['name']}, implemented)" if h else "no implemented layout")
+                  + f"; DiT only {v['dit_only_fps']:.1f} fps; published {r['published_fps']} fps on one H100 (scope: see "
+                  "below)" + (f"; target {r['targets_fps'][0]}, moonshot {r['targets_fps'][1]}"
+                              if r.get("targets_fps") else "")]
             L += ["", "| layout | DiT ranks | VAE ranks | DiT ms | VAE ms | per chunk ms | latency ms | fps | status |",
                   "|---|---|---|---|---|---|---|---|---|"]
             for lay in v["layouts"]:
@@ -752,20 +864,31 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
                 L += ["", f"terms of '{lay['name']}' ({'implemented' if lay['implemented'] else 'NOT implemented'}): "
                       f"DiT on each of {lay['W_dit']} ranks (layout {d['layout'][0]} x {d['layout'][1]}, "
                       f"{d['tokens_per_rank']} tokens per rank per pass), VAE on the slowest of {lay['W_vae']}",
-                      "", "| stage | term | ms | label |", "|---|---|---|---|"]
+                      "", "| stage | term | calls | ms | label |", "|---|---|---|---|---|"]
                 for tm in d["terms"]:
-                    L.append(f"| DiT | {tm['name']} | {_ms(tm['seconds'])} | {tm['label']} |")
-                L.append(f"| DiT | **total** | **{_ms(d['seconds'])}** | |")
+                    L.append(f"| DiT | {tm['name']} | {tm.get('calls', '')} | {_ms(tm['seconds'])} | {tm['label']} |")
+                L.append(f"| DiT | **total** | | **{_ms(d['seconds'])}** | |")
                 for tm in vv["terms"]:
-                    L.append(f"| VAE | {tm['name']} | {_ms(tm['seconds'])} | {tm['label']} |")
-                L.append(f"| VAE | **total** | **{_ms(vv['seconds'])}** | |")
-    L += ["", "Published GPU figures (" + PUBLISHED_SOURCE + "):"]
+                    L.append(f"| VAE | {tm['name']} | {tm.get('calls', '')} | {_ms(tm['seconds'])} | {tm['label']} |")
+                L.append(f"| VAE | **total** | | **{_ms(vv['seconds'])}** | |")
+    L += ["", "Like for like with the GPU (MODELED trn2/trn3 beside PUBLISHED H100; 'DiT only' = the denoising passes "
+          "of a chunk, 'end to end' = DiT + the chunk's streaming decode in the headline layout):", "",
+          "| setup | target | trn DiT only fps | trn end to end fps | published H100 fps | what the published figure includes |",
+          "|---|---|---|---|---|---|"]
+    for r in results:
+        for t, v in r["targets"].items():
+            e2e = f"{v['fps']:.1f}" if v["fps"] else "n/a"
+            L.append(f"| {r['label']} | {t} | {v['dit_only_fps']:.1f} | {e2e} | {r['published_fps']} | "
+                     f"{GPU_SCOPE.get(r['setup'], 'not documented')} |")
+    L += ["", "Other published GPU figures (" + PUBLISHED_SOURCE + "):"]
     L += [f"- {a}: {b} on {c}" for a, b, c in PUBLISHED_GPU]
-    L += ["", "Method: one call per distinct shape traced in the emulator and scheduled (sim.schedule), multiplied by "
-          f"its count (layers x passes x frames); VAE convolutions taller than {VAE_ROWS_TRACED} output rows traced "
-          "on that many rows and scaled by rows. DiT ranks: diffusers' context parallelism as parallel.CacheParallel "
-          "runs it (best even Ulysses x ring layout). VAE ranks: the latent split along height, halo rows per "
-          "3-row convolution, the slowest rank counted."]
+    L += ["", "Method: the default patched pipeline (diffusers_nki.patch, the emulator's backend standing in for the "
+          "device's) rolled out over Wan2.1-1.3B on the meta device, every dispatched op recorded with its call site "
+          "(bench/_record); one kernel call per distinct shape traced in the emulator and scheduled (sim.schedule), "
+          f"multiplied by its count; VAE convolutions taller than {VAE_ROWS_TRACED} output rows traced on that many "
+          "rows and scaled by rows. DiT ranks: diffusers' context parallelism as parallel.CacheParallel runs it (best "
+          "even Ulysses x ring layout; per-token ops split over the ranks, the rest replicated). VAE ranks: the "
+          "latent split along height, halo rows per 3-row convolution, the slowest rank counted."]
     if calibration is not None:
         if calibration.get("available"):
             L.append("Calibration behind the GEMM model (AWS trn2 kernel-optimization tutorial matmul, same run):")
@@ -785,6 +908,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="deprecated: use --json PATH (writes DIR/budget.json)")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    p.add_argument("--decoder", default="wan", help=f"the recorded decoder, one of {', '.join(DECODERS)} "
+                   "(another decoder is another recorded run)")
+    p.add_argument("--precision", default="bf16", help=f"the modeled precision, one of {', '.join(PRECISIONS)}")
 
 
 def _parse(args):
@@ -796,6 +922,10 @@ def _parse(args):
     bad = [x for x in targets if x not in TARGETS]
     if bad or not targets:
         raise ValueError(f"--targets={args.targets!r}: unknown {bad}; choose from {list(TARGETS)}")
+    for name, value, allowed in (("--decoder", getattr(args, "decoder", "wan"), DECODERS),
+                                 ("--precision", getattr(args, "precision", "bf16"), PRECISIONS)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: choose from {list(allowed)}")
     return setups, targets
 
 
@@ -805,8 +935,6 @@ def run(args) -> int:
     except ValueError as e:
         print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
         return 2
-    from diffusers_nki_lab.bench import _modeled
-    from diffusers_nki_lab.bench._measure import json_safe
 
     why = _modeled.unavailable_reason()
     if why:
@@ -820,7 +948,7 @@ def run(args) -> int:
                    disable=getattr(args, "no_progress", False))
     except ImportError:  # pragma: no cover
         bar = None
-    vae = vae_decode_calls()
+    vae = vae_decode_calls(decoder=getattr(args, "decoder", "wan"))
     impl = implemented_layouts()
     results = [budget(s, targets, vae=vae, implemented=impl, progress=bar) for s in setups]
     if bar is not None:
@@ -833,8 +961,10 @@ def run(args) -> int:
     path = args.json or os.path.join(args.out or os.path.join("outputs", "budget"), "budget.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(json_safe({"schema": "diffusers_nki_lab.bench.budget/2", "modeled": True, "results": results,
-                             "calibration": cal, "published_gpu": PUBLISHED_GPU,
+        json.dump(json_safe({"schema": "diffusers_nki_lab.bench.budget/3", "modeled": True, "results": results,
+                             "calibration": cal, "published_gpu": PUBLISHED_GPU, "gpu_scope": GPU_SCOPE,
+                             "decoder": getattr(args, "decoder", "wan"),
+                             "precision": getattr(args, "precision", "bf16"),
                              "seconds": time.perf_counter() - t0, "method": __doc__}), f, indent=2, allow_nan=False)
     print(f"\nwrote {path}")
     return 0

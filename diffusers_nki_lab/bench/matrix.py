@@ -302,7 +302,7 @@ def _modeled_row(family: str, args) -> dict:
         why = _modeled.unavailable_reason()
         if why:
             return {"status": "n/a", "reason": why}
-        probe = chunk_attention_calls()
+        probe = chunk_attention_calls(record_ops=False)
         if probe["unrouted"]:
             return {"status": "n/a", "reason": f"{probe['unrouted']} attention calls bypass diffusers_nki"}
         calls = probe["chunks"][probe["steady"]]

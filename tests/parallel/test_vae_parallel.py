@@ -142,3 +142,26 @@ def test_ranks_that_disagree_on_shapes_fail_clearly_on_every_rank(tmp_path):
             assert "the 2 ranks of the sharded decode disagree on" in got[name], (rank, name, got[name])
             assert f"rank 0: {field}=" in got[name] and f"rank 1: {field}=" in got[name], (rank, name, got[name])
 
+def test_eight_processes_the_budgets_headline_layout(tmp_path):
+    """One chip's 8 cores as `bench budget`'s headline layout runs them (gloo, 8 processes, bounded): the DiT
+    context-parallel as Ulysses 4 x ring 2 over the static cache, then the VAE height-sharded over the same 8
+    ranks, the default patch's kernels on every rank (attention, q/k prologue, cache write, causal conv3d): every
+    rank's frames and latents equal the one-process stream() within 1e-5."""
+    import diffusers_nki  # noqa: F401
+    from vae_cases import headline_kwargs, headline_pipe
+
+    ref = list(headline_pipe().stream(**headline_kwargs()))
+    spawn(os.path.join(HERE, "vae_worker.py"), 8, lambda r: (r, 8, tmp_path / "store", tmp_path, "headline"),
+          480, "headline-layout workers")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["headline"] for r in range(8)]
+    worst = 0.0
+    for res in results:
+        for key in ("frames", "latents"):
+            for got, want in zip(res[key], [getattr(c, key) for c in ref]):
+                worst = max(worst, _rel(got, want))
+                assert _rel(got, want) <= TOL, key
+        c = res["counters"]
+        assert c["attention"]["torch"] + c["attention_lse"]["torch"] > 0 and c["attention"]["stock"] == 0
+        assert c["qk_norm_rope"]["torch"] > 0 and c["cache_write"]["torch"] > 0
+        assert c["causal_conv3d"]["torch"] > 0 and res["fallbacks"] == {}
+    print(f"headline layout (Ulysses 4 x ring 2 DiT + 8-rank VAE) vs one-process stream(): max rel err {worst:.2e}")

@@ -57,3 +57,38 @@ def pipe_cache():
     from diffusers_nki.cache import StaticCacheConfig
 
     return StaticCacheConfig(capacity=6, sink=0, rolling=True, chunk_frames=PIPE_BLOCK)
+
+
+# the headline layout of `bench budget` on one chip's 8 cores, at tiny widths: the DiT context-parallel over 8 ranks
+# as Ulysses 4 x ring 2 (4 heads), then the VAE height-sharded over the same 8 ranks; latent 8 x 8 (64 x 64 px: 16
+# tokens per frame, divisible by 8; 8 latent rows, one per VAE rank), 2 chunks of 2 latent frames, 2 steps
+HEADLINE_HW, HEADLINE_CHUNKS, HEADLINE_LAYOUT = (64, 64), 2, (4, 2)
+
+
+def headline_pipe():
+    """The tiny causal Wan pipeline with a 4-head transformer (Ulysses 4 needs 4 heads), patched by default with the
+    test cache (its VAE gets the static streaming decode)."""
+    import diffusers_nki
+    from diffusers_nki.pipelines import CausalWanPipeline
+    from diffusers_nki.testing.tiny import TEXT_DIM, tiny_pipeline, tiny_transformer
+
+    base = tiny_pipeline("causal_wan")
+    tr, _ = tiny_transformer("wan", seed=3, in_channels=16, out_channels=16, text_dim=TEXT_DIM, num_attention_heads=4)
+    pipe = CausalWanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, transformer=tr, vae=base.vae,
+                             scheduler=base.scheduler, num_frame_per_block=PIPE_BLOCK, window_frames=21, sink_frames=0)
+    pipe.set_progress_bar_config(disable=True)
+    diffusers_nki.patch(pipe, backend="torch", cache=pipe_cache())
+    return pipe
+
+
+def headline_kwargs():
+    from diffusers_nki.testing.tiny import TEXT_DIM
+
+    g = torch.Generator().manual_seed(33)
+    F = HEADLINE_CHUNKS * PIPE_BLOCK
+    h, w = HEADLINE_HW
+    latents = torch.randn(1, 16, F, h // 8, w // 8, generator=g)
+    pe = torch.randn(1, 5, TEXT_DIM, generator=g)
+    return dict(prompt_embeds=pe, latents=latents, height=h, width=w, num_frames=4 * (F - 1) + 1,
+                num_frame_per_block=PIPE_BLOCK, denoising_timesteps=[1000.0, 500.0],
+                generator=torch.Generator().manual_seed(4), output_type="pt")

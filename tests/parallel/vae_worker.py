@@ -166,6 +166,29 @@ def shared_case():
     return {"frames": [c.frames for c in chunks], "latents": [c.latents for c in chunks]}
 
 
+def headline_case():
+    """`bench budget`'s headline layout: the DiT over every rank as Ulysses x ring (HEADLINE_LAYOUT), then the VAE
+    height-sharded over the same ranks; the kernels' op counters of this rank come back too."""
+    from diffusers import ContextParallelConfig
+
+    from diffusers_nki import dense_ops, ops, parallel
+    from diffusers_nki.caching import wan_vae
+
+    from vae_cases import HEADLINE_LAYOUT, headline_kwargs, headline_pipe
+
+    pipe = headline_pipe()
+    U, R = HEADLINE_LAYOUT
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=U, ring_degree=R),
+                                        cp_plan=parallel.cp_plan(pipe.transformer))
+    lay = parallel.layout(pipe.transformer._parallel_config)
+    wan_vae.apply_wan_vae_cache(pipe.vae, wan_vae.WanVAECacheConfig(process_group=lay.flat_group, backend="torch"))
+    ops.reset_counters()
+    dense_ops.reset_counters()
+    chunks = list(pipe.stream(**headline_kwargs()))
+    return {"frames": [c.frames for c in chunks], "latents": [c.latents for c in chunks],
+            "counters": {**ops.counters(), **dense_ops.counters()}, "fallbacks": dense_ops.fallbacks()}
+
+
 def disagg_case():
     from diffusers import ContextParallelConfig
 
@@ -219,7 +242,7 @@ def main():
     for case in cases.split(","):
         t0 = time.process_time()
         results[case] = {"shard": shard_case, "shared": shared_case, "disagg": disagg_case,
-                         "disagree": disagree_case}[case]()
+                         "disagree": disagree_case, "headline": headline_case}[case]()
         results[case]["cpu_s"] = time.process_time() - t0
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()

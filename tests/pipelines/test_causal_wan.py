@@ -150,6 +150,8 @@ def test_rollout_matches_dense_block_causal_reference_window_holds_video(pipe, r
     # never be read) went through the op (the cross-attention stays stock until diffusers_nki.patch routes it)
     assert calls["attention"]["torch"] == layers * (4 * 2 + 3) and calls["attention"]["stock"] == 0
     assert calls["cache_write"]["torch"] == layers * 3 * 3  # one write per frame per cache pass
+    # the cached self-attention's q and k each through the fused RMSNorm + RoPE prologue op, no fallback
+    assert calls["qk_norm_rope"]["torch"] == 2 * layers * (4 * 2 + 3) and calls["qk_norm_rope"]["stock"] == 0
     text = describe_cache(pipe)
     assert "9 frames committed, 9 held, 0 evicted; 8 denoising calls, 3 cache passes" in text
 
@@ -359,6 +361,10 @@ def test_patch_installs_the_pipelines_own_window_and_routes_everything(pipe):
     assert torch.equal(out, ref)
     after = ops.counters()
     assert after["attention"]["stock"] == before["attention"]["stock"]
+    # the cached self-attention's fused q/k prologue ran on the default patched path, and explain() says so
+    layers = len(pipe.transformer.blocks)
+    assert after["qk_norm_rope"]["torch"] - before["qk_norm_rope"]["torch"] == 2 * layers * 5
+    assert "qk_norm_rope prologue ran 5x" in str(rep)
     assert "causal_wan" in rep.cache and "installed by diffusers_nki.patch (default)" in rep.cache
     assert find_hook(pipe.transformer) is None  # unpatch removed what patch installed
 
@@ -422,5 +428,14 @@ def test_sim_backend_smallest_case(pipe, ref_model, kernel_counts):
     calls = kernel_counts(before)
     layers = len(pipe.transformer.blocks)
     assert calls["attention"]["sim"] == layers * 3 and calls["cache_write"]["sim"] == layers
+    assert calls["qk_norm_rope"]["sim"] == 2 * layers * 3  # the prologue kernel in the emulator, q and k
     ref = reference_rollout(ref_model, latents, pe, [1000.0], 1, seed=2)
     assert max(_errs(out, ref)) <= 1e-4
+    # the same cached rollout with the torch twins (the stock torch math of the norm, RoPE and attention): the
+    # emulated kernels match it within 1e-5 (fp32)
+    apply_static_cache(pipe, StaticCacheConfig(capacity=3, backend="torch"))
+    try:
+        twin = _run(pipe, latents, pe, 1, [1000.0], seed=2)
+    finally:
+        remove_static_cache(pipe)
+    assert max(_errs(out, twin)) <= 1e-5, _errs(out, twin)
