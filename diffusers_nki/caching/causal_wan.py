@@ -102,6 +102,7 @@ from diffusers_nki.caching.config import StaticCacheConfig
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
 from .skyreels_v2 import _rope as wan_rope  # Wan's interleaved RoPE arithmetic (SkyReels-V2 is Wan's)
+from .text_kv import TextKV, TextKVProcessor, not_cached_reason, time_embedding
 
 __all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "RolloutHandle",
            "RecacheSpan", "SELF_FORCING", "LONGLIVE", "POSITIONS", "make_hook", "named_config"]
@@ -487,6 +488,7 @@ class _Rollout:
         self.rope = previous.rope if (previous is not None and previous.rope.matches(
             module.rope, self.hp, self.wp, self.device)) else _Rope(module.rope, self.hp, self.wp, self.device)
         self.stats = {"denoise_calls": 0, "commit_calls": 0, "recache_calls": 0, "grown": 0}
+        self.text = TextKV()  # the cross-attention text K/V of the prompt last seen (caching.text_kv)
 
     def matches(self, hook, module, hs: torch.Tensor, chunk: CausalChunk) -> bool:
         """Whether this (empty) state can serve a new rollout of these inputs as it is."""
@@ -505,6 +507,7 @@ class _Rollout:
         for t in self.sink0 or ():
             t.zero_()
         self.stats = {k: 0 for k in self.stats}
+        self.text.reset()
 
     def grow(self, hook, frames_needed: int, total_frames: Optional[int]) -> None:
         """Non-rolling overflow with ``grow=True``: reallocate the history buffers (valid prefix copied), to the
@@ -628,7 +631,7 @@ class _Rollout:
         steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend, cp,
                             sink0=None if self.sink0 is None else self.sink0[i], sinks=rot)
                  for i, kv in enumerate(self.layers)]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats["commit_calls" if chunk.commit else "denoise_calls"] += 1
         return out
 
@@ -668,7 +671,7 @@ class _Rollout:
         steps = [_LayerStep(cos, sin, kv, plan, 0, F, tpf, True, hook.backend, cp, recache=rc,
                             sink0=None if self.sink0 is None else self.sink0[i], sinks=rot, kv_len=True)
                  for i, kv in enumerate(self.layers)]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats["recache_calls"] += 1
         return out
 
@@ -689,21 +692,32 @@ def _geometry(hs: torch.Tensor):
     return (B, C, H, W)
 
 
-def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=()) -> torch.Tensor:
+def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=(),
+             text: Optional[TextKV] = None) -> torch.Tensor:
     """``WanTransformer3DModel.forward``'s math for a 1-D timestep, with our per-layer steps as ``rotary_emb``.
     Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
-    gathered before unpatchify (every op outside the self-attention is per token)."""
+    gathered before unpatchify (every op outside the self-attention is per token). ``text``: the rollout's text
+    K/V cache (``caching.text_kv``): where it serves the call, each block's ``attn2`` gets its cached K/V in place
+    of the text and the text embedder does not run (the time half of the condition embedder runs alone)."""
     hs = a["hidden_states"]
     B, _, F, _, _ = hs.shape
     x = module.patch_embedding(hs).flatten(2).transpose(1, 2).contiguous()
     if cp is not None:
         x = cp.shard(x, groups)
-    temb, proj, ehs, ehs_img = module.condition_embedder(a["timestep"], a["encoder_hidden_states"],
-                                                         a["encoder_hidden_states_image"], timestep_seq_len=None)
+    reason = None if text is None else not_cached_reason(module, a["encoder_hidden_states_image"])
+    if text is not None and reason is None:
+        temb, proj = time_embedding(module, a["timestep"], a["encoder_hidden_states"])
+        texts = text.layers(module, a["encoder_hidden_states"])
+    else:
+        if reason is not None:
+            text.uncached(reason)
+        temb, proj, ehs, ehs_img = module.condition_embedder(a["timestep"], a["encoder_hidden_states"],
+                                                             a["encoder_hidden_states_image"], timestep_seq_len=None)
+        if ehs_img is not None:
+            ehs = torch.concat([ehs_img, ehs], dim=1)
+        texts = [ehs] * len(module.blocks)
     proj = proj.unflatten(1, (6, -1))
-    if ehs_img is not None:
-        ehs = torch.concat([ehs_img, ehs], dim=1)
-    for block, step in zip(module.blocks, steps):
+    for block, step, ehs in zip(module.blocks, steps, texts):
         x = block(x, ehs, proj, step)
     shift, scale = (module.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
     shift, scale = shift.to(x.device), scale.to(x.device)
@@ -754,6 +768,8 @@ class CausalWanStaticCache(StaticCacheHook):
         for name, m in module.named_modules():
             if isinstance(m, WanTransformerBlock):
                 self.swap_processor(f"{name}.attn1", m.attn1, CausalWanCacheProcessor(m.attn1.processor))
+                # the text K/V once per prompt (caching.text_kv): served only where the wrapped processor is known
+                self.swap_processor(f"{name}.attn2", m.attn2, TextKVProcessor(m.attn2.processor))
         return module
 
     def _state_for(self, module, hs: torch.Tensor, chunk: CausalChunk) -> _Rollout:
@@ -837,4 +853,5 @@ class CausalWanStaticCache(StaticCacheHook):
             + (f", {st['recache_calls']} re-cache passes (prompt switches)" if st["recache_calls"] else "")
             + (f"; grown {st['grown']}x" if st["grown"] else "")
             + (f"; RoPE positions re-based in the window" if s.positions == "window" else ""),
+            "text K/V (cross-attention, once per prompt): " + s.text.describe(),
         ] + ([s.cp.describe(s.buffers.shape)] if s.cp is not None else [])
