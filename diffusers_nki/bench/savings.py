@@ -7,19 +7,27 @@ the emulator (``bench.kernels_dense``), the roofline ceiling beside it.
   layers (``text_kv.projection_gemms`` on the published Wan2.1-1.3B built on the meta device) and each modeled with
   ``kernels/gemm.py``. The path makes it once per prompt per rollout (``text_kv_counts`` runs the tiny pipeline and
   reads the cache's own counters); recomputing per call costs it on every transformer call.
-* ``taehv_decode_cost``: the light decoder (``models.taehv``) of one chunk, its convolutions as the
+* ``taehv_decode_cost``: the light decoder (``pipelines.taehv``) of one chunk, its convolutions as the
   ``causal_conv3d`` kernel calls its streaming decode makes (see that function).
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import torch
+
+import diffusers_nki
+from diffusers_nki.bench.kernels_dense import model_conv, model_gemm
+from diffusers_nki.caching.text_kv import projection_gemms
+from diffusers_nki.pipelines.taehv import TAEHV, decode_conv_calls
+from diffusers_nki.testing import tiny
+
 __all__ = ["published_wan13", "text_kv_cost", "text_kv_counts", "taehv_decode_cost"]
 
 
 def published_wan13():
     """Wan2.1-T2V-1.3B (30 layers, 12 x 128, FFN 8960, UMT5 4096) on the meta device: shapes only."""
-    import torch
+
     from diffusers import WanTransformer3DModel
 
     with torch.device("meta"):
@@ -32,8 +40,6 @@ def text_kv_cost(target: str = "trn2", batch: int = 1, text_len: int = 512, mode
     "scheduled_s": total, "ceiling_s": total}`` (per rank: every rank of a context-parallel DiT holds all 512 text
     tokens). The budget charges it ``projections`` times per chunk (0 in the steady state of one prompt, 1 after a
     switch) where recomputing charges it once per transformer call (5 per chunk)."""
-    from diffusers_nki.bench.kernels_dense import model_gemm
-    from diffusers_nki.caching.text_kv import projection_gemms
 
     model = model if model is not None else published_wan13()
     terms: List[dict] = []
@@ -51,10 +57,7 @@ def text_kv_counts(chunks: int = 3, switch_at: Optional[int] = None, steps: int 
     backend="torch")``) for ``chunks`` chunks of 3 frames with ``steps`` denoising passes, switching the prompt
     before chunk ``switch_at``, and return what the path did: ``{"calls": transformer calls, "projections": text
     K/V projections, "reuses": calls served from the cache}`` (the cache's own counters)."""
-    import torch
 
-    import diffusers_nki
-    from diffusers_nki.testing import tiny
 
     pipe = tiny.tiny_pipeline("causal_wan")
     diffusers_nki.patch(pipe, backend="torch")
@@ -79,7 +82,54 @@ def text_kv_counts(chunks: int = 3, switch_at: Optional[int] = None, steps: int 
     return dict(calls=calls, projections=st["projections"], reuses=st["reuses"], uncached=st["uncached_calls"])
 
 
-def taehv_decode_cost(*args, **kwargs) -> dict:  # defined with the decoder (models/taehv.py), see below
-    from diffusers_nki.models import taehv
+ROWS_TRACED = 64  # output rows traced per convolution (taller calls scaled by rows, as bench budget does)
 
-    return taehv.decode_cost(*args, **kwargs)
+
+def _conv_time(c: dict, target: str) -> dict:
+    """One ``causal_conv3d`` call of the plan, MODELED at its own frames and width, traced on at most
+    ``ROWS_TRACED`` interior output rows and scaled by rows (every band of rows is the same work)."""
+
+    kt, kh, kw = c["k"]
+    H, scale = c["H"], 1.0
+    pt = pb = -1
+    if H > ROWS_TRACED:
+        scale, H, pt, pb = c["H"] / ROWS_TRACED, ROWS_TRACED + kh - 1, 0, 0
+    r = model_conv(c["Cin"], c["Cout"], (kt, kh, kw), c["T"], H, c["W"], pt, pb, c["cache"], True, target)
+    return dict(scheduled_s=r["scheduled_s"] * scale, ceiling_s=r["ceiling_s"] * scale, flops=r["flops"] * scale)
+
+
+def taehv_decode_cost(target: str = "trn2", latent_frames: int = 3, height: int = 480, width: int = 832,
+                      batch: int = 1, model=None) -> dict:
+    """The light decoder (``pipelines.taehv.TAEHV``, Wan 2.1 widths 256/128/64/64) of one steady chunk of
+    ``latent_frames`` latent frames on ONE NeuronCore, MODELED: every convolution is the ``causal_conv3d`` call the
+    streaming decode makes (``taehv.decode_conv_calls``: the same code path run on the meta device), grouped by
+    shape, each ``scheduled: causal_conv3d``; the elementwise work between them (soft clamp, ReLU, residual adds,
+    nearest upsampling, the grow's channel-to-time reshape, the memory copies) as HBM traffic, ASSUMPTION: each
+    conv's output read and written once more, unfused, and each upsample's output written once. Returns
+    ``{"terms": [{name, calls, scheduled_s, ceiling_s, label}], "scheduled_s", "ceiling_s", "frames"}`` (frames: the
+    video frames it yields, 4 per latent frame). The height-sharded decode is not implemented for TAEHV: one core."""
+    from diffusers_nki.sim import cost
+
+    model = model if model is not None else TAEHV()
+    plan = decode_conv_calls(model, batch, height // 8, width // 8, latent_frames)
+    peak = cost.get_spec(target).pe_peak_flops
+    terms, elem = [], 0
+    for c in plan:
+        r = _conv_time(c, target)
+        n = c["count"]
+        eff = r["flops"] / (r["scheduled_s"] * peak) if r["scheduled_s"] else 0.0
+        kind = {(2, 3, 3): "memory-block 3x3 conv over [frame | memory] (2 taps)", (1, 1, 1): "time-grow 1x1 conv"
+                }.get(c["k"], "3x3 conv")
+        terms.append(dict(name=f"{kind} {c['Cin']} -> {c['Cout']} at {c['H']}x{c['W']}, {c['T']} frame(s)", calls=n,
+                          scheduled_s=n * r["scheduled_s"], ceiling_s=n * r["ceiling_s"],
+                          label=f"scheduled: causal_conv3d ({eff:.1%} PE)"))
+        elem += n * 2 * batch * c["Cout"] * c["T"] * c["H"] * c["W"] * 2  # bf16 out read + written once more
+    ups = [c for c in plan if c["k"] == (1, 1, 1)]  # each grow follows an upsample whose output it reads
+    elem += sum(batch * c["Cin"] * c["T"] * c["H"] * c["W"] * 2 for c in ups)
+    hbm = cost.get_spec(target).hbm_per_core * 1e9
+    terms.append(dict(name="elementwise (clamp, ReLU, residuals, upsampling, memory copies)", calls=0,
+                      scheduled_s=elem / hbm, ceiling_s=elem / hbm, bytes=elem,
+                      label="ASSUMPTION: each conv output read + written once more and each upsample written once "
+                            "(bf16, unfused, HBM bound)"))
+    return dict(terms=terms, scheduled_s=sum(t["scheduled_s"] for t in terms),
+                ceiling_s=sum(t["ceiling_s"] for t in terms), frames=4 * latent_frames, target=target)

@@ -9,7 +9,8 @@ de-normalisation) and turns its [0, 1] output into [-1, 1] (``* 2 - 1``).
 The decoder, in order (``decoder.<i>`` indices are the checkpoint's keys): a soft clamp ``3 tanh(x / 3)``; a 3x3
 conv latent -> 256 + ReLU; then three stages, each of three memory blocks at its width, a nearest 2x spatial
 upsample, a temporal "grow" (a bias-free 1x1 conv C -> stride C whose channel groups become ``stride`` consecutive
-frames; strides 1, 2, 2) and a bias-free 3x3 conv to the next width (256 -> 128 -> 64 -> 64); then ReLU and a
+frames; strides 1, 2, 2; run here BEFORE the upsample it follows, which it commutes with, on a quarter of the
+pixels) and a bias-free 3x3 conv to the next width (256 -> 128 -> 64 -> 64); then ReLU and a
 3x3 conv to RGB. A memory block is ``ReLU(conv3x3(ReLU(conv3x3(ReLU(conv3x3([x_t | x_{t-1}]))))) + x_t)`` (the
 skip is the identity: in- and out-widths are equal in the decoder), with x_{-1} = 0.
 
@@ -82,6 +83,11 @@ class TimeGrow(torch.nn.Module):
         super().__init__()
         self.stride = stride
         self.conv = torch.nn.Conv2d(channels, channels * stride, 1, bias=False)
+
+
+def _upsample(x: torch.Tensor) -> torch.Tensor:
+    """Nearest 2x along height and width of [B, C, T, H, W] (every pixel twice in each direction)."""
+    return x.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
 
 
 class TAEHV(ModelMixin, ConfigMixin):
@@ -165,8 +171,10 @@ class TAEHV(ModelMixin, ConfigMixin):
         overwritten in place with the block's input at its last frame); None: zero memory, nothing kept. ``conv``:
         the convolution call (default ``self._conv``; ``decode_conv_calls`` passes a recorder)."""
         conv = conv or self._conv
-        m = 0
+        m, up = 0, False
         for layer in self.decoder:
+            if up and not isinstance(layer, TimeGrow):  # an upsample deferred past a grow: apply it now
+                x, up = _upsample(x), False
             if isinstance(layer, MemoryBlock):
                 mem = None if memories is None else memories[m]
                 c0, _, c1, _, c2 = layer.conv
@@ -182,14 +190,17 @@ class TAEHV(ModelMixin, ConfigMixin):
                 B, SC, T, H, W = x.shape
                 s = layer.stride
                 x = x.view(B, s, SC // s, T, H, W).permute(0, 2, 3, 1, 4, 5).reshape(B, SC // s, T * s, H, W)
+                if up:
+                    x, up = _upsample(x), False
             elif isinstance(layer, torch.nn.Upsample):
-                if layer.scale_factor != 1:  # nearest: every pixel twice along height and width
-                    x = x.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
+                # nearest upsampling commutes with the per-pixel 1x1 grow that follows it: deferred past it, the
+                # grow runs on a quarter of the pixels (the same values: each output pixel is its source's)
+                up = layer.scale_factor != 1
             elif isinstance(layer, torch.nn.Conv2d):
                 x = conv(layer, x)
             else:
                 x = layer(x)
-        return x
+        return _upsample(x) if up else x
 
     def _check(self, z: torch.Tensor, what: str) -> None:
         if z.dim() != 5 or z.shape[1] != self.config.latent_channels:
