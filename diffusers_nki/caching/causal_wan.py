@@ -105,6 +105,7 @@ from diffusers_nki.processors.wan import prologue_reason
 from diffusers_nki.prologue_ops import qk_norm_rope
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
+from .text_kv import TextKV, TextKVProcessor, not_cached_reason, time_embedding
 
 __all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "RolloutHandle",
            "RecacheSpan", "SELF_FORCING", "LONGLIVE", "POSITIONS", "make_hook", "named_config"]
@@ -522,6 +523,7 @@ class _Rollout:
         self.rope = previous.rope if (previous is not None and previous.rope.matches(
             module.rope, self.hp, self.wp, self.device)) else _Rope(module.rope, self.hp, self.wp, self.device)
         self.stats = {"denoise_calls": 0, "commit_calls": 0, "recache_calls": 0, "grown": 0}
+        self.text = TextKV()  # the cross-attention text K/V of the prompt last seen (caching.text_kv)
 
     def matches(self, hook, module, hs: torch.Tensor, chunk: CausalChunk) -> bool:
         """Whether this (empty) state can serve a new rollout of these inputs as it is."""
@@ -540,6 +542,7 @@ class _Rollout:
         for t in self.sink0 or ():
             t.zero_()
         self.stats = {k: 0 for k in self.stats}
+        self.text.reset()
 
     def grow(self, hook, frames_needed: int, total_frames: Optional[int]) -> None:
         """Non-rolling overflow with ``grow=True``: reallocate the history buffers (valid prefix copied), to the
@@ -691,7 +694,7 @@ class _Rollout:
         steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend, cp,
                             sink0=None if self.sink0 is None else self.sink0[i], sinks=rot)
                  for i, kv in enumerate(self.layers)]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats["commit_calls" if chunk.commit else "denoise_calls"] += 1
         return out
 
@@ -731,7 +734,7 @@ class _Rollout:
         steps = [_LayerStep(cos, sin, kv, plan, 0, F, tpf, True, hook.backend, cp, recache=rc,
                             sink0=None if self.sink0 is None else self.sink0[i], sinks=rot, kv_len=True)
                  for i, kv in enumerate(self.layers)]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups)
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats["recache_calls"] += 1
         return out
 
@@ -759,11 +762,14 @@ def _geometry(hs: torch.Tensor):
     return (B, C, H, W)
 
 
-def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=()) -> torch.Tensor:
+def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=(),
+             text: Optional[TextKV] = None) -> torch.Tensor:
     """``WanTransformer3DModel.forward``'s math (a timestep per row, or per token), with our per-layer steps as
     ``rotary_emb``.
     Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
-    gathered before unpatchify (every op outside the self-attention is per token)."""
+    gathered before unpatchify (every op outside the self-attention is per token). ``text``: the rollout's text
+    K/V cache (``caching.text_kv``): where it serves the call, each block's ``attn2`` gets its cached K/V in place
+    of the text and the text embedder does not run (the time half of the condition embedder runs alone)."""
     hs = a["hidden_states"]
     B, _, F, _, _ = hs.shape
     x = module.patch_embedding(hs).flatten(2).transpose(1, 2).contiguous()
@@ -771,13 +777,21 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
         x = cp.shard(x, groups)
     ts = a["timestep"]
     per_token = ts.dim() == 2  # [B, tokens] (checked by _check_timestep): diffusers' Wan2.2-TI2V path
-    temb, proj, ehs, ehs_img = module.condition_embedder(ts.flatten() if per_token else ts,
-                                                         a["encoder_hidden_states"], a["encoder_hidden_states_image"],
-                                                         timestep_seq_len=ts.shape[1] if per_token else None)
+    t_in, seq_len = (ts.flatten(), ts.shape[1]) if per_token else (ts, None)
+    reason = None if text is None else not_cached_reason(module, a["encoder_hidden_states_image"])
+    if text is not None and reason is None:
+        temb, proj = time_embedding(module, t_in, a["encoder_hidden_states"], timestep_seq_len=seq_len)
+        texts = text.layers(module, a["encoder_hidden_states"])
+    else:
+        if reason is not None:
+            text.uncached(reason)
+        temb, proj, ehs, ehs_img = module.condition_embedder(t_in, a["encoder_hidden_states"],
+                                                             a["encoder_hidden_states_image"], timestep_seq_len=seq_len)
+        if ehs_img is not None:
+            ehs = torch.concat([ehs_img, ehs], dim=1)
+        texts = [ehs] * len(module.blocks)
     proj = proj.unflatten(2 if per_token else 1, (6, -1))  # [B, tokens, 6, D] or [B, 6, D]
-    if ehs_img is not None:
-        ehs = torch.concat([ehs_img, ehs], dim=1)
-    for block, step in zip(module.blocks, steps):
+    for block, step, ehs in zip(module.blocks, steps, texts):
         x = block(x, ehs, proj, step)
     if per_token:
         shift, scale = (module.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
@@ -832,6 +846,8 @@ class CausalWanStaticCache(StaticCacheHook):
         for name, m in module.named_modules():
             if isinstance(m, WanTransformerBlock):
                 self.swap_processor(f"{name}.attn1", m.attn1, CausalWanCacheProcessor(m.attn1.processor))
+                # the text K/V once per prompt (caching.text_kv): served only where the wrapped processor is known
+                self.swap_processor(f"{name}.attn2", m.attn2, TextKVProcessor(m.attn2.processor))
         return module
 
     def _state_for(self, module, hs: torch.Tensor, chunk: CausalChunk) -> _Rollout:
@@ -915,4 +931,5 @@ class CausalWanStaticCache(StaticCacheHook):
             + (f", {st['recache_calls']} re-cache passes (prompt switches)" if st["recache_calls"] else "")
             + (f"; grown {st['grown']}x" if st["grown"] else "")
             + (f"; RoPE positions re-based in the window" if s.positions == "window" else ""),
+            "text K/V (cross-attention, once per prompt): " + s.text.describe(),
         ] + ([s.cp.describe(s.buffers.shape)] if s.cp is not None else [])

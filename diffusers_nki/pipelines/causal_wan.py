@@ -68,6 +68,7 @@ from diffusers_nki.caching.causal_wan import CHUNK_KEY, POSITIONS, CausalChunk, 
 from diffusers_nki.caching.wan_vae import find_wan_vae_cache
 from diffusers_nki.caching.config import StaticCacheConfig
 from diffusers_nki.caching.core import find_hook
+from .taehv import TAEHV, TAEHVStreamingDecoder
 
 logger = logging.get_logger(__name__)
 
@@ -297,12 +298,13 @@ class CausalWanSession:
     def __init__(self, pipe: "CausalWanPipeline", inputs: _Inputs, prompt, prompt_embeds: torch.Tensor,
                  generator, step_noise, output_type: str, max_sequence_length: int, callback_on_step_end=None,
                  callback_tensor_inputs: Sequence[str] = ("latents",), progress: bool = True,
-                 num_videos_per_prompt: int = 1):
+                 num_videos_per_prompt: int = 1, decoder=None):
         self.pipe, self.inputs = pipe, inputs
         self.output_type, self.max_sequence_length = output_type, max_sequence_length
         self.callback, self.callback_inputs = callback_on_step_end, list(callback_tensor_inputs)
         self.step_noise = step_noise
         self.num_videos_per_prompt = num_videos_per_prompt
+        self.light_decoder = _check_decoder(decoder)  # None: the Wan VAE; a TAEHV: the light decoder (opt-in)
         self.handle = RolloutHandle()
         self.prompt, self.prompt_embeds = prompt, prompt_embeds
         self.generator = generator
@@ -326,7 +328,9 @@ class CausalWanSession:
         self._undecoded = None
         self._broken = None
         self.decoder = None
-        if self.output_type != "latent":
+        if self.output_type != "latent" and self.light_decoder is not None:
+            self.decoder = TAEHVStreamingDecoder(self.light_decoder)
+        elif self.output_type != "latent":
             if self.pipe.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
             self.decoder = WanStreamingDecoder(self.pipe.vae)
@@ -897,10 +901,11 @@ class CausalWanPipeline(DiffusionPipeline):
                 step_noise: Optional[Callable] = None, output_type: str = "np", max_sequence_length: int = 512,
                 rope_positions: Optional[str] = None, callback_on_step_end: Optional[Callable] = None,
                 callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-                progress: bool = True) -> CausalWanSession:
+                progress: bool = True, decoder=None) -> CausalWanSession:
         """A ``CausalWanSession``: an interactive rollout (``next_chunk``, ``set_prompt``, ``reset``, ``close``).
         ``num_frames=None`` (the default here) streams for ever over the rolling window; the other arguments are
         ``__call__``'s."""
+        _check_decoder(decoder)
         self._check_output_type(output_type)
         self._check_callback_inputs(callback_on_step_end_tensor_inputs)
         if not isinstance(num_videos_per_prompt, int) or num_videos_per_prompt < 1:
@@ -913,7 +918,7 @@ class CausalWanPipeline(DiffusionPipeline):
         self._num_timesteps = None if inp.frames is None else (inp.frames // inp.block) * len(inp.timesteps)
         return CausalWanSession(self, inp, prompt, embeds, generator, step_noise, output_type, max_sequence_length,
                                 callback_on_step_end, callback_on_step_end_tensor_inputs, progress,
-                                num_videos_per_prompt)
+                                num_videos_per_prompt, decoder=decoder)
 
     def _postprocess(self, video: torch.Tensor, output_type: str):
         return self.video_processor.postprocess_video(video, output_type=output_type)
@@ -928,7 +933,7 @@ class CausalWanPipeline(DiffusionPipeline):
                step_noise: Optional[Callable] = None, output_type: str = "np",
                callback_on_step_end: Optional[Callable] = None,
                callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",), max_sequence_length: int = 512,
-               rope_positions: Optional[str] = None) -> Iterator[CausalWanStreamChunk]:
+               rope_positions: Optional[str] = None, decoder=None) -> Iterator[CausalWanStreamChunk]:
         """A generator over the chunks of the video: each ``CausalWanStreamChunk`` carries its latents and its
         decoded ``frames`` (``output_type`` as in ``__call__``; the VAE's causal decode cache is kept between
         chunks, so the concatenated frames equal ``__call__``'s one-shot decode). Same arguments as ``__call__``;
@@ -938,7 +943,7 @@ class CausalWanPipeline(DiffusionPipeline):
         session = self.session(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
                                timesteps, sigmas, context_timestep, num_frame_per_block, generator, latents,
                                prompt_embeds, step_noise, output_type, max_sequence_length, rope_positions,
-                               callback_on_step_end, callback_on_step_end_tensor_inputs)
+                               callback_on_step_end, callback_on_step_end_tensor_inputs, decoder=decoder)
         try:
             while not session.done:
                 chunk = session.next_chunk()
@@ -965,7 +970,7 @@ class CausalWanPipeline(DiffusionPipeline):
                  step_noise: Optional[Callable] = None, output_type: str = "np", return_dict: bool = True,
                  callback_on_step_end: Optional[Callable] = None,
                  callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",), max_sequence_length: int = 512,
-                 rope_positions: Optional[str] = None):
+                 rope_positions: Optional[str] = None, decoder=None):
         r"""Generate a video chunk by chunk.
 
         Args:
@@ -984,12 +989,15 @@ class CausalWanPipeline(DiffusionPipeline):
             output_type: "np", "pil", "pt" or "latent". return_dict: a ``WanPipelineOutput`` (``.frames``).
             callback_on_step_end(pipe, step, timestep, tensors) -> dict: after every denoising step; tensors
                 from ``callback_on_step_end_tensor_inputs`` ("latents": the current chunk, "prompt_embeds").
+            decoder: None (the Wan VAE, the faithful default) or a ``diffusers_nki.pipelines.TAEHV``: the light
+                decoder Self-Forcing's real-time demo uses (opt-in; it is fed the latents as they are, as there).
         """
         from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
         if num_frames is None:
             raise ValueError("num_frames=None (endless) is for pipe.session / pipe.stream; __call__ needs a length")
         self._check_output_type(output_type)
+        _check_decoder(decoder)
         session = self.session(prompt, height, width, num_frames, num_videos_per_prompt, denoising_timesteps,
                                timesteps, sigmas, context_timestep, num_frame_per_block, generator, latents,
                                prompt_embeds, step_noise, "latent", max_sequence_length, rope_positions,
@@ -1005,7 +1013,10 @@ class CausalWanPipeline(DiffusionPipeline):
             session.close()
         inp = session.inputs
         out = torch.cat(chunks, dim=2) if chunks else session.latents[:, :, :0]
-        if output_type != "latent":
+        if output_type != "latent" and decoder is not None:
+            video = decoder.decode(out.to(decoder.device), return_dict=False)[0]
+            out = self._postprocess(video, output_type)
+        elif output_type != "latent":
             if self.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
             video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
@@ -1026,6 +1037,13 @@ class CausalWanPipeline(DiffusionPipeline):
         if bad:
             raise ValueError(f"callback_on_step_end_tensor_inputs={list(names)}: {bad} not in "
                              f"{self._callback_tensor_inputs}")
+
+
+def _check_decoder(decoder):
+    if decoder is not None and type(decoder) is not TAEHV:
+        raise TypeError(f"decoder={type(decoder).__name__}: pass None (the Wan VAE) or a "
+                        f"diffusers_nki.pipelines.TAEHV (the light decoder)")
+    return decoder
 
 
 def _check_positions(value) -> None:
