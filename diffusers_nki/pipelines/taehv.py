@@ -298,6 +298,23 @@ class TAEHVStreamingDecoder:
     def frames_in(self) -> int:
         return 0 if self.stream is None else self.stream.frames_in
 
+    def snapshot(self):
+        """What ``restore`` needs to undo the decodes made after it (a session retrying a failed chunk): the
+        stream's memory buffers copied, and its counters."""
+        stream = self.stream
+        if stream is None:
+            return (None, None, None)
+        return (stream, [b.clone() for b in stream.buffers], (stream.frames_in, stream.calls))
+
+    def restore(self, state) -> None:
+        """Back to a ``snapshot()``: the buffers copied back in place (nothing reallocated)."""
+        stream, buffers, counts = state
+        self.stream = stream
+        if stream is not None:
+            for b, saved in zip(stream.buffers, buffers):
+                b.copy_(saved)
+            stream.frames_in, stream.calls = counts
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
             B, _, _, h, w = latents.shape

@@ -4,11 +4,13 @@ built from Self-Forcing's own source (random weights, its state dict loaded into
 (counted, and the kernel in the emulator matches its twin); the pipeline's opt-in ``decoder=``.
 
 The original's source is read from ``$DIFFUSERS_NKI_KERNEL_SOURCES/Self-Forcing/demo_utils/taehv.py`` or
-``../shared/third_party/Self-Forcing/demo_utils/taehv.py`` (Self-Forcing 33593df); without it the parity tests skip,
-saying so."""
+``../shared/third_party/Self-Forcing/demo_utils/taehv.py`` (Self-Forcing 33593df), else from a git mirror of
+guandeh17/Self-Forcing (``tests/pipelines/causal_forcing_original.source``); without any the parity tests skip, saying so."""
 import importlib.util
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,10 +19,15 @@ from diffusers_nki import accounting
 from diffusers_nki.pipelines import TAEHV, taehv
 from diffusers_nki.testing import tiny
 
+sys.path.insert(0, os.path.dirname(__file__))
+import causal_forcing_original  # noqa: E402  (the originals' mirror lookup, tests/pipelines)
+
 REL = pathlib.Path("Self-Forcing") / "demo_utils" / "taehv.py"
 
 
-def _original_source():
+def _original_source(tmp_dir=None):
+    """The original demo_utils/taehv.py: a checkout under $DIFFUSERS_NKI_KERNEL_SOURCES or ../shared/third_party,
+    else read from the git mirror of guandeh17/Self-Forcing (as the other originals' tests find theirs)."""
     roots = []
     if os.environ.get("DIFFUSERS_NKI_KERNEL_SOURCES"):
         roots.append(pathlib.Path(os.environ["DIFFUSERS_NKI_KERNEL_SOURCES"]))
@@ -28,15 +35,24 @@ def _original_source():
     for r in roots:
         if (r / REL).is_file():
             return r / REL
+    git = causal_forcing_original.source("guandeh17/Self-Forcing")
+    if git is not None and tmp_dir is not None:
+        text = subprocess.run(["git", "--git-dir", str(git), "show", "HEAD:demo_utils/taehv.py"], capture_output=True,
+                              text=True)
+        if text.returncode == 0:
+            out = pathlib.Path(tmp_dir) / "taehv.py"
+            out.write_text(text.stdout)
+            return out
     return None
 
 
 @pytest.fixture(scope="module")
-def original():
-    path = _original_source()
+def original(tmp_path_factory):
+    path = _original_source(tmp_path_factory.mktemp("self_forcing"))
     if path is None:
         pytest.skip(f"Self-Forcing's demo_utils/taehv.py not found ($DIFFUSERS_NKI_KERNEL_SOURCES/{REL} or "
-                    f"../shared/third_party/{REL}): the parity with the original module is not checked")
+                    f"../shared/third_party/{REL}, or a Self-Forcing mirror: "
+                    f"{causal_forcing_original.skip_reason('guandeh17/Self-Forcing')}): the parity with the original module is not checked")
     pytest.importorskip("tqdm", reason="the original taehv.py imports tqdm")
     spec = importlib.util.spec_from_file_location("self_forcing_taehv", path)
     mod = importlib.util.module_from_spec(spec)
@@ -178,3 +194,43 @@ def test_pipeline_opt_in_decoder():
     assert (video - ((want / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4)).abs().max().item() <= 1e-5
     with pytest.raises(TypeError, match="decoder=AutoencoderKLWan: pass None"):
         pipe(**kw, generator=seed(), output_type="pt", decoder=pipe.vae)
+
+
+def test_a_session_with_taehv_retries_a_failed_decode():
+    """A session decoding with TAEHV recovers like one with the Wan VAE: a decode that fails half-way (the first
+    memory block's buffer already overwritten) is retried from the decoder's snapshot, and the chunks equal those of
+    a session that never failed."""
+    pipe = tiny.tiny_pipeline("causal_wan")
+    m = _model(5)
+    g = torch.Generator().manual_seed(8)
+    pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=g)
+
+    def session():
+        return pipe.session(prompt_embeds=pe, height=32, width=32, num_frames=None, num_frame_per_block=1,
+                            denoising_timesteps=[1000.0, 500.0], generator=torch.Generator().manual_seed(3),
+                            output_type="pt", decoder=m)
+
+    s = session()
+    want = [s.next_chunk().frames for _ in range(3)]
+    s.close()
+    s = session()
+    got = [s.next_chunk().frames]
+    original_conv, calls = m._conv, {"n": 0}
+
+    def failing_conv(*args, **kwargs):  # the decode's 30th convolution: the memory blocks' buffers are rewritten
+        calls["n"] += 1
+        if calls["n"] == 30:
+            raise KeyboardInterrupt()
+        return original_conv(*args, **kwargs)
+
+    m._conv = failing_conv
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.next_chunk()
+    finally:
+        del m._conv
+    got += [s.next_chunk().frames, s.next_chunk().frames]
+    s.close()
+    assert calls["n"] == 30 and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
