@@ -24,7 +24,7 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
     epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
     Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
     V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``; for 16-bit
-    V on trn2 / trn3 a VectorE AND of V's bits with 0xFFFF / 0; never a multiply by 0: an unused slot may
+    V on trn2 / trn3 a GpSimd product of V's bits, read as uint16, with 1 / 0; never a multiply by 0: an unused slot may
     hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so no -inf arithmetic and no NaN.
 
 Work follows the runtime fill (one compiled program for every cache_len): the cache's key space is cut into
@@ -433,12 +433,14 @@ def _finish_v(ctx, pair, ent, eng):
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
         # V rows of invalid keys set to 0 by a select (NaN-safe: 0 x NaN would be NaN)
         if ctx["v_bits"]:
-            # the bits of V ANDed with 0xFFFF (valid) / 0 (invalid), a select as well (no arithmetic touches the
-            # value); on VectorE: bit-vector ops run on the Vector engine only ([API-isa] tensor_tensor /
-            # tensor_scalar; NKI_SUBSET.md "NKI 0.7 and later")
+            # GpSimd (VectorE has no room): V's 16-bit patterns, read as uint16 integers, times 1 (valid) / 0
+            # (invalid) -- a select as well: the engine computes in fp32, where every uint16 value is exact, so a
+            # valid row's bits come back unchanged and an invalid row (NaN / inf patterns included) becomes 0.
+            # Not a bitwise AND: bit-vector ops run on the Vector engine only ([API-isa] tensor_tensor /
+            # tensor_scalar; NKI_SUBSET.md "NKI 0.7 and later"), and VectorE is the bound here
             v16 = vv.view(nl.uint16)
             nisa.tensor_tensor(dst=v16, data1=v16, data2=pair["vb"][:, t0:t1].expand_dim(2).broadcast(2, D),
-                               op=nl.bitwise_and, engine=nisa.engine.vector)
+                               op=nl.multiply, engine=nisa.engine.gpsimd)
         else:
             nisa.tensor_copy_predicated(dst=vv, src=0.0, predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
         nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
@@ -474,8 +476,7 @@ def _masks_range(ctx, pair, m0, m1):
     nisa.tensor_tensor(dst=valid, data1=valid, data2=tmp, op=nl.add, engine=eng)
     nisa.tensor_copy(dst=pair["vm"][:, m0:m1], src=valid, engine=eng)
     if ctx["v_bits"]:
-        nisa.tensor_tensor(dst=pair["vb"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 5:6].broadcast(1, n),
-                           op=nl.multiply, engine=eng)
+        nisa.tensor_copy(dst=pair["vb"][:, m0:m1], src=valid, engine=eng)   # 1 / 0 as uint16
     nisa.tensor_tensor(dst=pair["im"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 1:2].broadcast(1, n),
                        op=nl.less, engine=eng)
 
@@ -1141,13 +1142,12 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     n_tiles_pair = (H // Hkv) * len(qtiles)
 
     # -- SBUF: constants, lengths, rings, group state, then K/V residency with what is left -------------------
-    consts = _sb(ctx, (P, 6), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf, 0xFFFF
+    consts = _sb(ctx, (P, 5), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf
     nisa.memset(dst=consts[:, 0:1], value=TINY, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 1:2], value=0.5, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 2:3], value=1.0, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 3:4], value=LOG_FLOOR, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 4:5], value=float("inf"), engine=nisa.engine.gpsimd)
-    nisa.memset(dst=consts[:, 5:6], value=65535.0, engine=nisa.engine.gpsimd)
     ctx["consts"] = consts
     if has_cache:
         li = _sb(ctx, (P, 1), cache_len.dtype, 4)
@@ -1179,7 +1179,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
         ctx["mask_im"] = _sb(ctx, (P, nkt), nl.uint8, 1)   # the select predicate: 1 = invalid key
         if ctx["v_bits"]:
-            ctx["mask_vb"] = _sb(ctx, (P, nkt), nl.uint16, 2)   # 0xFFFF = valid key, 0 = invalid
+            ctx["mask_vb"] = _sb(ctx, (P, nkt), nl.uint16, 2)   # 1 = valid key, 0 = invalid (a uint16 factor)
     ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)
