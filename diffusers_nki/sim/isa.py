@@ -1,4 +1,4 @@
-"""Emulated ``nki.isa`` (nisa): one function per hardware instruction, ``dst`` first (NKI 0.3-0.6).
+"""Emulated ``nki.isa`` (nisa): one function per hardware instruction, ``dst`` first (NKI 0.3+; 0.7 by default).
 
 Every instruction (1) validates operands against the hardware rules of docs/NKI_SUBSET.md §3/§5 (raising an
 ``NkiValidationError`` subclass naming the op, operand, value and limit), (2) in numerics mode computes

@@ -14,8 +14,9 @@ traffic on an engine sequencer, the docs do not say which; GpSimd is the engine 
 sequencer-side instructions here) with ``free=1`` (charged the engine's fixed instruction cost), the memory
 it reads / writes as footprints, and ``extra={"register": name, "value": value-or-None}``. ``register_alloc``
 with an immediate and ``register_move`` touch no memory. The loop constructs that read registers are in
-``language`` (``dynamic_range``, ``fori_loop``, ``while_loop``); each executed iteration issues its body's
-instructions again, so a record holds exactly what ran.
+``language`` (``fori_loop``, ``while_loop``; ``dynamic_range`` under NKI <= 0.6): a compiled loop's body is
+traced once and replayed per executed trip, so a record holds exactly what ran. ``scalar_load`` /
+``scalar_store`` (NKI 0.7) are a register load / store into an ``NkiScalar``.
 """
 from __future__ import annotations
 

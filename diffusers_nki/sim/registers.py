@@ -7,9 +7,9 @@ A register holds one 32-bit integer known only when the kernel runs: a trip coun
 does not limit their number.
 
 What a kernel may do with one (the parser frontend's rules, which production kernels follow):
-- use it as a loop bound (``nl.dynamic_range(start, reg)``, ``nl.fori_loop(lo, reg, body)``), as a bare
-  ``while reg:`` condition (``bool(reg)`` reads the runtime value: nonzero continues), or as a dynamic offset
-  (``t.ap(..., scalar_offset=reg)``);
+- use it as a loop bound (``nl.fori_loop(lo, reg, body)``), as an ``nl.while_loop`` condition, or as a dynamic
+  offset (``t.ap(..., scalar_offset=reg)``); ``nl.dynamic_range(start, reg)`` and a bare ``while reg:`` were
+  removed in NKI 0.7 and work only under ``simulate(..., nki_version="0.6")``;
 - move, load and store it (``nisa.register_move`` / ``register_load`` / ``register_store``).
 What it may not: Python arithmetic, comparisons, ``int()`` / ``range()`` on it. Its value does not exist
 while the kernel is being built; a loop variable is "read-only ... read it as a runtime offset via
