@@ -415,11 +415,13 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         if gen == 3 and pair not in (("multiply", "add"), ("multiply", None), ("add", None)):
             raise NkiValidationError(f"{opn}: ScalarE on trn2 only supports (multiply, add), (multiply, None) and "
                                      f"(add, None); got {pair}")
+    if bitvec and eng is not E.vector:
+        # [API-isa] tensor_scalar: bit-vector ops "must run on Vector Engine"
+        raise NkiValidationError(f"{opn}: bit-vector op nl.{op0.name} on engine={getattr(eng, 'name', eng)}; "
+                                 "bit-vector ops run on the Vector engine only (engine=nisa.engine.vector)")
     if eng is E.gpsimd and op0 is not _ops.rsqrt:
         raise NkiValidationError(f"{opn}: GpSimd tensor_scalar is only allowed for op0=nl.rsqrt")
     if bitvec:
-        if eng is not E.vector:
-            raise NkiValidationError(f"{opn}: bit-vector ops need VectorE")
         for t, a in ((dst, "dst"), (data, "data")):
             if not (t.dtype.is_int or t.dtype.is_bool):
                 raise NkiDtypeError(f"{opn}: bit-vector op needs integer dtypes; {a} is {t.dtype!r}")

@@ -262,3 +262,33 @@ def test_compiled_loops_inside_no_reorder_are_rejected():
 
     with pytest.raises(NkiValidationError, match="no_reorder"):
         simulate(k)(np.zeros((1, 1), np.float32))
+
+
+def test_bit_vector_tensor_scalar_on_gpsimd_is_rejected_too():
+    def k(a_h):
+        a = nl.ndarray((ROWS, COLS), nl.uint16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=a_h)
+        nisa.tensor_scalar(dst=a, data=a, op0=nl.bitwise_and, operand0=0x0F0F, engine=nisa.engine.gpsimd)
+
+    with pytest.raises(NkiValidationError, match="bit-vector.*Vector engine"):
+        simulate(k)(np.zeros((ROWS, COLS), np.uint16))
+
+
+def test_scalar_load_arithmetic_and_store_round_trip():
+    """``nisa.scalar_load`` -> traced arithmetic -> ``nisa.scalar_store``: the value is computed when it runs
+    (the NKI Scalar Values deep dive's example shape), 32-bit wrap included."""
+    def k(x_h):
+        t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x_h)
+        s = nisa.scalar_load(t)
+        assert isinstance(s, NkiScalar)
+        r = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf)
+        nisa.scalar_store(r[0:1, 0:1], s * 4 + 1)
+        nisa.scalar_store(r[0:1, 1:2], s * 100000 * 100000)
+        out = nl.ndarray((1, 2), nl.int32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=r)
+        return out
+
+    out = simulate(k)(np.array([[7]], np.int32))
+    wrapped = int(np.array([7 * 100000 * 100000], np.int64).astype(np.int32)[0])
+    np.testing.assert_array_equal(out, [[29, wrapped]])
