@@ -1,5 +1,6 @@
 """nkisim -- a NumPy emulator of the standalone NKI API (``nki``, ``nki.language``, ``nki.isa``;
-NKI 0.3-0.6 semantics, ``dst``-first ISA ops), plus instruction records for the cost model.
+NKI 0.7 semantics by default, ``simulate(..., nki_version="0.6")`` for older programs; ``dst``-first ISA ops),
+plus instruction records for the cost model.
 
 Usage::
 
@@ -30,7 +31,8 @@ What is emulated
     reciprocal, dma_copy (casts, scalar/vector dynamic offsets with oob_mode error/skip), dma_transpose,
     dma_compute; the instructions of isa_extra.py (scans, top-8, gathers, predicated copies, partition
     reductions, nonzero compaction, batch-norm statistics); registers and runtime loop bounds
-    (isa_control.py, nl.dynamic_range / fori_loop / while_loop); core_barrier, sendrecv and nki.collectives;
+    (isa_control.py; nl.fori_loop / while_loop bodies traced once and replayed per runtime trip, NkiScalar;
+    nl.dynamic_range only under nki_version <= 0.6); core_barrier, sendrecv and nki.collectives;
     on trn3 the MX instructions quantize_mx and nc_matmul_mx with the packed x4 dtypes (isa_mx.py).
     The rest raise NotImplementedError (docs/NKI_SUBSET.md §3.13: rng, dropout, exponential, ...).
   * One ``records.Instr`` per instruction in the launch's ``RunRecord`` (engine, op, partitions, free,

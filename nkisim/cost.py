@@ -545,7 +545,7 @@ _SIXTEEN_BIT_FLOAT = {"bfloat16", "float16"}
 _VEC_ONE_RATE_OPS = {"iota", "affine_select", "memset"}        # ASSUMPTION: rate 1 on their engine
 # Engine-sequencer register instructions (sim/isa_control.py, recorded on GpSimd with free=1): charged the
 # engine's fixed instruction cost MIN_II. ASSUMPTION: no published figure for register traffic.
-_VEC_ONE_RATE_OPS |= {"register_move", "register_load", "register_store"}
+_VEC_ONE_RATE_OPS |= {"register_move", "register_load", "register_store", "loop_quiesce"}
 # nisa.core_barrier (sim/isa_control.py, free=1 on its engine, GpSimd by default): the semaphore update and
 # wait cost MIN_II here; the wait for the other core is the schedule's rendezvous (Instr.extra["sync"]).
 _VEC_ONE_RATE_OPS |= {"core_barrier"}

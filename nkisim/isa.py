@@ -1,4 +1,4 @@
-"""Emulated ``nki.isa`` (nisa): one function per hardware instruction, ``dst`` first (NKI 0.3-0.6).
+"""Emulated ``nki.isa`` (nisa): one function per hardware instruction, ``dst`` first (NKI 0.3+; 0.7 by default).
 
 Every instruction (1) validates operands against the hardware rules of docs/NKI_SUBSET.md §3/§5 (raising an
 ``NkiValidationError`` subclass naming the op, operand, value and limit), (2) in numerics mode computes
@@ -343,6 +343,11 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     eng = _pick_engine(engine, opn, (E.vector, E.gpsimd), default)
     _no_psum_on_pool(eng, opn, dst=dst, data1=data1, data2=data2)
     if op.kind == "bitvec":
+        if eng is not E.vector:
+            # bit-vector ALU ops run on the Vector engine: [API-isa] tensor_scalar ("must run on Vector Engine"),
+            # tensor_tensor (the Vector engine treats the inputs as bit patterns); GpSimd has no bitwise path
+            raise NkiValidationError(f"{opn}: bit-vector op nl.{op.name} on engine=gpsimd; bit-vector ops run on the "
+                                     "Vector engine only (engine=nisa.engine.vector)")
         for t, a in ((dst, "dst"), (data1, "data1"), (data2, "data2")):
             if not (t.dtype.is_int or t.dtype.is_bool):
                 raise NkiDtypeError(f"{opn}: bit-vector op nl.{op.name} needs integer dtypes; {a} is {t.dtype!r}")
@@ -404,11 +409,13 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         if gen == 3 and pair not in (("multiply", "add"), ("multiply", None), ("add", None)):
             raise NkiValidationError(f"{opn}: ScalarE on trn2 only supports (multiply, add), (multiply, None) and "
                                      f"(add, None); got {pair}")
+    if bitvec and eng is not E.vector:
+        # [API-isa] tensor_scalar: bit-vector ops "must run on Vector Engine"
+        raise NkiValidationError(f"{opn}: bit-vector op nl.{op0.name} on engine={getattr(eng, 'name', eng)}; "
+                                 "bit-vector ops run on the Vector engine only (engine=nisa.engine.vector)")
     if eng is E.gpsimd and op0 is not _ops.rsqrt:
         raise NkiValidationError(f"{opn}: GpSimd tensor_scalar is only allowed for op0=nl.rsqrt")
     if bitvec:
-        if eng is not E.vector:
-            raise NkiValidationError(f"{opn}: bit-vector ops need VectorE")
         for t, a in ((dst, "dst"), (data, "data")):
             if not (t.dtype.is_int or t.dtype.is_bool):
                 raise NkiDtypeError(f"{opn}: bit-vector op needs integer dtypes; {a} is {t.dtype!r}")
@@ -1257,8 +1264,8 @@ def _select(dst, cond, x, y, opn):
 constants = sys.modules[__name__]  # ``nki.isa.constants``: the enums, reachable as ``from nki.isa import constants``
 NkiInstruction = _Handle  # the opaque instruction handle nisa ops return (``.depends_on`` is accepted)
 
-from .isa_control import (VirtualRegister, core_barrier, register_alloc, register_load,  # noqa: E402,F401
-                          register_move, register_store, sendrecv)
+from .isa_control import (NkiScalar, VirtualRegister, core_barrier, register_alloc, register_load,  # noqa: E402,F401
+                          register_move, register_store, scalar_load, scalar_store, sendrecv)
 from .isa_extra import (bn_aggr, bn_stats, local_gather, max8, nc_find_index8, nc_match_replace8,  # noqa: E402,F401
                         nc_n_gather, nonzero_with_count, select_reduce, tensor_copy_predicated,
                         tensor_partition_reduce, tensor_tensor_scan)

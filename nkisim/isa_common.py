@@ -245,6 +245,12 @@ def _emit(prog, eng, opname, dst, srcs, partitions, free, extra_reads=(), extra_
     """Append one Instr with its read/write footprints; computes dep_prev (RAW on the previous instruction of
     the same engine). ``extra_reads`` / ``extra_writes``: further operand views (not part of the dtype/buffer
     summary); ``fp_reads`` / ``fp_writes``: footprints given directly (dynamic DMA)."""
+    if prog.loop_trace is not None:
+        # everything a compiled-loop body issues is recorded at the API (language._recordable) and replayed per
+        # trip; an instruction reaching here while the body is traced bypassed that and would run only once
+        raise NkiValidationError(f"{opname}: issued while an nl.fori_loop / nl.while_loop body is being traced, "
+                                 "outside the recorded nki.isa calls (the emulator replays only those per trip); "
+                                 "issue it through nki.isa inside the body")
     reads = tuple(footprint(s) for s in srcs) + tuple(footprint(s) for s in extra_reads) if fp_reads is None \
         else tuple(fp_reads)
     if fp_writes is not None:

@@ -14,8 +14,9 @@ traffic on an engine sequencer, the docs do not say which; GpSimd is the engine 
 sequencer-side instructions here) with ``free=1`` (charged the engine's fixed instruction cost), the memory
 it reads / writes as footprints, and ``extra={"register": name, "value": value-or-None}``. ``register_alloc``
 with an immediate and ``register_move`` touch no memory. The loop constructs that read registers are in
-``language`` (``dynamic_range``, ``fori_loop``, ``while_loop``); each executed iteration issues its body's
-instructions again, so a record holds exactly what ran.
+``language`` (``fori_loop``, ``while_loop``; ``dynamic_range`` under NKI <= 0.6): a compiled loop's body is
+traced once and replayed per executed trip, so a record holds exactly what ran. ``scalar_load`` /
+``scalar_store`` (NKI 0.7) are a register load / store into an ``NkiScalar``.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import numpy as np
 from . import runtime as _rt
 from .errors import NkiDtypeError, NkiShapeError, NkiValidationError
 from .isa_common import _HANDLE, _emit, _known, _live, _read, _tensor, _write
-from .registers import VirtualRegister, _wrap32, register_value
+from .registers import NkiScalar, VirtualRegister, _wrap32, register_value
 from .tensor import NkiTensor, hbm, sbuf, shared_hbm
 
-__all__ = ["VirtualRegister", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
+__all__ = ["VirtualRegister", "NkiScalar", "scalar_load", "scalar_store", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
            "sendrecv"]
 
 _SCALAR_BUFS = (sbuf, hbm, shared_hbm)
@@ -91,9 +92,9 @@ def register_move(dst, src=None, imm=None):
             raise NkiValidationError(f"{op}: pass src only (imm was renamed to src in NKI 0.6)")
         src = imm
     if isinstance(src, VirtualRegister):
-        if not src.written:
+        if not src.written and not isinstance(src, NkiScalar):
             register_value(src, f"{op} src")  # raises: never written
-        dst.value, dst.written = src.value, True
+        dst.value, dst.written = _val(src, op), True
     elif isinstance(src, (int, np.integer)) and not isinstance(src, bool):
         dst.value, dst.written = _wrap32(src), True
     else:
@@ -124,12 +125,38 @@ def register_store(dst, src):
     _reg(src, op, "src")
     if dst._dyn is not None:
         raise NkiValidationError(f"{op}: dst cannot carry a dynamic offset")
-    if not src.written:
+    if not src.written and not isinstance(src, NkiScalar):
         register_value(src, f"{op} src")  # raises: never written
-    if src.value is not None and _live(prog, (dst,), ()):
-        _write(dst, np.asarray([src.value], dtype=np.int64))
-    _emit(prog, "pool", "register_store", dst, (), 1, 1, extra={"register": src.name, "value": src.value})
+    v = _val(src, op)
+    if v is not None and _live(prog, (dst,), ()):
+        _write(dst, np.asarray([v], dtype=np.int64))
+    _emit(prog, "pool", "register_store", dst, (), 1, 1, extra={"register": src.name, "value": v})
     return _HANDLE
+
+
+def _val(r, op):
+    """A register's value now (None: unknown in trace mode); an NkiScalar expression is evaluated."""
+    if isinstance(r, NkiScalar):
+        if r.is_comparison or r._expr is not None or r.written:
+            w, v = r._resolve()
+            if r.is_comparison:
+                register_value(r, op)  # raises: a comparison's result cannot be used
+            return v
+        register_value(r, op)  # raises: never written
+    return r.value
+
+
+def scalar_load(src):
+    """``nisa.scalar_load(src)`` (NKI 0.7+): a new NkiScalar holding the one-element integer tile ``src``
+    [NKI Scalar Values deep dive]. Recorded as a register_load."""
+    r = NkiScalar(name="scalar")
+    register_load(r, src)
+    return r
+
+
+def scalar_store(dst, src):
+    """``nisa.scalar_store(dst, src)``: the scalar's value into a one-element integer tile."""
+    return register_store(dst, src)
 
 
 # ----------------------------------------------------------------------------------------------------

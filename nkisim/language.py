@@ -7,6 +7,7 @@ the nisa instructions of ``isa.py``, which do the checking, the arithmetic and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import math as _math
 
 import numpy as np
@@ -25,6 +26,7 @@ from .opdefs import (abs, abs_max, abs_min, add, arctan, bitwise_and, bitwise_or
                      mod, multiply, negative, not_equal, power, reciprocal, relu, right_shift, rsqrt, sigmoid, sign,
                      silu, silu_dx, sin, softplus, sqrt, square, subtract, tan, tanh, trunc)
 from . import tensor as _tensor_mod
+from .registers import REMOVED_IN_07, NkiScalar  # noqa: F401
 from .registers import register_value as _reg_value
 from .tensor import (DynSlice, MemoryRegion, NkiTensor, ds, hbm, new_tensor, private_hbm, psum, sbuf,  # noqa: F401
                      shared_hbm)
@@ -157,7 +159,9 @@ def shared_identity_matrix(n, dtype=uint8, dst=None):
 # Data movement
 # ----------------------------------------------------------------------------------------------------
 def _mark(t):
-    t._producer = _rt.current().instrs[-1]
+    p = _rt.current()
+    # while a compiled-loop body is traced nothing has been issued: no producer to re-target
+    t._producer = p.instrs[-1] if p.loop_trace is None and p.instrs else None
     return t
 
 
@@ -269,15 +273,33 @@ static_range = affine_range
 
 
 # ----------------------------------------------------------------------------------------------------
-# Runtime (register-bounded) loops [API-nl ``dynamic_range``, ``fori_loop``, ``while_loop``; MIG 0.5->0.6]
+# Compiled loops (NKI 0.7+: ``nl.fori_loop`` / ``nl.while_loop``; ``nl.dynamic_range`` and ``while <register>``
+# removed)
 # ----------------------------------------------------------------------------------------------------
-# The loop runs on the device: its bounds are read when the loop starts (ints or registers), its induction
-# value is a register (read-only; use it as ``.ap(scalar_offset=i)``), and the emulator executes the body once
-# per iteration that runs, so the record holds exactly the instructions the hardware executes (the modeled
-# time follows the runtime trip count). Each loop execution appends to ``RunRecord.loops``
-# ``{"id", "kind", "program", "trips", "first_instr", "end_instr"}`` and every instruction issued inside
-# carries ``Instr.loop = ((loop id, iteration), ...)``, outermost first. ASSUMPTION: the sequencer's branch
-# per iteration costs nothing (no figure is published); the body's instructions are charged in full.
+# What AWS documents [NKI Loops deep dive, 2026-10-08; API ``nki.language.fori_loop`` (v2.33.0)]:
+# - a compiled loop's body is TRACED ONCE during specialization and a single copy of it runs on the device for
+#   every trip; Python side effects in the body happen once, whatever the runtime trip count;
+# - ``fori_loop(lower, upper, body_fun, step=1)``: bounds are ints, VirtualRegisters or NkiScalars (read when the
+#   loop starts, 32-bit), ``step`` a compile-time positive int; the body receives the induction value "passed by
+#   value" -- an NkiScalar, or a VirtualRegister when a bound is a VirtualRegister; writing it has no effect;
+#   state is carried through SBUF/HBM; the body returns nothing;
+# - ``while_loop(init, body_fun)``: runs while the condition register is nonzero; the body returns the register
+#   holding the next condition.
+# The emulator does the same: it calls ``body_fun`` once with a runtime scalar (no Python value: int(),
+# bool(), range() on it raise) while the program is in trace state (``Program.loop_trace``): every ``nki.isa``
+# instruction the body issues -- directly, or through an ``nl`` wrapper or a tensor assignment -- is RECORDED,
+# not executed (``_recordable``); tensors the body allocates are allocated once, at trace time, as the compiler
+# does. When the loop then runs, its bounds are read and the recorded body is REPLAYED once per runtime trip with
+# the induction scalar holding that trip's value: the numerics and the RunRecord hold exactly what the device
+# executes (0 trips: nothing). A nested compiled loop is recorded as one node and replays its own body.
+#
+# Records: each loop execution appends ``{"id", "kind", "program", "trips", "first_instr", "end_instr",
+# "traced_calls"}`` to ``RunRecord.loops``; each replayed instruction carries ``Instr.loop = ((loop id,
+# iteration), ...)``. The loop's documented cost: a dynamic loop quiesces the engines (the brief's reading of AWS's
+# production code; no public figure): the emulator issues one ``loop_quiesce`` event on GpSimd at loop entry and
+# at every trip's back-edge, whose footprints span every on-chip byte -- so the schedule (unchanged, dependency-
+# driven) starts it only after all earlier on-chip work has finished and holds all later on-chip work until it
+# has (RAW/WAR/WAW on its footprints); its own cost is one GpSimd fixed instruction cost.
 class _Loop:
     __slots__ = ("id", "iteration", "entry")
 
@@ -302,12 +324,99 @@ def _running_loop(kind):
         lp.entry["end_instr"] = len(prog.instrs)
 
 
+def _quiesce(prog, lp, where):
+    """One quiesce event: GpSimd waits for every earlier on-chip access and holds every later one."""
+    sb = prog.sbuf_budget if prog.sbuf_budget > _rt.SBUF_BYTES_PER_PARTITION[prog.gen] else \
+        _rt.SBUF_BYTES_PER_PARTITION[prog.gen]
+    fps = (("sbuf", 0, 128, 0, sb), ("psum", 0, 128, 0, 8 * _rt.PSUM_BANK_BYTES))
+    _isa._emit(prog, "pool", "loop_quiesce", None, (), 1, 1, fp_reads=fps, fp_writes=fps,
+               extra={"loop": lp.id, "kind": lp.entry["kind"], "at": where})
+
+
+class _Call:
+    __slots__ = ("fn", "args", "kwargs")
+
+    def __init__(self, fn, args, kwargs):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def run(self, prog):
+        self.fn(*self.args, **self.kwargs)
+
+
+class _Trace:
+    """The recorded body of one compiled loop (calls and nested loop nodes, in program order)."""
+
+    __slots__ = ("kind", "items")
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.items = []
+
+    def record(self, fn, args, kwargs):
+        self.items.append(_Call(fn, args, kwargs))
+        return _isa._HANDLE
+
+    def replay(self, prog):
+        for it in self.items:
+            it.run(prog)
+
+    def n_calls(self):
+        n = 0
+        for it in self.items:
+            n += 1 if isinstance(it, _Call) else 1 + it.body.n_calls()
+        return n
+
+
+def _recordable(fn):
+    """``fn`` (an instruction) as kernels call it: recorded while a compiled-loop body is traced, else run."""
+
+    @functools.wraps(fn)
+    def w(*args, **kwargs):
+        p = _rt.current_or_none()
+        if p is not None and p.loop_trace is not None:
+            return p.loop_trace.record(fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    w._nki_instruction = fn
+    return w
+
+
+def _traced_register_alloc(x=None):
+    """``nisa.register_alloc`` inside a traced body: the register exists once (trace time); a given initial
+    value is a recorded register_move / register_load, replayed per trip."""
+    fn = _isa.register_alloc._nki_instruction
+    p = _rt.current_or_none()
+    if p is None or p.loop_trace is None:
+        return fn(x)
+    r = _isa.VirtualRegister()
+    if x is None:
+        return r
+    if isinstance(x, NkiTensor):
+        p.loop_trace.record(_isa.register_load._nki_instruction, (r, x), {})
+    else:
+        p.loop_trace.record(_isa.register_move._nki_instruction, (r, x), {})
+    return r
+
+
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _bound(v, what):
     if isinstance(v, _isa.VirtualRegister):
         return _reg_value(v, what)
-    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+    if _is_int(v):
         return int(v)
-    raise NkiValidationError(f"{what}={v!r} must be an int or a register (nisa.register_alloc())")
+    raise NkiValidationError(f"{what}={v!r} must be an int, an NkiScalar or a register (nisa.register_alloc())")
+
+
+def _check_bound(v, what):
+    if not (_is_int(v) or isinstance(v, _isa.VirtualRegister)):
+        raise NkiValidationError(f"{what}={v!r} must be an int, an NkiScalar or a register (nisa.register_alloc())")
+    if isinstance(v, NkiScalar) and v.dtype_name == "int64":
+        # "A bound must be 32-bit: the loop compiles into a compare-and-branch that has no 64-bit form"
+        # [API nki.language.fori_loop, v2.33.0]
+        raise NkiValidationError(f"{what}={v!r} is a 64-bit NkiScalar; a compiled loop's bound must be 32-bit")
 
 
 def _step(step, fn):
@@ -316,7 +425,86 @@ def _step(step, fn):
     return int(step)
 
 
-def _counted(kind, start, stop, step):
+def _no_reorder_check(fn):
+    p = _rt.current()
+    if getattr(p, "no_reorder_depth", 0):
+        raise NkiValidationError(f"nl.{fn} inside nl.no_reorder(): compiled loops cannot be reordered regions")
+    return p
+
+
+def _trace_body(prog, kind, call):
+    """Run ``call()`` once with the program in trace state; the recorded body."""
+    tr = _Trace(kind)
+    outer = prog.loop_trace
+    prog.loop_trace = tr
+    try:
+        ret = call()
+    finally:
+        prog.loop_trace = outer
+    return tr, ret
+
+
+class _ForNode:
+    """A traced ``fori_loop``: bounds, induction scalar, recorded body."""
+
+    __slots__ = ("lower", "upper", "step", "ivar", "body")
+
+    def __init__(self, lower, upper, step, ivar, body):
+        self.lower, self.upper, self.step, self.ivar, self.body = lower, upper, step, ivar, body
+
+    def run(self, prog):
+        with _running_loop("fori_loop") as lp:
+            lp.entry["traced_calls"] = self.body.n_calls()
+            lo = _bound(self.lower, "nl.fori_loop: lower")
+            hi = _bound(self.upper, "nl.fori_loop: upper")
+            _quiesce(prog, lp, "entry")
+            for v in range(lo, hi, self.step):
+                lp.iteration = lp.entry["trips"]
+                lp.entry["trips"] += 1
+                self.ivar.value, self.ivar.written = v, True
+                self.body.replay(prog)
+                _quiesce(prog, lp, "back-edge")
+
+
+class _WhileNode:
+    __slots__ = ("init", "cond", "body")
+
+    def __init__(self, init, cond, body):
+        self.init, self.cond, self.body = init, cond, body
+
+    def run(self, prog):
+        with _running_loop("while_loop") as lp:
+            lp.entry["traced_calls"] = self.body.n_calls()
+            _quiesce(prog, lp, "entry")
+            r = self.init
+            while _reg_value(r, "nl.while_loop: condition") != 0:
+                lp.iteration = lp.entry["trips"]
+                lp.entry["trips"] += 1
+                self.body.replay(prog)
+                _quiesce(prog, lp, "back-edge")
+                r = self.cond
+
+
+def _run_or_record(prog, node):
+    if prog.loop_trace is not None:
+        prog.loop_trace.items.append(node)  # a nested compiled loop: replayed with its enclosing body
+    else:
+        node.run(prog)
+
+
+def dynamic_range(start, stop=None, step=1):
+    """NKI 0.6 and older: a device loop from ``start`` to ``stop`` (ints or registers); the induction value is a
+    register. REMOVED in NKI 0.7 (the default here): raises with the migration's wording."""
+    prog = _rt.current()
+    if prog.nki_version >= (0, 7):
+        raise NkiValidationError(f"nl.dynamic_range {REMOVED_IN_07}")
+    if stop is None:
+        start, stop = 0, start
+    return _counted_06("dynamic_range", start, stop, _step(step, "dynamic_range"))
+
+
+def _counted_06(kind, start, stop, step):
+    # NKI <= 0.6 only (explicit nki_version): the body is a Python loop body, run once per runtime trip
     with _running_loop(kind) as lp:
         lo = _bound(start, f"nl.{kind}: start")
         hi = _bound(stop, f"nl.{kind}: stop")
@@ -326,42 +514,55 @@ def _counted(kind, start, stop, step):
             yield _isa.VirtualRegister(v, name=f"{kind}{lp.id}.i")
 
 
-def dynamic_range(start, stop=None, step=1):
-    """A device loop from ``start`` to ``stop`` (ints or registers, read when the loop starts); the induction
-    value is a register. Deprecated in NKI 0.6 in favour of ``fori_loop``, still accepted."""
-    if stop is None:
-        start, stop = 0, start
-    return _counted("dynamic_range", start, stop, _step(step, "dynamic_range"))
-
-
-def fori_loop(lower, upper, body_fun, step=1):
-    """``body_fun(i)`` for i in [lower, upper) by ``step`` on the device (bounds ints or registers; ``i`` a
-    register, passed by value). The body returns nothing."""
+def fori_loop(lower, upper, body_fun, step=1, unroll=False):
+    """``body_fun(i)`` for i in [lower, upper) by ``step`` on the device: the body is traced once (``i`` a runtime
+    scalar: an NkiScalar, or a VirtualRegister when a bound is one) and replayed per runtime trip. ``unroll=True``
+    (compile-time bounds only; [NKI Control Flow]: "traced once during specialization and unrolled during
+    compilation") replays the same trace without a device loop (no quiesce events)."""
+    prog = _no_reorder_check("fori_loop")
     if not callable(body_fun):
         raise NkiValidationError(f"nl.fori_loop: body_fun={body_fun!r} must be callable")
-    for i in _counted("fori_loop", lower, upper, _step(step, "fori_loop")):
-        r = body_fun(i)
-        if r is not None:
-            raise NkiValidationError(f"nl.fori_loop: body_fun returned {r!r}; the body of a fori_loop cannot return a "
-                                     "value (carry state through SBUF/HBM)")
+    step = _step(step, "fori_loop")
+    _check_bound(lower, "nl.fori_loop: lower")
+    _check_bound(upper, "nl.fori_loop: upper")
+    if unroll and not (_is_int(lower) and _is_int(upper)):
+        raise NkiValidationError(f"nl.fori_loop(unroll=True): lower={lower!r}, upper={upper!r} must be compile-time "
+                                 "ints (an unrolled loop does not run as a loop on the device)")
+    reg_bound = any(isinstance(b, _isa.VirtualRegister) and not isinstance(b, NkiScalar) for b in (lower, upper))
+    ivar = _isa.VirtualRegister(name="fori.i") if reg_bound else NkiScalar(name="fori.i")
+    body, ret = _trace_body(prog, "fori_loop", lambda: body_fun(ivar))
+    if ret is not None:
+        raise NkiValidationError(f"nl.fori_loop: body_fun returned {ret!r}; the body of a fori_loop cannot return a "
+                                 "value (carry state through SBUF/HBM)")
+    if unroll:
+        node = _UnrolledNode(int(lower), int(upper), step, ivar, body)
+    else:
+        node = _ForNode(lower, upper, step, ivar, body)
+    _run_or_record(prog, node)
+
+
+class _UnrolledNode(_ForNode):
+    __slots__ = ()
+
+    def run(self, prog):
+        for v in range(self.lower, self.upper, self.step):
+            self.ivar.value, self.ivar.written = v, True
+            self.body.replay(prog)
 
 
 def while_loop(init, body_fun):
-    """While register ``init`` is nonzero (checked before each iteration): ``r = body_fun(r)``; the body
-    returns the register holding the next condition."""
+    """While register ``init`` is nonzero (checked before each trip): the body, traced once with ``init``, returns
+    the register holding the next condition; it is replayed per runtime trip."""
+    prog = _no_reorder_check("while_loop")
     if not isinstance(init, _isa.VirtualRegister):
         raise NkiValidationError(f"nl.while_loop: init={init!r} must be a register (nisa.register_alloc())")
     if not callable(body_fun):
         raise NkiValidationError(f"nl.while_loop: body_fun={body_fun!r} must be callable")
-    r = init
-    with _running_loop("while_loop") as lp:
-        while _reg_value(r, "nl.while_loop: condition") != 0:
-            lp.iteration = lp.entry["trips"]
-            lp.entry["trips"] += 1
-            r = body_fun(r)
-            if not isinstance(r, _isa.VirtualRegister):
-                raise NkiValidationError(f"nl.while_loop: body_fun returned {r!r}; it must return the register "
-                                         "holding the next condition")
+    body, cond = _trace_body(prog, "while_loop", lambda: body_fun(init))
+    if not isinstance(cond, _isa.VirtualRegister):
+        raise NkiValidationError(f"nl.while_loop: body_fun returned {cond!r}; it must return the register "
+                                 "holding the next condition")
+    _run_or_record(prog, _WhileNode(init, cond, body))
 
 
 def program_id(axis=0):
@@ -390,7 +591,13 @@ def device_print(print_prefix, tensor):
 
 @contextlib.contextmanager
 def no_reorder():
-    yield
+    # a scheduling hint (no-op here); compiled loops inside it are rejected (NKI_SUBSET.md: nl.no_reorder)
+    p = _rt.current()
+    p.no_reorder_depth = getattr(p, "no_reorder_depth", 0) + 1
+    try:
+        yield
+    finally:
+        p.no_reorder_depth -= 1
 
 
 def _nki_fields(cls):
@@ -585,7 +792,41 @@ def _call_op(op, *args, dtype=None, **kw):
 
 
 _ops._HOOK = _call_op
-_tensor_mod.ASSIGN_HOOK = _assign
+_tensor_mod.ASSIGN_HOOK = _recordable(_assign)
+
+
+def _install_recording():
+    """Every ``nki.isa`` instruction, as kernels reach it (``nisa.<name>``), becomes recordable: recorded while a
+    compiled-loop body is traced, run otherwise. Pure queries are left alone; ``register_alloc`` and
+    ``scalar_load`` create their register once (trace time) and record the load."""
+    import inspect
+
+    skip = {"get_nc_version", "get_nc_sub_version", "register_alloc", "scalar_load"}
+    for name, f in list(vars(_isa).items()):
+        if name.startswith("_") or name in skip or not inspect.isfunction(f) or hasattr(f, "_nki_instruction"):
+            continue
+        if not f.__module__.startswith(__package__ + ".isa"):
+            continue
+        setattr(_isa, name, _recordable(f))
+    for name, fn in (("register_alloc", _traced_register_alloc), ("scalar_load", _traced_scalar_load)):
+        orig = getattr(_isa, name)
+        if not hasattr(orig, "_nki_instruction"):
+            w = functools.wraps(orig)(fn)
+            w._nki_instruction = orig
+            setattr(_isa, name, w)
+
+
+def _traced_scalar_load(src):
+    fn = _isa.scalar_load._nki_instruction
+    p = _rt.current_or_none()
+    if p is None or p.loop_trace is None:
+        return fn(src)
+    r = NkiScalar(name="scalar")
+    p.loop_trace.record(_isa.register_load._nki_instruction, (r, src), {})
+    return r
+
+
+_install_recording()
 
 
 def where(condition, x, y, dtype=None):

@@ -168,7 +168,8 @@ def _numpy_to_torch(arr, dt):
 class Simulated:
     """The callable ``simulate`` returns. ``.last_record`` is the RunRecord of its latest call."""
 
-    def __init__(self, kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, mx_scale="ocp"):
+    def __init__(self, kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, mx_scale="ocp",
+                 nki_version=None, compiler_lnc=None):
         if isinstance(kernel, Kernel):
             self.kernel = kernel
         elif callable(kernel):
@@ -190,11 +191,15 @@ class Simulated:
         if mx_scale not in MX_SCALE_RULES:
             raise NkiLaunchError(f"simulate: mx_scale={mx_scale!r} must be one of {sorted(MX_SCALE_RULES)}")
         self.mx_scale = mx_scale
+        self.nki_version = _rt.parse_nki_version(nki_version)
+        if compiler_lnc is not None:
+            compiler_lnc = _check_lnc(compiler_lnc)
+        self.compiler_lnc = compiler_lnc
         self.last_record = None
 
     def __getitem__(self, lnc):
         s = Simulated(self.kernel[lnc], _rt.GEN_TO_TARGET[self.gen], self.strict, self.numerics, self.sbuf_bytes,
-                      self.mx_scale)
+                      self.mx_scale, "%d.%d" % self.nki_version, self.compiler_lnc)
         return s
 
     def __call__(self, *args, **kwargs):
@@ -233,8 +238,15 @@ class Simulated:
         lnc = k.lnc
         if lnc == 2 and self.gen == 2:
             raise NkiLaunchError(f"{fn.__name__}[2]: LNC=2 does not exist on trn1 (gen2); launch with [1]")
+        if self.compiler_lnc is not None and self.compiler_lnc != lnc and self.nki_version >= (0, 7):
+            # NKI 0.7 validates that the kernel's LNC degree matches the compiler's (NKI migration guide v2.33.1;
+            # compiler error NCC_EVRF066: "NKI kernel ... is configured with LNC=<k>, but neuronx-cc is using
+            # LNC=<c>"); earlier versions did not check
+            raise NkiLaunchError(f"{fn.__name__}: the kernel is configured with LNC={lnc} but the compiler uses "
+                                 f"LNC={self.compiler_lnc} (compiler_lnc); NKI 0.7+ rejects the mismatch: launch "
+                                 f"kernel[{self.compiler_lnc}] or compile with the kernel's degree")
         launch = _rt.Launch(self.gen, self.strict, self.numerics, lnc, fn.__name__, sbuf_bytes=self.sbuf_bytes,
-                            mx_scale=self.mx_scale)
+                            mx_scale=self.mx_scale, nki_version=self.nki_version)
         launch.rank, launch.nranks = rank, nranks
         launch.record.lint = list(k._lint_findings)
         self.last_record = launch.record
@@ -350,7 +362,8 @@ def _returned_input(o, arg_views):
     return a
 
 
-def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, mx_scale="ocp"):
+def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, mx_scale="ocp", nki_version=None,
+             compiler_lnc=None):
     """Emulate ``kernel`` on the CPU. Returns a callable taking NumPy arrays / CPU torch tensors.
 
     target: "trn1" | "trn2" | "trn3" (aliases gen2/gen3/gen4, inf2); default: NEURON_PLATFORM_TARGET_OVERRIDE or
@@ -360,6 +373,10 @@ def simulate(kernel, target=None, strict=False, numerics=True, sbuf_bytes=None, 
     the usable SBUF (``sim.cost.Hypotheses.simulate_kwargs``): ``nl.tile_size`` reports it and the allocator
     and ``address=`` enforce it. mx_scale: the ``nisa.quantize_mx`` block-scale rule (trn3; ``sim.isa_mx``):
     "ocp" (default, what AWS's pinned hardware tests assert) or "x2" (the newer API page's two-times-larger scale).
+    nki_version: the NKI language checked, "0.7" by default (SDK 2.33+): ``nl.dynamic_range`` and ``while
+    <register>`` are removed there; "0.6" or older runs programs written for those versions (explicitly only).
+    compiler_lnc: the compiler's LNC degree (``-lnc`` / NEURON_LOGICAL_NC_CONFIG on hardware); when given, a
+    kernel launched with another degree is rejected (NKI 0.7+), as the compiler does.
     """
     return Simulated(kernel, target=target, strict=strict, numerics=numerics, sbuf_bytes=sbuf_bytes,
-                     mx_scale=mx_scale)
+                     mx_scale=mx_scale, nki_version=nki_version, compiler_lnc=compiler_lnc)

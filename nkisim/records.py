@@ -99,6 +99,7 @@ class RunRecord:
     sbuf_bytes_per_partition: int = 0  # SBUF the launch allowed (physical unless simulate(sbuf_bytes=...))
     kernel: str = ""
     numerics: bool = True
+    nki_version: str = "0.7"
     warnings: List[str] = field(default_factory=list)
     lint: List[str] = field(default_factory=list)
     loops: List[dict] = field(default_factory=list)

@@ -30,6 +30,31 @@ PMAX = 128
 SBUF_BYTES_PER_PARTITION = {2: 192 * KIB, 3: 224 * KIB, 4: 256 * KIB}
 
 
+# The NKI language version the emulator checks against. 0.7 (Neuron SDK 2.33, Oct 2026) is the default: it
+# removed ``nl.dynamic_range`` and ``while <register>`` ("removes the dynamic loop constructs deprecated in NKI
+# 0.6.0", NKI migration guide v2.33.1, "Migrating from NKI 0.6.0 to NKI 0.7.0"). An older version is an explicit
+# per-launch setting (``simulate(..., nki_version="0.6")``), never a process-wide switch.
+NKI_VERSIONS = ((0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (0, 8))
+DEFAULT_NKI_VERSION = (0, 7)
+
+
+def parse_nki_version(v):
+    """"0.7" / (0, 7) / None (the default) -> (major, minor); a clear error otherwise."""
+    if v is None:
+        return DEFAULT_NKI_VERSION
+    t = None
+    if isinstance(v, str):
+        parts = v.strip().split(".")
+        if len(parts) >= 2 and all(x.isdigit() for x in parts[:2]):
+            t = (int(parts[0]), int(parts[1]))
+    elif isinstance(v, tuple) and len(v) >= 2 and all(isinstance(x, int) for x in v[:2]):
+        t = (v[0], v[1])
+    if t not in NKI_VERSIONS:
+        raise NkiLaunchError(f"nki_version={v!r} must be one of "
+                             f"{', '.join('%d.%d' % x for x in NKI_VERSIONS)} (default {'%d.%d' % DEFAULT_NKI_VERSION})")
+    return t
+
+
 def parse_target(target) -> int:
     """Map "trn1"/"trn2"/"trn3" (aliases gen2/gen3/gen4, inf2) to the generation number 2/3/4."""
     if target is None:
@@ -76,8 +101,9 @@ def moving_fmax(gen: int, dst_itemsize: int = 4) -> int:
 # Launch / program state
 # ----------------------------------------------------------------------------------------------------
 class Launch:
-    def __init__(self, gen, strict, numerics, lnc, kernel_name, sbuf_bytes=None, mx_scale="ocp"):
+    def __init__(self, gen, strict, numerics, lnc, kernel_name, sbuf_bytes=None, mx_scale="ocp", nki_version=None):
         self.gen = gen
+        self.nki_version = parse_nki_version(nki_version)
         self.mx_scale = mx_scale  # nisa.quantize_mx scale rule (isa_mx.MX_SCALE_RULES)
         self.target = GEN_TO_TARGET[gen]
         self.strict = strict
@@ -86,6 +112,7 @@ class Launch:
         self.record = records.RunRecord(target=self.target, lnc=lnc)
         self.record.kernel = kernel_name
         self.record.numerics = numerics
+        self.record.nki_version = "%d.%d" % self.nki_version
         self.sbuf_bytes = sbuf_bytes  # None = physical (a what-if of the usable SBUF otherwise)
         self.record.sbuf_bytes_per_partition = sbuf_bytes or SBUF_BYTES_PER_PARTITION[gen]
         self.shared_allocs = []  # shared_hbm tensors allocated by the kernel, in allocation order
@@ -125,6 +152,8 @@ class Program:
         self.task = None
         self.sync_seq = {}  # per-kind sequence numbers of this program's rendezvous (cores.next_seq)
         self.loop_stack = []  # the runtime (register-bounded) loops being executed, outermost first
+        self.loop_trace = None  # language._Trace while a fori_loop / while_loop body is being traced (NKI 0.7+)
+        self.nki_version = launch.nki_version
         self.sbuf_budget = launch.sbuf_bytes or SBUF_BYTES_PER_PARTITION[self.gen]
         self.psum_banks = psum_num_banks(self.gen)
         self.sbuf = AddressSpace("sbuf", self.sbuf_budget, self.numerics, self)

@@ -24,13 +24,13 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
     epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
     Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
     V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``; for 16-bit
-    V on trn2 / trn3 a GpSimd AND of V's bits with 0xFFFF / 0; never a multiply by 0: an unused slot may
+    V on trn2 / trn3 a GpSimd product of V's bits, read as uint16, with 1 / 0; never a multiply by 0: an unused slot may
     hold NaN / inf from an earlier failed rollout, and 0 x NaN = NaN), so no -inf arithmetic and no NaN.
 
 Work follows the runtime fill (one compiled program for every cache_len): the cache's key space is cut into
     regions of whole chunks (about REGION_KEYS keys, a whole number of Skv-key chunks, whole tiles up to the
     tile holding slot C); per (pair, group) the chunk part runs first, then each region inside a
-    ``nl.dynamic_range(0, flag)`` whose trip count (a register: cache_len > the region's first slot) is 0 or 1,
+    ``nl.fori_loop(0, flag, body)`` (NKI 0.7: the body traced once) whose trip count (a register: cache_len > the region's first slot) is 0 or 1,
     so the regions beyond the fill are neither loaded nor computed. The software pipeline carries over from a
     part into the next region (no drain between parts that both run); a fallback block whose trip count is
     flag[r-1] - flag[r] drains the previous part's tail where the fill ends, the last region's tail drains
@@ -425,11 +425,14 @@ def _finish_v(ctx, pair, ent, eng):
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
         # V rows of invalid keys set to 0 by a select (NaN-safe: 0 x NaN would be NaN)
         if ctx["v_bits"]:
-            # GpSimd (VectorE has no room): the bits of V ANDed with 0xFFFF (valid) / 0 (invalid), a select
-            # as well (no arithmetic touches the value)
+            # GpSimd (VectorE has no room): V's 16-bit patterns, read as uint16 integers, times 1 (valid) / 0
+            # (invalid) -- a select as well: the engine computes in fp32, where every uint16 value is exact, so a
+            # valid row's bits come back unchanged and an invalid row (NaN / inf patterns included) becomes 0.
+            # Not a bitwise AND: bit-vector ops run on the Vector engine only ([API-isa] tensor_tensor /
+            # tensor_scalar; NKI_SUBSET.md "NKI 0.7 and later"), and VectorE is the bound here
             v16 = vv.view(nl.uint16)
             nisa.tensor_tensor(dst=v16, data1=v16, data2=pair["vb"][:, t0:t1].expand_dim(2).broadcast(2, D),
-                               op=nl.bitwise_and, engine=nisa.engine.gpsimd)
+                               op=nl.multiply, engine=nisa.engine.gpsimd)
         else:
             nisa.tensor_copy_predicated(dst=vv, src=0.0, predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
         nisa.tensor_copy(dst=vA[:, t0 - seg0:t1 - seg0, D], src=pair["vm"][:, t0:t1], engine=eng)
@@ -465,8 +468,7 @@ def _masks_range(ctx, pair, m0, m1):
     nisa.tensor_tensor(dst=valid, data1=valid, data2=tmp, op=nl.add, engine=eng)
     nisa.tensor_copy(dst=pair["vm"][:, m0:m1], src=valid, engine=eng)
     if ctx["v_bits"]:
-        nisa.tensor_tensor(dst=pair["vb"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 5:6].broadcast(1, n),
-                           op=nl.multiply, engine=eng)
+        nisa.tensor_copy(dst=pair["vb"][:, m0:m1], src=valid, engine=eng)   # 1 / 0 as uint16
     nisa.tensor_tensor(dst=pair["im"][:, m0:m1], data1=valid, data2=ctx["consts"][:, 1:2].broadcast(1, n),
                        op=nl.less, engine=eng)
 
@@ -568,7 +570,8 @@ def _pair_setup(ctx, b, g):
             nisa.tensor_copy_predicated(dst=dup, src=dc, predicate=sel[:, 0:1].broadcast(1, D))
             nisa.tensor_tensor(dst=sel[:, 1:2], data1=ctx["cl_f"], data2=ctx["consts"][:, 2:3], op=nl.less,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=sel[:, 1:2], data1=sel[:, 1:2], data2=sel[:, 0:1], op=nl.bitwise_and,
+            # both 0/1 flags: their product is their AND, with no bit-vector op (those run on VectorE only)
+            nisa.tensor_tensor(dst=sel[:, 1:2], data1=sel[:, 1:2], data2=sel[:, 0:1], op=nl.multiply,
                                engine=nisa.engine.gpsimd)
             nisa.tensor_copy_predicated(dst=dup, src=0.0, predicate=sel[:, 1:2].broadcast(1, D))
         else:
@@ -832,7 +835,7 @@ def _drain(ctx):
 def _parts(ctx, NK):
     """The key space of a pair in processing order, [{"s0", "s1", "base_t", "reg"}]: the chunk first (from the
     tile holding cache slot C, unconditional), then the cache regions, each run only when the RUNTIME cache_len
-    reaches into it (``reg``: a 0/1 register, the trip count of a ``nl.dynamic_range`` around the region's
+    reaches into it (``reg``: a 0/1 register, the trip count of a ``nl.fori_loop`` around the region's
     code), intersected with the SBUF segments (``base_t``: the segment's first key tile, 0 when resident)."""
     segs = ctx["segs"]
     multi = len(segs) > 1
@@ -920,28 +923,30 @@ def _run_pair(ctx, b, g, tiles):
                 if prev["reg"] is None:
                     _drain_part(ctx, grp)
                 else:
-                    for _ in nl.dynamic_range(0, prev["reg"]):
-                        _drain_part(ctx, grp)
+                    nl.fori_loop(0, prev["reg"], lambda _i: _drain_part(ctx, grp))
             if pt["reg"] is None:
                 _run_part(ctx, pair, groups, gi, pt, load, q_loaded, pi == 0)
                 continue
             if len(ctx["pipe"]) > 0 and (prev["reg"] is None or prev["reg"] is not pt["reg"]):
                 fb = ctx["region_fb"][pt["ri"]]
-                for _ in nl.dynamic_range(0, fb):
+
+                def _fallback(_i):
+                    # the previous part's tail drained where the fill ends; the trace-time pipeline state is put
+                    # back (the region after it continues that pipeline whenever it runs)
                     snap = _snapshot(ctx)
                     _drain_part(ctx, grp)
                     _restore(ctx, snap)
-            for _ in nl.dynamic_range(0, pt["reg"]):
-                _run_part(ctx, pair, groups, gi, pt, load, q_loaded, False)
+
+                nl.fori_loop(0, fb, _fallback)
+            nl.fori_loop(0, pt["reg"], lambda _i: _run_part(ctx, pair, groups, gi, pt, load, q_loaded, False))
         last = parts[len(parts) - 1]
         if len(ctx["pipe"]) > 0:
             if last["reg"] is None:
                 _drain_part(ctx, grp)
             else:
-                for _ in nl.dynamic_range(0, last["reg"]):
-                    _drain_part(ctx, grp)
+                nl.fori_loop(0, last["reg"], lambda _i: _drain_part(ctx, grp))
         # whichever part ran last, its tail has drained (a fallback block or the block above): the trace-time
-        # state is the drained one (the emulator traces a runtime loop's body only for the trips that run)
+        # state is the drained one (each region body was traced once, as NKI 0.7 traces a compiled loop)
         ctx["pipe"] = []
         ctx["ev_queue"] = []
         busy = []
@@ -1129,13 +1134,12 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     n_tiles_pair = (H // Hkv) * len(qtiles)
 
     # -- SBUF: constants, lengths, rings, group state, then K/V residency with what is left -------------------
-    consts = _sb(ctx, (P, 6), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf, 0xFFFF
+    consts = _sb(ctx, (P, 5), nl.float32, 4)   # tiny, 1/2, 1, 2^-64, +inf
     nisa.memset(dst=consts[:, 0:1], value=TINY, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 1:2], value=0.5, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 2:3], value=1.0, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 3:4], value=LOG_FLOOR, engine=nisa.engine.gpsimd)
     nisa.memset(dst=consts[:, 4:5], value=float("inf"), engine=nisa.engine.gpsimd)
-    nisa.memset(dst=consts[:, 5:6], value=65535.0, engine=nisa.engine.gpsimd)
     ctx["consts"] = consts
     if has_cache:
         li = _sb(ctx, (P, 1), cache_len.dtype, 4)
@@ -1167,7 +1171,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
         ctx["mask_vm"] = _sb(ctx, (P, nkt), mm_dt, isz)
         ctx["mask_im"] = _sb(ctx, (P, nkt), nl.uint8, 1)   # the select predicate: 1 = invalid key
         if ctx["v_bits"]:
-            ctx["mask_vb"] = _sb(ctx, (P, nkt), nl.uint16, 2)   # 0xFFFF = valid key, 0 = invalid
+            ctx["mask_vb"] = _sb(ctx, (P, nkt), nl.uint16, 2)   # 1 = valid key, 0 = invalid (a uint16 factor)
     ctx["stage"] = _ring(ctx, N_STAGE, (P, LOAD_TILES, D), mm_dt, isz)
     if not dma_t:
         ctx["q_nat"] = _ring(ctx, 2, (P, D), mm_dt, isz)

@@ -63,6 +63,9 @@ class Case:
     slow: bool = False                # own tests wrap their sub-kernels), the helper itself unchanged
     cost_s: float = 0.0               # CPU-seconds of one run, measured (informational)
     needs: Tuple[str, ...] = ()       # Python packages the kernel's source imports beyond the pinned stack's core
+    nki_version: Optional[str] = None  # the NKI version it runs under: None = the emulator's default (0.7); a
+    #                                    pre-0.7 kernel that uses a construct 0.7 removed is a ``blocked`` case at
+    #                                    the default AND may run under its own version ("0.6") for its numerics
 
     @property
     def id(self):
@@ -191,7 +194,7 @@ def run_case(case: Case, raise_errors: bool = False) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             k = kernel_of(case)
-            sim = simulate(k, target=case.target, numerics=case.numerics)
+            sim = simulate(k, target=case.target, numerics=case.numerics, nki_version=case.nki_version)
             if case.ranks:
                 kws = [case.inputs(np.random.default_rng(r), r) for r in range(case.ranks)]
                 res = sim.ranks([()] * case.ranks, kws)

@@ -48,4 +48,9 @@ NOT_CONFIGURED = [
      "built (the forward bwmm kernels run, family 'moe')"),
     ("nki-library experimental/attention_block_tkg", "inputs: a whole-layer configuration; its torch twin imports the "
      "library's test package (not shipped), so the reference must be rebuilt"),
+    ("nki-library core/moe_cte bwmm_shard_on_I / _mx dynamic (hybrid) paths", "NKI 0.6 source: `for i in "
+     "nl.dynamic_range(NUM_STATIC_BLOCKS, cond_reg)` -- removed in NKI 0.7, rejected under the default version "
+     "(the static shard-on-I entry runs, family 'moe')"),
+    ("nki-library core/moe_cte bwmm_shard_on_block_mx dynamic path", "NKI 0.6 source: a bare `while reg:` -- removed "
+     "in NKI 0.7, rejected under the default version"),
 ]

@@ -219,7 +219,7 @@ def _signature(rec):
 
 def test_one_instruction_stream_serves_every_runtime_length():
     """cache_len and kv_len are runtime values: no Python branch on them. The cache regions the valid length
-    does not reach are skipped by runtime loops (nl.dynamic_range, 0 or 1 trips), so the code outside those
+    does not reach are skipped by runtime loops (nl.fori_loop, 0 or 1 trips, the body traced once), so the code outside those
     loops is identical at every length, and so is the loop structure (tests/kernels/test_attention_runtime_fill.py
     covers the work following the fill)."""
     sigs, loops = [], []

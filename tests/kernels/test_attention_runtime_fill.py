@@ -1,5 +1,5 @@
 """Work proportional to the runtime valid length (issue 20 item 3): the attention kernel runs the cache regions
-the runtime ``cache_len`` reaches and skips the others with register-bounded loops (``nl.dynamic_range``), one
+the runtime ``cache_len`` reaches and skips the others with register-bounded loops (``nl.fori_loop``, each body traced once), one
 compiled program serving every fill.
 
 Parity (emulator vs the twin and the float64 oracle, flash-attention tolerance rule of test_attention.py) at
@@ -55,7 +55,7 @@ def test_parity_at_every_kind_of_fill(cache_len):
     out, rec = run_kernel(args)
     check_tolerance(args, out)
     # the regions that ran are exactly those the valid length reaches
-    ran = [lp["trips"] for lp in rec.loops if lp["kind"] == "dynamic_range"]
+    ran = [lp["trips"] for lp in rec.loops if lp["kind"] == "fori_loop"]
     assert sum(ran) >= (cache_len + REGION - 1) // REGION
 
 

@@ -1,9 +1,11 @@
 """Virtual registers and runtime loop bounds: ``register_alloc`` / ``move`` / ``load`` / ``store``,
-``nl.dynamic_range``, ``nl.fori_loop``, ``nl.while_loop`` and bare ``while reg:``.
+``nl.fori_loop``, ``nl.while_loop`` (NKI 0.7, the default: the body traced once, replayed per runtime trip) and,
+under an explicit ``nki_version="0.6"``, the removed ``nl.dynamic_range`` and bare ``while reg:``.
 
-A runtime-bounded loop runs its body once per iteration the runtime value asks for, so the record (and the
+A runtime-bounded loop replays its body once per iteration the runtime value asks for, so the record (and the
 modeled time) holds only what runs -- in numerics mode and in trace mode alike (trace mode still computes
-integer data: the trip count comes from an int32 kernel input)."""
+integer data: the trip count comes from an int32 kernel input). tests/sim/test_nki07.py has the held-out
+checks of NKI 0.7's loop semantics."""
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def doubled_blocks(a, n_h):
     r = _load_reg(n_h)
     off = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
     nisa.memset(off, 0)
-    for _ in nl.dynamic_range(r):
+    def body(_i):
         t = nl.ndarray((ROWS, a.shape[1]), a.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=a.ap([[a.shape[1], ROWS], [1, a.shape[1]]], offset=0, scalar_offset=off,
                                       indirect_dim=0))
@@ -39,11 +41,13 @@ def doubled_blocks(a, n_h):
         nisa.dma_copy(dst=out.ap([[a.shape[1], ROWS], [1, a.shape[1]]], offset=0, scalar_offset=off,
                                  indirect_dim=0), src=u)
         nisa.tensor_scalar(off, off, nl.add, ROWS)
+
+    nl.fori_loop(0, r, body)
     return out
 
 
 @pytest.mark.parametrize("numerics", [True, False], ids=["numerics", "trace"])
-def test_dynamic_range_runs_the_runtime_trip_count(numerics):
+def test_fori_loop_runs_the_runtime_trip_count(numerics):
     a = np.random.default_rng(0).standard_normal((4 * ROWS, 64)).astype(np.float32)
     sizes = {}
     for n in (0, 1, 3):
@@ -53,8 +57,11 @@ def test_dynamic_range_runs_the_runtime_trip_count(numerics):
         if numerics:
             np.testing.assert_array_equal(out[:n * ROWS], 2 * a[:n * ROWS])
         (loop,) = rec.loops
-        assert loop["kind"] == "dynamic_range" and loop["trips"] == n
-        body = rec.instrs[loop["first_instr"]:loop["end_instr"]]
+        assert loop["kind"] == "fori_loop" and loop["trips"] == n and loop["traced_calls"] == 4
+        every = rec.instrs[loop["first_instr"]:loop["end_instr"]]
+        # one quiesce event at the loop's entry and one per trip's back-edge
+        assert [i.op for i in every].count("loop_quiesce") == n + 1
+        body = [i for i in every if i.op != "loop_quiesce"]
         assert len(body) == 4 * n
         assert [i.loop for i in body] == [((0, it),) for it in range(n) for _ in range(4)]
         assert all(i.loop == () for i in rec.instrs[:loop["first_instr"]])
@@ -117,7 +124,7 @@ def _countdown(use_while_loop):
         if use_while_loop:
             nl.while_loop(reg, body)
         else:
-            while reg:
+            while reg:   # NKI 0.6 and older only (nki_version="0.6")
                 body(reg)
         out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=acc)
@@ -129,7 +136,7 @@ def _countdown(use_while_loop):
 @pytest.mark.parametrize("use_while_loop", [True, False], ids=["while_loop", "bare_while"])
 def test_while_loops_run_until_the_register_is_zero(use_while_loop):
     for n in (0, 1, 5):
-        sim = simulate(_countdown(use_while_loop))
+        sim = simulate(_countdown(use_while_loop), nki_version=None if use_while_loop else "0.6")
         out = sim(np.array([[2.5]], np.float32), np.array([[n]], np.int32))
         assert float(out[0, 0]) == 2.5 * n
         assert sum(1 for i in sim.last_record.instrs if i.op == "tensor_tensor") == n
@@ -170,8 +177,7 @@ def test_register_move_store_and_alloc_forms():
 
 def test_register_misuse_is_rejected_with_the_reason():
     def arith(x_h):
-        for i in nl.dynamic_range(3):
-            i + 1
+        nl.fori_loop(0, nisa.register_alloc(3), lambda i: i + 1)   # a VirtualRegister bound: i is a register
 
     with pytest.raises(TypeError, match="Python arithmetic"):
         simulate(arith)(np.zeros((1, 1), np.int32))
@@ -185,8 +191,7 @@ def test_register_misuse_is_rejected_with_the_reason():
         simulate(py_range)(np.zeros((1, 1), np.int32))
 
     def unwritten(x_h):
-        for _ in nl.dynamic_range(nisa.register_alloc()):
-            pass
+        nl.fori_loop(0, nisa.register_alloc(), lambda i: None)
 
     with pytest.raises(NkiUninitializedReadError, match="never written"):
         simulate(unwritten)(np.zeros((1, 1), np.int32))
@@ -208,8 +213,7 @@ def test_register_misuse_is_rejected_with_the_reason():
         simulate(float_src)(np.zeros((1, 1), np.float32))
 
     def bad_step(x_h):
-        for _ in nl.dynamic_range(0, 4, 0):
-            pass
+        nl.fori_loop(0, 4, lambda i: None, step=0)
 
     with pytest.raises(NkiValidationError, match="positive int"):
         simulate(bad_step)(np.zeros((1, 1), np.int32))
@@ -223,9 +227,29 @@ def test_trace_mode_names_a_bound_it_cannot_know():
         nisa.tensor_copy(n, f)
         r = nisa.register_alloc()
         nisa.register_load(r, n)
-        for _ in nl.dynamic_range(r):
-            pass
+        nl.fori_loop(0, r, lambda i: None)
 
     simulate(k)(np.array([[2.0]], np.float32))                        # numerics: fine
     with pytest.raises(NkiValidationError, match="run with numerics=True"):
         simulate(k, numerics=False)(np.array([[2.0]], np.float32))
+
+
+def test_dynamic_range_runs_only_under_an_explicit_older_version():
+    """NKI 0.6 programs stay runnable when the version is asked for: ``nl.dynamic_range`` runs its Python body
+    once per runtime trip there (the 0.6 emulation), and is refused by default."""
+    def k(a_h, n_h):
+        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+        acc = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(acc, 0.0)
+        for _ in nl.dynamic_range(_load_reg(n_h)):
+            nisa.tensor_scalar(acc, acc, nl.add, 1.0)
+        nisa.dma_copy(dst=out, src=acc)
+        return out
+
+    z = np.zeros((1, 1), np.float32)
+    for n in (0, 1, 3):
+        sim = simulate(k, nki_version="0.6")
+        assert float(sim(z, np.array([[n]], np.int32))[0, 0]) == n
+        assert sim.last_record.loops[0]["kind"] == "dynamic_range" and sim.last_record.nki_version == "0.6"
+    with pytest.raises(NkiValidationError, match="removed in NKI 0.7.*use nl.fori_loop / nl.while_loop"):
+        simulate(k)(z, np.array([[1]], np.int32))
