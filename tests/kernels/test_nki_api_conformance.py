@@ -123,7 +123,7 @@ def check_source(src, api, where="<src>"):
 
 
 def _kernel_files():
-    return sorted(p for p in (ROOT / "kernels").glob("*.py") if not p.name.endswith("_ref.py")
+    return sorted(p for p in (ROOT / "diffusers_nki" / "kernels").glob("*.py") if not p.name.endswith("_ref.py")
                   and p.name != "__init__.py")
 
 
