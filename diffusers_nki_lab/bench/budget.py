@@ -899,6 +899,67 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
     return "\n".join(L)
 
 
+DOC_BEGIN = "<!-- bench budget: {style} -->"
+DOC_END = "<!-- /bench budget -->"
+
+
+def _layout_label(lay: dict) -> str:
+    name = lay["name"]
+    if name.startswith("shared"):
+        return f"shared, {lay['W_dit']} + {lay['W_vae']}"
+    if name.startswith("disaggregated"):
+        return f"disaggregated, DiT on {lay['W_dit']} / VAE on {lay['W_vae']} cores"
+    return name
+
+
+def _fmt(x: Optional[float], nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def doc_table(results: List[dict], style: str = "table") -> str:
+    """The budget's summary as a Markdown table, from ``run``'s results (the JSON's ``results``): ``style`` "table"
+    (every column: docs/BENCHMARKS.md, docs/CAUSAL_WAN.md) or "brief" (the README's). MODELED figures."""
+    if style not in ("table", "brief"):
+        raise ValueError(f"style={style!r}: choose 'table' or 'brief'")
+    if style == "table":
+        lines = ["| setup | target | best implemented layout | DiT ms | VAE ms | per chunk ms | fps (modeled) | "
+                 "DiT only fps | decode on one core: fps | published (one H100) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines = ["| setup | target | chunk | fps end to end (modeled) | DiT only fps (modeled) | decode on one core: fps | "
+                 "published, one H100 |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        pub = r["published_fps"]
+        for target, t in r["targets"].items():
+            head = t["headline"]
+            one = [lay for lay in t["layouts"] if lay.get("W_vae") == 1 and lay.get("implemented")]
+            one_fps = one[0]["fps"] if one else None
+            pub_s = f"{pub:g}"
+            if style == "table":
+                lines.append(f"| {r['label']} | {target} | {_layout_label(head)} | {head['dit_s'] * 1e3:.1f} | "
+                             f"{head['vae_s'] * 1e3:.1f} | {head['chunk_s'] * 1e3:.1f} | **{t['fps']:.1f}** | "
+                             f"{_fmt(t.get('dit_only_fps'))} | {_fmt(one_fps)} | {pub_s} |")
+            else:
+                lines.append(f"| {r['label']} | {target} | {head['chunk_s'] * 1e3:.0f} ms | **{t['fps']:.1f}** | "
+                             f"{_fmt(t.get('dit_only_fps'))} | {_fmt(one_fps)} | {pub_s} (scope unsettled) |")
+    return "\n".join(lines)
+
+
+def update_doc(path: str, results: List[dict]) -> int:
+    """Rewrites every marked region of the Markdown file ``path`` (``<!-- bench budget: table|brief -->`` ...
+    ``<!-- /bench budget -->``) with ``doc_table``; returns how many. A file without a marked region is an error."""
+    import re
+
+    with open(path) as f:
+        text = f.read()
+    pattern = re.compile(r"(<!-- bench budget: (table|brief) -->\n)(.*?)(<!-- /bench budget -->)", re.S)
+    text, n = pattern.subn(lambda m: m.group(1) + doc_table(results, m.group(2)) + "\n" + m.group(4), text)
+    if n == 0:
+        raise ValueError(f"--doc {path}: no '<!-- bench budget: table -->' ... '{DOC_END}' region to rewrite")
+    with open(path, "w") as f:
+        f.write(text)
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setups", default="self_forcing,longlive",
                    help=f"comma list of {', '.join(SETUPS)} (default both)")
@@ -911,6 +972,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoder", default="wan", help=f"the recorded decoder, one of {', '.join(DECODERS)} "
                    "(another decoder is another recorded run)")
     p.add_argument("--precision", default="bf16", help=f"the modeled precision, one of {', '.join(PRECISIONS)}")
+    p.add_argument("--doc", action="append", default=[], metavar="PATH",
+                   help="rewrite the marked summary tables of this Markdown file (repeatable; README.md, docs/...)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="with --doc: take the results from this earlier JSON instead of recomputing them")
 
 
 def _parse(args):
@@ -936,6 +1001,23 @@ def run(args) -> int:
         print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
         return 2
 
+    for doc in args.doc:
+        if not os.path.isfile(doc):
+            print(f"diffusers-nki bench budget: --doc {doc}: no such file", file=sys.stderr)
+            return 2
+    if args.from_json is not None:
+        if not args.doc:
+            print("diffusers-nki bench budget: --from-json needs --doc (it only rewrites the tables)", file=sys.stderr)
+            return 2
+        try:
+            with open(args.from_json) as f:
+                results = json.load(f)["results"]
+            for doc in args.doc:
+                print(f"rewrote {update_doc(doc, results)} table(s) in {doc}")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
+            return 2
+        return 0
     why = _modeled.unavailable_reason()
     if why:
         print(f"diffusers-nki bench budget: the kernel models are unavailable: {why}", file=sys.stderr)
@@ -967,6 +1049,12 @@ def run(args) -> int:
                              "precision": getattr(args, "precision", "bf16"),
                              "seconds": time.perf_counter() - t0, "method": __doc__}), f, indent=2, allow_nan=False)
     print(f"\nwrote {path}")
+    for doc in args.doc:
+        try:
+            print(f"rewrote {update_doc(doc, json.loads(json.dumps(json_safe(results))))} table(s) in {doc}")
+        except ValueError as e:
+            print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
