@@ -612,9 +612,9 @@ class ViewerServer:
     async def _start(self):
         from aiohttp import web
 
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, shutdown_timeout=2.0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         try:
             await site.start()
         except OSError as exc:
