@@ -269,10 +269,10 @@ def test_save_writes_an_mp4_of_the_frames_named(server):
     video = np.stack([f for f in imageio.get_reader(path)])  # (list() would ask its length: inf)
     shown = np.stack([_decode_png(u) for c in chunks[1:] for u in c["frames"]])
     assert video.shape == shown.shape
-    # lossy H.264 of noise frames: close to the frames sent, in their order (far from each one's neighbour)
+    # lossy H.264: close to the frames sent (mean error < 6 of 255), and closer than to them in reverse order
     err = np.abs(video.astype(float) - shown).mean()
-    other = np.abs(video.astype(float) - np.roll(shown, 1, axis=0)).mean()
-    assert err < other / 2, (err, other)
+    other = np.abs(video.astype(float) - shown[::-1]).mean()
+    assert err < 6 and err < other, (err, other)
 
 
 def test_a_failing_chunk_is_reported_and_the_stream_goes_on(server, monkeypatch):
