@@ -24,14 +24,13 @@ WAIT_S = 60  # every wait in this module
 
 @pytest.fixture(scope="module")
 def server():
-    from diffusers_nki.serve import ViewerServer, example_prompts
-    from diffusers_nki.testing import tiny
+    from diffusers_nki.serve import ViewerServer, example_prompts, load_model, prompt_grammar
 
-    pipe = tiny.tiny_pipeline("causal_wan")
-    pipe.set_progress_bar_config(disable=True)
+    pipe, _, defaults = load_model("tiny", "torch")  # patched with the torch backend, as the command does
+    # the trained model's example prompts on the random-weight model: the page's buttons, not the frames, are tested
     srv = ViewerServer(pipe, "the tiny config with RANDOM weights (test)", "a red square moving left", 64, 64,
                        frames_per_chunk=3, steps=2, seed=0, fps=48, host="127.0.0.1", port=0,
-                       examples=example_prompts(), grammar="test grammar", backend="torch").start()
+                       examples=example_prompts(), grammar=prompt_grammar(), backend=defaults["backend"]).start()
     yield srv
     srv.stop()
 
