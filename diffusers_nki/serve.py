@@ -86,7 +86,8 @@ def example_prompts() -> list:
     from diffusers_nki.trained import world
 
     colors, shapes, dirs = list(world.COLORS), list(world.SHAPES), list(world.DIRECTIONS)
-    picks = [world.Prompt(colors[i % len(colors)], shapes[i % len(shapes)], dirs[i % len(dirs)]) for i in range(6)]
+    picks = [world.Prompt(colors[i % len(colors)], shapes[i % len(shapes)], dirs[(i + i // len(dirs)) % len(dirs)])
+             for i in range(6)]  # six distinct ones: every colour, both shapes, every direction
     picks.append(world.Prompt(None, shapes[1], dirs[3]))
     return [p.text for p in picks]
 
@@ -736,7 +737,8 @@ PAGE = r"""<!doctype html>
  h1 { font-size: 18px; margin: 0 0 4px; } .note { color: #9aa3ad; margin: 0 0 6px; max-width: 820px; }
  #wrap { display: flex; gap: 24px; align-items: flex-start; margin-top: 12px; }
  canvas { width: 320px; height: 320px; image-rendering: pixelated; background: #000; border: 1px solid #333; }
- table { border-collapse: collapse; } td { padding: 2px 10px 2px 0; } td.v { font-variant-numeric: tabular-nums; }
+ table { border-collapse: collapse; } td { padding: 2px 10px 2px 0; white-space: nowrap; }
+ td.v { font-variant-numeric: tabular-nums; white-space: normal; max-width: 260px; }
  .row { margin: 10px 0; display: flex; gap: 8px; align-items: center; flex-wrap: wrap; max-width: 560px; }
  input[type=text] { width: 300px; padding: 6px; } input[type=number] { width: 90px; padding: 5px; }
  button { padding: 6px 12px; } button.ex { padding: 3px 8px; font-size: 12px; }

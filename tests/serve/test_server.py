@@ -214,6 +214,7 @@ def test_hello_names_backend_hardware_resolution_and_prompts(server):
     assert hello["backend"] == "torch" and hello["device"] == "cpu" and hello["hardware"].startswith("CPU")
     assert (hello["height"], hello["width"], hello["seed"]) == (64, 64, 0)
     assert "a red square moving left" in hello["examples"] and "a circle moving down" in hello["examples"]
+    assert len(set(hello["examples"])) == len(hello["examples"]) == 7
     from diffusers_nki.trained import world
 
     for text in hello["examples"]:
