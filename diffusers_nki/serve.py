@@ -62,7 +62,7 @@ from urllib.parse import urlsplit
 
 from diffusers_nki import backends, patching
 from diffusers_nki.testing import tiny
-from diffusers_nki.trained import load_pipeline
+from diffusers_nki.trained import load_pipeline, world
 
 __all__ = ["ViewerServer", "load_model", "add_arguments", "run", "PAGE", "MAX_PROMPT_CHARS", "MAX_MESSAGE_CHARS",
            "LOOPBACK_HOSTS", "example_prompts"]
@@ -83,8 +83,6 @@ MESSAGES = ('{"type": "prompt", "text": ...}, {"type": "reset", "seed": N}, {"ty
 def example_prompts() -> list:
     """The prompts the trained tiny model knows (its grammar, ``diffusers_nki.trained.world``): one per colour x
     shape, each direction, and a colourless one ('keep the colour')."""
-    from diffusers_nki.trained import world
-
     colors, shapes, dirs = list(world.COLORS), list(world.SHAPES), list(world.DIRECTIONS)
     picks = [world.Prompt(colors[i % len(colors)], shapes[i % len(shapes)], dirs[(i + i // len(dirs)) % len(dirs)])
              for i in range(6)]  # six distinct ones: every colour, both shapes, every direction
@@ -93,8 +91,6 @@ def example_prompts() -> list:
 
 
 def prompt_grammar() -> str:
-    from diffusers_nki.trained import world
-
     return (f"a [{'|'.join(world.COLORS)}] [{'|'.join(world.SHAPES)}] moving [{'|'.join(world.DIRECTIONS)}]; "
             f"leave the colour out to keep the one the object has")
 
@@ -188,10 +184,6 @@ def load_model(kind: str = "auto", backend: str = "auto"):
         pipe.to("neuron")  # the Trainium host: diffusers treats "neuron" as a device
     defaults["backend"] = resolved
     return pipe, desc, defaults
-
-
-def _neuron_available() -> bool:
-    return backends.resolve("auto") == "nki"
 
 
 def _uint8(frames):
