@@ -693,6 +693,8 @@ def run(args) -> int:
         raise SystemExit("diffusers-nki serve: needs aiohttp (pip install 'diffusers-nki[serve]', or bash "
                          "scripts/setup_env.sh)") from None
     try:
+        print(f"diffusers-nki serve: loading the model (--model {args.model}) and warming the session up...",
+              flush=True)
         pipe, desc, defaults = load_model(args.model, args.backend)
         try:
             server = ViewerServer(pipe, desc, args.prompt, args.height or defaults["height"],
@@ -711,7 +713,7 @@ def run(args) -> int:
         except OSError as exc:  # the address: in use, not on this machine
             raise SystemExit(f"diffusers-nki serve: --host {args.host} --port {args.port}: {exc}") from None
     except KeyboardInterrupt:  # Ctrl-C while loading, warming up, or a second one while stopping
-        print("diffusers-nki serve: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+        print("diffusers-nki serve: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
     print("diffusers-nki serve: stopped", file=sys.stderr, flush=True)
     if interrupted:
