@@ -201,6 +201,14 @@ def validate(args) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C in any state (importing, loading, warming up): one line, no traceback
+        print("diffusers-nki: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     prog = getattr(args, "_prog", "diffusers-nki")

@@ -1,8 +1,10 @@
 """``diffusers-nki serve`` in a real headless Chromium (Debian's ``chromium`` driven by selenium through Debian's
 ``chromedriver``; no browser download), on loopback, bounded in time: frames arrive and render on the page's
 canvas, a prompt switch takes effect at the next chunk, reset starts again at chunk 0, a second client gets the
-one-viewer policy, malformed messages get a clear error and the stream goes on. The screenshot it takes is
-docs/viewer.png when ``DIFFUSERS_NKI_SCREENSHOT`` names that path.
+one-viewer policy, malformed messages get a clear error and the stream goes on; a page that finds the slot busy
+retries by itself; and one session held for 75 s (past the 20 s heartbeat that closed it with 1002 before,
+aio-libs/aiohttp#13274) with example prompts, Stop / Start, seeded resets and a switch late in it, then Save.
+docs/viewer.png comes from ``scripts/viewer_screenshot.py`` (the trained model), not from this test.
 
 Chromium comes from scripts/install_chromium.sh (.ci/run runs it); when it is missing the test runs that script,
 and only if chromium still cannot be had does it skip, saying why (under CI=true it fails instead)."""
@@ -41,13 +43,13 @@ def _chromium() -> None:
 @pytest.fixture(scope="module")
 def server():
     pytest.importorskip("aiohttp", reason="aiohttp (the viewer's server) is in requirements-lock.txt")
-    from diffusers_nki.testing import tiny
-    from diffusers_nki_lab.serve import ViewerServer
+    from diffusers_nki_lab.serve import ViewerServer, example_prompts, load_model, prompt_grammar
 
-    pipe = tiny.tiny_pipeline("causal_wan")
-    pipe.set_progress_bar_config(disable=True)
+    pipe, _, defaults = load_model("tiny", "torch")  # patched with the torch backend, as the command does
+    # the trained model's example prompts on the random-weight model: the page's buttons, not the frames, are tested
     srv = ViewerServer(pipe, "the tiny config with RANDOM weights (test)", "a red square moving left", 64, 64,
-                       frames_per_chunk=3, steps=2, seed=0, fps=48, host="127.0.0.1", port=0).start()
+                       frames_per_chunk=3, steps=2, seed=0, fps=48, host="127.0.0.1", port=0,
+                       examples=example_prompts(), grammar=prompt_grammar(), backend=defaults["backend"]).start()
     yield srv
     srv.stop()
 
@@ -135,3 +137,105 @@ def test_viewer_in_a_real_browser(server, browser):
     drv.execute_script("document.activeElement.blur(); window.scrollTo(0, 0);")
     drv.save_screenshot(shot)
     assert os.path.getsize(shot) > 1000
+
+
+def test_a_busy_page_retries_until_the_slot_frees(server, browser):
+    """Before: a page that found the slot busy (e.g. a reload after the 1002 freeze) said "busy" forever."""
+    drv = browser
+    drv.get(server.url)
+    _wait(drv, "return viewer.hello !== null && viewer.chunks.length >= 1", "the first page to stream")
+    first = drv.current_window_handle
+    drv.switch_to.new_window("tab")
+    drv.get(server.url)
+    second = drv.current_window_handle
+    _wait(drv, "return viewer.closes.some(c => c.code === 1013) && "
+               "document.getElementById('status').innerText.includes('reconnecting in')", "busy, retrying")
+    assert "one viewer at a time" in drv.find_element("id", "status").text
+    drv.switch_to.window(first)
+    drv.close()  # the first viewer leaves
+    drv.switch_to.window(second)
+    _wait(drv, "return viewer.hello !== null && viewer.frames >= 3", "the second page to take the slot and stream")
+    assert drv.execute_script("return viewer.connects") == 1
+    assert "connected" in drv.find_element("id", "status").text
+
+
+LONG_S = 75  # the held session's length (the suite's longest browser test; keep it under ~90 s)
+
+
+def _at(t0, s):
+    time.sleep(max(0.0, t0 + s - time.monotonic()))
+
+
+def test_viewer_holds_a_session_past_60s(server, browser):
+    """Before: any prompt or reset sent more than 20 s after the page opened closed the socket with 1002
+    (heartbeat + permessage-deflate on aiohttp 3.14.3, aio-libs/aiohttp#13274) and froze the stream. Now one
+    connection carries it all: example prompts, Stop / Start, seeded resets that clear the counters, a switch and a
+    reset after 60 s, then Save; the page names the backend, hardware and resolution and shows the displayed fps."""
+    from selenium.webdriver.common.by import By
+
+    drv = browser
+    drv.get(server.url)
+    t0 = time.monotonic()
+    _wait(drv, "return viewer.hello !== null && viewer.frames >= 6", "the first frames")
+    runs = drv.find_element("id", "runs").text
+    assert "CPU" in runs and "not Trainium" in runs and "64x64" in runs and "torch backend" in runs, runs
+    examples = drv.find_elements(By.CSS_SELECTOR, "#examples button")
+    assert len(examples) == 7 and examples[0].text == "a red square moving left"
+    assert "prompts this model knows" in drv.find_element("id", "grammar").text
+
+    _at(t0, 24)  # past the server's first heartbeat ping (20 s)
+    target = examples[2].text
+    examples[2].click()
+    _wait(drv, f"return viewer.chunks.some(c => c.switched && c.prompt === {target!r})", "the example's switch")
+
+    drv.find_element("id", "startstop").click()  # Stop
+    _wait(drv, "return viewer.paused && document.getElementById('startstop').innerText === 'Start'", "stopped")
+    n = drv.execute_script("return viewer.chunks.length")
+    time.sleep(2.0)
+    assert drv.execute_script("return viewer.chunks.length") <= n + 1  # at most the chunk in flight
+    drv.find_element("id", "startstop").click()  # Start
+    _wait(drv, f"return !viewer.paused && viewer.chunks.length >= {n + 3}", "the stream to start again")
+
+    _at(t0, 40)
+    assert int(drv.find_element("id", "s_chunks").text) > 10
+    seed = drv.find_element("id", "seed")
+    seed.clear()
+    seed.send_keys("5")
+    drv.find_element("id", "reset").click()
+    _wait(drv, "return viewer.resets === 1", "the seeded reset")
+    assert drv.find_element("id", "s_seed").text == "5"
+    assert drv.find_element("id", "s_switches").text == "0"  # Reset clears the counters
+    assert int(drv.find_element("id", "s_chunks").text) <= 3
+
+    _at(t0, 62)  # a switch and a reset late in the session
+    box = drv.find_element("id", "prompt")
+    box.clear()
+    box.send_keys("a yellow circle moving down")
+    drv.find_element("id", "switch").click()
+    _wait(drv, "return viewer.chunks.some(c => c.switched && c.prompt === 'a yellow circle moving down')",
+          "the late switch")
+    _at(t0, 66)
+    seed.clear()
+    seed.send_keys("6")
+    before = drv.execute_script("return viewer.chunks.length")
+    drv.find_element("id", "reset").click()
+    _wait(drv, f"return viewer.resets === 2 && viewer.chunks.slice({before}).some(c => c.index === 0)",
+          "chunk 0 after the late reset")
+    assert drv.find_element("id", "s_seed").text == "6"
+    assert drv.find_element("id", "s_prompt").text == "a yellow circle moving down"
+
+    _at(t0, LONG_S - 3)
+    _wait(drv, "return viewer.frames >= 24", "frames after the late reset")
+    shown_fps = drv.find_element("id", "s_shown_fps").text
+    assert "frames/s (target 48)" in shown_fps and drv.execute_script("return viewer.displayedFps") > 1, shown_fps
+    drv.find_element("id", "save").click()
+    saved = _wait(drv, "return viewer.saved", "the saved mp4")
+    span = drv.execute_script("return [viewer.shownFrom, viewer.shownTo]")
+    assert saved["frames"] >= 24 and saved["frames"] <= span[1] - span[0] + 1 and saved["missing"] == 0
+    assert saved["mp4"].startswith("data:video/mp4;base64,") and saved["bytes"] > 1000
+    assert time.monotonic() - t0 > 60
+    # the whole session on one connection: no drop, no reconnect, no error (a "busy" before it, while the last
+    # test's viewer was being reset, is the retry at work)
+    state = drv.execute_script("return {connects: viewer.connects, closes: viewer.closes, errors: viewer.errors}")
+    assert state["connects"] == 1 and state["errors"] == [], state
+    assert all(c["code"] == 1013 for c in state["closes"]), state
