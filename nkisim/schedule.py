@@ -56,10 +56,12 @@ Model
 - Named hypotheses (``sim.cost.Hypotheses``): the ScalarE activation-table reload per function switch holds
   ScalarE before the switching instruction (overlapping its wait for data); DMA-transpose throughput is the
   cost model's; usable SBUF is checked (``fits_sbuf``), applied at trace time.
-- Runtime loops (``RunRecord.loops``: ``nl.dynamic_range`` / ``fori_loop`` / ``while_loop``, the record holds the
-  iterations that ran): the instructions of a loop's body wait for the register instruction that wrote its
-  bound (the last register write of the program before the loop began) plus the RAW latency -- the loop fence;
-  ASSUMPTION: no other per-iteration cost (none is published).
+- Runtime loops (``RunRecord.loops``: ``nl.fori_loop`` / ``nl.while_loop``, and ``nl.dynamic_range`` under
+  ``nki_version="0.6"``; the record holds the iterations that ran): the instructions of a loop's body wait for the
+  register instruction that wrote its bound (the last register write of the program before the loop began) plus
+  the RAW latency -- the loop fence. A compiled loop's entry and every back-edge also record a ``loop_quiesce``
+  event (``language``) whose footprints cover all of SBUF and PSUM, so the engines drain there; ASSUMPTION: no
+  other per-iteration cost (none is published).
 - LNC2: each program runs on its own core (own lanes, own SBUF/PSUM state, own HBM share); HBM tensors are
   shared (``shared_hbm``) but no dependency is drawn across cores except the sync groups' rendezvous (nothing
   else orders them).
