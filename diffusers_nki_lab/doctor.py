@@ -47,7 +47,7 @@ import torch
 from diffusers import FlowMatchLCMScheduler, WanTransformer3DModel
 
 import diffusers_nki
-from diffusers_nki import dense_ops, ops, prologue_ops
+from diffusers_nki import compat, dense_ops, ops, prologue_ops
 from diffusers_nki.backends import nki as hw
 from diffusers_nki_lab.bench import kernels, kernels_dense
 from diffusers_nki.kernels.causal_conv3d_ref import resolve_pads
@@ -374,7 +374,7 @@ def self_forcing_chunk(device: str, backend: str, config: Optional[dict] = None,
         torch.manual_seed(0)
         transformer = WanTransformer3DModel(**cfg).eval()
     if dtype != torch.float32:  # as the published checkpoints load: the modules diffusers keeps in fp32 stay fp32
-        keep = tuple(getattr(transformer, "_keep_in_fp32_modules", None) or ())
+        keep = tuple(compat.keep_in_fp32_modules(transformer))
         transformer.to(dtype)
         for name, mod in transformer.named_modules():
             if any(k in name.split(".") for k in keep):

@@ -209,9 +209,11 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
                          "window": window, "sink": sink, "tokens_per_frame": tpf, "steps": steps}}
 
 
-def transformer_flops(tokens: int, passes: int, m: dict = WAN13) -> Dict[str, float]:
+def transformer_flops(tokens: int, passes: int, m: dict = WAN13, text_per_prompt: bool = True) -> Dict[str, float]:
     """Matmul FLOPs (2 x MACs) of everything but the attention cores, for ``passes`` transformer passes over
-    ``tokens`` tokens (a cross-check of the recorded matmuls: they must add up to this)."""
+    ``tokens`` tokens (a cross-check of the recorded matmuls: they must add up to this). ``text_per_prompt``: the
+    default path computes the cross-attention text K/V (and the text embedder before them) once per prompt
+    (``caching.text_kv``), so a steady chunk has neither; False counts them in every pass, as stock does."""
     S, T, d, f, L = tokens, m["text_len"], m["dim"], m["ffn"], m["layers"]
     patch = m["in_channels"] * math.prod(m["patch"])
     per_pass = {
@@ -221,8 +223,11 @@ def transformer_flops(tokens: int, passes: int, m: dict = WAN13) -> Dict[str, fl
         "feed-forward": L * 2 * 2 * S * d * f,
         "patch embedding": 2 * S * patch * d,
         "output head": 2 * S * d * patch,
-        "text + time embedders": 2 * T * m["text_dim"] * d + 2 * T * d * d + 2 * (m["freq_dim"] * d + d * d + d * 6 * d),
+        "text embedder": 2 * T * m["text_dim"] * d + 2 * T * d * d,
+        "time embedder": 2 * (m["freq_dim"] * d + d * d + d * 6 * d),
     }
+    if text_per_prompt:
+        del per_pass["cross-attention text k/v projections"], per_pass["text embedder"]
     return {k: float(v * passes) for k, v in per_pass.items()}
 
 
