@@ -140,12 +140,13 @@ class RolloutHandle:
         """What a prompt switch must re-encode now (``None``: nothing committed yet)."""
         return None if self.state is None else self.state.recache_span()
 
-    def checkpoint(self, frames: int):
-        """Before a cache pass of ``frames`` frames: what ``rollback`` needs to undo it if it fails half-way (None:
-        nothing to undo with, e.g. a pass that would grow the buffers). See ``_Rollout.checkpoint``."""
+    def checkpoint(self, frames: int, pin_frames: int = 0):
+        """Before a cache pass of ``frames`` frames (``pin_frames``: the pass's ``CausalChunk.pin_frames``): what
+        ``rollback`` needs to undo it if it fails half-way (None: nothing to undo with, e.g. a pass that would
+        grow the buffers). See ``_Rollout.checkpoint``."""
         st = self.state
         hook = None if st is None else st.hook()
-        return None if hook is None else (st, st.checkpoint(hook, frames))
+        return None if hook is None else (st, st.checkpoint(hook, frames, pin_frames))
 
     def rollback(self, checkpoint) -> bool:
         """Undo a cache pass that failed after ``checkpoint``: the cache as before it. False: it cannot be undone."""
@@ -185,6 +186,11 @@ class CausalChunk:
     recache_frames: > 0 makes this a re-cache call (``RolloutHandle.recache_span()``): the call's first
         ``recache_frames`` frames are the committed frames from ``start_frame`` on, re-encoded under this call's
         text and written back into their slots in place; the rest of the call is padding.
+    rope_offset: frames added to the call's RoPE time positions (LongLive 2.0's multi-shot RoPE offset: shot
+        index x ``multi_shot_rope_offset``); the keys are cached rotated at the offset positions.
+    pin_frames: a commit call of a rolling window only: its first ``pin_frames`` frames become the shot sink
+        (LongLive 2.0's multi-shot sink, pinned at a scene cut): kept when the window would evict them, until
+        the next pinned call replaces them (they are then the oldest frames and go first). See ``_Rollout``.
     """
 
     start_frame: int
@@ -194,9 +200,11 @@ class CausalChunk:
     rollout: Optional[RolloutHandle] = field(default=None, compare=False, repr=False)
     positions: str = "absolute"
     recache_frames: int = 0
+    rope_offset: int = 0
+    pin_frames: int = 0
 
     def __post_init__(self):
-        for name in ("start_frame", "block_frames", "recache_frames"):
+        for name in ("start_frame", "block_frames", "recache_frames", "rope_offset", "pin_frames"):
             v = getattr(self, name)
             low = 1 if name == "block_frames" else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -514,6 +522,7 @@ class _Rollout:
         self.layers = [self.buffers.layer(i) for i in range(len(module.blocks))]
         # (after the buffers: their allocation check bounds the history first)
         self.slot_frames: List[int] = [-1] * self.history  # the absolute frame each slot holds (-1: empty)
+        self.pinned: Optional[frozenset] = None  # the shot sink's slots (CausalChunk.pin_frames); None: never pinned
         self.sink0 = None  # window positions: per layer, the sink frames' keys rotated back to time 0
         if self.positions == "window" and sink:
             with torch.inference_mode(False):
@@ -538,6 +547,7 @@ class _Rollout:
         """An empty cache: ring and slot map cleared, every buffer zeroed in place (nothing reallocated)."""
         self.ring.reset()
         self.slot_frames = [-1] * self.history
+        self.pinned = None
         self.buffers.zero_()
         for t in self.sink0 or ():
             t.zero_()
@@ -580,7 +590,7 @@ class _Rollout:
         count = L - self.sink
         return RecacheSpan(P - count, count, L, self.sink > 0)
 
-    def checkpoint(self, hook, frames: int):
+    def checkpoint(self, hook, frames: int, pin_frames: int = 0):
         """What a commit of ``frames`` frames changes, for ``rollback``: the ring's counters, the slot map, and a
         copy of the K/V of the frames it will overwrite (a rolled window's evictions: a retried chunk still attends
         to them; empty slots need no copy). One chunk's K/V at most, taken only once the window has rolled. None
@@ -591,18 +601,21 @@ class _Rollout:
         probe = FrameRing(ring.capacity, ring.sink, ring.rolling, ring.what)
         probe.valid, probe.head, probe.placed, probe.evicted = ring.valid, ring.head, ring.placed, ring.evicted
         n, saved = self._t(self.tpf), []
-        for s in probe.place(frames):
+        planned = probe.place(frames) if self.pinned is None and not pin_frames else \
+            self._shot_slots(frames, ring.placed, pin=pin_frames > 0)
+        for s in planned:
             if self.slot_frames[s] >= 0:
                 a = self._t(s * self.tpf)
                 saved.append((a, [t[:, a:a + n].clone() for t in self.buffers.k + self.buffers.v]))
-        return (ring.valid, ring.head, ring.placed, ring.evicted), list(self.slot_frames), saved, self.buffers
+        return (ring.valid, ring.head, ring.placed, ring.evicted), list(self.slot_frames), saved, self.buffers, \
+            self.pinned
 
     def rollback(self, checkpoint) -> bool:
-        counters, slot_frames, saved, buffers = checkpoint
+        counters, slot_frames, saved, buffers, pinned = checkpoint
         if buffers is not self.buffers:
             return False
         self.ring.valid, self.ring.head, self.ring.placed, self.ring.evicted = counters
-        self.slot_frames = slot_frames
+        self.slot_frames, self.pinned = slot_frames, pinned
         for a, parts in saved:
             for t, part in zip(self.buffers.k + self.buffers.v, parts):
                 t[:, a:a + part.shape[1]].copy_(part)
@@ -649,6 +662,7 @@ class _Rollout:
                              f"{self.positions!r}; start a new rollout to change it")
         if chunk.recache_frames:
             return self._serve_recache(hook, module, a, chunk)
+        self._check_shot(hook, chunk)
         if chunk.start_frame != self.ring.placed:
             raise ValueError(f"causal Wan static cache: a call at start_frame={chunk.start_frame} but the cache holds "
                              f"{self.ring.placed} committed frames (chunks out of order, or a commit pass missing?)")
@@ -672,7 +686,7 @@ class _Rollout:
                 if not hook.config.grow:
                     self.ring.place(F)  # raises the ring's overflow error (names capacity and rolling)
                 self.grow(hook, self.ring.valid + F + self.n, chunk.total_frames)
-            slots = self.ring.place(F)
+            slots = self.ring.place(F) if self.pinned is None and not chunk.pin_frames else self._place_shot(F, chunk)
             for f, s in enumerate(slots):
                 self.slot_frames[s] = chunk.start_frame + f
         t = self._t  # every value counts whole frames: this rank's share under context parallelism
@@ -684,8 +698,9 @@ class _Rollout:
             for i in range(F // b):
                 values[f"kv_len{i}"] = t((i + 1) * b * tpf)
         plan = Plan(values, B, self.device)
-        self.rope.ensure(chunk.start_frame + F)
-        positions = torch.arange(chunk.start_frame, chunk.start_frame + F, device=self.device)
+        first = chunk.start_frame + chunk.rope_offset  # LongLive 2.0's multi-shot RoPE offset (0 otherwise)
+        self.rope.ensure(first + F)
+        positions = torch.arange(first, first + F, device=self.device)
         cos, sin = self.rope.freqs(positions)
         if cp is not None:  # this rank's tokens of every frame
             cos, sin = cp.shard(cos, groups), cp.shard(sin, groups)
@@ -698,7 +713,58 @@ class _Rollout:
         self.stats["commit_calls" if chunk.commit else "denoise_calls"] += 1
         return out
 
+    def _check_shot(self, hook, chunk: CausalChunk) -> None:
+        """The multi-shot options (``rope_offset``, ``pin_frames``) on the configurations they are defined for."""
+        if (chunk.rope_offset or chunk.pin_frames) and self.positions != "absolute":
+            raise NotImplementedError("causal Wan static cache: rope_offset / pin_frames (LongLive 2.0's multi-shot "
+                                      "RoPE offset and shot sink) need positions='absolute'")
+        if chunk.pin_frames and not (chunk.commit and hook.config.rolling):
+            raise ValueError(f"causal Wan static cache: pin_frames={chunk.pin_frames} needs a commit call "
+                             f"(commit=True) on a rolling window (StaticCacheConfig.rolling=True)")
+
+    def _shot_slots(self, frames: int, start: int, pin: bool = False) -> List[int]:
+        """Slots for ``frames`` new frames (absolute indices from ``start``) once a shot sink exists: an empty slot
+        while any, else the oldest frame that is neither a sink nor pinned (the order LongLive 2.0's rolling buffer
+        evicts in: the unpinned previous shot sink first, then the oldest window frame). ``pin``: this call pins
+        its own frames, so the previous shot sink is no longer protected: this commit evicts for the NEXT chunk,
+        and LongLive 2.0 rolls that chunk's window with the new pin (set after the pinning chunk's cache pass).
+        Pure: nothing changes."""
+        pinned = frozenset() if pin else (self.pinned or frozenset())
+        valid, held, out = self.ring.valid, list(self.slot_frames), []
+        for f in range(frames):
+            if valid < self.history:
+                s, valid = valid, valid + 1
+            else:
+                free = [s for s in range(self.sink, self.history) if s not in pinned]
+                s = min(free, key=held.__getitem__)
+            held[s] = start + f
+            out.append(s)
+        return out
+
+    def _place_shot(self, F: int, chunk: CausalChunk) -> List[int]:
+        """``_shot_slots`` applied to the ring's counters; a ``pin_frames`` call then pins its first frames."""
+        ring, n = self.ring, chunk.pin_frames
+        if n > F:
+            raise ValueError(f"causal Wan static cache: pin_frames={n} exceeds the call's {F} frames")
+        if self.sink + n >= self.history:
+            raise ValueError(f"causal Wan static cache: pin_frames={n} beside sink={self.sink} leaves no rolling "
+                             f"history in the {self.history} history frames (need sink + pin_frames < "
+                             f"{self.history})")
+        slots = self._shot_slots(F, chunk.start_frame, pin=n > 0)
+        grown = min(self.history, ring.valid + F)
+        ring.evicted += F - (grown - ring.valid)
+        ring.valid, ring.placed = grown, ring.placed + F
+        if n:
+            self.pinned = frozenset(slots[:n])
+        elif self.pinned is None:
+            self.pinned = frozenset()
+        return slots
+
     def _serve_recache(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
+        if self.pinned is not None:
+            raise NotImplementedError("causal Wan static cache: a re-cache (LongLive's prompt switch) after a shot "
+                                      "sink was pinned (pin_frames) is not supported: LongLive 2.0 switches shots "
+                                      "without re-caching")
         hs = a["hidden_states"]
         B, _, F, _, _ = hs.shape
         span = self.recache_span()

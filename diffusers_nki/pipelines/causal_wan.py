@@ -73,9 +73,12 @@ from .taehv import TAEHV, TAEHVStreamingDecoder
 logger = logging.get_logger(__name__)
 
 __all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "WanStreamingDecoder",
-           "denormalize_latents", "lookup_sigmas", "original_step_noise"]
+           "denormalize_latents", "lookup_sigmas", "original_step_noise", "LONGLIVE2_TIMESTEPS"]
 
 DEFAULT_TIMESTEPS = (1000, 750, 500, 250)
+# LongLive 2.0's schedule before the shift: its FlowUniPCMultistepScheduler.set_timesteps(4, shift=5) spaces the
+# sigmas linspace(sigma_max = 0.999, 0, 5)[:-1] (wan_5b/utils/fm_solvers_unipc.py); x 1000 as denoising_timesteps
+LONGLIVE2_TIMESTEPS = (999.0, 749.25, 499.5, 249.75)
 
 
 @dataclass
@@ -248,6 +251,49 @@ def original_step_noise(generator: Optional[torch.Generator] = None, dtype: torc
     return draw
 
 
+def _token_timesteps(transformer, x: torch.Tensor, t: torch.Tensor, clean_frames: int = 0) -> torch.Tensor:
+    """One timestep per token ``[B, F * tokens per frame]`` (Wan2.2-TI2V's expanded timesteps; LongLive 2.0 gives
+    one per frame, the same for every token of it), the first ``clean_frames`` frames at 0 (image-to-video)."""
+    B, _, F, H, W = x.shape
+    _, ph, pw = transformer.config.patch_size
+    tpf = (H // ph) * (W // pw)
+    ts = t.to(torch.float32).reshape(1, 1).expand(B, F * tpf).clone()
+    if clean_frames:
+        ts[:, :clean_frames * tpf] = 0
+    return ts
+
+
+def _hold(x: torch.Tensor, image: Optional[torch.Tensor]) -> torch.Tensor:
+    """Image-to-video: the chunk's first frames replaced by the clean image latents (before every model call and
+    after every sampler step, as LongLive 2.0's ``_overwrite_i2v_context`` does)."""
+    if image is None:
+        return x
+    x = x.clone()
+    x[:, :, :image.shape[2]] = image.to(device=x.device, dtype=x.dtype)
+    return x
+
+
+def _sigmas_for(scheduler, sigmas: List[float]):
+    """The sigmas as ``scheduler.set_timesteps`` takes them: a list for FlowMatchLCM (as before), a float64 array
+    for the others (UniPC with ``use_flow_sigmas`` shifts them with array arithmetic)."""
+    from diffusers import FlowMatchLCMScheduler
+
+    if isinstance(scheduler, FlowMatchLCMScheduler):
+        return sigmas
+    import numpy as np
+
+    return np.asarray(sigmas, dtype=np.float64)
+
+
+def _scheduler_step(scheduler, flow, t, x, generator):
+    """``scheduler.step`` with the generator where the scheduler takes one (UniPC's step takes none)."""
+    import inspect
+
+    if "generator" in inspect.signature(scheduler.step).parameters:
+        return scheduler.step(flow, t, x, generator=generator, return_dict=False)[0]
+    return scheduler.step(flow, t, x, return_dict=False)[0]
+
+
 def _note(e: BaseException, text: str) -> None:
     """Attach ``text`` to the exception's report (``add_note``: Python >= 3.11; older Pythons skip it)."""
     add = getattr(e, "add_note", None)
@@ -269,6 +315,7 @@ class _Inputs:
     latents: Optional[torch.Tensor]
     positions: str
     scheduler_sigmas: Optional[List[float]] = None  # the unshifted sigmas a non-LCM scheduler is set with
+    first_frame: Optional[torch.Tensor] = None  # image-to-video: the clean first latent frame [B, C, 1, h, w]
 
 
 class CausalWanSession:
@@ -328,6 +375,7 @@ class CausalWanSession:
         self._undecoded = None
         self._broken = None
         self.decoder = None
+        self._shot_index, self._shot_pending, self._pin = 0, False, 0  # LongLive 2.0 shots (set_prompt new_shot)
         if self.output_type != "latent" and self.light_decoder is not None:
             self.decoder = TAEHVStreamingDecoder(self.light_decoder)
         elif self.output_type != "latent":
@@ -356,7 +404,8 @@ class CausalWanSession:
         """Latent frames whose K/V are in the cache."""
         return self.handle.frames_committed
 
-    def set_prompt(self, prompt: Union[str, List[str], None] = None, prompt_embeds: Optional[torch.Tensor] = None):
+    def set_prompt(self, prompt: Union[str, List[str], None] = None, prompt_embeds: Optional[torch.Tensor] = None,
+                   new_shot: bool = False):
         """Switch the condition at the next chunk boundary (text, or its embeddings): the next ``next_chunk``
         first re-encodes the cached frames under it (LongLive's KV re-cache), then generates under it.
 
@@ -364,11 +413,17 @@ class CausalWanSession:
         ``transformer.config.text_dim``), not at the next chunk. Ordering: the latest request wins. A second
         ``set_prompt`` before the next chunk replaces the first; a ``reset()`` without a prompt starts the new
         video under a prompt queued here and not yet applied (set_prompt(p) then reset() == reset(prompt=p));
-        ``reset(prompt=q)`` (later) wins over it. A chunk that fails keeps the switch queued for its retry."""
+        ``reset(prompt=q)`` (later) wins over it. A chunk that fails keeps the switch queued for its retry.
+
+        ``new_shot=True`` (LongLive 2.0's scene cut): the next chunk starts a new shot: the pipeline's
+        ``shot_rope_offset`` is added to the RoPE time positions from it on (once per shot) and, with
+        ``shot_sink_frames``, its first frames are pinned as the shot sink after its cache pass. With
+        ``prompt_switch="none"`` (LongLive 2.0) the switch re-caches nothing: the next chunk reads the new text."""
         self._check_open()
         embeds = self.pipe._prompt_embeds(prompt, prompt_embeds, self.num_videos_per_prompt,
                                           self.max_sequence_length, batch=self.prompt_embeds.shape[0])
         self._pending = (prompt, embeds)
+        self._shot_pending = bool(new_shot)
 
     def reset(self, prompt: Union[str, List[str], None] = None, prompt_embeds: Optional[torch.Tensor] = None,
               generator: Optional[torch.Generator] = None, latents: Optional[torch.Tensor] = None) -> None:
@@ -428,14 +483,17 @@ class CausalWanSession:
         return randn_tensor(inp.shape, generator=self.generator, device=compat.execution_device(self.pipe),
                             dtype=torch.float32)
 
-    def _call(self, x, t, embeds, chunk):
+    def _call(self, x, t, embeds, chunk, clean_frames: int = 0):
         B = x.shape[0]
-        return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype), timestep=t.expand(B),
+        ts = _token_timesteps(self.pipe.transformer, x, t, clean_frames) if self.pipe.config.get(
+            "expand_timesteps", False) else t.expand(B)
+        return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype), timestep=ts,
                                      encoder_hidden_states=embeds, attention_kwargs={CHUNK_KEY: chunk},
                                      return_dict=False)[0]
 
     def _chunk(self, start: int, **kw):
         inp = self.inputs
+        kw.setdefault("rope_offset", self._shot_index * self.pipe.config.get("shot_rope_offset", 0))
         return CausalChunk(start_frame=start, block_frames=inp.block, total_frames=inp.frames, rollout=self.handle,
                            positions=inp.positions, **kw)
 
@@ -544,6 +602,7 @@ class CausalWanSession:
         saved = (self.step, self.prompt, self.prompt_embeds, self._pending, self.switches, list(self._history),
                  self._history_start, None if self._bar is None else self._bar.n)
         rng = [(g, g.get_state()) for g in self._generators()]
+        shot = (self._shot_index, self._shot_pending, self._pin)
         committed = self.handle.frames_committed
         where = ["the prompt switch's re-cache" if self._pending is not None else "a denoising step", None]
         try:
@@ -561,6 +620,7 @@ class CausalWanSession:
              self._history_start, n) = saved
             for g, state in rng:
                 g.set_state(state)
+            self._shot_index, self._shot_pending, self._pin = shot
             if self._bar is not None and n is not None:
                 self._bar.n = n
                 self._bar.refresh()
@@ -575,27 +635,32 @@ class CausalWanSession:
         if self._pending is not None:
             self.prompt, self.prompt_embeds = self._pending
             self._pending = None
-            self._recache(self.prompt_embeds)
+            if pipe.config.get("prompt_switch", "recache") == "recache":
+                self._recache(self.prompt_embeds)
             self.switches += 1
+        self._shot_start()
         where[0] = "a denoising step"
         start = self.index * inp.block
         x = self._chunk_noise()
+        image = inp.first_frame if start == 0 else None  # image-to-video: the first frame held clean (t = 0)
+        clean = 0 if image is None else image.shape[2]
         embeds = self.prompt_embeds
         last = inp.frames is not None and start + inp.block >= inp.frames
         if inp.own_sampler:
             sigmas = inp.sigmas
-        else:  # another scheduler: its own step (and its own schedule from the shifted timesteps)
-            pipe.scheduler.set_timesteps(sigmas=inp.scheduler_sigmas, device=x.device)
+        else:  # another scheduler: its own step (and its own schedule from the shifted timesteps), reset per chunk
+            pipe.scheduler.set_timesteps(sigmas=_sigmas_for(pipe.scheduler, inp.scheduler_sigmas), device=x.device)
         for i, t in enumerate(inp.timesteps):
             if pipe.interrupt:
                 self.close()
                 return None
-            flow = self._call(x, t, embeds, self._chunk(start))
+            x = _hold(x, image)
+            flow = self._call(x, t, embeds, self._chunk(start), clean_frames=clean)
             if inp.own_sampler:
                 x = self._sample(x, flow, i, sigmas, self.generator)
             else:
-                x = pipe.scheduler.step(flow, pipe.scheduler.timesteps[i], x, generator=self.generator,
-                                        return_dict=False)[0]
+                x = _scheduler_step(pipe.scheduler, flow, pipe.scheduler.timesteps[i], x, self.generator)
+            x = _hold(x, image)
             if self.callback is not None:
                 local = {"latents": x, "prompt_embeds": embeds}
                 out = self.callback(pipe, self.step, t, {k: local[k] for k in self.callback_inputs})
@@ -607,11 +672,20 @@ class CausalWanSession:
         self.prompt_embeds = embeds  # a callback's change of the condition carries on, as in a plain loop
         if not last:  # the cache pass (none after the last chunk: its K/V would never be read)
             where[0] = "the cache pass"
-            where[1] = self.handle.checkpoint(inp.block) if self.recoverable else None
+            where[1] = self.handle.checkpoint(inp.block, self._pin) if self.recoverable else None
             ctx = torch.tensor(inp.ctx, device=x.device)
-            self._call(x, ctx, embeds, self._chunk(start, commit=True))
+            self._call(x, ctx, embeds, self._chunk(start, commit=True, pin_frames=self._pin))
             self._keep(x)
         return CausalWanStreamChunk(index=self.index, start_frame=start, latents=x)
+
+    def _shot_start(self) -> None:
+        """A chunk after ``set_prompt(new_shot=True)`` opens a shot (LongLive 2.0's scene cut, never chunk 0): the
+        RoPE offset advances one shot and its cache pass pins ``min(shot_sink_frames, block)`` frames."""
+        self._pin = 0
+        if self._shot_pending and self.index > 0:
+            self._shot_index += 1
+            self._pin = min(self.pipe.config.get("shot_sink_frames", 0), self.inputs.block)
+        self._shot_pending = False
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -628,7 +702,7 @@ class CausalWanSession:
                 self._call(z, t, self.prompt_embeds, self._chunk(c * inp.block))
             self._call(z, ctx, self.prompt_embeds, self._chunk(c * inp.block, commit=True))
             self._keep(z)
-            if c == 0:
+            if c == 0 and pipe.config.get("prompt_switch", "recache") == "recache":
                 self._recache(self.prompt_embeds)
         self.handle.reset()
         self._restart(self.latents)
@@ -652,6 +726,24 @@ class CausalWanPipeline(DiffusionPipeline):
         context_timestep: timestep of the cache pass over a chunk's clean latents (0).
         rope_positions: ``"absolute"`` (each frame's index in the video: Self-Forcing, CausVid, LongLive) or
             ``"window"`` (LongLive's ``use_infinite_attention``: positions re-based inside the window).
+        expand_timesteps: one timestep per token (Wan2.2-TI2V's expanded timesteps, LongLive 2.0's per-frame
+            timesteps); needed by image-to-video (``session(first_frame_latents=...)``: that frame at t = 0).
+        prompt_switch: ``"recache"`` (LongLive's KV re-cache of the window under the new text) or ``"none"``
+            (LongLive 2.0: the cache kept as it is; the next chunk reads the new text).
+        shot_sink_frames: LongLive 2.0's multi-shot sink: at a new shot (``set_prompt(..., new_shot=True)``) the
+            shot's first ``min(shot_sink_frames, num_frame_per_block)`` frames are pinned in the window (its
+            ``sink_size`` with ``multi_shot_sink``; 0: off).
+        shot_rope_offset: LongLive 2.0's ``multi_shot_rope_offset``: frames added to the RoPE time positions per shot.
+
+    LongLive 2.0 (NVlabs/LongLive ``configs/inference.yaml``: Wan2.2-TI2V-5B, chunks of 8, window 32, sink 8,
+    multi-shot sink and RoPE offset 8, 4 UniPC steps per chunk with shift 5)::
+
+        pipe = CausalWanPipeline(tok, enc, transformer, vae,
+                                 UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                         flow_shift=5.0),
+                                 num_frame_per_block=8, window_frames=32, sink_frames=8,
+                                 denoising_timesteps=LONGLIVE2_TIMESTEPS, expand_timesteps=True,
+                                 prompt_switch="none", shot_sink_frames=8, shot_rope_offset=8)
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
@@ -661,8 +753,10 @@ class CausalWanPipeline(DiffusionPipeline):
     def __init__(self, tokenizer, text_encoder, transformer, vae, scheduler, num_frame_per_block: int = 3,
                  window_frames: Optional[int] = 21, sink_frames: int = 0,
                  denoising_timesteps: Sequence[float] = DEFAULT_TIMESTEPS, context_timestep: float = 0.0,
-                 rope_positions: str = "absolute"):
+                 rope_positions: str = "absolute", expand_timesteps: bool = False, prompt_switch: str = "recache",
+                 shot_sink_frames: int = 0, shot_rope_offset: int = 0):
         super().__init__()
+        _check_shots(prompt_switch, shot_sink_frames, shot_rope_offset, sink_frames, window_frames, num_frame_per_block)
         if not isinstance(num_frame_per_block, int) or num_frame_per_block < 1:
             raise ValueError(f"num_frame_per_block={num_frame_per_block!r} must be an int >= 1")
         if window_frames is not None and (not isinstance(window_frames, int) or window_frames <= num_frame_per_block):
@@ -681,6 +775,8 @@ class CausalWanPipeline(DiffusionPipeline):
         self.register_to_config(num_frame_per_block=num_frame_per_block, window_frames=window_frames,
                                 sink_frames=sink_frames, denoising_timesteps=timesteps,
                                 context_timestep=float(context_timestep), rope_positions=rope_positions)
+        self.register_to_config(expand_timesteps=bool(expand_timesteps), prompt_switch=prompt_switch,
+                                shot_sink_frames=shot_sink_frames, shot_rope_offset=shot_rope_offset)
         self.vae_scale_factor_temporal = vae.config.scale_factor_temporal if vae is not None else 4
         self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -812,7 +908,7 @@ class CausalWanPipeline(DiffusionPipeline):
         if timesteps is None and sigmas is None:
             dts = _check_timesteps("denoising_timesteps", denoising_timesteps if denoising_timesteps is not None
                                    else self.config.denoising_timesteps)
-            self.scheduler.set_timesteps(sigmas=[t / 1000.0 for t in dts], device=device)
+            self.scheduler.set_timesteps(sigmas=_sigmas_for(self.scheduler, [t / 1000.0 for t in dts]), device=device)
             ts = self.scheduler.timesteps.to(torch.float32)
             sg = self.scheduler.sigmas.to(torch.float32)
             if len(sg) != len(ts) + 1:
@@ -901,10 +997,13 @@ class CausalWanPipeline(DiffusionPipeline):
                 step_noise: Optional[Callable] = None, output_type: str = "np", max_sequence_length: int = 512,
                 rope_positions: Optional[str] = None, callback_on_step_end: Optional[Callable] = None,
                 callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-                progress: bool = True, decoder=None) -> CausalWanSession:
+                progress: bool = True, decoder=None,
+                first_frame_latents: Optional[torch.Tensor] = None) -> CausalWanSession:
         """A ``CausalWanSession``: an interactive rollout (``next_chunk``, ``set_prompt``, ``reset``, ``close``).
         ``num_frames=None`` (the default here) streams for ever over the rolling window; the other arguments are
-        ``__call__``'s."""
+        ``__call__``'s. ``first_frame_latents`` ``[B, C, 1, h, w]`` (normalized, as the VAE encodes an image):
+        image-to-video as LongLive 2.0 / Wan2.2-TI2V do it: the first chunk's first frame held at those latents
+        with timestep 0 through its steps (needs ``expand_timesteps=True``); the video's frame 0 is that image."""
         _check_decoder(decoder)
         self._check_output_type(output_type)
         self._check_callback_inputs(callback_on_step_end_tensor_inputs)
@@ -913,12 +1012,27 @@ class CausalWanPipeline(DiffusionPipeline):
         embeds = self._prompt_embeds(prompt, prompt_embeds, num_videos_per_prompt, max_sequence_length)
         inp = self._inputs(height, width, num_frames, denoising_timesteps, timesteps, sigmas, context_timestep,
                            num_frame_per_block, latents, embeds.shape[0], step_noise, rope_positions)
+        inp.first_frame = self._check_first_frame(first_frame_latents, inp)
         self._cache_hook(inp.block)
         self._interrupt = False
         self._num_timesteps = None if inp.frames is None else (inp.frames // inp.block) * len(inp.timesteps)
         return CausalWanSession(self, inp, prompt, embeds, generator, step_noise, output_type, max_sequence_length,
                                 callback_on_step_end, callback_on_step_end_tensor_inputs, progress,
                                 num_videos_per_prompt, decoder=decoder)
+
+    def _check_first_frame(self, first, inp: _Inputs) -> Optional[torch.Tensor]:
+        if first is None:
+            return None
+        if not self.config.get("expand_timesteps", False):
+            raise ValueError("first_frame_latents (image-to-video) needs a pipeline with expand_timesteps=True: the "
+                             "image frame is held at timestep 0 while the others are denoised")
+        B, C, _, h, w = inp.shape
+        if not isinstance(first, torch.Tensor) or tuple(first.shape) != (B, C, 1, h, w):
+            got = tuple(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+            raise ValueError(f"first_frame_latents of shape {got}; expected {(B, C, 1, h, w)} ([batch, latent "
+                             f"channels, 1 frame, height / {self.vae_scale_factor_spatial}, width / "
+                             f"{self.vae_scale_factor_spatial}])")
+        return first.to(device=compat.execution_device(self), dtype=torch.float32)
 
     def _postprocess(self, video: torch.Tensor, output_type: str):
         return self.video_processor.postprocess_video(video, output_type=output_type)
@@ -1044,6 +1158,21 @@ def _check_decoder(decoder):
         raise TypeError(f"decoder={type(decoder).__name__}: pass None (the Wan VAE) or a "
                         f"diffusers_nki.pipelines.TAEHV (the light decoder)")
     return decoder
+
+
+def _check_shots(prompt_switch, shot_sink_frames, shot_rope_offset, sink_frames, window_frames, block) -> None:
+    if prompt_switch not in ("recache", "none"):
+        raise ValueError(f"prompt_switch={prompt_switch!r} must be 'recache' (LongLive's KV re-cache) or 'none' "
+                         f"(LongLive 2.0)")
+    for name, v in (("shot_sink_frames", shot_sink_frames), ("shot_rope_offset", shot_rope_offset)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name}={v!r} must be an int >= 0")
+    if shot_sink_frames and window_frames is None:
+        raise ValueError(f"shot_sink_frames={shot_sink_frames} needs a rolling window (window_frames is None)")
+    if shot_sink_frames and sink_frames + min(shot_sink_frames, block) >= window_frames - block:
+        raise ValueError(f"shot_sink_frames={shot_sink_frames} beside sink_frames={sink_frames} leaves no rolling "
+                         f"history in window_frames={window_frames} with chunks of {block} (need sink_frames + "
+                         f"min(shot_sink_frames, num_frame_per_block) < window_frames - num_frame_per_block)")
 
 
 def _check_positions(value) -> None:
