@@ -376,6 +376,7 @@ class CausalWanSession:
         self._broken = None
         self.decoder = None
         self._shot_index, self._shot_pending, self._pin = 0, False, 0  # LongLive 2.0 shots (set_prompt new_shot)
+        self._clean_frames = 0  # frames of the running denoising call held clean (image-to-video)
         if self.output_type != "latent" and self.light_decoder is not None:
             self.decoder = TAEHVStreamingDecoder(self.light_decoder)
         elif self.output_type != "latent":
@@ -483,9 +484,10 @@ class CausalWanSession:
         return randn_tensor(inp.shape, generator=self.generator, device=compat.execution_device(self.pipe),
                             dtype=torch.float32)
 
-    def _call(self, x, t, embeds, chunk, clean_frames: int = 0):
+    def _call(self, x, t, embeds, chunk):
         B = x.shape[0]
-        ts = _token_timesteps(self.pipe.transformer, x, t, clean_frames) if self.pipe.config.get(
+        clean = self._clean_frames if not chunk.commit else 0  # image-to-video: the held frames at t = 0
+        ts = _token_timesteps(self.pipe.transformer, x, t, clean) if self.pipe.config.get(
             "expand_timesteps", False) else t.expand(B)
         return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype), timestep=ts,
                                      encoder_hidden_states=embeds, attention_kwargs={CHUNK_KEY: chunk},
@@ -655,7 +657,11 @@ class CausalWanSession:
                 self.close()
                 return None
             x = _hold(x, image)
-            flow = self._call(x, t, embeds, self._chunk(start), clean_frames=clean)
+            self._clean_frames = clean
+            try:
+                flow = self._call(x, t, embeds, self._chunk(start))
+            finally:
+                self._clean_frames = 0
             if inp.own_sampler:
                 x = self._sample(x, flow, i, sigmas, self.generator)
             else:
