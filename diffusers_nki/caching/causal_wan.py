@@ -761,10 +761,10 @@ class _Rollout:
         return slots
 
     def _serve_recache(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
-        if self.pinned is not None:
+        if self.pinned is not None or chunk.rope_offset:
             raise NotImplementedError("causal Wan static cache: a re-cache (LongLive's prompt switch) after a shot "
-                                      "sink was pinned (pin_frames) is not supported: LongLive 2.0 switches shots "
-                                      "without re-caching")
+                                      "sink was pinned (pin_frames), or with a rope_offset, is not supported: "
+                                      "LongLive 2.0 switches shots without re-caching")
         hs = a["hidden_states"]
         B, _, F, _, _ = hs.shape
         span = self.recache_span()

@@ -48,8 +48,14 @@ zero-padded to ``max_sequence_length`` (512, what the models attend to); explici
 are used exactly (CausVid's ``lookup_sigmas``); ``step_noise`` takes the re-noising noise (``original_step_noise``
 draws it as they do); ``rope_positions="window"`` is LongLive's infinite attention.
 
-Not supported: classifier-free guidance (these models are distilled without it); image/video conditioning
-(the first chunk is generated from noise); per-frame timesteps (every chunk uses one timestep).
+LongLive 2.0 (Wan2.2-TI2V-5B; see ``CausalWanPipeline``'s docstring): its per-chunk UniPC solver is diffusers'
+``UniPCMultistepScheduler`` re-set every chunk, its per-frame timesteps go per token (``expand_timesteps``), its
+multi-shot sink and RoPE offset are ``shot_sink_frames`` / ``shot_rope_offset`` with ``set_prompt(new_shot=True)``,
+its image-to-video is ``session(first_frame_latents=...)``; tests/pipelines/test_longlive2_pipeline_original.py
+runs it against their own loop.
+
+Not supported: classifier-free guidance (these models are distilled without it); video conditioning (only
+LongLive 2.0's image-conditioned first frame); a timestep varying inside a chunk other than that frame.
 """
 from __future__ import annotations
 
@@ -1173,6 +1179,10 @@ def _check_shots(prompt_switch, shot_sink_frames, shot_rope_offset, sink_frames,
     for name, v in (("shot_sink_frames", shot_sink_frames), ("shot_rope_offset", shot_rope_offset)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{name}={v!r} must be an int >= 0")
+    if (shot_sink_frames or shot_rope_offset) and prompt_switch != "none":
+        raise ValueError(f"shot_sink_frames={shot_sink_frames} / shot_rope_offset={shot_rope_offset} (LongLive 2.0's "
+                         f"shots) need prompt_switch='none': a re-cache re-encodes the window without the shots' pins "
+                         f"and offsets (LongLive 2.0 switches shots without re-caching)")
     if shot_sink_frames and window_frames is None:
         raise ValueError(f"shot_sink_frames={shot_sink_frames} needs a rolling window (window_frames is None)")
     if shot_sink_frames and sink_frames + min(shot_sink_frames, block) >= window_frames - block:

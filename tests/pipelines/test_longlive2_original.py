@@ -5,9 +5,9 @@
 per-frame timesteps (theirs ``[B, F]``, the image-to-video first frame at t = 0) given to diffusers per token
 (``[B, F * tokens_per_frame]``, Wan2.2's expanded timesteps), one chunk on an empty cache, fp32.
 
-NOT covered (and why): their rollout (UniPC per chunk, an 8-frame sink pinned per shot, the 32-frame window, a
-RoPE offset per shot) through CausalWanPipeline, which passes one timestep per call and has no pinned shot sink;
-those need the causal Wan pipeline and its cache changed. The harness (``causal_forcing_original.py``) changes in
+Their whole rollout (UniPC per chunk, the shot sink pinned at a scene cut, the RoPE offset per shot, image-to-video)
+through CausalWanPipeline against their inference loop: tests/pipelines/test_longlive2_pipeline_original.py. The
+harness (``causal_forcing_original.py``) changes in
 their code what it changes for Causal Forcing, plus: their Triton RoPE / adaLN kernels off (``LLV2_TRITON_ROPE=0``,
 ``LLV2_TRITON_ADALN=0``, their own switches; the fp64 complex RoPE runs), and an unused import of a name newer
 transformers no longer has (``x_clip_loss``) answered with ``None`` while their modules import."""

@@ -233,3 +233,55 @@ def test_longlive2_session_compiles_one_graph_per_call_site_after_warmup():
             block._compiled_call_impl = None
         torch._dynamo.reset()
     assert warm >= 1 and counter.frame_count == warm, (warm, counter.frame_count)
+
+
+def _tiny_pipe(**options):
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(**longlive2_diffusers_config()).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    kw = dict(num_frame_per_block=BLOCK, window_frames=WINDOW, sink_frames=SINK, denoising_timesteps=LONGLIVE2_TIMESTEPS,
+              expand_timesteps=True, prompt_switch="none", shot_sink_frames=SINK, shot_rope_offset=PHI)
+    kw.update(options)
+    pipe = CausalWanPipeline(None, None, transformer, None, scheduler, **kw)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_the_window_holds_the_shot_sinks_their_buffer_holds():
+    # (no original needed) the frames each chunk attends to, read from the cache's slot map: their rolling buffer
+    # of 8 frames (sink 2) pins a scene-cut chunk's frames after its cache pass, then rolls the unpinned frames
+    # around them; a later cut unpins the previous shot sink, which goes first (their causal_model.py rolling,
+    # traced by hand for cuts at chunks 3 and 6; the rollout itself is compared with theirs above)
+    pipe = _tiny_pipe()
+    pe = torch.randn(1, 512, LONGLIVE2_ORIGINAL["text_dim"], generator=torch.Generator().manual_seed(0)) * 0.1
+    seen = []
+    with torch.no_grad(), pipe.session(prompt_embeds=pe, height=8 * H, width=8 * W, num_frames=None, progress=False,
+                                       generator=torch.Generator().manual_seed(1), output_type="latent") as s:
+        for c in range(CHUNKS):
+            if c in CUTS:
+                s.set_prompt(prompt_embeds=pe, new_shot=True)
+            s.next_chunk()  # after its cache pass: what chunk c + 1 attends to besides itself
+            seen.append(sorted(f for f in s.handle.state.slot_frames if f >= 0))
+    assert seen[3:] == [[0, 1, 4, 5, 6, 7], [0, 1, 6, 7, 8, 9], [0, 1, 6, 7, 10, 11], [0, 1, 10, 11, 12, 13],
+                        [0, 1, 12, 13, 14, 15]], seen
+
+
+def test_longlive2_options_refuse_bad_input_by_name():
+    with pytest.raises(ValueError, match="prompt_switch='x' must be 'recache'"):
+        _tiny_pipe(prompt_switch="x")
+    with pytest.raises(ValueError, match="shot_rope_offset=3 .* need prompt_switch='none'"):
+        _tiny_pipe(prompt_switch="recache")
+    with pytest.raises(ValueError, match="shot_sink_frames=4 beside sink_frames=2 leaves no rolling history"):
+        _tiny_pipe(shot_sink_frames=4, window_frames=6)
+    with pytest.raises(ValueError, match="shot_sink_frames=-1 must be an int >= 0"):
+        _tiny_pipe(shot_sink_frames=-1)
+    pe = torch.zeros(1, 512, LONGLIVE2_ORIGINAL["text_dim"])
+    with pytest.raises(ValueError, match=r"first_frame_latents of shape \(1, 48, 2, 4, 4\); expected \(1, 48, 1, 4, 4\)"):
+        _tiny_pipe().session(prompt_embeds=pe, height=8 * H, width=8 * W, first_frame_latents=torch.zeros(1, 48, 2, H, W))
+    with pytest.raises(ValueError, match="first_frame_latents .* needs a pipeline with expand_timesteps=True"):
+        _tiny_pipe(expand_timesteps=False).session(prompt_embeds=pe, height=8 * H, width=8 * W,
+                                                   first_frame_latents=torch.zeros(1, 48, 1, H, W))
+    from diffusers_nki.caching.causal_wan import CausalChunk
+
+    with pytest.raises(ValueError, match=r"CausalChunk.pin_frames=-1 must be an int >= 0"):
+        CausalChunk(start_frame=0, pin_frames=-1)
