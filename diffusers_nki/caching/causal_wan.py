@@ -56,6 +56,13 @@ positions re-based inside the window [sinks | latest frames | chunk]. Non-sink f
 (their distances to the queries are unchanged by the re-basing); the sinks' keys are rewritten per call, rotated
 along the time axis to ``sink index + shift`` from a copy rotated back to time 0 (``_SinkRotation``).
 
+Shots (LongLive 2.0's multi-shot sink and RoPE offset, NVlabs/LongLive ``wan_5b/modules/causal_model.py``): a
+commit call with ``CausalChunk.pin_frames=n`` pins its first n frames as the shot sink; from then on a commit
+places each frame in an empty slot, else over the oldest frame that is neither a sink nor pinned (their rolling
+buffer keeps [global sink | pinned shot sink] in front and evicts the oldest of the rest; a new pin releases the
+previous one, which is then the oldest). ``CausalChunk.rope_offset`` adds frames to a call's RoPE time positions
+(their ``temporal_offset`` = shot index x ``multi_shot_rope_offset``). Runtime values only: no new shape.
+
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
 ``rolling=True`` evicts the oldest non-sink frame once the window is full (the published semantics),

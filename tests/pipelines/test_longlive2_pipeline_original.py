@@ -4,16 +4,20 @@ shift 5, per-frame timesteps, the cache pass at t = 0, the multi-shot sink pinne
 RoPE offset, image-to-video with the first frame held clean) around their causal model loaded by their own
 ``WanDiffusionWrapper``, against ``CausalWanPipeline`` (a session: ``set_prompt(new_shot=True)`` at the scene cuts)
 with the same weights converted by ``convert_causal_wan_checkpoint``, on diffusers' ``UniPCMultistepScheduler``
-and the stock ``WanTransformer3DModel`` with our static cache. fp32, CPU, tiny random weights, latents compared
-chunk by chunk (their loop is run with ``return_latents=True``; the VAE decode is compared with stock diffusers in
-tests/caching/test_wan22_vae_stream.py).
+and the stock ``WanTransformer3DModel`` with our static cache. fp32, CPU, tiny random weights, compared chunk by
+chunk: the latents (their loop with ``return_latents=True``), and the decoded frames (their loop decoding the whole
+clip with their ``WanVAEWrapper``; ours streaming each chunk through diffusers' ``AutoencoderKLWan`` with the static
+decode cache, their VAE weights converted by ``_their_vae_to_diffusers``).
 
 What the harness changes in their code, beyond ``test_longlive2_original.py`` (Triton RoPE / adaLN off, the
 ``x_clip_loss`` import, float32 attention) and ``causal_forcing_original.py`` (packages entered without their
 ``__init__``): ``omegaconf`` and ``torchvision`` (not dependencies of ours; imported at the top of their
 ``utils/config.py`` / ``utils/dataset.py``, unused by the loop) are stand-in modules; their ``wan_default_config``
 gets a row for the tiny model (their KV caches are sized from it); the text encoder is a stand-in returning fixed
-embeddings per prompt string (the same embeddings go to ours); the VAE is never called."""
+embeddings per prompt string (the same embeddings go to ours); their VAE's channel widths shrunk (their
+``_video_vae`` loader called with ``dim=4, dec_dim=8`` instead of 160 / 256, from a tiny checkpoint saved at their
+path) and ``einops.rearrange`` (not a dependency of ours; their VAE's reshapes) answered by ``_rearrange``, the same
+axis algebra."""
 import functools
 import os
 import sys
@@ -48,6 +52,28 @@ class _Cfg(dict):
             raise AttributeError(name) from None
 
 
+def _rearrange(x, pattern, **sizes):
+    """einops' ``rearrange`` for the patterns their VAE uses (axes split and merged by parentheses, permuted):
+    decompose the input axes into elementary ones, permute, compose the output's groups."""
+    import math
+    import re
+
+    def groups(side):
+        return [t.strip("()").split() for t in re.findall(r"\([^)]*\)|\S+", side)]
+
+    left, right = (groups(p) for p in pattern.split("->"))
+    known = dict(sizes)
+    for g, n in zip(left, x.shape):
+        unknown = [a for a in g if a not in known]
+        if len(unknown) > 1:
+            raise ValueError(f"_rearrange: cannot infer {unknown} in {pattern!r}")
+        if unknown:
+            known[unknown[0]] = n // math.prod(known[a] for a in g if a in known)
+    elem = [a for g in left for a in g]
+    x = x.reshape([known[a] for a in elem]).permute([elem.index(a) for g in right for a in g])
+    return x.reshape([math.prod(known[a] for a in g) for g in right])
+
+
 def _stub(name, **attrs):
     mod = types.ModuleType(name)
     mod.__dict__.update(attrs)
@@ -77,7 +103,9 @@ def their(tmp_path_factory):
             if saved_mods[k] is None:
                 sys.modules[k] = v
         with cfo.their_modules(root, packages=("wan_5b", "pipeline")):
+            sys.modules["einops"].rearrange = _rearrange  # their VAE's only einops call (see the docstring)
             import pipeline.causal_diffusion_inference as inference
+            import wan_5b.modules.vae2_2 as vae2_2
             import utils.config as config
             import utils.dataset as dataset
             import utils.wan_5b_wrapper as wrapper
@@ -107,11 +135,12 @@ def their(tmp_path_factory):
             p.data.normal_(0.0, 0.3 if p.ndim < 2 else 0.1)
     tiny.save_pretrained(str(root / "wan_models" / "Tiny5B"))
     return dict(root=root, commit=commit, inference=inference, wrapper=wrapper, prefix=dataset.DEFAULT_SCENE_CUT_PREFIX,
-                state={f"model.{k}": v for k, v in tiny.state_dict().items()})
+                state={f"model.{k}": v for k, v in tiny.state_dict().items()}, vae2_2=vae2_2)
 
 
-def _their_loop(their, noise, prompts, embeds, image=None):
-    """Their CausalDiffusionInferencePipeline.inference (their inference.yaml's keys, scaled down)."""
+def _their_loop(their, noise, prompts, embeds, image=None, vae=None):
+    """Their CausalDiffusionInferencePipeline.inference (their inference.yaml's keys, scaled down): the latents
+    ``[B, C, F, h, w]``, or with their ``vae`` the decoded frames ``[B, T, 3, H, W]`` in [0, 1]."""
     model_kwargs = _Cfg(model_name="Tiny5B", timestep_shift=5.0, num_frame_per_block=BLOCK, local_attn_size=WINDOW)
     args = _Cfg(model_kwargs=model_kwargs, num_frame_per_block=BLOCK, image_or_video_shape=[1, noise.shape[1], 48, H, W],
                 inference=_Cfg(sampling_steps=4, sink_size=SINK, guidance_scale=1.0, multi_shot_sink=True,
@@ -129,34 +158,37 @@ def _their_loop(their, noise, prompts, embeds, image=None):
             return {"prompt_embeds": torch.cat([embeds[p] for p in text_prompts])}
 
     pipe = their["inference"].CausalDiffusionInferencePipeline(args, device="cpu", generator=gen,
-                                                               text_encoder=TextEncoder(), vae=torch.nn.Identity())
-    out = pipe.inference(noise, text_prompts=[prompts], initial_latent=image, return_latents=True)
-    return out.permute(0, 2, 1, 3, 4)  # -> [B, C, F, h, w]
+                                                               text_encoder=TextEncoder(),
+                                                               vae=torch.nn.Identity() if vae is None else vae)
+    out = pipe.inference(noise, text_prompts=[prompts], initial_latent=image, return_latents=vae is None)
+    return out.permute(0, 2, 1, 3, 4) if vae is None else out  # latents -> [B, C, F, h, w]
 
 
-def _ours(their, **options):
+def _ours(their, vae=None, **options):
     transformer = WanTransformer3DModel(**longlive2_diffusers_config()).eval()
     convert_causal_wan_checkpoint({"generator": their["state"]}, transformer=transformer)
     kw = dict(expand_timesteps=True, prompt_switch="none", shot_sink_frames=SINK, shot_rope_offset=PHI)
     kw.update(options)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
-    pipe = CausalWanPipeline(None, None, transformer, None, scheduler, num_frame_per_block=BLOCK,
+    pipe = CausalWanPipeline(None, None, transformer, vae, scheduler, num_frame_per_block=BLOCK,
                              window_frames=WINDOW, sink_frames=SINK, denoising_timesteps=LONGLIVE2_TIMESTEPS, **kw)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def _rollout(pipe, noise, prompts, embeds, prefix, image=None):
-    s = pipe.session(prompt_embeds=embeds[prompts[0]], height=8 * H, width=8 * W, num_frames=4 * (noise.shape[1] - 1) + 1,
-                     latents=noise.permute(0, 2, 1, 3, 4), output_type="latent", progress=False,
+def _rollout(pipe, noise, prompts, embeds, prefix, image=None, output_type="latent"):
+    f = pipe.vae_scale_factor_spatial
+    s = pipe.session(prompt_embeds=embeds[prompts[0]], height=f * H, width=f * W, num_frames=4 * (noise.shape[1] - 1) + 1,
+                     latents=noise.permute(0, 2, 1, 3, 4), output_type=output_type, progress=False,
                      first_frame_latents=None if image is None else image.permute(0, 2, 1, 3, 4))
     out = []
     with s:
         for c in range(CHUNKS):
             if c:
                 s.set_prompt(prompt_embeds=embeds[prompts[c]], new_shot=prompts[c].startswith(prefix))
-            out.append(s.next_chunk().latents)
-    return torch.cat(out, dim=2)
+            chunk = s.next_chunk()
+            out.append(chunk.latents if output_type == "latent" else chunk.frames)
+    return torch.cat(out, dim=2 if output_type == "latent" else 1)
 
 
 def _errs(ours, theirs):
@@ -164,9 +196,7 @@ def _errs(ours, theirs):
                   / theirs[:, :, i:i + BLOCK].abs().max()) for i in range(0, theirs.shape[2], BLOCK)]
 
 
-@pytest.mark.parametrize("i2v", [False, True], ids=["t2v", "i2v_first_frame"])
-def test_longlive2_multi_shot_rollout_equals_their_inference_loop(their, i2v):
-    g = torch.Generator().manual_seed(3)
+def _prompts(their, g):
     prefix = their["prefix"]
     shots = ["a fox in the snow", "a fox on a cliff", "a fox by the sea"]
     prompts, shot = [], 0
@@ -175,6 +205,91 @@ def test_longlive2_multi_shot_rollout_equals_their_inference_loop(their, i2v):
         prompts.append((prefix if c in CUTS else "") + shots[shot])
     embeds = {p: cfo.pad_text(torch.randn(1, 9, LONGLIVE2_ORIGINAL["text_dim"], generator=g) * 0.1)
               for p in dict.fromkeys(prompts)}
+    return prompts, embeds
+
+
+def _their_vae_to_diffusers(sd: dict) -> dict:
+    """Their ``WanVAE_`` (wan_5b/modules/vae2_2.py) keys of the decode path -> diffusers' ``AutoencoderKLWan``."""
+    import re
+
+    res = {"0": "norm1", "2": "conv1", "3": "norm2", "6": "conv2"}
+    mult = 3  # their Up_ResidualBlock: num_res_blocks + 1 residual blocks, then the Resample
+
+    def up(m):
+        i, j = m[1], int(m[2])
+        return f"decoder.up_blocks.{i}." + (f"resnets.{j}." if j < mult else "upsampler.")
+
+    out = {}
+    for k, v in sd.items():
+        if k.startswith(("encoder.", "conv1.")):
+            continue
+        n = re.sub(r"^conv2\.", "post_quant_conv.", k).replace("decoder.conv1.", "decoder.conv_in.")
+        n = n.replace("decoder.middle.1.", "decoder.mid_block.attentions.0.")
+        n = re.sub(r"decoder\.middle\.([02])\.", lambda m: f"decoder.mid_block.resnets.{int(m[1]) // 2}.", n)
+        n = re.sub(r"decoder\.upsamples\.(\d+)\.upsamples\.(\d+)\.", up, n)
+        n = re.sub(r"residual\.(\d)\.", lambda m: res[m[1]] + ".", n).replace(".shortcut.", ".conv_shortcut.")
+        out[n.replace("decoder.head.0.", "decoder.norm_out.").replace("decoder.head.2.", "decoder.conv_out.")] = v
+    return out
+
+
+def test_longlive2_decoded_frames_equal_their_loop_with_their_vae(their):
+    # their loop with their Wan2.2 VAE (their WanVAEWrapper: decode_to_pixel of the whole clip after the rollout)
+    # against ours streaming the frames chunk by chunk through the static VAE decode cache: diffusers'
+    # AutoencoderKLWan from the 5B's config with the same widths, their weights converted
+    from diffusers import AutoencoderKLWan
+
+    from diffusers_nki.caching import wan_vae
+
+    v, wrapper = their["vae2_2"], their["wrapper"]
+    widths = dict(dim=4, dec_dim=8)  # theirs: 160 / 256 (the harness shrinks them)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        tiny = v.WanVAE_(z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                         temperal_downsample=[False, True, True], **widths)
+        for p in tiny.parameters():
+            p.data.normal_(0.0, 0.2 if p.ndim > 1 else 0.1)
+    path = their["root"] / "wan_models" / "Wan2.2-TI2V-5B" / "Wan2.2_VAE.pth"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(tiny.state_dict(), path)
+    cwd, loader = os.getcwd(), wrapper._video_vae
+    os.chdir(their["root"])
+    wrapper._video_vae = functools.partial(loader, **widths)
+    try:  # their wrapper and loader (_video_vae: their checkpoint path, loaded with assign=True)
+        their_vae = wrapper.WanVAEWrapper()
+    finally:
+        wrapper._video_vae = loader
+        os.chdir(cwd)
+    vae = AutoencoderKLWan(base_dim=4, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                           attn_scales=[], temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                           out_channels=12, patch_size=2, scale_factor_spatial=16,
+                           latents_mean=their_vae.mean.tolist(), latents_std=their_vae.std.tolist()).eval()
+    missing, unexpected = vae.load_state_dict(_their_vae_to_diffusers(tiny.state_dict()), strict=False)
+    assert not unexpected and missing and all(k.startswith(("encoder.", "quant_conv.")) for k in missing), unexpected
+    g = torch.Generator().manual_seed(5)
+    prompts, embeds = _prompts(their, g)
+    noise = torch.randn(1, CHUNKS * BLOCK, 48, H, W, generator=g)
+    pipe = _ours(their, vae=vae)
+    wan_vae.apply_wan_vae_cache(vae, wan_vae.WanVAECacheConfig(backend="torch"))
+    try:
+        with torch.no_grad():
+            theirs = _their_loop(their, noise, prompts, embeds, vae=their_vae)  # [B, T, 3, H, W] in [0, 1]
+            ours = _rollout(pipe, noise, prompts, embeds, their["prefix"], output_type="pt")
+    finally:
+        wan_vae.remove_wan_vae_cache(vae)
+    assert ours.shape == theirs.shape == (1, 1 + 4 * (CHUNKS * BLOCK - 1), 3, 16 * H, 16 * W)
+    assert 0.0 < float(((theirs == 0) | (theirs == 1)).float().mean()) < 0.5  # the clamp exercised, not saturated
+    bounds = [0, 1 + 4 * (BLOCK - 1)] + [1 + 4 * (BLOCK * (c + 1) - 1) for c in range(1, CHUNKS)]
+    errs = [float((ours[:, a:b] - theirs[:, a:b]).abs().max() / theirs[:, a:b].abs().max())
+            for a, b in zip(bounds, bounds[1:])]
+    print(f"longlive 2.0 decoded frames: max rel err per chunk {errs}")
+    assert len(errs) == CHUNKS and max(errs) <= TOL, (their["commit"], errs)
+
+
+@pytest.mark.parametrize("i2v", [False, True], ids=["t2v", "i2v_first_frame"])
+def test_longlive2_multi_shot_rollout_equals_their_inference_loop(their, i2v):
+    g = torch.Generator().manual_seed(3)
+    prefix = their["prefix"]
+    prompts, embeds = _prompts(their, g)
     noise = torch.randn(1, CHUNKS * BLOCK, 48, H, W, generator=g)  # theirs: [B, F, C, h, w]
     image = torch.randn(1, 1, 48, H, W, generator=g) if i2v else None
     with torch.no_grad():
