@@ -400,3 +400,34 @@ def test_longlive2_options_refuse_bad_input_by_name():
 
     with pytest.raises(ValueError, match=r"CausalChunk.pin_frames=-1 must be an int >= 0"):
         CausalChunk(start_frame=0, pin_frames=-1)
+
+
+def test_longlive2_session_through_the_emulated_kernels_equals_the_torch_twins():
+    # (no original needed) diffusers_nki.patch(pipe, backend="sim"): every attention of the LongLive 2.0 session
+    # (per-token timesteps, image-to-video, a scene cut with its shot sink and RoPE offset) through the emulated
+    # NKI kernels, against the torch twins; no call fell back to stock
+    import diffusers_nki
+    from diffusers_nki import accounting
+
+    outs, counts = {}, {}
+    for backend in ("torch", "sim"):
+        pipe = _tiny_pipe()
+        diffusers_nki.patch(pipe, backend=backend)
+        pe = torch.randn(1, 512, LONGLIVE2_ORIGINAL["text_dim"], generator=torch.Generator().manual_seed(0)) * 0.1
+        image = torch.randn(1, 48, 1, H, W, generator=torch.Generator().manual_seed(2))
+        accounting.reset_counters()
+        try:
+            with torch.no_grad(), pipe.session(prompt_embeds=pe, height=8 * H, width=8 * W, num_frames=None,
+                                               progress=False, generator=torch.Generator().manual_seed(1),
+                                               output_type="latent", first_frame_latents=image) as s:
+                lat = []
+                for c in range(5):
+                    if c == 3:
+                        s.set_prompt(prompt_embeds=pe * 0.5, new_shot=True)
+                    lat.append(s.next_chunk().latents)
+        finally:
+            diffusers_nki.unpatch(pipe)
+        outs[backend], counts[backend] = torch.cat(lat, dim=2), accounting.counters()["attention"]
+    err = float((outs["sim"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
+    assert counts["sim"]["sim"] > 0 and counts["sim"]["stock"] == 0 and counts["torch"]["torch"] > 0, counts
+    assert err <= TOL, err
