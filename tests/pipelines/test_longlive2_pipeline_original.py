@@ -431,3 +431,48 @@ def test_longlive2_session_through_the_emulated_kernels_equals_the_torch_twins()
     err = float((outs["sim"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
     assert counts["sim"]["sim"] > 0 and counts["sim"]["stock"] == 0 and counts["torch"]["torch"] > 0, counts
     assert err <= TOL, err
+
+
+def test_a_failed_cache_pass_of_a_scene_cut_is_undone_with_its_pin():
+    # (no original needed) the cache pass of a scene-cut chunk fails half-way (after its frames were placed and
+    # the shot sink pinned): the session undoes it (the slot map, the pin, the K/V of the frames the pass evicts:
+    # planned with the pin, so the released shot sink's are saved) and the retried chunk, and every chunk after
+    # it, equal an uninterrupted rollout bit for bit (fails if the checkpoint plans the evictions without the pin)
+    def run(fail_at=()):
+        pipe = _tiny_pipe()
+        calls, failed = [0], []
+
+        def fault(module, args):
+            calls[0] += 1
+            if calls[0] - 1 in fail_at and calls[0] - 1 not in failed:
+                failed.append(calls[0] - 1)
+                raise RuntimeError("out of memory (injected)")
+
+        handle = pipe.transformer.blocks[1].register_forward_pre_hook(fault)
+        pe = torch.randn(1, 512, LONGLIVE2_ORIGINAL["text_dim"], generator=torch.Generator().manual_seed(0)) * 0.1
+        lat, pins = [], []
+        try:
+            with torch.no_grad(), pipe.session(prompt_embeds=pe, height=8 * H, width=8 * W, num_frames=None,
+                                               progress=False, generator=torch.Generator().manual_seed(1),
+                                               output_type="latent") as s:
+                for c in range(CHUNKS):
+                    if c in CUTS:
+                        s.set_prompt(prompt_embeds=pe * (c + 1) / 8, new_shot=True)
+                    try:
+                        out = s.next_chunk()
+                    except RuntimeError as e:
+                        assert "injected" in str(e)
+                        out = s.next_chunk()  # the retry
+                    lat.append(out.latents)
+                    pins.append(sorted(s.handle.state.slot_frames[i] for i in s.handle.state.pinned or ()))
+        finally:
+            handle.remove()
+        return torch.cat(lat, dim=2), pins, failed
+
+    steps = len(LONGLIVE2_TIMESTEPS) + 1  # transformer calls per chunk: the denoising steps, the cache pass
+    ref, ref_pins, _ = run()
+    # the cut chunks' cache passes: chunk 3's last call, then chunk 6's (one retried chunk later)
+    fail_at = (4 * steps - 1, 7 * steps - 1 + steps)
+    got, pins, failed = run(fail_at=fail_at)
+    assert failed == list(fail_at) and ref_pins[3:] == [[6, 7]] * 3 + [[12, 13]] * 2
+    assert pins == ref_pins and torch.equal(got, ref)
