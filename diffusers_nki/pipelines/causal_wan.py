@@ -227,7 +227,7 @@ def lookup_sigmas(timesteps: Sequence[float], shift: float, num_train_timesteps:
     """
     if not shift > 0:
         raise ValueError(f"shift={shift!r} must be > 0")
-    ts = _check_timesteps("timesteps", timesteps)
+    ts = _check_timesteps("timesteps", timesteps, last_zero=True)
     s = torch.linspace(1.0, 0.0, num_train_timesteps + 1)[:-1]
     table = shift * s / (1 + (shift - 1) * s)
     idx = torch.argmin((table.view(1, -1) * num_train_timesteps - torch.tensor(ts).view(-1, 1)).abs(), dim=1)
