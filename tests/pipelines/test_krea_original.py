@@ -2,13 +2,16 @@
 ``GenerationSession``: KV re-computation before every block, the chunk at positions after the context, bfloat16
 re-noising noise from their generator; config ``self_forcing_server_14b.yaml``), tiny random weights loaded by their
 own loader (``load_transformer`` from a flat ``model.*`` safetensors file, as their published 14B file; ours through
-``convert_krea_realtime_checkpoint`` from the same file), fp32, block by block, both computed in this run. The harness
+``convert_krea_realtime_checkpoint`` from the same file), fp32, block by block, both computed in this run. Their time
+embedding's sinusoid is float64, diffusers' stock one float32 (error up to 4e-5 at t ~ 1000): measured both ways, the
+float64 one within 1e-5 per chunk (the rollout's fidelity), the stock one within 5e-5. The harness
 and what it changes: ``krea_original.py``. Their frame length is hard-coded (1560 tokens: 480x832), so the tiny model
 runs at that resolution. Skips with the reason when the mirror is absent.
 
 Also here: the attention bias (``kv_cache_attention_bias``, Krea's Hub modular pipeline; not in their GitHub code)
 through the kernel (two log-sum-exp calls merged) against a dense float64 softmax with the bias added, on the torch
 twin and the NKI emulator; one compiled graph per call site after warm-up (counting backend)."""
+import contextlib
 import math
 import os
 import sys
@@ -26,6 +29,7 @@ import causal_forcing_original as cfo  # noqa: E402
 import krea_original as ko  # noqa: E402
 
 TOL = 1e-5
+STOCK_TOL = 5e-5  # with diffusers' float32 timestep sinusoid (see _float64_sinusoid): measured 1.5e-5
 BLOCK = 3
 
 
@@ -69,17 +73,48 @@ def test_causal_wan_pipeline_equals_krea_realtime_original_loop(original):
                              num_frame_per_block=BLOCK, kv_recompute=ctx_frames)
     pipe.set_progress_bar_config(disable=True)
 
-    def run(seed):
+    def run(seed, n_blocks=blocks):
         rnd = torch.Generator().manual_seed(seed)  # their session's generator: the initial noise, then re-noising
         torch.randn(tuple(noise.shape), generator=rnd, dtype=torch.bfloat16)
         with torch.no_grad():
-            return pipe(prompt_embeds=pe, latents=noise.permute(0, 2, 1, 3, 4), height=480, width=832,
-                        num_frames=4 * (blocks * BLOCK - 1) + 1, timesteps=ts, sigmas=lookup_sigmas(ts, shift=5.0),
-                        step_noise=original_step_noise(rnd, dtype=torch.bfloat16), output_type="latent").frames
+            return pipe(prompt_embeds=pe, latents=noise.permute(0, 2, 1, 3, 4)[:, :, :n_blocks * BLOCK], height=480,
+                        width=832, num_frames=4 * (n_blocks * BLOCK - 1) + 1, timesteps=ts,
+                        sigmas=lookup_sigmas(ts, shift=5.0), step_noise=original_step_noise(rnd, dtype=torch.bfloat16),
+                        output_type="latent").frames
 
-    ours = run(params["seed"])
-    errs = _chunk_errors(ours, theirs)
-    print(f"krea realtime (kv_recompute={ctx_frames}, timesteps {ts}): max rel err per chunk {errs}")
+    stock = _chunk_errors(run(params["seed"]), theirs)
+    with _float64_sinusoid():
+        errs = _chunk_errors(run(params["seed"]), theirs)
+    print(f"krea realtime (kv_recompute={ctx_frames}, timesteps {ts}): max rel err per chunk {errs}; with diffusers' "
+          f"float32 timestep sinusoid {stock}")
     assert ts[-1] == 0.0 and len(errs) == blocks and max(errs) <= TOL, (original.commit, errs)
+    assert max(stock) <= STOCK_TOL, (original.commit, stock)
     # the comparison can fail: other re-noising noise is another video
-    assert max(_chunk_errors(run(params["seed"] + 1), theirs)) > 1e-2
+    assert _chunk_errors(run(params["seed"] + 1, n_blocks=1), theirs[:, :, :BLOCK])[0] > 1e-2
+
+
+@contextlib.contextmanager
+def _float64_sinusoid():
+    """diffusers' ``get_timestep_embedding`` (the stock Wan time embedding's sinusoid) evaluated in float64 and
+    rounded to float32, as their ``sinusoidal_embedding_1d`` computes it: stock, ``t * freq`` is formed in float32
+    (|error| up to 4e-5 at t ~ 1000), which alone moves these tiny models' chunks by ~1.5e-5 relative."""
+    import diffusers.models.embeddings as emb
+
+    stock = emb.get_timestep_embedding
+
+    def f64(timesteps, embedding_dim, flip_sin_to_cos=False, downscale_freq_shift=1, scale=1, max_period=10000):
+        half = embedding_dim // 2
+        exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float64) / (half - downscale_freq_shift)
+        arg = scale * timesteps[:, None].double() * torch.exp(exponent).to(timesteps.device)[None, :]
+        out = torch.cat([torch.sin(arg), torch.cos(arg)], dim=-1)
+        if flip_sin_to_cos:
+            out = torch.cat([out[:, half:], out[:, :half]], dim=-1)
+        if embedding_dim % 2:
+            out = torch.nn.functional.pad(out, (0, 1, 0, 0))
+        return out.float()
+
+    emb.get_timestep_embedding = f64
+    try:
+        yield
+    finally:
+        emb.get_timestep_embedding = stock
