@@ -118,3 +118,88 @@ def _float64_sinusoid():
         yield
     finally:
         emb.get_timestep_embedding = stock
+
+
+def _dense_biased(q, k, v, kc, vc, c, tpf, bias):
+    """float64 softmax over [cache slots 0..c*tpf | the chunk's keys], log(bias) added to the logits of the cache
+    keys after the first frame (Krea's KV-cache attention bias), the chunk one block (all visible)."""
+    keys = torch.cat([kc[:, :c * tpf], k], 1).double().transpose(1, 2)
+    vals = torch.cat([vc[:, :c * tpf], v], 1).double().transpose(1, 2)
+    s = q.double().transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    add = torch.zeros(keys.shape[2], dtype=torch.float64)
+    add[tpf:c * tpf] = math.log(bias)
+    return torch.softmax(s + add, dim=-1).matmul(vals).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "sim"])
+@pytest.mark.parametrize("held", [0, 1, 3])
+def test_kv_cache_attention_bias_through_the_kernel_equals_the_biased_softmax(backend, held):
+    # the bias as two attention_lse kernel calls merged (torch twin and the NKI kernel on the emulator) vs the
+    # dense biased softmax in float64; without the bias the same inputs differ (the bias is not a no-op here)
+    from diffusers_nki.caching.causal_wan import _biased_attention
+    from diffusers_nki.caching.core import LayerKV, Plan
+
+    g = torch.Generator().manual_seed(held)
+    B, tpf, H, D, n, N = 1, 4, 2, 16, 3, 3
+    q, k, v = (torch.randn(B, n * tpf, H, D, generator=g) for _ in range(3))
+    kc, vc = (torch.randn(B, N * tpf, H, D, generator=g) * 2 for _ in range(2))
+    plan = Plan({"anchor_len": min(held, 1) * tpf, "ctx_len": max(held - 1, 0) * tpf, "no_keys": 0}, B, "cpu")
+    out = _biased_attention(q, k, v, LayerKV(kc, vc), plan, n * tpf, math.log(0.3), tpf, backend)
+    want = _dense_biased(q, k, v, kc, vc, held, tpf, 0.3)
+    err = float((out.double() - want).abs().max())
+    assert err <= 2e-6, err
+    if held > 1:
+        assert float((_dense_biased(q, k, v, kc, vc, held, tpf, 1.0) - want).abs().max()) > 1e-2
+
+
+def test_krea_session_compiles_one_graph_per_call_site_after_warmup():
+    # kv_recompute=3 with the attention bias: after warmup() neither the re-computation call (the context growing
+    # from 3 frames, then the first frame + the latest) nor a denoising call compiles a graph (counting backend)
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from diffusers_nki.testing import tiny
+
+    base = tiny.tiny_pipeline("causal_wan")
+    pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=BLOCK,
+                             kv_recompute=3, kv_cache_attention_bias=0.3)
+    counter = CompileCounter()
+    try:
+        pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
+        with torch.no_grad():
+            pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
+            s = pipe.session(prompt_embeds=pe, height=32, width=32, num_frames=None,
+                             generator=torch.Generator().manual_seed(0), output_type="latent", progress=False)
+            s.warmup()
+            warm = counter.frame_count
+            for _ in range(5):
+                s.next_chunk()
+            stats = s.handle.state.stats
+            s.close()
+    finally:
+        for block in pipe.transformer.blocks:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert stats["recompute_calls"] == 4 and stats["commit_calls"] == 0, stats
+    assert warm >= 1 and counter.frame_count == warm, (warm, counter.frame_count)
+
+
+def test_krea_checkpoint_converter_reads_their_flat_file_and_fused_projections(tmp_path):
+    from safetensors.torch import save_file
+
+    from diffusers_nki.pipelines import CheckpointKeyError, to_original_wan_state_dict
+
+    cfg = dict(causal_wan_diffusers_config())
+    src = WanTransformer3DModel(**cfg).eval()
+    flat = to_original_wan_state_dict(src.state_dict(), wrapper=None)  # {"model.blocks.0.self_attn.q.weight": ...}
+    for i in range(cfg["num_layers"]):  # what a state dict saved after their fuse_projections() also holds
+        for suffix in ("weight", "bias"):
+            flat[f"model.blocks.{i}.self_attn.to_qkv.{suffix}"] = torch.cat(
+                [flat[f"model.blocks.{i}.self_attn.{n}.{suffix}"] for n in "qkv"])
+    save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp_path / "krea.safetensors"))
+    dst = WanTransformer3DModel(**cfg).eval()
+    convert_krea_realtime_checkpoint(tmp_path / "krea.safetensors", transformer=dst)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
+    flat["model.blocks.0.self_attn.to_qkv.bias"] = flat["model.blocks.0.self_attn.to_qkv.bias"] + 1
+    with pytest.raises(CheckpointKeyError, match="to_qkv"):
+        convert_krea_realtime_checkpoint(flat)
