@@ -56,6 +56,18 @@ positions re-based inside the window [sinks | latest frames | chunk]. Non-sink f
 (their distances to the queries are unchanged by the re-basing); the sinks' keys are rewritten per call, rotated
 along the time axis to ``sink index + shift`` from a copy rotated back to time 0 (``_SinkRotation``).
 
+KV re-computation (Krea Realtime 14B, ``krea-ai/realtime-video`` ``release_server.py`` ``recompute_kv_cache``;
+``CausalChunk.kv_recompute`` = their ``kv_cache_num_frames``): the cache is never committed to. Before every chunk
+after the first, ONE call of ``kv_recompute`` frames (``recompute_frames`` valid: the video's first frame, then the
+latest frames; padding after, masked with ``kv_len``) re-encodes the clean context at the context timestep, at RoPE
+positions 0.., block-causal in chunk-sized blocks from its first frame (their flex block mask), and its post-RoPE K/V
+replace the cache from slot 0 (one ``cache_write``); the chunk's denoising calls then sit at the positions right after
+the context (theirs: ``current_start = min(start, kv_cache_num_frames)``). Their KV-cache attention bias
+(``CausalChunk.kv_bias``: their Hub modular pipeline's ``kv_cache_attention_bias``; semantics as in
+daydreamlive/scope's port, ``modules/causal_model.py``: ``log(bias)`` on the logits of the keys in
+[one frame, cache length - one chunk)) runs as two ``attention_lse`` kernel calls merged exactly
+(``_biased_attention``). Not under context parallelism (raises).
+
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
 ``rolling=True`` evicts the oldest non-sink frame once the window is full (the published semantics),

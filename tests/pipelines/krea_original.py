@@ -155,6 +155,8 @@ def their_modules(root: Path, model_folder: Path):
     os.environ["MODEL_FOLDER"] = str(model_folder)
     root_log = logging.getLogger()
     log_state = (root_log.level, list(root_log.handlers))
+    if not root_log.handlers:  # their server calls logging.basicConfig(level=DEBUG) at import: make it a no-op
+        root_log.addHandler(logging.NullHandler())
     limit = dynamo.config.recompile_limit
     try:
         with cuda_on_cpu():
