@@ -203,3 +203,27 @@ def test_krea_checkpoint_converter_reads_their_flat_file_and_fused_projections(t
     flat["model.blocks.0.self_attn.to_qkv.bias"] = flat["model.blocks.0.self_attn.to_qkv.bias"] + 1
     with pytest.raises(CheckpointKeyError, match="to_qkv"):
         convert_krea_realtime_checkpoint(flat)
+
+
+def test_kv_cache_attention_bias_leaves_the_first_chunk_and_moves_the_next():
+    # through the pipeline: the first chunk has no context (nothing to bias: bit-identical to no bias); from the
+    # second on the context frames after the first are down-weighted, so the chunks differ
+    from diffusers_nki.testing import tiny
+
+    base = tiny.tiny_pipeline("causal_wan")
+    pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for bias in (1.0, 0.3):
+        pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=BLOCK,
+                                 kv_recompute=3, kv_cache_attention_bias=bias)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            outs.append(pipe(prompt_embeds=pe, height=32, width=32, num_frames=4 * (3 * BLOCK - 1) + 1,
+                             generator=torch.Generator().manual_seed(1), output_type="latent").frames)
+    assert torch.equal(outs[0][:, :, :BLOCK], outs[1][:, :, :BLOCK])
+    assert float((outs[0][:, :, BLOCK:] - outs[1][:, :, BLOCK:]).abs().max()) > 1e-3
+    with pytest.raises(ValueError, match="needs kv_recompute"):
+        CausalWanPipeline(None, None, base.transformer, None, base.scheduler, kv_cache_attention_bias=0.3)
+    with pytest.raises(ValueError, match="kv_cache_attention_bias"):
+        CausalWanPipeline(None, None, base.transformer, None, base.scheduler, kv_recompute=3,
+                          kv_cache_attention_bias=0.0)
