@@ -703,9 +703,10 @@ class CausalWanPipeline(DiffusionPipeline):
             block-causal, and their K/V become the cache; the chunk is denoised at the positions after them; no
             cache pass follows. Sets the window to ``kv_recompute + num_frame_per_block`` (``window_frames`` is
             ignored). ``None``: the committed ring of the other models.
-        kv_cache_attention_bias: Krea's KV-cache attention bias (its Hub modular pipeline; 1.0 = none, theirs
-            uses 0.3): the denoising calls add ``log(bias)`` to the attention logits of every context frame but
-            the first; needs ``kv_recompute``. Run through the attention kernel as two log-sum-exp calls merged
+        kv_cache_attention_bias: Krea's KV-cache attention bias (its Hub modular pipeline; 1.0 = none; 0.3 is
+            daydreamlive/scope's default for the model): the denoising calls add ``log(bias)`` to the attention
+            logits of every context frame but the first; needs ``kv_recompute``. A prompt switch
+            (``session.set_prompt``) applies after the chunk's re-computation, as their server's. Run through the attention kernel as two log-sum-exp calls merged
             exactly (``diffusers_nki.caching.causal_wan._biased_attention``).
     """
 
