@@ -62,6 +62,17 @@ places each frame in an empty slot, else over the oldest frame that is neither a
 buffer keeps [global sink | pinned shot sink] in front and evicts the oldest of the rest; a new pin releases the
 previous one, which is then the oldest). ``CausalChunk.rope_offset`` adds frames to a call's RoPE time positions
 (their ``temporal_offset`` = shot index x ``multi_shot_rope_offset``). Runtime values only: no new shape.
+KV re-computation (Krea Realtime 14B, ``krea-ai/realtime-video`` ``release_server.py`` ``recompute_kv_cache``;
+``CausalChunk.kv_recompute`` = their ``kv_cache_num_frames``): the cache is never committed to. Before every chunk
+after the first, ONE call of ``kv_recompute`` frames (``recompute_frames`` valid: the video's first frame, then the
+latest frames; padding after, masked with ``kv_len``) re-encodes the clean context at the context timestep, at RoPE
+positions 0.., block-causal in chunk-sized blocks from its first frame (their flex block mask), and its post-RoPE K/V
+replace the cache from slot 0 (one ``cache_write``); the chunk's denoising calls then sit at the positions right after
+the context (theirs: ``current_start = min(start, kv_cache_num_frames)``). Their KV-cache attention bias
+(``CausalChunk.kv_bias``: their Hub modular pipeline's ``kv_cache_attention_bias``; semantics as in
+daydreamlive/scope's port, ``modules/causal_model.py``: ``log(bias)`` on the logits of the keys in
+[one frame, cache length - one chunk)) runs as two ``attention_lse`` kernel calls merged exactly
+(``_biased_attention``). Not under context parallelism (raises).
 
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
@@ -97,6 +108,7 @@ backends, vs an independent dense block-causal reference; torch.compile; a 200-c
 """
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -104,7 +116,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from diffusers_nki import parallel
+from diffusers_nki import ops, parallel
 from diffusers_nki.caching.config import StaticCacheConfig
 from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan as wan_rope  # Wan's interleaved RoPE
 from diffusers_nki.errors import warn_once
@@ -198,6 +210,18 @@ class CausalChunk:
     pin_frames: a commit call of a rolling window only: its first ``pin_frames`` frames become the shot sink
         (LongLive 2.0's multi-shot sink, pinned at a scene cut): kept when the window would evict them, until
         the next pinned call replaces them (they are then the oldest frames and go first). See ``_Rollout``.
+    kv_recompute: > 0 makes the rollout Krea Realtime's (``krea-ai/realtime-video``, ``release_server.py``
+        ``recompute_kv_cache``): the cache holds at most ``kv_recompute`` context frames and is RE-COMPUTED before
+        every chunk after the first, never written by a cache pass. Every call of such a rollout carries it.
+    recompute_frames: > 0 makes this the re-computation call: the call holds ``kv_recompute`` frames, its first
+        ``recompute_frames`` are the context (the first frame of the video, then the latest frames) at RoPE
+        positions 0.., block-causal in ``block_frames`` blocks from the call's first frame (their block mask),
+        the rest padding (masked by ``kv_len``); its K/V replace the whole cache. The denoising calls that follow
+        put the chunk at positions ``recompute_frames``.. (theirs: ``current_start = min(start, kv_cache_num_frames)``).
+    kv_bias: Krea's KV-cache attention bias (their Hub modular blocks' ``kv_cache_attention_bias``; 1: none): a
+        denoising call adds ``log(kv_bias)`` to the logits of the cached keys of every context frame but the
+        first. Served through the attention kernel as two ``attention_lse`` calls merged exactly (see
+        ``_biased_attention``).
     """
 
     start_frame: int
@@ -209,9 +233,13 @@ class CausalChunk:
     recache_frames: int = 0
     rope_offset: int = 0
     pin_frames: int = 0
+    kv_recompute: int = 0
+    recompute_frames: int = 0
+    kv_bias: float = 1.0
 
     def __post_init__(self):
-        for name in ("start_frame", "block_frames", "recache_frames", "rope_offset", "pin_frames"):
+        for name in ("start_frame", "block_frames", "recache_frames", "rope_offset", "pin_frames", "kv_recompute",
+                     "recompute_frames"):
             v = getattr(self, name)
             low = 1 if name == "block_frames" else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -222,6 +250,14 @@ class CausalChunk:
             raise ValueError(f"CausalChunk.positions={self.positions!r} must be one of {POSITIONS}")
         if self.rollout is not None and not isinstance(self.rollout, RolloutHandle):
             raise TypeError(f"CausalChunk.rollout must be a RolloutHandle, got {type(self.rollout).__name__}")
+        if self.recompute_frames > self.kv_recompute:
+            raise ValueError(f"CausalChunk.recompute_frames={self.recompute_frames} must be <= kv_recompute="
+                             f"{self.kv_recompute} (the context frames a KV re-computation call holds)")
+        if not (isinstance(self.kv_bias, (int, float)) and 0 < float(self.kv_bias) < float("inf")):
+            raise ValueError(f"CausalChunk.kv_bias={self.kv_bias!r} must be a finite number > 0 (1: no bias)")
+        if float(self.kv_bias) != 1.0 and not self.kv_recompute:
+            raise ValueError(f"CausalChunk.kv_bias={self.kv_bias!r} needs kv_recompute > 0 (Krea's attention bias is "
+                             f"defined on the re-computed context: [first frame | past frames | current block])")
 
 
 def _config(**kw):
@@ -364,11 +400,15 @@ class _LayerStep:
 
     def __init__(self, cos, sin, kv: LayerKV, plan: Plan, causal_block: int, frames: int, tpf: int, commit: bool,
                  backend: str, cp=None, recache: Optional[_Recache] = None, sink0: Optional[torch.Tensor] = None,
-                 sinks: Optional[_SinkRotation] = None, kv_len: bool = False):
+                 sinks: Optional[_SinkRotation] = None, kv_len: bool = False, rewrite: bool = False,
+                 log_bias: Optional[float] = None):
         self.cos, self.sin, self.kv, self.plan = cos, sin, kv, plan
         self.causal_block, self.frames, self.tpf, self.commit, self.backend = causal_block, frames, tpf, commit, backend
         self.cp, self.groups = cp, ((frames, tpf),)  # cp: a diffusers_nki.parallel.CacheParallel (or None)
         self.recache, self.sink0, self.sinks, self.kv_len = recache, sink0, sinks, kv_len
+        # Krea: rewrite = the KV re-computation call (its K/V replace the cache from slot 0); log_bias = a
+        # denoising call with the attention bias on the context frames after the first (None: no bias)
+        self.rewrite, self.log_bias = rewrite, log_bias
 
     def attend(self, q, k, v) -> torch.Tensor:
         kv, p, be, cp = self.kv, self.plan, self.backend, self.cp
@@ -381,7 +421,9 @@ class _LayerStep:
             n = self.sink0.shape[1]
             kv.k[:, :n].copy_(wan_rope(self.sink0, rot.cos, rot.sin))
         kv_len = p.per_batch("kv_len") if self.kv_len else None
-        if cp is None:
+        if cp is None and self.log_bias is not None:
+            out = _biased_attention(q, k, v, kv, p, self.causal_block, self.log_bias, tpf, be)
+        elif cp is None:
             out = attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), kv_len, None, self.causal_block, be)
         else:
             blocks = self.frames * self.tpf // self.causal_block if self.causal_block else 1
@@ -402,6 +444,8 @@ class _LayerStep:
                 src = fresh.reshape(B, -1, tpf, H, D).index_select(1, rc.slot_src)
                 new.append(torch.where(keep, cache.view(B, rc.history, tpf, H, D), src).reshape(B, -1, H, D))
             cache_write(kv.k, kv.v, new[0], new[1], p.scalar("slot0"), be)
+        elif self.rewrite:  # Krea's re-computation: the call's K/V are the cache (padding past the context)
+            cache_write(kv.k, kv.v, k, v, p.scalar("slot0"), be)
         elif self.commit:  # after the attention: the slots it may overwrite belong to evicted frames
             for f in range(self.frames):
                 s = slice(f * tpf, (f + 1) * tpf)
@@ -413,6 +457,26 @@ class _LayerStep:
                 self.sink0[:, slot * tpf:(slot + 1) * tpf].copy_(
                     wan_rope(k[:, f * tpf:(f + 1) * tpf], cos0[:, s], sin0[:, s]))
         return out if cp is None else cp.from_heads(out, self.groups)
+
+
+def _biased_attention(q, k, v, kv: LayerKV, plan: Plan, causal_block: int, log_bias: float, tpf: int, backend):
+    """Krea's KV-cache attention bias through the attention kernel, exactly: softmax over [the first context frame
+    | the other context frames, their logits + ``log_bias`` | the chunk] as TWO kernel calls with their
+    log-sum-exp (``ops.attention_lse``), merged: (1) the chunk's queries over the first frame (the cache prefix of
+    ``anchor_len`` tokens: slot 0 holds it, the re-computation writes the context in order) and the chunk's own
+    keys (``causal_block``); (2) over the cache slots after it (``ctx_len`` tokens; the chunk's keys masked with
+    ``kv_len`` 0). With w_i = exp(lse_i - m) (lse_2 + log_bias; m the larger): out = (w_1 out_1 + w_2 out_2) /
+    (w_1 + w_2), which IS the biased softmax (the same identity ring attention merges with). Call (2) sees no key
+    in the first chunks (lse -inf, weight 0). The kernel needs no bias operand; both calls have fixed shapes."""
+    o1, l1 = ops.attention_lse(q, k, v, kv.k, kv.v, plan.scalar("anchor_len"), None, None, causal_block, backend)
+    k2, v2 = kv.k[:, tpf:], kv.v[:, tpf:]
+    o2, l2 = ops.attention_lse(q, k, v, k2, v2, plan.scalar("ctx_len"), plan.per_batch("no_keys"), None, 0, backend)
+    l2 = l2 + log_bias
+    m = torch.maximum(l1, l2)  # l1 is finite: every query sees its own block
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)  # [B, H, Sq]
+    w1, w2 = w1.transpose(1, 2).unsqueeze(-1), w2.transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
+    out = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return out.to(q.dtype)
 
 
 class CausalWanCacheProcessor:
@@ -492,7 +556,10 @@ class _Rollout:
                 if window is None:
                     raise ValueError("causal Wan static cache: StaticCacheConfig.capacity=None needs the rollout's "
                                      "total frames (CausalChunk.total_frames); give capacity explicitly")
-        if hook.grown_window and not conf.rolling:
+        self.recompute = chunk.kv_recompute  # Krea: the context frames re-computed per chunk (0: a committed ring)
+        if self.recompute:  # the cache holds the re-computed context: its size is the rollout's, not the config's
+            window, sink = self.recompute + n, 0
+        elif hook.grown_window and not conf.rolling:
             window = max(window, hook.grown_window)
         if window <= n:
             raise ValueError(
@@ -511,6 +578,9 @@ class _Rollout:
         # context parallelism (enable_parallelism): this rank's shard of every buffer, see diffusers_nki.parallel
         self.cp = cp = parallel.cache_parallel(module, hook.backend, "causal Wan static cache")
         hook.parallel = cp
+        if cp is not None and self.recompute:
+            raise NotImplementedError("causal Wan static cache: KV re-computation (kv_recompute, Krea Realtime) under "
+                                      "context parallelism is not supported")
         if cp is not None:
             cp.check(heads, (tpf,), "causal Wan static cache")
             shape = cp.cache_shape(B, self.history * tpf, heads, head_dim)
@@ -538,7 +608,7 @@ class _Rollout:
                               for _ in self.layers]
         self.rope = previous.rope if (previous is not None and previous.rope.matches(
             module.rope, self.hp, self.wp, self.device)) else _Rope(module.rope, self.hp, self.wp, self.device)
-        self.stats = {"denoise_calls": 0, "commit_calls": 0, "recache_calls": 0, "grown": 0}
+        self.stats = {"denoise_calls": 0, "commit_calls": 0, "recache_calls": 0, "recompute_calls": 0, "grown": 0}
         self.text = TextKV()  # the cross-attention text K/V of the prompt last seen (caching.text_kv)
 
     def matches(self, hook, module, hs: torch.Tensor, chunk: CausalChunk) -> bool:
@@ -548,7 +618,8 @@ class _Rollout:
                 and self.rope.matches(module.rope, self.hp, self.wp, self.device)
                 and _cp_key(parallel.cache_parallel(module, hook.backend, "causal Wan static cache"))
                 == _cp_key(self.cp)
-                and (hook.config.chunk_frames or chunk.block_frames) == self.n)
+                and (hook.config.chunk_frames or chunk.block_frames) == self.n
+                and chunk.kv_recompute == self.recompute)
 
     def reset(self) -> None:
         """An empty cache: ring and slot map cleared, every buffer zeroed in place (nothing reallocated)."""
@@ -667,6 +738,11 @@ class _Rollout:
         if chunk.positions != self.positions:
             raise ValueError(f"causal Wan static cache: positions={chunk.positions!r} but this rollout started with "
                              f"{self.positions!r}; start a new rollout to change it")
+        if chunk.kv_recompute != self.recompute:
+            raise ValueError(f"causal Wan static cache: a call with kv_recompute={chunk.kv_recompute} in a rollout started "
+                             f"with kv_recompute={self.recompute}; start a new rollout to change it")
+        if self.recompute:
+            return self._serve_recomputed(hook, module, a, chunk)
         if chunk.recache_frames:
             return self._serve_recache(hook, module, a, chunk)
         self._check_shot(hook, chunk)
@@ -766,6 +842,51 @@ class _Rollout:
         elif self.pinned is None:
             self.pinned = frozenset()
         return slots
+
+    def _serve_recomputed(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
+        """Krea Realtime's rollout (``CausalChunk.kv_recompute``): a re-computation call (``recompute_frames`` > 0)
+        re-encodes the context and its K/V become the cache; a denoising call attends to [that context | itself]
+        with the chunk at RoPE positions after the context. No call commits (theirs has no cache pass: the next
+        chunk re-computes the context from the clean latents)."""
+        hs = a["hidden_states"]
+        B, _, F, _, _ = hs.shape
+        tpf, n, N = self.tpf, self.n, self.recompute
+        _check_timestep(a["timestep"], F * tpf, self.cp)
+        if chunk.commit or chunk.recache_frames:
+            raise ValueError("causal Wan static cache: a rollout with kv_recompute takes re-computation and denoising "
+                             "calls only (no cache pass, no re-cache): the context is re-computed before every chunk")
+        if chunk.recompute_frames:
+            if F != N:
+                raise ValueError(f"causal Wan static cache: a KV re-computation call holds kv_recompute={N} frames "
+                                 f"(the context first, padding after: one shape), got {F}")
+            c = chunk.recompute_frames
+            self.ring.reset()
+            self.slot_frames = [-1] * self.history
+            for s, f in enumerate(self.ring.place(c)):
+                self.slot_frames[s] = f  # slot order = context order: slot 0 holds the first frame
+            values = {"cache_len": 0, "kv_len": c * tpf, "slot0": 0}
+            positions = torch.arange(0, F, device=self.device)
+            kw = dict(kv_len=True, rewrite=True)
+            key = "recompute_calls"
+        else:
+            if F != n:
+                raise ValueError(f"causal Wan static cache: a denoising call of a kv_recompute rollout holds one chunk "
+                                 f"of {n} frames, got {F}")
+            c = self.ring.valid
+            values = {"cache_len": c * tpf, "anchor_len": min(c, 1) * tpf, "ctx_len": max(c - 1, 0) * tpf,
+                      "no_keys": 0}
+            positions = torch.arange(c, c + F, device=self.device)
+            bias = float(chunk.kv_bias)
+            kw = dict(log_bias=None if bias == 1.0 else math.log(bias))
+            key = "denoise_calls"
+        plan = Plan(values, B, self.device)
+        self.rope.ensure(F + self.recompute)
+        cos, sin = self.rope.freqs(positions)
+        steps = [_LayerStep(cos, sin, kv, plan, n * tpf, F, tpf, False, hook.backend, None, **kw)
+                 for kv in self.layers]
+        out = _forward(module, a, steps, self.hp, self.wp, None, ((F, tpf),), self.text)
+        self.stats[key] += 1
+        return out
 
     def _serve_recache(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
         if self.pinned is not None or chunk.rope_offset:
@@ -1002,6 +1123,8 @@ class CausalWanStaticCache(StaticCacheHook):
             f"rollout: {s.ring.placed} frames committed, {s.ring.valid} held, {s.ring.evicted} evicted; "
             f"{st['denoise_calls']} denoising calls, {st['commit_calls']} cache passes"
             + (f", {st['recache_calls']} re-cache passes (prompt switches)" if st["recache_calls"] else "")
+            + (f", {st['recompute_calls']} KV re-computation passes (kv_recompute={s.recompute})"
+               if s.recompute else "")
             + (f"; grown {st['grown']}x" if st["grown"] else "")
             + (f"; RoPE positions re-based in the window" if s.positions == "window" else ""),
             "text K/V (cross-attention, once per prompt): " + s.text.describe(),

@@ -14,8 +14,10 @@ from .causal_wan import (CausalWanPipeline, CausalWanSession, CausalWanStreamChu
                          original_step_noise)
 from .helios import HeliosSession, HeliosStreamChunk
 from .taehv import TAEHV, TAEHVStream, TAEHVStreamingDecoder
-from .convert import CheckpointKeyError, ConvertedStateDict, convert_causal_wan_checkpoint, to_original_wan_state_dict
+from .convert import (CheckpointKeyError, ConvertedStateDict, convert_causal_wan_checkpoint,
+                      convert_krea_realtime_checkpoint, krea_realtime_transformer_config, to_original_wan_state_dict)
 
 __all__ = ["CausalWanPipeline", "CausalWanSession", "CausalWanStreamChunk", "WanStreamingDecoder", "lookup_sigmas",
-           "original_step_noise", "convert_causal_wan_checkpoint", "to_original_wan_state_dict", "CheckpointKeyError",
+           "original_step_noise", "convert_causal_wan_checkpoint", "convert_krea_realtime_checkpoint",
+           "krea_realtime_transformer_config", "to_original_wan_state_dict", "CheckpointKeyError",
            "ConvertedStateDict", "HeliosSession", "HeliosStreamChunk", "TAEHV", "TAEHVStream", "TAEHVStreamingDecoder"]

@@ -211,12 +211,15 @@ class WanStreamingDecoder:
         return torch.clamp(out, min=-1.0, max=1.0)
 
 
-def _check_timesteps(name: str, values, low: float = 0.0, high: float = 1000.0) -> List[float]:
+def _check_timesteps(name: str, values, low: float = 0.0, high: float = 1000.0, last_zero: bool = False
+                     ) -> List[float]:
+    """``last_zero``: the last value may be 0 (Krea's server schedule ends with a step at timestep 0)."""
     try:
         out = [float(v) for v in values]
     except TypeError:
         raise ValueError(f"{name}={values!r} must be a sequence of values in ({low:g}, {high:g}]") from None
-    if not out or any(not low < v <= high for v in out) or any(a <= b for a, b in zip(out, out[1:])):
+    body = out[:-1] if (last_zero and out and out[-1] == 0.0 and len(out) > 1) else out
+    if not out or any(not low < v <= high for v in body) or any(a <= b for a, b in zip(out, out[1:])):
         example = "[1000, 750, 500, 250]" if high == 1000 else "[1.0, 0.9375, 0.8333, 0.625]"
         raise ValueError(f"{name}={values!r} must be a non-empty, strictly decreasing sequence of values in "
                          f"({low:g}, {high:g}] (e.g. {example})")
@@ -233,7 +236,7 @@ def lookup_sigmas(timesteps: Sequence[float], shift: float, num_train_timesteps:
     """
     if not shift > 0:
         raise ValueError(f"shift={shift!r} must be > 0")
-    ts = _check_timesteps("timesteps", timesteps)
+    ts = _check_timesteps("timesteps", timesteps, last_zero=True)
     s = torch.linspace(1.0, 0.0, num_train_timesteps + 1)[:-1]
     table = shift * s / (1 + (shift - 1) * s)
     idx = torch.argmin((table.view(1, -1) * num_train_timesteps - torch.tensor(ts).view(-1, 1)).abs(), dim=1)
@@ -322,6 +325,8 @@ class _Inputs:
     positions: str
     scheduler_sigmas: Optional[List[float]] = None  # the unshifted sigmas a non-LCM scheduler is set with
     first_frame: Optional[torch.Tensor] = None  # image-to-video: the clean first latent frame [B, C, 1, h, w]
+    recompute: int = 0  # Krea: context frames re-computed before every chunk (0: the committed ring)
+    bias: float = 1.0  # Krea: the KV-cache attention bias of the denoising calls (1: none)
 
 
 class CausalWanSession:
@@ -378,6 +383,7 @@ class CausalWanSession:
         self.step = 0
         self._history: List[torch.Tensor] = []  # the latest chunks' clean latents (what a re-cache re-encodes)
         self._history_start = 0
+        self._anchor = None  # Krea (kv_recompute): the video's first latent frame, the context's first frame
         self._undecoded = None
         self._broken = None
         self.decoder = None
@@ -502,8 +508,33 @@ class CausalWanSession:
     def _chunk(self, start: int, **kw):
         inp = self.inputs
         kw.setdefault("rope_offset", self._shot_index * self.pipe.config.get("shot_rope_offset", 0))
+        if inp.recompute:
+            kw.update(kv_recompute=inp.recompute, kv_bias=inp.bias)
         return CausalChunk(start_frame=start, block_frames=inp.block, total_frames=inp.frames, rollout=self.handle,
                            positions=inp.positions, **kw)
+
+    def _recompute(self, start: int, embeds: torch.Tensor) -> None:
+        """Krea Realtime's KV re-computation before the chunk at ``start`` (``release_server.py``
+        ``recompute_kv_cache`` with ``keep_first_frame``): the context = the video's first latent frame, then the
+        latest ``c - 1`` frames (c = min(start, kv_recompute)), re-encoded at the context timestep in ONE call of
+        ``kv_recompute`` frames (padding after: one shape), block-causal; its K/V become the cache."""
+        inp = self.inputs
+        c = min(start, inp.recompute)
+        if c == 0:  # the first chunk: an empty cache (theirs returns before re-computing)
+            return
+        parts = [self._anchor]
+        if c > 1:
+            hist = torch.cat(self._history, dim=2)
+            end = start - self._history_start
+            if end - (c - 1) < 0:
+                raise RuntimeError(f"CausalWanSession: the KV re-computation needs latent frames {start - c + 1}.."
+                                   f"{start - 1}; the session kept {self._history_start}..")
+            parts.append(hist[:, :, end - (c - 1):end])
+        x = torch.cat(parts, dim=2)
+        B, C, _, h, w = x.shape
+        x = torch.cat([x, x.new_zeros((B, C, inp.recompute - c, h, w))], dim=2)
+        ctx = torch.tensor(inp.ctx, device=x.device)
+        self._call(x, ctx, embeds, self._chunk(start, recompute_frames=c))
 
     def _recache(self, embeds: torch.Tensor) -> None:
         """LongLive's KV re-cache under ``embeds``: the frames the window needs, re-encoded in one call."""
@@ -524,6 +555,8 @@ class CausalWanSession:
 
     def _keep(self, x: torch.Tensor) -> None:
         """Remember a committed chunk's latents, as far back as a re-cache can reach (the window)."""
+        if self._anchor is None:
+            self._anchor = x[:, :, :1]
         self._history.append(x)
         state = self.handle.state
         keep = state.window if state is not None else x.shape[2]
@@ -617,7 +650,9 @@ class CausalWanSession:
             return self._generate_chunk(where)
         except BaseException as e:
             # the cache pass had begun taking the chunk's K/V: undo it (ring, slot map, the evicted frames' K/V)
-            if self.handle.frames_committed != committed and not self.handle.rollback(where[1]):
+            # (a kv_recompute rollout commits nothing: its next chunk re-computes the whole context anyway)
+            if self.handle.frames_committed != committed and not self.inputs.recompute \
+                    and not self.handle.rollback(where[1]):
                 self._broken = (f"CausalWanSession: chunk {self.index} failed in its cache pass ({type(e).__name__}: "
                                 f"{e}) after the cache had begun taking the chunk's K/V, and that pass could not be "
                                 f"undone (" + ("recoverable=False" if not self.recoverable else "the buffers grew")
@@ -640,15 +675,18 @@ class CausalWanSession:
         """The chunk's work; ``where`` = [the phase running, the cache pass's checkpoint] for ``_generate``."""
         pipe, inp = self.pipe, self.inputs
         pipe._cache_hook(inp.block)
+        start = self.index * inp.block
+        if inp.recompute:  # Krea: the context re-computed under the text in force (theirs: before a switch applies)
+            where[0] = "the KV re-computation"
+            self._recompute(start, self.prompt_embeds)
         if self._pending is not None:
             self.prompt, self.prompt_embeds = self._pending
             self._pending = None
-            if pipe.config.get("prompt_switch", "recache") == "recache":
+            if not inp.recompute and pipe.config.get("prompt_switch", "recache") == "recache":
                 self._recache(self.prompt_embeds)
             self.switches += 1
         self._shot_start()
         where[0] = "a denoising step"
-        start = self.index * inp.block
         x = self._chunk_noise()
         image = inp.first_frame if start == 0 else None  # image-to-video: the first frame held clean (t = 0)
         clean = 0 if image is None else image.shape[2]
@@ -682,7 +720,9 @@ class CausalWanSession:
             if self._bar is not None:
                 self._bar.update()
         self.prompt_embeds = embeds  # a callback's change of the condition carries on, as in a plain loop
-        if not last:  # the cache pass (none after the last chunk: its K/V would never be read)
+        if inp.recompute:  # no cache pass: the next chunk re-computes its context from these latents
+            self._keep(x)
+        elif not last:  # the cache pass (none after the last chunk: its K/V would never be read)
             where[0] = "the cache pass"
             where[1] = self.handle.checkpoint(inp.block, self._pin) if self.recoverable else None
             ctx = torch.tensor(inp.ctx, device=x.device)
@@ -710,11 +750,14 @@ class CausalWanSession:
         z = torch.zeros(inp.shape, dtype=torch.float32, device=compat.execution_device(pipe))
         ctx = torch.tensor(inp.ctx, device=z.device)
         for c in range(2):
+            if inp.recompute:  # Krea: the re-computation call (the first chunk has none)
+                self._recompute(c * inp.block, self.prompt_embeds)
             for t in inp.timesteps:
                 self._call(z, t, self.prompt_embeds, self._chunk(c * inp.block))
-            self._call(z, ctx, self.prompt_embeds, self._chunk(c * inp.block, commit=True))
+            if not inp.recompute:
+                self._call(z, ctx, self.prompt_embeds, self._chunk(c * inp.block, commit=True))
             self._keep(z)
-            if c == 0 and pipe.config.get("prompt_switch", "recache") == "recache":
+            if c == 0 and not inp.recompute and pipe.config.get("prompt_switch", "recache") == "recache":
                 self._recache(self.prompt_embeds)
         self.handle.reset()
         self._restart(self.latents)
@@ -756,6 +799,18 @@ class CausalWanPipeline(DiffusionPipeline):
                                  num_frame_per_block=8, window_frames=32, sink_frames=8,
                                  denoising_timesteps=LONGLIVE2_TIMESTEPS, expand_timesteps=True,
                                  prompt_switch="none", shot_sink_frames=8, shot_rope_offset=8)
+        kv_recompute: Krea Realtime 14B's KV re-computation (``krea-ai/realtime-video`` ``release_server.py``,
+            ``kv_cache_num_frames``, 3): before every chunk after the first, ``min(start, kv_recompute)`` context
+            frames (the video's first latent frame, then the latest ones) are re-encoded at ``context_timestep``
+            in ONE transformer call of ``kv_recompute`` frames (padding after: one shape), at RoPE positions 0..,
+            block-causal, and their K/V become the cache; the chunk is denoised at the positions after them; no
+            cache pass follows. Sets the window to ``kv_recompute + num_frame_per_block`` (``window_frames`` is
+            ignored). ``None``: the committed ring of the other models.
+        kv_cache_attention_bias: Krea's KV-cache attention bias (its Hub modular pipeline; 1.0 = none; 0.3 is
+            daydreamlive/scope's default for the model): the denoising calls add ``log(bias)`` to the attention
+            logits of every context frame but the first; needs ``kv_recompute``. A prompt switch
+            (``session.set_prompt``) applies after the chunk's re-computation, as their server's. Run through the attention kernel as two log-sum-exp calls merged
+            exactly (``diffusers_nki.caching.causal_wan._biased_attention``).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
@@ -766,11 +821,13 @@ class CausalWanPipeline(DiffusionPipeline):
                  window_frames: Optional[int] = 21, sink_frames: int = 0,
                  denoising_timesteps: Sequence[float] = DEFAULT_TIMESTEPS, context_timestep: float = 0.0,
                  rope_positions: str = "absolute", expand_timesteps: bool = False, prompt_switch: str = "recache",
-                 shot_sink_frames: int = 0, shot_rope_offset: int = 0):
+                 shot_sink_frames: int = 0, shot_rope_offset: int = 0, kv_recompute: Optional[int] = None,
+                 kv_cache_attention_bias: float = 1.0):
         super().__init__()
         _check_shots(prompt_switch, shot_sink_frames, shot_rope_offset, sink_frames, window_frames, num_frame_per_block)
         if not isinstance(num_frame_per_block, int) or num_frame_per_block < 1:
             raise ValueError(f"num_frame_per_block={num_frame_per_block!r} must be an int >= 1")
+        window_frames = _check_krea(kv_recompute, kv_cache_attention_bias, num_frame_per_block, window_frames)
         if window_frames is not None and (not isinstance(window_frames, int) or window_frames <= num_frame_per_block):
             raise ValueError(f"window_frames={window_frames!r} must be None or an int > num_frame_per_block="
                              f"{num_frame_per_block} (the window counts the current chunk)")
@@ -788,7 +845,8 @@ class CausalWanPipeline(DiffusionPipeline):
                                 sink_frames=sink_frames, denoising_timesteps=timesteps,
                                 context_timestep=float(context_timestep), rope_positions=rope_positions)
         self.register_to_config(expand_timesteps=bool(expand_timesteps), prompt_switch=prompt_switch,
-                                shot_sink_frames=shot_sink_frames, shot_rope_offset=shot_rope_offset)
+                                shot_sink_frames=shot_sink_frames, shot_rope_offset=shot_rope_offset,
+                                kv_recompute=kv_recompute, kv_cache_attention_bias=float(kv_cache_attention_bias))
         self.vae_scale_factor_temporal = vae.config.scale_factor_temporal if vae is not None else 4
         self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -933,7 +991,7 @@ class CausalWanPipeline(DiffusionPipeline):
             if not lcm:
                 raise ValueError(f"explicit timesteps / sigmas need the FlowMatchLCM sampler; the pipeline's scheduler "
                                  f"is {type(self.scheduler).__name__}")
-            t_list = _check_timesteps("timesteps", timesteps) if timesteps is not None else None
+            t_list = _check_timesteps("timesteps", timesteps, last_zero=True) if timesteps is not None else None
             s_list = _check_timesteps("sigmas", sigmas, high=1.0) if sigmas is not None else None
             if t_list is not None and s_list is not None and len(t_list) != len(s_list):
                 raise ValueError(f"timesteps ({len(t_list)} values) and sigmas ({len(s_list)} values) must have the "
@@ -994,8 +1052,13 @@ class CausalWanPipeline(DiffusionPipeline):
         ts, sg, own, raw = self._schedule(denoising_timesteps, timesteps, sigmas, device, step_noise is not None)
         shape = (batch, self.transformer.config.in_channels, block, height // self.vae_scale_factor_spatial,
                  width // self.vae_scale_factor_spatial)
+        recompute = self.config.get("kv_recompute") or 0
+        if recompute and block != self.config.num_frame_per_block:
+            raise ValueError(f"num_frame_per_block={block}: a kv_recompute pipeline's window is sized for its "
+                             f"num_frame_per_block={self.config.num_frame_per_block}")
         inp = _Inputs(block=block, timesteps=ts, sigmas=sg, own_sampler=own, ctx=ctx, frames=F, shape=shape,
-                      latents=None, positions=positions, scheduler_sigmas=raw)
+                      latents=None, positions=positions, scheduler_sigmas=raw, recompute=recompute,
+                      bias=float(self.config.get("kv_cache_attention_bias", 1.0)))
         if latents is not None:
             inp.latents = self._check_latents(latents, inp)
         return inp
@@ -1189,6 +1252,23 @@ def _check_shots(prompt_switch, shot_sink_frames, shot_rope_offset, sink_frames,
         raise ValueError(f"shot_sink_frames={shot_sink_frames} beside sink_frames={sink_frames} leaves no rolling "
                          f"history in window_frames={window_frames} with chunks of {block} (need sink_frames + "
                          f"min(shot_sink_frames, num_frame_per_block) < window_frames - num_frame_per_block)")
+
+
+def _check_krea(kv_recompute, bias, block: int, window_frames):
+    """Krea Realtime's options (validated): returns the window the cache needs (``kv_recompute`` context frames +
+    one chunk; ``window_frames`` is then ignored) or ``window_frames`` unchanged without ``kv_recompute``."""
+    if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not 0 < float(bias) < float("inf"):
+        raise ValueError(f"kv_cache_attention_bias={bias!r} must be a finite number > 0 (1: no bias; Krea's "
+                         f"modular pipeline uses values in (0, 1], e.g. 0.3)")
+    if kv_recompute is None:
+        if float(bias) != 1.0:
+            raise ValueError(f"kv_cache_attention_bias={bias!r} needs kv_recompute (the bias acts on the re-computed "
+                             f"context: every context frame but the first)")
+        return window_frames
+    if not isinstance(kv_recompute, int) or isinstance(kv_recompute, bool) or kv_recompute < 1:
+        raise ValueError(f"kv_recompute={kv_recompute!r} must be None or an int >= 1 (the context frames re-computed "
+                         f"before every chunk: Krea's kv_cache_num_frames, 3)")
+    return kv_recompute + block
 
 
 def _check_positions(value) -> None:

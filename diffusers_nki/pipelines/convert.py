@@ -43,8 +43,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointKeyError", "ConvertedStateDict", "convert_causal_wan_checkpoint", "to_original_wan_state_dict",
-           "WRAPPER_KEYS"]
+__all__ = ["CheckpointKeyError", "ConvertedStateDict", "convert_causal_wan_checkpoint", "convert_krea_realtime_checkpoint",
+           "krea_realtime_transformer_config", "to_original_wan_state_dict", "WRAPPER_KEYS"]
 
 logger = logging.getLogger("diffusers_nki.pipelines")
 
@@ -206,6 +206,45 @@ def convert_causal_wan_checkpoint(checkpoint: Mapping, transformer: Optional[tor
                                      + "; ".join(parts), missing=missing, unexpected=extra, mismatched=mismatched)
         transformer.load_state_dict(out, strict=True)
     return out
+
+
+def krea_realtime_transformer_config() -> dict:
+    """The diffusers ``WanTransformer3DModel`` config of Krea Realtime 14B: Wan2.1-T2V-14B's geometry (their
+    ``wan/configs/wan_t2v_14B.py``: dim 5120 = 40 heads x 128, ffn 13824, 40 layers, patch (1, 2, 2), text 4096,
+    qk RMS norm across heads, cross-attention norm), the 1.3B layout with more layers and heads."""
+    return dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                rope_max_seq_len=1024)
+
+
+def convert_krea_realtime_checkpoint(checkpoint, transformer: Optional[torch.nn.Module] = None
+                                     ) -> Dict[str, torch.Tensor]:
+    """Krea Realtime 14B's published weights (``krea-realtime-video-14b.safetensors``) -> diffusers.
+
+    Their file is ONE flat state dict of the training wrapper (``WanDiffusionWrapper``: keys
+    ``model.blocks.N.self_attn.q.weight``, ...), which their ``release_server.load_transformer`` loads with
+    ``load_state_dict`` before fusing q/k/v (``fuse_projections``); so it converts as a bare causal-Wan state dict.
+    ``checkpoint``: the path of the ``.safetensors`` file or the loaded dict. A state dict saved AFTER fusing also
+    holds ``self_attn.to_qkv.*`` (the concatenation of q, k, v): dropped when it equals them, else refused.
+    ``transformer``: a ``WanTransformer3DModel`` (``krea_realtime_transformer_config()`` for the real model) checked
+    and loaded strictly, as ``convert_causal_wan_checkpoint``."""
+    if isinstance(checkpoint, (str, bytes)) or hasattr(checkpoint, "__fspath__"):
+        from safetensors.torch import load_file
+
+        checkpoint = load_file(str(checkpoint), device="cpu")
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a path to Krea's .safetensors file or its state dict, got "
+                        f"{type(checkpoint).__name__}")
+    sd = dict(checkpoint)
+    for key in [k for k in sd if ".self_attn.to_qkv." in k]:
+        head, _, suffix = key.partition(".self_attn.to_qkv.")
+        parts = [sd.get(f"{head}.self_attn.{n}.{suffix}") for n in "qkv"]
+        if any(p is None for p in parts) or not torch.equal(torch.cat(parts), sd[key]):
+            raise CheckpointKeyError(f"{key}: a fused q/k/v projection that does not equal the checkpoint's separate "
+                                     f"q, k, v (their fuse_projections concatenates them)", unexpected=[key])
+        del sd[key]
+    return convert_causal_wan_checkpoint(sd, transformer=transformer)
 
 
 def to_original_wan_state_dict(state_dict: Mapping[str, torch.Tensor], wrapper: Optional[str] = "generator",
