@@ -20,7 +20,7 @@ Training runs the decoder's own graph (``TAEHV._run``) with a differentiable con
 memory block's first conv over [x_t | x_{t-1}] as the original writes it, a 2-D conv per frame); inference runs
 every convolution through ``dense_ops.causal_conv3d`` (tests/test_trained_taehv.py checks the two agree).
 
-Regenerate the shipped asset (a few CPU minutes, 2 threads)::
+Regenerate the shipped asset (a few CPU minutes on one thread of an idle machine)::
 
     python -m diffusers_nki_lab.trained.train_taehv --out diffusers_nki_lab/assets/tiny_taehv.safetensors
 
@@ -50,7 +50,7 @@ __all__ = ["CLIP", "TINY_CONFIG", "build_student", "load_taehv", "make_data", "s
 TINY_CONFIG = dict(latent_channels=16, image_channels=3, channels=(32, 32, 16, 16), time_upscale=(False, False),
                    space_upscale=(True, True, True))
 CLIP = 4 * M.BLOCK  # latent frames per rollout / encoded clip (4 chunks)
-SEGMENT = 2 * M.BLOCK  # latent frames per training sample (each decoded from scratch by teacher and student)
+SEGMENT = M.BLOCK  # latent frames per training sample (one chunk; each decoded from scratch by teacher and student)
 ASSET = os.path.join(M.ASSET_DIR, "tiny_taehv.safetensors")
 
 
@@ -220,16 +220,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m diffusers_nki_lab.trained.train_taehv", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=ASSET, help="the safetensors file to write (its .json beside)")
-    p.add_argument("--clips", type=int, default=256, help="latent clips made (half rollouts; default 256)")
-    p.add_argument("--steps", type=int, default=900, help="optimizer steps (default 900)")
-    p.add_argument("--batch", type=int, default=6, help="segments per step (default 6)")
+    p.add_argument("--clips", type=int, default=192, help="latent clips made (half rollouts; default 192)")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps (default 800)")
+    p.add_argument("--batch", type=int, default=4, help="segments per step (default 4)")
+    p.add_argument("--held-out", type=int, default=16, help="held-out clips scored after training (default 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("clips", "steps", "batch"):
+    for name in ("clips", "steps", "batch", "held_out"):
         if getattr(args, name) < 2:
-            print(f"train_taehv: --{name}={getattr(args, name)} must be >= 2", file=sys.stderr)
+            print(f"train_taehv: --{name.replace('_', '-')}={getattr(args, name)} must be >= 2", file=sys.stderr)
             return 2
     torch.set_num_threads(args.threads)
     from diffusers_nki_lab.trained import load_pipeline
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
     t1 = time.time()
     res = train(data, args.steps, args.batch, args.seed, progress=not args.no_progress)
     # held-out clips (another seed): the student against the teacher, and a random-init student
-    held = make_data(pipe, 16, args.seed + 10_000, progress=False)
+    held = make_data(pipe, args.held_out, args.seed + 10_000, progress=False)
     d = drift(student_frames(res["model"], held["latents"]), held["frames"])
     d0 = drift(student_frames(build_student(args.seed + 1), held["latents"]), held["frames"])
     meta = {"command": "python -m diffusers_nki_lab.trained.train_taehv " + " ".join(argv if argv is not None
