@@ -175,7 +175,7 @@ def train(data: Dict[str, torch.Tensor], steps: int, batch: int, seed: int, lr: 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        v = float(loss)
+        v = float(loss.detach())
         first = v if first is None else first
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         if step % 20 == 0:

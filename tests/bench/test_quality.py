@@ -136,7 +136,9 @@ def test_taehv_rows_decode_the_same_latents_and_carry_their_drift(decoders):
 
 
 def test_decoder_option(tmp_path, capsys, monkeypatch):
-    seen = {}
+    seen, real = {}, quality.measure
+    with pytest.raises(ValueError, match="add 'patched'"):
+        real(load_pipeline(), rows=(quality.TAEHV,), progress=False)
     monkeypatch.setattr(quality, "measure", lambda pipe, **kw: seen.update(kw) or {"rows": {}})
     monkeypatch.setattr(quality, "load_pipeline", lambda *a: None)
     for bad in ("vq", "wan,vq", ""):
@@ -148,5 +150,3 @@ def test_decoder_option(tmp_path, capsys, monkeypatch):
     assert quality.decoder_rows("wan") == quality.ROWS
     assert quality.decoder_rows("taehv") == ("patched", quality.TAEHV, quality.TAEHV_RANDOM)
     assert quality.decoder_rows("wan,taehv") == quality.ROWS + (quality.TAEHV, quality.TAEHV_RANDOM)
-    with pytest.raises(ValueError, match="add 'patched'"):
-        quality.measure(None, rows=(quality.TAEHV,), progress=False)
