@@ -72,4 +72,9 @@ def test_the_script_runs_and_writes_the_asset(tmp_path, monkeypatch, pipe):
     meta = json.loads((tmp_path / "t.json").read_text())
     assert meta["steps"] == 2 and meta["config"]["channels"] == list(T.TINY_CONFIG["channels"])
     assert T.load_taehv(str(out)).config.latent_channels == 16
+    again = tmp_path / "again.safetensors"  # deterministic: the same seed gives the same weights
+    assert T.main(["--out", str(again), "--clips", "2", "--steps", "2", "--batch", "2", "--held-out", "2",
+                   "--no-progress"]) == 0
+    a, b = T.load_taehv(str(out)).state_dict(), T.load_taehv(str(again)).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
     assert T.main(["--out", str(out), "--steps", "1"]) == 2
