@@ -108,7 +108,7 @@ class FakeModel(budget._Model):
         self.gemms.append((M, K, N))
         return self._r(2 * M * K * N, target)
 
-    def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target):
+    def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target, bias=True):
         hout = Hin + pad_top + pad_bottom - k[1] + 1
         return self._r(2 * Cin * Cout * k[0] * k[1] * k[2] * T * hout * W, target)
 
@@ -290,7 +290,8 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     assert args._run(args) == 0
     assert "--out DIR is deprecated, use --json PATH" in capsys.readouterr().err
     assert json.loads((tmp_path / "old" / "budget.json").read_text())["modeled"] is True
-    for bad in (["--setups", "nope"], ["--targets", "trn9"], ["--decoder", "taehv"], ["--precision", "fp8"]):
+    for bad in (["--setups", "nope"], ["--targets", "trn9"], ["--decoder", "nope"], ["--decoder", "wan,wan"],
+                ["--precision", "fp8"]):
         argv = ["bench", "budget", *bad, "--json", str(tmp_path / "x.json")]
         args = cli.build_parser(argv).parse_args(argv)
         assert args._run(args) == 2
@@ -316,3 +317,108 @@ def test_matrix_causal_wan_row_still_uses_the_recorded_calls(monkeypatch, probe)
     t2 = md["targets"]["trn2"]
     assert 0 < t2["chip_ceiling_s"] < t2["chip_s"]
     assert t2["chip_layout"]["ulysses_degree"] * t2["chip_layout"]["ring_degree"] == 8
+
+
+# ------------------------------------------------------------------------------------------------------
+# the light decoder (TAEHV): its own recorded run
+# ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def taehv():
+    return budget.vae_decode_calls(decoder="taehv")
+
+
+def test_taehv_decode_recorded_through_our_conv_kernel(taehv):
+    """TAEHV at its published config, streamed as the pipeline streams it: every convolution a causal_conv3d call
+    of ours at its layer's site (none left to XLA), its FLOPs those torch's flop counter sees in the original
+    formulation (2-D convs over [x_t | x_t-1], held out), one decoder call per chunk."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from diffusers_nki.pipelines.taehv import TAEHV
+    from diffusers_nki_lab.trained.train_taehv import train_conv
+
+    assert taehv["decoder"] == "taehv" and taehv["video_frames"] == 12 and taehv["decoder_calls"] == 1
+    assert budget._kernel_counts(taehv["ops"]) == {"causal_conv3d": 35}
+    assert not [r for r in taehv["ops"] if r.kind == "matmul"]
+    convs = {r: n for r, n in taehv["ops"].items() if r.name == "causal_conv3d"}
+    memory = [r for r in convs if r.ins[1][0] == 2]  # kt = 2: the memory blocks' first convs, their cache read
+    assert sum(convs[r] for r in memory) == 9 and all(r.ins[3] == (1, r.ins[0][1], 1) + r.ins[0][3:] for r in memory)
+    sites = {r.site for r in convs}
+    assert {"decoder.1", "decoder.3.conv.0", "decoder.7.conv", "decoder.22"} <= sites and len(sites) == 35
+    with torch.device("meta"):
+        m = TAEHV()
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        m._run(torch.zeros(1, 16, 3, 60, 104, device="meta"), None, conv=train_conv)
+    assert taehv["flops"] == pytest.approx(float(fc.get_total_flops()), rel=1e-9)
+    assert taehv["flops"] < budget.vae_decode_calls()["flops"] / 10
+
+
+def test_taehv_recorded_calls_match_a_held_out_count_with_real_tensors():
+    """At a small geometry: the recorded kernel calls and frames equal what a real-tensor stream of the same model
+    makes (the dense op counters, backend "torch")."""
+    import torch
+
+    from diffusers_nki import accounting
+    from diffusers_nki.pipelines.taehv import TAEHV, TAEHVStreamingDecoder
+
+    rec = budget.vae_decode_calls(latent_frames=3, height=32, width=48, decoder="taehv")
+    dec = TAEHVStreamingDecoder(TAEHV().eval())
+    with torch.no_grad():
+        dec.decode(torch.randn(1, 16, 1, 4, 6))
+        before = accounting.dense_counters()["causal_conv3d"]["torch"]
+        out = dec.decode(torch.randn(1, 16, 3, 4, 6))
+    assert accounting.dense_counters()["causal_conv3d"]["torch"] - before == budget._kernel_counts(rec["ops"])[
+        "causal_conv3d"]
+    assert out.shape[2] == rec["video_frames"] == 12
+
+
+def test_taehv_budget_terms_and_layouts(probe, taehv):
+    """Each term labelled and named for TAEHV (no Wan VAE term names), no sharded layout (the light decoder runs on
+    one core), the result labelled with its decoder, the rendered tables too."""
+    m = FakeModel()
+    v = budget.vae_terms(taehv, 1, "trn2", m)
+    _labelled(v["terms"])
+    names = " ".join(t["name"] for t in v["terms"])
+    assert "TAEHV memory-block 3x3 conv" in names and "TAEHV 1x1 time-grow conv" in names
+    assert "mid-block" not in names and "halo" not in names and "SiLU" not in names
+    conv = [t for t in v["terms"] if t["label"].startswith("scheduled: causal_conv3d")]
+    assert sum(t["calls"] for t in conv) == 35
+    impl = budget.implemented_layouts(decoder="taehv")
+    assert set(impl) == {"serial_one_core"} and "TAEHVStreamingDecoder" in impl["serial_one_core"]
+    res = budget.budget("self_forcing", ("trn2",), probe, taehv, FakeModel(), impl)
+    t2 = res["targets"]["trn2"]
+    assert res["decoder"] == "taehv" and t2["headline"]["name"] == "serial, decode on one core"
+    assert all(r["W_vae"] == 1 for r in t2["layouts"]) and set(t2["vae"]) == {"1"}
+    wan = budget.budget("self_forcing", ("trn2",), probe, budget.vae_decode_calls(), FakeModel(),
+                        {"serial_one_core": "x"})
+    assert wan["decoder"] == "wan" and t2["headline"]["vae_s"] < wan["targets"]["trn2"]["headline"]["vae_s"]
+    text = budget.render([wan, res])
+    assert "on trn2, decoder taehv:" in text and "on trn2, decoder wan:" in text
+    assert "| Self-Forcing (21-frame window) | trn2 | taehv |" in text
+    doc = budget.doc_table([wan, res])
+    assert "| Self-Forcing (21-frame window), decoder taehv | trn2 |" in doc
+    assert "| Self-Forcing (21-frame window) | trn2 |" in doc
+
+
+def test_decoder_option_records_each_decoder(tmp_path, capsys, monkeypatch, probe, vae, taehv):
+    seen = []
+    monkeypatch.setattr(budget, "chunk_attention_calls", lambda **kw: probe)
+    monkeypatch.setattr(budget, "vae_decode_calls", lambda decoder="wan": seen.append(decoder) or
+                        {"wan": vae, "taehv": taehv}[decoder])
+    monkeypatch.setattr(budget, "_Model", FakeModel)
+    monkeypatch.setattr(budget, "calibration_row", lambda target="trn2", quick=True: {
+        "available": False, "why": "stand-in"})
+    out_json = tmp_path / "b.json"
+    argv = ["bench", "budget", "--setups", "self_forcing", "--targets", "trn2", "--decoder", "wan,taehv",
+            "--json", str(out_json), "--no-progress"]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args._run(args) == 0 and seen == ["wan", "taehv"]
+    out = capsys.readouterr().out
+    assert "on trn2, decoder wan:" in out and "on trn2, decoder taehv:" in out
+    data = json.loads(out_json.read_text())
+    assert [r["decoder"] for r in data["results"]] == ["wan", "taehv"]
+    argv = ["bench", "budget", "--decoder", "taehv,vq", "--json", str(tmp_path / "x.json")]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args._run(args) == 2
+    err = capsys.readouterr().err
+    assert "--decoder='taehv,vq'" in err and "['vq']" in err and "['wan', 'taehv']" in err

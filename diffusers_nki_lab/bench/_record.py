@@ -14,6 +14,7 @@ Shapes and counts only: nothing here reads a value, so the run may be on the met
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -163,6 +164,16 @@ class OpRecorder(TorchDispatchMode):
                            _args(flat), None if self.tag is None else self.tag())
             self.counts[rec] += 1
         return out
+
+    @contextlib.contextmanager
+    def site(self, name: str):
+        """Ops dispatched inside the block are recorded at site ``name`` (for code that calls no module's forward,
+        e.g. a decoder that runs its layers' weights through our ops itself)."""
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
 
     def records(self, tag=None) -> Dict[OpRecord, int]:
         return {r: n for r, n in self.counts.items() if tag is None or r.tag == tag}

@@ -81,7 +81,7 @@ CORES = 8
 VAE_ROWS_TRACED = 64    # output rows traced per VAE convolution call (taller calls scaled by rows)
 E = 2                    # bytes per activation element (bf16)
 RECORD_BACKEND = "sim"   # the backend the recorded default patch uses (the device's wiring; fake impls on meta)
-DECODERS = ("wan",)      # the recorded decoders (--decoder); another decoder is another recorded run
+DECODERS = ("wan", "taehv")  # the recorded decoders (--decoder); each decoder is its own recorded run
 PRECISIONS = ("bf16",)   # the modeled precisions (--precision); another precision is another set of kernel models
 # compiled XLA's matmul efficiency (of the PE peak) for the matmuls no kernel of ours serves: only published
 # utilisation figures of OTHER workloads exist (an AWS talk: 60% TensorE utilisation on trn2, > 90% on trn3 for a
@@ -237,14 +237,16 @@ def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
     the full ``AutoencoderKLWan`` on the meta device with the static streaming cache ``patch(pipe)`` installs
     (``caching.wan_vae``, convolutions on ``backend``'s kernel), driven by ``WanStreamingDecoder`` (a first
     1-frame call primes the buffers, not counted). Every op recorded with its call site (``bench._record``).
-    ``decoder``: "wan" (the only one today; another decoder is another recorded run). Returns ``{"ops":
-    {OpRecord: n}, "flops", "latent_frames", "video_frames", "dispatches", "decoder_calls", "decoder"}``."""
+    ``decoder``: "wan", or "taehv" (``_taehv_decode_calls``: the light decoder, its own recorded run). Returns
+    ``{"ops": {OpRecord: n}, "flops", "latent_frames", "video_frames", "dispatches", "decoder_calls", "decoder"}``."""
     import torch
     from diffusers import AutoencoderKLWan
 
 
     if decoder not in DECODERS:
         raise ValueError(f"decoder={decoder!r}: choose from {list(DECODERS)}")
+    if decoder == "taehv":
+        return _taehv_decode_calls(latent_frames, height, width, backend)
     with torch.device("meta"):
         vae = AutoencoderKLWan()
     apply_wan_vae_cache(vae, WanVAECacheConfig(backend=backend))
@@ -266,6 +268,46 @@ def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
     return {"ops": recs, "flops": recorded_flops(recs), "latent_frames": latent_frames,
             "video_frames": int(out.shape[2]), "dispatches": sum(recs.values()), "decoder_calls": calls,
             "backend": backend, "decoder": decoder}
+
+
+def _taehv_decode_calls(latent_frames: int, height: int, width: int, backend: str) -> dict:
+    """``vae_decode_calls`` for TAEHV (``diffusers_nki.pipelines.TAEHV`` at its published config: Wan 2.1's 16 latent
+    channels, widths 256 / 128 / 64 / 64, 4x in time, 8x in space; random weights on the meta device), streamed by
+    ``TAEHVStreamingDecoder`` -- what ``CausalWanPipeline(..., decoder=TAEHV)`` runs -- with its convolutions on
+    ``backend``'s kernel (``dense_ops.causal_conv3d``). A first 1-frame call starts the stream (not counted). TAEHV
+    runs its layers' weights through our op itself (no module forward), so the decode is recorded at the root site
+    and each convolution at its layer's path (``decoder.<i>...``)."""
+    import torch
+    from diffusers_nki.pipelines.taehv import TAEHV, TAEHVStreamingDecoder
+
+    with torch.device("meta"):
+        model = TAEHV()
+    model.backend = backend
+    names = {id(m): n for n, m in model.named_modules()}
+    phase = [0]
+    rec = _record.OpRecorder(model, tag=lambda: phase[0])
+    conv = model._conv
+
+    def site_conv(layer, x, cache=None, memory=False):  # this local model only: each conv recorded at its site
+        with rec.site(names[id(layer)]):
+            return conv(layer, x, cache, memory)
+
+    model._conv = site_conv
+    h, w = height // 8, width // 8
+    try:
+        dec = TAEHVStreamingDecoder(model)
+        with torch.no_grad(), rec, rec.site(""):
+            dec.decode(torch.zeros(1, 16, 1, h, w, device="meta"))  # the stream's first frame (not counted)
+            phase[0] = 1
+            calls0 = dec.stream.calls
+            out = dec.decode(torch.zeros(1, 16, latent_frames, h, w, device="meta"))
+            calls = dec.stream.calls - calls0
+    finally:
+        rec.close()
+    recs = rec.records(tag=1)
+    return {"ops": recs, "flops": recorded_flops(recs), "latent_frames": latent_frames,
+            "video_frames": int(out.shape[2]), "dispatches": sum(recs.values()), "decoder_calls": calls,
+            "backend": backend, "decoder": "taehv"}
 
 
 def recorded_flops(ops: dict) -> float:
@@ -316,9 +358,9 @@ class _Model:
 
         return kernels_dense.model_gemm(M, K, N, bias, activation, target)
 
-    def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target):
+    def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target, bias=True):
 
-        return kernels_dense.model_conv(Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, True, target)
+        return kernels_dense.model_conv(Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, bias, target)
 
     def qk_norm_rope(self, S, target):
 
@@ -574,6 +616,27 @@ def _conv_kind(k, causal: bool) -> str:
     return "3x3 upsampler Conv2d (kt = 1)"
 
 
+def _taehv_conv_kind(k, causal: bool) -> str:
+    kt, kh, _ = k
+    if kt == 2:
+        return "TAEHV memory-block 3x3 conv over [x_t | x_t-1] (kt = 2, one-frame memory)"
+    if kh == 1:
+        return "TAEHV 1x1 time-grow conv (channel groups -> frames)"
+    return "TAEHV 3x3 conv (kt = 1)"
+
+
+# the names of the decode's non-kernel terms, per decoder (what that decoder's recorded run does)
+_VAE_OTHER_NAMES = {
+    "wan": {"matmul": "mid-block attention: q/k/v/proj 1x1 Conv2d, QK^T and PV (one head, d = 384)",
+            "elementwise": "norms, SiLU, residual adds, softmax, clamp (elementwise)",
+            "copy": "copies: halo / zero-row pads, cache-buffer writes, upsampling, time interleave, frame "
+                    "concatenation"},
+    "taehv": {"matmul": "matmuls outside our kernels",
+              "elementwise": "soft clamp (tanh), ReLUs, residual adds, output scale and clamp (elementwise)",
+              "copy": "copies: memory-buffer writes, nearest 2x upsampling, channel-to-time reshapes"},
+}
+
+
 def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) -> dict:
     """The VAE decode's per-chunk terms on the slowest of V ranks (height split, halos), derived from the recorded
     ops of the default decode (``vae_decode_calls()["ops"]``): every ``causal_conv3d`` kernel call at its per-rank
@@ -581,6 +644,8 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
 
     model = model or _Model()
     ops = vae["ops"]
+    decoder = vae.get("decoder", "wan")
+    conv_kind, names = (_taehv_conv_kind if decoder == "taehv" else _conv_kind), _VAE_OTHER_NAMES[decoder]
     groups: Dict[str, dict] = {}
     other: Dict[str, list] = {}
     for r, n in ops.items():
@@ -595,8 +660,9 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
         pt, pb = ((kh - 1) // 2 if p < 0 else p for p in pads)
         H = Hin + pt + pb - kh + 1  # the output rows of the whole image
         Hr, prt, prb, scale = _shard_rows(H, V, kh)
-        m = model.conv(Cin, Cout, (kt, kh, kw), T, Hr, Wd, prt, prb, cache, target)
-        key = f"{_conv_kind((kt, kh, kw), cache)} {Cin} -> {Cout} at {H}x{Wd}, {T} frame(s) x {B}"
+        no_bias = {} if r.ins[2] is not None else {"bias": False}  # a bias-free call modeled without its bias
+        m = model.conv(Cin, Cout, (kt, kh, kw), T, Hr, Wd, prt, prb, cache, target, **no_bias)
+        key = f"{conv_kind((kt, kh, kw), cache)} {Cin} -> {Cout} at {H}x{Wd}, {T} frame(s) x {B}"
         g = groups.setdefault(key, {"seconds": 0.0, "ceiling": 0.0, "flops": 0.0, "calls": 0, "sites": {}})
         g["seconds"] += n * B * m["scheduled_s"] * scale
         g["ceiling"] += n * B * m["ceiling_s"] * scale
@@ -615,13 +681,11 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
     mm = other.get("matmul", [])
     if mm:
         sec = sum(n * _xla_matmul(_record.flops(r) / V, _record.io_elements(r) / V, target) for r, n in mm)
-        terms.append(_term("mid-block attention: q/k/v/proj 1x1 Conv2d, QK^T and PV (one head, d = 384)", sec,
+        terms.append(_term(names["matmul"], sec,
                            _xla_label(target), calls=sum(n for _, n in mm), sites=_sites(mm),
                            flops=sum(n * _record.flops(r) / V for r, n in mm)))
     hbm = _spec(target).hbm_per_core * 1e9
-    for kind, what in (("elementwise", "norms, SiLU, residual adds, softmax, clamp (elementwise)"),
-                       ("copy", "copies: halo / zero-row pads, cache-buffer writes, upsampling, time interleave, "
-                                "frame concatenation")):
+    for kind, what in (("elementwise", names["elementwise"]), ("copy", names["copy"])):
         recs = other.get(kind, [])
         el = sum(n * _record.io_elements(r) for r, n in recs) / V
         terms.append(_term(what, el * E / hbm,
@@ -651,11 +715,16 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
 # ------------------------------------------------------------------------------------------------------
 # layouts
 # ------------------------------------------------------------------------------------------------------
-def implemented_layouts(cores: int = CORES) -> Dict[str, str]:
+def implemented_layouts(cores: int = CORES, decoder: str = "wan") -> Dict[str, str]:
     """Which layouts the code implements, each with the evidence: ``{"serial_one_core": why, "shared": why,
     "disaggregated W_dit/W_vae": why, ...}``. The one-core decode is ``WanStreamingDecoder`` in one process (always);
     the sharded and disaggregated layouts are the ones ``diffusers_nki.vae_parallel.implemented_layouts(cores)``
-    lists with ``implemented=True`` (each is run by the gloo tests in tests/parallel/)."""
+    lists with ``implemented=True`` (each is run by the gloo tests in tests/parallel/). ``decoder="taehv"``: the
+    light decoder runs on one core only (``TAEHVStreamingDecoder``; the sharded and disaggregated decodes are the Wan
+    VAE's)."""
+    if decoder == "taehv":
+        return {"serial_one_core": "diffusers_nki.pipelines.taehv.TAEHVStreamingDecoder (CausalWanPipeline(decoder="
+                                   "TAEHV): one process decodes the chunk)"}
     out = {"serial_one_core": "diffusers_nki.pipelines.causal_wan.WanStreamingDecoder (one process decodes the chunk)"}
     for lay in vae_parallel.implemented_layouts(cores):
         if not getattr(lay, "implemented", False):
@@ -713,14 +782,18 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
                                (f"; {extra}" if extra else "")})
 
     d8 = D(CORES)["seconds"]
+    # a height-sharded decode exists for the Wan VAE only (its collectives: caching.wan_vae.decode_collectives);
+    # another decoder's layouts keep its decode on one core
+    shardable = vae.get("decoder", "wan") == "wan"
     add("serial, decode on one core", "serial", CORES, 1, ["serial_one_core"], d8 + V(1)["seconds"],
         d8 + V(1)["seconds"])
-    add(f"shared: DiT then decode, both over {CORES} cores (height-sharded)", "serial", CORES, CORES, ["shared"],
-        d8 + V(CORES)["seconds"], d8 + V(CORES)["seconds"])
+    if shardable:
+        add(f"shared: DiT then decode, both over {CORES} cores (height-sharded)", "serial", CORES, CORES, ["shared"],
+            d8 + V(CORES)["seconds"], d8 + V(CORES)["seconds"])
     pruned = []
     for Wd in sorted(_valid_dit_worlds(tpf), reverse=True):
         Wv = CORES - Wd
-        if Wv < 1:
+        if Wv < 1 or (Wv > 1 and not shardable):
             continue
         need = [f"disaggregated {Wd}/{Wv}"]
         lower = d8 * CORES / Wd  # the DiT cannot scale better than perfectly
@@ -778,6 +851,7 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     host = {"dit_dispatches": probe.get("dispatches"), "decode_dispatches": vae.get("dispatches"),
             "graphs": (probe.get("transformer_calls") or STEPS + 1) + (vae.get("decoder_calls") or CHUNK_FRAMES)}
     out = {"modeled": True, "setup": setup, "label": s["label"], "published_fps": s["published_fps"],
+           "decoder": vae.get("decoder", "wan"),
            "targets_fps": TARGET_FPS.get(setup), "unit": f"one steady-state chunk = {CHUNK_FRAMES} latent frames = "
            f"{frames} video frames at {HEIGHT}x{WIDTH}, {STEPS} denoising passes + 1 cache pass",
            "attention_calls": [c.to_dict() for c in calls], "implemented": impl,
@@ -828,6 +902,15 @@ def kernels_called(result: dict) -> Dict[str, int]:
     return out
 
 
+DECODER_LABELS = {"wan": "wan (the Wan VAE, streaming; the default)",
+                  "taehv": "taehv (TAEHV, the light decoder of Self-Forcing's real-time demo; opt-in)"}
+
+
+def _decoder(r: dict) -> str:
+    """The decoder a result's chunk was recorded with (results from before the field: the Wan VAE)."""
+    return r.get("decoder", "wan")
+
+
 def render(results: List[dict], calibration: Optional[dict] = None) -> str:
     L = ["MODELED (never measured) time per steady-state chunk of chunk-causal Wan on ONE chip (8 NeuronCores); "
          "12 video frames per chunk. Derived from the calls the DEFAULT patched path makes (recorded at full "
@@ -837,7 +920,8 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
     for r in results:
         kc = r.get("kernels_called")
         if kc:
-            L += ["", f"## {r['label']}: kernels the default path calls per chunk (recorded, backend "
+            L += ["", f"## {r['label']}, decoder {DECODER_LABELS[_decoder(r)]}: kernels the default path calls "
+                  f"per chunk (recorded, backend "
                   f"{r.get('record_backend')!r}): DiT " + ", ".join(f"{k} {n}" for k, n in sorted(kc["dit"].items()))
                   + "; decode " + ", ".join(f"{k} {n}" for k, n in sorted(kc["vae"].items()))
                   + (f"; host work per chunk: {r['host']['dit_dispatches']} + {r['host']['decode_dispatches']} "
@@ -846,7 +930,7 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
                      "dispatch), the graphs' launches counted in the launch rows" if r.get("host") else "")]
         for t, v in r["targets"].items():
             h = v["headline"]
-            L += ["", f"## {r['label']} on {t}: "
+            L += ["", f"## {r['label']} on {t}, decoder {_decoder(r)}: "
                   + (f"{h['fps']:.1f} fps MODELED end to end ({h['name']}, implemented)" if h else "no implemented layout")
                   + f"; DiT only {v['dit_only_fps']:.1f} fps; published {r['published_fps']} fps on one H100 (scope: see "
                   "below)" + (f"; target {r['targets_fps'][0]}, moonshot {r['targets_fps'][1]}"
@@ -878,12 +962,12 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
                 L.append(f"| VAE | **total** | | **{_ms(vv['seconds'])}** | |")
     L += ["", "Like for like with the GPU (MODELED trn2/trn3 beside PUBLISHED H100; 'DiT only' = the denoising passes "
           "of a chunk, 'end to end' = DiT + the chunk's streaming decode in the headline layout):", "",
-          "| setup | target | trn DiT only fps | trn end to end fps | published H100 fps | what the published figure includes |",
-          "|---|---|---|---|---|---|"]
+          "| setup | target | decoder | trn DiT only fps | trn end to end fps | published H100 fps | what the "
+          "published figure includes |", "|---|---|---|---|---|---|---|"]
     for r in results:
         for t, v in r["targets"].items():
             e2e = f"{v['fps']:.1f}" if v["fps"] else "n/a"
-            L.append(f"| {r['label']} | {t} | {v['dit_only_fps']:.1f} | {e2e} | {r['published_fps']} | "
+            L.append(f"| {r['label']} | {t} | {_decoder(r)} | {v['dit_only_fps']:.1f} | {e2e} | {r['published_fps']} | "
                      f"{GPU_SCOPE.get(r['setup'], 'not documented')} |")
     L += ["", "Other published GPU figures (" + PUBLISHED_SOURCE + "):"]
     L += [f"- {a}: {b} on {c}" for a, b, c in PUBLISHED_GPU]
@@ -934,17 +1018,18 @@ def doc_table(results: List[dict], style: str = "table") -> str:
                  "published, one H100 |", "|---|---|---|---|---|---|---|"]
     for r in results:
         pub = r["published_fps"]
+        label = r["label"] if _decoder(r) == "wan" else f"{r['label']}, decoder {_decoder(r)}"
         for target, t in r["targets"].items():
             head = t["headline"]
             one = [lay for lay in t["layouts"] if lay.get("W_vae") == 1 and lay.get("implemented")]
             one_fps = one[0]["fps"] if one else None
             pub_s = f"{pub:g}"
             if style == "table":
-                lines.append(f"| {r['label']} | {target} | {_layout_label(head)} | {head['dit_s'] * 1e3:.1f} | "
+                lines.append(f"| {label} | {target} | {_layout_label(head)} | {head['dit_s'] * 1e3:.1f} | "
                              f"{head['vae_s'] * 1e3:.1f} | {head['chunk_s'] * 1e3:.1f} | **{t['fps']:.1f}** | "
                              f"{_fmt(t.get('dit_only_fps'))} | {_fmt(one_fps)} | {pub_s} |")
             else:
-                lines.append(f"| {r['label']} | {target} | {head['chunk_s'] * 1e3:.0f} ms | **{t['fps']:.1f}** | "
+                lines.append(f"| {label} | {target} | {head['chunk_s'] * 1e3:.0f} ms | **{t['fps']:.1f}** | "
                              f"{_fmt(t.get('dit_only_fps'))} | {_fmt(one_fps)} | {pub_s} (scope unsettled) |")
     return "\n".join(lines)
 
@@ -974,8 +1059,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="deprecated: use --json PATH (writes DIR/budget.json)")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
-    p.add_argument("--decoder", default="wan", help=f"the recorded decoder, one of {', '.join(DECODERS)} "
-                   "(another decoder is another recorded run)")
+    p.add_argument("--decoder", default="wan", help=f"the recorded decoder(s): a comma list of {', '.join(DECODERS)} "
+                   "(each decoder is its own recorded run; the results carry a 'decoder' field)")
     p.add_argument("--precision", default="bf16", help=f"the modeled precision, one of {', '.join(PRECISIONS)}")
     p.add_argument("--doc", action="append", default=[], metavar="PATH",
                    help="rewrite the marked summary tables of this Markdown file (repeatable; README.md, docs/...)")
@@ -992,11 +1077,22 @@ def _parse(args):
     bad = [x for x in targets if x not in TARGETS]
     if bad or not targets:
         raise ValueError(f"--targets={args.targets!r}: unknown {bad}; choose from {list(TARGETS)}")
-    for name, value, allowed in (("--decoder", getattr(args, "decoder", "wan"), DECODERS),
-                                 ("--precision", getattr(args, "precision", "bf16"), PRECISIONS)):
+    _decoders(args)
+    for name, value, allowed in (("--precision", getattr(args, "precision", "bf16"), PRECISIONS),):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}: choose from {list(allowed)}")
     return setups, targets
+
+
+def _decoders(args) -> List[str]:
+    """``--decoder``'s comma list, checked (each one of ``DECODERS``, no repeats)."""
+    value = getattr(args, "decoder", "wan")
+    decs = [x.strip() for x in str(value).split(",") if x.strip()]
+    bad = [x for x in decs if x not in DECODERS]
+    if bad or not decs or len(set(decs)) != len(decs):
+        raise ValueError(f"--decoder={value!r}: " + (f"unknown {bad}; " if bad else "empty or repeated; ")
+                         + f"choose from {list(DECODERS)} (a comma list)")
+    return decs
 
 
 def run(args) -> int:
@@ -1035,9 +1131,11 @@ def run(args) -> int:
                    disable=getattr(args, "no_progress", False))
     except ImportError:  # pragma: no cover
         bar = None
-    vae = vae_decode_calls(decoder=getattr(args, "decoder", "wan"))
-    impl = implemented_layouts()
-    results = [budget(s, targets, vae=vae, implemented=impl, progress=bar) for s in setups]
+    results = []
+    for dec in _decoders(args):  # each decoder its own recorded run, its results labelled with it
+        vae = vae_decode_calls(decoder=dec)
+        impl = implemented_layouts() if dec == "wan" else implemented_layouts(decoder=dec)
+        results += [budget(s, targets, vae=vae, implemented=impl, progress=bar) for s in setups]
     if bar is not None:
         bar.close()
     cal = calibration_row("trn2")

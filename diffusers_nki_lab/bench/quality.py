@@ -32,6 +32,14 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
   rows. The tracker's ``seam`` score reads the shard boundary from the frames (the jump between the pixel rows
   either side of the 2-rank split vs the other latent-row boundaries).
 
+- ``--decoder taehv``: the light decoder (TAEHV, ``diffusers_nki.pipelines.TAEHV``, the one Self-Forcing's real-time
+  demo decodes with) in place of the Wan VAE: ``patched, decoder taehv (distilled)`` is the ``patched`` rollout run
+  with ``session(decoder=...)`` and the tiny TAEHV distilled from the tiny model's Wan VAE
+  (``trained.train_taehv``, the shipped asset); ``broken: decoder taehv (random init)`` the same with a TAEHV at
+  random init (what the tracker makes of an untrained decoder). Each decoder row also carries its drift against the
+  Wan VAE's frames of the same latents (the ``patched`` row's; PSNR over [0, 1] frames, max abs difference), and
+  whether its latents equal the ``patched`` row's (they must: only the decode differs).
+
 The cache breaks are context managers around our own cache objects (instance attributes of one hook and of the
 rollout states it makes, removed on exit): nothing else in the process sees them.
 """
@@ -215,10 +223,10 @@ def _stock(pipe, prompt: str, latents, noise, switch=None) -> np.ndarray:
     return _to_frames(pipe, video)
 
 
-def _patched(pipe, prompt: str, latents, noise, switch=None, breaker=None):
+def _patched(pipe, prompt: str, latents, noise, switch=None, breaker=None, decoder=None):
     F = latents.shape[2]
     s = pipe.session(prompt, height=SIZE, width=SIZE, num_frames=F, latents=latents, step_noise=noise,
-                     max_sequence_length=TEXT_LEN, progress=False)
+                     max_sequence_length=TEXT_LEN, progress=False, decoder=decoder)
     frames, lats = [], []
     with contextlib.ExitStack() as stack:
         if breaker in SESSION_BREAKS:
@@ -273,6 +281,9 @@ def _expected(prompt: str, frames: int, switch=None, block: int = 3) -> List[wor
 
 
 SHARDED, BAD_HALO = "patched, sharded decode (2 ranks)", "broken: bad halo (sharded decode)"
+TAEHV, TAEHV_RANDOM = "patched, decoder taehv (distilled)", "broken: decoder taehv (random init)"
+DECODER_ROWS = {TAEHV: "taehv", TAEHV_RANDOM: "taehv"}  # rows decoded by another decoder than the Wan VAE
+DECODERS = ("wan", "taehv")
 STALE_CROSS, NO_RECACHE = "broken: stale cross-attn K/V after switch", "broken: no re-cache after switch (stale self-attn K/V)"
 KEEP = "keep colour"
 EVICTED_KEEP = f"broken: evicted sink ({KEEP})"
@@ -285,11 +296,13 @@ BREAKERS = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_
 
 def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_PROMPTS, switch_at: int = 3,
             seed: int = 0, rows=ROWS, progress: bool = True, keep_frames: bool = False,
-            weights: Optional[str] = None, keep_prompts=KEEP_PROMPTS) -> dict:
+            weights: Optional[str] = None, keep_prompts=KEEP_PROMPTS, taehv_weights: Optional[str] = None) -> dict:
     """Scores per row (means over the prompts) and per rollout. ``pipe``: ``trained.load_pipeline()`` by default
     (patched and unpatched in turn here; left unpatched); ``weights``: the file it was loaded from (the sharded
     decode's worker processes load the same VAE), None for the shipped one. The sharded rows decode the
-    ``patched`` row's latents over 2 processes (so they need the ``patched`` row)."""
+    ``patched`` row's latents over 2 processes (so they need the ``patched`` row); so do the decoder rows
+    (``DECODER_ROWS``: their drift is against its frames). ``taehv_weights``: the distilled TAEHV (default: the
+    shipped asset)."""
     from tqdm.auto import tqdm
 
     pipe = pipe if pipe is not None else load_pipeline()
@@ -304,6 +317,10 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
     sharded_rows = [r for r in rows if r in (SHARDED, BAD_HALO)]
     if sharded_rows and "patched" not in rows:
         raise ValueError(f"rows={rows!r}: {sharded_rows} decode the 'patched' row's latents; add 'patched'")
+    decoders = _decoder_models([r for r in rows if r in DECODER_ROWS], taehv_weights)
+    if decoders and "patched" not in rows:
+        raise ValueError(f"rows={rows!r}: {list(decoders)} are compared with the 'patched' row's frames; add "
+                         "'patched'")
     jobs = []
     for row in rows:
         if row in (SHARDED, BAD_HALO):
@@ -317,7 +334,8 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
         for i, case in enumerate(cases):
             jobs.append((row, i, case, at))
     results: Dict[str, List[dict]] = {r: [] for r in rows}
-    patched_latents, patched_prompts = [], []
+    patched_latents, patched_prompts, patched_frames = [], [], {}
+    decoded: Dict[str, dict] = {r: {} for r in decoders}
     frames_out: Dict[str, list] = {r: [] for r in rows}
     bar = tqdm(total=len(jobs), desc="quality", unit="rollout", disable=not progress)
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -337,10 +355,13 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
                 if row.startswith("stock"):
                     video = _stock(pipe, prompt, latents, noise, switch)
                 else:
-                    video, lat = _patched(pipe, prompt, latents, noise, switch, BREAKERS.get(row))
+                    video, lat = _patched(pipe, prompt, latents, noise, switch, BREAKERS.get(row), decoders.get(row))
                     if row == "patched":
                         patched_latents.append(lat)
                         patched_prompts.append(prompt)
+                        patched_frames[i] = (video, lat)
+                    elif row in decoders:
+                        decoded[row][i] = (video, lat)
                 expected = _expected(prompt, video.shape[0], switch, block)
                 # a switch row is scored from the last frame before the switch on (the part the re-cache decides);
                 # a keep-colour row from its first frame (chunk 0 names the colour the rest must keep)
@@ -364,9 +385,18 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
                 if keep_frames:
                     frames_out[row].append(video)
     bar.close()
+    for row, by_prompt in decoded.items():  # each decoder row against the Wan VAE's frames of the same latents
+        for res_i, (i, (video, lat)) in zip(results[row], sorted(by_prompt.items())):
+            ref, ref_lat = patched_frames[i]
+            res_i.update(_drift(video, ref), latents_equal=bool(torch.equal(lat, ref_lat)))
     keys = ("quality", "color", "shape", "motion", "boundary", "seam", "found", "within_err_px", "boundary_err_px",
             "seam_ratio")
     table = {r: {k: float(np.mean([x[k] for x in results[r]])) for k in keys} for r in rows if results[r]}
+    for r in decoders:
+        if results[r]:
+            table[r].update(psnr_db=float(np.mean([x["psnr_db"] for x in results[r]])),
+                            max_abs=float(max(x["max_abs"] for x in results[r])),
+                            latents_equal=all(x["latents_equal"] for x in results[r]))
     out = {"schema": "diffusers_nki_lab.bench.quality/2", "chunks": chunks, "frames": F, "switch_at": switch_at,
            "keep_at": KEEP_AT, "light": world.LIGHT, "dark_frames": world.dark_frames(),
            "seed": seed, "window": pipe.config.window_frames, "sink": pipe.config.sink_frames,
@@ -375,6 +405,43 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
     if keep_frames:
         out["frames_by_row"] = frames_out
     return out
+
+
+def _decoder_models(rows, taehv_weights: Optional[str]) -> dict:
+    """The decoder of each decoder row: the distilled tiny TAEHV (``trained.train_taehv.load_taehv``), or one at
+    random init (``build_student``, seed 1)."""
+    from diffusers_nki_lab.trained.train_taehv import build_student, load_taehv
+
+    out = {}
+    for r in rows:
+        out[r] = load_taehv(taehv_weights) if r == TAEHV else build_student(seed=1).eval().requires_grad_(False)
+    return out
+
+
+def _drift(video: np.ndarray, ref: np.ndarray) -> dict:
+    """PSNR (dB, frames in [0, 1]) and max abs difference of a decode against the Wan VAE's of the same latents."""
+    a, b = np.asarray(video, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"decoder drift: frames of shape {a.shape} vs the Wan VAE's {b.shape}")
+    mse = float(((a - b) ** 2).mean())
+    return {"psnr_db": 10 * np.log10(1.0 / mse) if mse > 0 else float("inf"), "max_abs": float(np.abs(a - b).max())}
+
+
+def decoder_table(res: dict) -> str:
+    """A row per decoder: the tracker's scores and the drift against the Wan VAE (same latents)."""
+    rows = [("wan", "patched")] + [(DECODER_ROWS[r], r) for r in res["rows"] if r in DECODER_ROWS]
+    lines = ["decoder drift against the Wan VAE's frames of the same latents (PSNR over [0, 1] frames; max abs):",
+             f"{'decoder':<8} {'row':<40} {'quality':>7} {'color':>6} {'shape':>6} {'motion':>6} {'PSNR dB':>8} "
+             f"{'max abs':>8} {'same latents':>12}"]
+    for dec, r in rows:
+        v = res["rows"].get(r)
+        if v is None:
+            continue
+        psnr, mx = (v["psnr_db"], v["max_abs"]) if r in DECODER_ROWS else (float("inf"), 0.0)
+        same = "yes" if r not in DECODER_ROWS or v["latents_equal"] else "NO"
+        lines.append(f"{dec:<8} {r:<40} {v['quality']:>7.3f} {v['color']:>6.2f} {v['shape']:>6.2f} "
+                     f"{v['motion']:>6.2f} {psnr:>8.2f} {mx:>8.3f} {same:>12}")
+    return "\n".join(lines)
 
 
 def format_table(res: dict) -> str:
@@ -430,15 +497,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, help="a safetensors file (default: the shipped weights)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: "
                    "outputs/bench/quality.json)")
+    p.add_argument("--decoder", default="wan", help=f"comma list of {', '.join(DECODERS)}: 'wan' (default) scores "
+                   "every row (the Wan VAE decodes); 'taehv' adds the TAEHV rows (the distilled light decoder and one "
+                   "at random init, beside 'patched'); 'taehv' alone runs only 'patched' and those")
+    p.add_argument("--taehv-weights", default=None, metavar="PATH", help="the distilled TAEHV (default: the shipped "
+                   "asset, python -m diffusers_nki_lab.trained.train_taehv)")
     p.add_argument("--doc", default=None, metavar="MD", help="also write the table into this markdown file, between "
                    "its '<!-- bench quality: begin/end -->' markers (docs/DEMO.md)")
 
 
+def decoder_rows(value: str) -> tuple:
+    """The rows ``--decoder`` selects (see its help); a bad value is an error naming it and the allowed set."""
+    decs = [x.strip() for x in str(value).split(",") if x.strip()]
+    bad = [x for x in decs if x not in DECODERS]
+    if bad or not decs:
+        raise ValueError(f"--decoder={value!r}: unknown {bad}; choose from {list(DECODERS)} (a comma list)")
+    rows = ROWS if "wan" in decs else ("patched",)
+    return rows + ((TAEHV, TAEHV_RANDOM) if "taehv" in decs else ())
+
+
 def run(args) -> int:
+    try:
+        rows = decoder_rows(getattr(args, "decoder", "wan"))
+    except ValueError as e:
+        print(f"diffusers-nki bench quality: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    extra = {} if rows == ROWS else {"rows": rows, "taehv_weights": getattr(args, "taehv_weights", None)}
     res = measure(load_pipeline(args.weights), chunks=args.chunks, switch_at=args.switch_at, seed=args.seed,
-                  weights=args.weights)
+                  weights=args.weights, **extra)
     print(format_table(res))
+    if any(r in DECODER_ROWS for r in res["rows"]):
+        print(decoder_table(res))
     path = args.json or os.path.join("outputs", "bench", "quality.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -111,3 +111,42 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys, monkeypa
     data = json.loads(path.read_text())
     assert set(data["rows"]) == set(quality.ROWS) and "patched" in out and "broken: evicted sink" in out
     assert data["halo_ranks"] == 2 and quality.BAD_HALO in out
+
+
+# ------------------------------------------------------------------------------------------------------
+# --decoder taehv: the light decoder's rows
+# ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def decoders():
+    return quality.measure(load_pipeline(), chunks=4, prompts=quality.PROMPTS[:2], progress=False,
+                           rows=("patched", quality.TAEHV, quality.TAEHV_RANDOM))
+
+
+def test_taehv_rows_decode_the_same_latents_and_carry_their_drift(decoders):
+    """The TAEHV rows run the patched session with ``decoder=``: the same latents as ``patched`` (only the decode
+    differs); the distilled decoder stays far closer to the Wan VAE's frames than one at random init, whose frames
+    the tracker cannot read."""
+    rows = decoders["rows"]
+    assert rows[quality.TAEHV]["latents_equal"] and rows[quality.TAEHV_RANDOM]["latents_equal"]
+    assert rows[quality.TAEHV]["psnr_db"] >= rows[quality.TAEHV_RANDOM]["psnr_db"] + 6.0, rows
+    assert rows[quality.TAEHV_RANDOM]["quality"] <= rows["patched"]["quality"] - WORSE, rows
+    assert rows[quality.TAEHV]["quality"] >= rows[quality.TAEHV_RANDOM]["quality"] + WORSE, rows
+    table = quality.decoder_table(decoders)
+    assert "wan      patched" in table and f"taehv    {quality.TAEHV}" in table
+
+
+def test_decoder_option(tmp_path, capsys, monkeypatch):
+    seen, real = {}, quality.measure
+    with pytest.raises(ValueError, match="add 'patched'"):
+        real(load_pipeline(), rows=(quality.TAEHV,), progress=False)
+    monkeypatch.setattr(quality, "measure", lambda pipe, **kw: seen.update(kw) or {"rows": {}})
+    monkeypatch.setattr(quality, "load_pipeline", lambda *a: None)
+    for bad in ("vq", "wan,vq", ""):
+        args = cli.build_parser().parse_args(["bench", "quality", "--decoder", bad, "--json", str(tmp_path / "q.json")])
+        assert args._run(args) == 2
+        err = capsys.readouterr().err
+        assert f"--decoder={bad!r}" in err and "['wan', 'taehv']" in err
+    assert not seen
+    assert quality.decoder_rows("wan") == quality.ROWS
+    assert quality.decoder_rows("taehv") == ("patched", quality.TAEHV, quality.TAEHV_RANDOM)
+    assert quality.decoder_rows("wan,taehv") == quality.ROWS + (quality.TAEHV, quality.TAEHV_RANDOM)
