@@ -136,39 +136,46 @@ def _one_plus(dst, n):
 
 
 def _norm_tile(out, r, n, D, eps, w_sb, b_sb, onep, sh):
-    """out[0:n] = (LayerNorm(r[0:n]) [* w + b]) [* onep + sh], statistics and values in fp32, out in its dtype."""
+    """out[0:n] = (LayerNorm(r[0:n]) [* w + b]) [* onep + sh], statistics and values in fp32, out in its dtype.
+    The values are centred before they are scaled ((r - mean) * rstd, as torch does), never r * rstd - mean * rstd,
+    which cancels catastrophically when the mean dominates the spread."""
     s = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=s[0:n], op=nl.add, data=r[0:n], axis=1)
     nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nm[0:n], data=s[0:n], op0=nl.multiply, operand0=-1.0 / D, engine=nisa.engine.vector)
-    nrm = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
     ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    # the squares land in nrm (discarded: overwritten by the normalised values below)
-    nisa.activation(dst=nrm[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
+    # the squares land in c (discarded: overwritten by the centred values below)
+    nisa.activation(dst=c[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=ss[0:n])
+    nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], bias=nm[0:n])
     ve = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ve[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=eps,
                        engine=nisa.engine.vector)
     rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd[0:n], data=ve[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
-    nb = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=nb[0:n], data1=nm[0:n], data2=rstd[0:n], op=nl.multiply, engine=nisa.engine.vector)
-    affine = w_sb != None or b_sb != None  # noqa: E711
     modulated = onep != None  # noqa: E711
-    if not affine and not modulated:
-        nisa.activation(dst=out[0:n], op=nl.copy, data=r[0:n], scale=rstd[0:n], bias=nb[0:n])
-        return
-    nisa.activation(dst=nrm[0:n], op=nl.copy, data=r[0:n], scale=rstd[0:n], bias=nb[0:n])
-    if w_sb != None:  # noqa: E711
+    if w_sb != None:  # noqa: E711  (c * rstd) * w, one VectorE instruction
         last = b_sb == None and not modulated  # noqa: E711
-        nisa.tensor_tensor(dst=out[0:n] if last else nrm[0:n], data1=nrm[0:n], data2=w_sb[0:n], op=nl.multiply,
+        nisa.scalar_tensor_tensor(dst=out[0:n] if last else c[0:n], data=c[0:n], op0=nl.multiply,
+                                  operand0=rstd[0:n], op1=nl.multiply, operand1=w_sb[0:n])
+    elif b_sb == None and modulated:  # noqa: E711  norm1 / norm3: (c * rstd) * (1 + scale), one instruction
+        nisa.scalar_tensor_tensor(dst=c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n], op1=nl.multiply,
+                                  operand1=onep[0:n])
+    else:  # the plain LayerNorm, or a bias without a weight
+        last = b_sb == None  # noqa: E711
+        nisa.tensor_scalar(dst=out[0:n] if last else c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n],
                            engine=nisa.engine.vector)
     if b_sb != None:  # noqa: E711
-        nisa.tensor_tensor(dst=nrm[0:n] if modulated else out[0:n], data1=nrm[0:n], data2=b_sb[0:n], op=nl.add,
+        nisa.tensor_tensor(dst=c[0:n] if modulated else out[0:n], data1=c[0:n], data2=b_sb[0:n], op=nl.add,
                            engine=nisa.engine.gpsimd)
+        if modulated:
+            nisa.tensor_tensor(dst=c[0:n], data1=c[0:n], data2=onep[0:n], op=nl.multiply,
+                               engine=nisa.engine.vector)
+    elif w_sb != None and modulated:  # noqa: E711
+        nisa.tensor_tensor(dst=c[0:n], data1=c[0:n], data2=onep[0:n], op=nl.multiply, engine=nisa.engine.vector)
     if modulated:
-        nisa.tensor_tensor(dst=nrm[0:n], data1=nrm[0:n], data2=onep[0:n], op=nl.multiply, engine=nisa.engine.vector)
-        nisa.tensor_tensor(dst=out[0:n], data1=nrm[0:n], data2=sh[0:n], op=nl.add, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=out[0:n], data1=c[0:n], data2=sh[0:n], op=nl.add, engine=nisa.engine.gpsimd)
 
 
 def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
