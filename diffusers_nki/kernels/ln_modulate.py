@@ -67,6 +67,8 @@ from diffusers_nki.kernels.ln_modulate_ref import MAX_DIM, not_supported_reasons
 __all__ = ["ln_modulate_kernel", "gated_residual_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE"]
 
 P = 128  # partitions = tokens per tile
+MAX_GROUP = 8  # token tiles issued stage by stage together (the engines overlap across them)
+SBUF_RESERVE = 16384  # bytes per partition left for the small statistics tiles and the allocator's alignment
 
 # Wan2.1-1.3B, one 3-latent-frame chunk at 480x832 (1560 tokens per frame), dim 1536
 FULL_SCALE = dict(B=1, S=3 * 1560, D=1536)
@@ -135,17 +137,26 @@ def _one_plus(dst, n):
     nisa.tensor_scalar(dst=dst[0:n], data=dst[0:n], op0=nl.add, operand0=1.0, engine=nisa.engine.vector)
 
 
-def _norm_tile(out, r, n, D, eps, w_sb, b_sb, onep, sh):
-    """out[0:n] = (LayerNorm(r[0:n]) [* w + b]) [* onep + sh], statistics and values in fp32, out in its dtype.
-    The values are centred before they are scaled ((r - mean) * rstd, as torch does), never r * rstd - mean * rstd,
-    which cancels catastrophically when the mean dominates the spread."""
+def _group_tiles(D, isz, resident):
+    """Token tiles processed together, stage by stage (1..MAX_GROUP): as many as the per-tile working buffers
+    (x, y, r, out in x's dtype; t, c in fp32) fit in the SBUF left after the ``resident`` bytes per partition."""
+    per_tile = D * (4 * isz + 8)
+    g = (nl.tile_size.sbuf_fmax_bytes - resident - SBUF_RESERVE) // per_tile
+    return max(1, min(MAX_GROUP, g))
+
+
+def _stats(r, n, D, eps):
+    """Per-row LayerNorm statistics of r[0:n]: (c, rstd) with c = r - mean (fp32) and rstd = 1/sqrt(var + eps).
+    Two passes (the mean first), so no E[r^2] - mean^2 cancellation; c is centred before it is ever scaled. The
+    three full-width passes run on ScalarE (sum, sum of squares with the add-reduce registers, centring)."""
+    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
     s = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=s[0:n], op=nl.add, data=r[0:n], axis=1)
+    nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], reduce_op=nl.add, reduce_cmd=nisa.reduce_cmd.reset_reduce,
+                    reduce_res=s[0:n])
     nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nm[0:n], data=s[0:n], op0=nl.multiply, operand0=-1.0 / D, engine=nisa.engine.vector)
-    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
     ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    # the squares land in c (discarded: overwritten by the centred values below)
+    # the squares land in c (discarded: overwritten by the centred values next)
     nisa.activation(dst=c[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=ss[0:n])
     nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], bias=nm[0:n])
@@ -154,33 +165,67 @@ def _norm_tile(out, r, n, D, eps, w_sb, b_sb, onep, sh):
                        engine=nisa.engine.vector)
     rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd[0:n], data=ve[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
-    modulated = onep != None  # noqa: E711
-    if w_sb != None:  # noqa: E711  (c * rstd) * w, one VectorE instruction
-        last = b_sb == None and not modulated  # noqa: E711
-        nisa.scalar_tensor_tensor(dst=out[0:n] if last else c[0:n], data=c[0:n], op0=nl.multiply,
-                                  operand0=rstd[0:n], op1=nl.multiply, operand1=w_sb[0:n])
-    elif b_sb == None and modulated:  # noqa: E711  norm1 / norm3: (c * rstd) * (1 + scale), one instruction
-        nisa.scalar_tensor_tensor(dst=c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n], op1=nl.multiply,
-                                  operand1=onep[0:n])
-    else:  # the plain LayerNorm, or a bias without a weight
-        last = b_sb == None  # noqa: E711
-        nisa.tensor_scalar(dst=out[0:n] if last else c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n],
-                           engine=nisa.engine.vector)
+    return c, rstd
+
+
+def _finish(out, c, rstd, n, w_sb, b_sb, onep, sh):
+    """out[0:n] = ((c * rstd) [* w] [+ b]) [* onep + sh] in torch's order of fp32 roundings, the last op writing
+    out's dtype: the per-row scale and the first per-column factor in one VectorE instruction
+    (``scalar_tensor_tensor``), the remaining per-column ops on GpSimd."""
+    first = w_sb
+    if first == None:  # noqa: E711
+        if b_sb == None:  # noqa: E711
+            first = onep
+    tail = 0  # per-column ops after the first
     if b_sb != None:  # noqa: E711
-        nisa.tensor_tensor(dst=c[0:n] if modulated else out[0:n], data1=c[0:n], data2=b_sb[0:n], op=nl.add,
+        tail = tail + 1
+    if onep != None and first != onep:  # noqa: E711
+        tail = tail + 1
+    if onep != None:  # noqa: E711
+        tail = tail + 1
+    if first == None:  # noqa: E711  a bias without a weight, or the plain LayerNorm
+        nisa.tensor_scalar(dst=out[0:n] if tail == 0 else c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n],
+                           engine=nisa.engine.vector)
+    else:
+        nisa.scalar_tensor_tensor(dst=out[0:n] if tail == 0 else c[0:n], data=c[0:n], op0=nl.multiply,
+                                  operand0=rstd[0:n], op1=nl.multiply, operand1=first[0:n])
+    if b_sb != None:  # noqa: E711
+        tail = tail - 1
+        nisa.tensor_tensor(dst=out[0:n] if tail == 0 else c[0:n], data1=c[0:n], data2=b_sb[0:n], op=nl.add,
                            engine=nisa.engine.gpsimd)
-        if modulated:
+    if onep != None:  # noqa: E711
+        if first != onep:
             nisa.tensor_tensor(dst=c[0:n], data1=c[0:n], data2=onep[0:n], op=nl.multiply,
-                               engine=nisa.engine.vector)
-    elif w_sb != None and modulated:  # noqa: E711
-        nisa.tensor_tensor(dst=c[0:n], data1=c[0:n], data2=onep[0:n], op=nl.multiply, engine=nisa.engine.vector)
-    if modulated:
+                               engine=nisa.engine.gpsimd)
         nisa.tensor_tensor(dst=out[0:n], data1=c[0:n], data2=sh[0:n], op=nl.add, engine=nisa.engine.gpsimd)
 
 
+def _residual(r, x_sb, y_sb, g_sb, n, gated):
+    """r[0:n] = x + y * g (fp32 product on GpSimd, fp32 sum on VectorE, rounded once to r's dtype) or x + y
+    (GpSimd)."""
+    if gated:
+        t = nl.ndarray((P, r.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t[0:n], data1=y_sb[0:n], data2=g_sb[0:n], op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=t[0:n], op=nl.add, engine=nisa.engine.vector)
+    else:
+        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=y_sb[0:n], op=nl.add, engine=nisa.engine.gpsimd)
+
+
+def _mod_tile(t, b, s0, n, S, D):
+    """A [P, D] fp32 tile holding rows [s0, s0+n) of batch row b of the per-token modulation t."""
+    dst = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+    _mod_rows(t, b, s0, n, S, D, dst)
+    return dst
+
+
 def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
-    """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation), per token tile."""
+    """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation). Token tiles are
+    taken ``_group_tiles`` at a time and every stage is issued for all tiles of the group before the next stage,
+    so each engine's in-order queue holds independent work of several tiles (the engines overlap across tiles)."""
     B, S, D = x.shape
+    isz = 4
+    if x.dtype == nl.bfloat16 or x.dtype == nl.float16:
+        isz = 2
     r_o = None
     n_o = None
     if residual:
@@ -193,8 +238,10 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         w_sb = _load_vec(weight, D)
     if norm and bias != None:  # noqa: E711
         b_sb = _load_vec(bias, D)
-    g_tok = gate != None and gate.shape[1] > 1  # noqa: E711
-    m_tok = scale != None and scale.shape[1] > 1  # noqa: E711
+    gated = gate != None  # noqa: E711
+    g_tok = gated and gate.shape[1] > 1
+    m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
+    G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
     work = 0
@@ -202,50 +249,64 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         g_sb = None
         onep = None
         sh = None
-        if gate != None:  # noqa: E711
+        if gated and not g_tok:
             g_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            if not g_tok:
-                nisa.dma_copy(dst=g_sb, src=_bcast_row(gate, b if gate.shape[0] > 1 else 0, D))
-        if norm and scale != None:  # noqa: E711
+            nisa.dma_copy(dst=g_sb, src=_bcast_row(gate, b if gate.shape[0] > 1 else 0, D))
+        if norm and scale != None and not m_tok:  # noqa: E711
             onep = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
             sh = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            if not m_tok:
-                mb = b if scale.shape[0] > 1 else 0
-                nisa.dma_copy(dst=onep, src=_bcast_row(scale, mb, D))
-                nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
-                _one_plus(onep, P)
-        for s0 in range(0, S, P):
+            nisa.dma_copy(dst=onep, src=_bcast_row(scale, b if scale.shape[0] > 1 else 0, D))
+            nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
+            _one_plus(onep, P)
+        for g0 in range(0, S, G * P):
             mine = work % n_prgs == prg_id
             work = work + 1
             if mine:
-                n = min(P, S - s0)
-                x_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, D))
-                r_sb = x_sb
-                if residual:
-                    y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, s0, n, S, D))
-                    r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                    if gate == None:  # noqa: E711
-                        nisa.tensor_tensor(dst=r_sb[0:n], data1=x_sb[0:n], data2=y_sb[0:n], op=nl.add,
-                                           engine=nisa.engine.gpsimd)
-                    else:
-                        if g_tok:
-                            _mod_rows(gate, b, s0, n, S, D, g_sb)
-                        t = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_tensor(dst=t[0:n], data1=y_sb[0:n], data2=g_sb[0:n], op=nl.multiply,
-                                           engine=nisa.engine.vector)
-                        nisa.tensor_tensor(dst=r_sb[0:n], data1=x_sb[0:n], data2=t[0:n], op=nl.add,
-                                           engine=nisa.engine.gpsimd)
-                    nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
-                if norm:
-                    if m_tok:
-                        _mod_rows(scale, b, s0, n, S, D, onep)
-                        _mod_rows(shift, b, s0, n, S, D, sh)
-                        _one_plus(onep, n)
-                    o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                    _norm_tile(o_sb, r_sb, n, D, eps, w_sb, b_sb, onep, sh)
-                    nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=o_sb[0:n])
+                starts = []
+                for s0 in range(g0, min(S, g0 + G * P), P):
+                    starts.append(s0)
+                nt = len(starts)
+                rs = []
+                cs = []
+                rstds = []
+                # a software pipeline over the group's tiles: at step k, tile k is loaded (and its residual formed),
+                # tile k-1 gets its statistics and tile k-2 is finished and stored, so every engine's in-order
+                # queue alternates between independent tiles
+                for k in range(nt + 2):
+                    if k < nt:
+                        s0 = starts[k]
+                        n = min(P, S - s0)
+                        x_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                        nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, D))
+                        r_sb = x_sb
+                        if residual:
+                            y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                            nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, s0, n, S, D))
+                            gt = g_sb
+                            if g_tok:
+                                gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
+                            r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                            _residual(r_sb, x_sb, y_sb, gt, n, gated)
+                            nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
+                        rs.append(r_sb)
+                    i = k - 1
+                    if norm and i >= 0 and i < nt:
+                        c, rstd = _stats(rs[i], min(P, S - starts[i]), D, eps)
+                        cs.append(c)
+                        rstds.append(rstd)
+                    i = k - 2
+                    if norm and i >= 0:
+                        s0 = starts[i]
+                        n = min(P, S - s0)
+                        op = onep
+                        st = sh
+                        if m_tok:
+                            op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
+                            st = _mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D)
+                            _one_plus(op, n)
+                        o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                        _finish(o_sb, cs[i], rstds[i], n, w_sb, b_sb, op, st)
+                        nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=o_sb[0:n])
     return r_o, n_o
 
 
