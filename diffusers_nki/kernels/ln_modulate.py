@@ -269,10 +269,12 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                 rs = []
                 cs = []
                 rstds = []
+                os = []
                 # a software pipeline over the group's tiles: at step k, tile k is loaded (and its residual formed),
-                # tile k-1 gets its statistics and tile k-2 is finished and stored, so every engine's in-order
-                # queue alternates between independent tiles
-                for k in range(nt + 2):
+                # tile k-1's residual is stored and gets its statistics, tile k-2 is finished and tile k-3 stored;
+                # every store is issued a step after the work it waits for, so the in-order DMA queues never stall
+                # the next loads, and each engine's queue alternates between independent tiles
+                for k in range(nt + 3):
                     if k < nt:
                         s0 = starts[k]
                         n = min(P, S - s0)
@@ -282,12 +284,23 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                         if residual:
                             y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
                             nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, s0, n, S, D))
+                    i = k - 1
+                    if residual and i >= 0 and i < nt:
+                        n = min(P, S - starts[i])
+                        nisa.dma_copy(dst=_rows(r_o, b, starts[i], n, S, D), src=rs[i][0:n])
+                    i = k - 3
+                    if norm and i >= 0:
+                        n = min(P, S - starts[i])
+                        nisa.dma_copy(dst=_rows(n_o, b, starts[i], n, S, D), src=os[i][0:n])
+                    if k < nt:
+                        if residual:
+                            s0 = starts[k]
+                            n = min(P, S - s0)
                             gt = g_sb
                             if g_tok:
                                 gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
                             r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
                             _residual(r_sb, x_sb, y_sb, gt, n, gated)
-                            nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
                         rs.append(r_sb)
                     i = k - 1
                     if norm and i >= 0 and i < nt:
@@ -295,7 +308,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                         cs.append(c)
                         rstds.append(rstd)
                     i = k - 2
-                    if norm and i >= 0:
+                    if norm and i >= 0 and i < nt:
                         s0 = starts[i]
                         n = min(P, S - s0)
                         op = onep
@@ -306,7 +319,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                             _one_plus(op, n)
                         o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
                         _finish(o_sb, cs[i], rstds[i], n, w_sb, b_sb, op, st)
-                        nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=o_sb[0:n])
+                        os.append(o_sb)
     return r_o, n_o
 
 
