@@ -71,6 +71,15 @@ class FusedWanBlockForward:
     def _stock(self, *args):
         return type(self.block).forward(self.block, *args)
 
+    def _strict(self) -> bool:
+        """Strict when the cache's route is, or the patch's: the cache route carries the backend only, so the
+        patch's strictness is read from the routed processor the cached self-attention wraps (as its q/k prologue
+        fallback does)."""
+        if self.route.strict:
+            return True
+        inner = getattr(getattr(self.block.attn1, "processor", None), "original", None)
+        return bool(getattr(getattr(inner, "route", None), "strict", False))
+
     def _count(self, key, n=1):
         if not accounting.compiling():
             self.stats[key] = self.stats.get(key, 0) + n
@@ -92,7 +101,7 @@ class FusedWanBlockForward:
                                                      residual=True)
         if reasons:
             why = "; ".join(reasons)
-            if self.route.strict:
+            if self._strict():
                 raise errors.StrictFallbackError(f"diffusers_nki causal Wan cache: the fused block chains cannot "
                                                  f"serve this block (strict): {why}")
             errors.warn_once(("wan_block fused", why), f"diffusers_nki causal Wan cache: stock block elementwise "
