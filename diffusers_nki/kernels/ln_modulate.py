@@ -15,32 +15,43 @@ token as Wan2.2-TI2V) or None; weight, bias [D] or None; outputs in x's dtype (`
 
 Algorithm, per tile of up to 128 tokens (tokens on partitions, D on the free axis):
     residual (gated_residual only; exact: the same two fp32 roundings as torch, then one rounding to x's dtype)
-    DVE   t = y * gate                             (fp32; gate None: skipped)
-    POOL  r = x + t   -> x's dtype                 (gate None: r = x + y, one fp32 add rounded to x's dtype)
+    POOL  t = y * gate                             (fp32; gate None: skipped)
+    DVE   r = x + t   -> x's dtype                 (gate None: r = x + y on POOL, one fp32 add rounded to x's dtype)
     DMA   r -> HBM                                 (the new hidden states; the norm below reads the SBUF copy)
-    LayerNorm statistics, two-pass (no E[x^2] - mean^2 cancellation)
-    DVE   s = sum_j r_j                            (tensor_reduce, [P, 1] fp32)
-    DVE   nm = s * (-1/D)                          (minus the mean)
+    LayerNorm statistics, two-pass (no E[x^2] - mean^2 cancellation), the full-width passes on ScalarE
+    ACT   s = sum_j r_j                            (activation(copy) with the add-reduce registers)
+    DVE   nm = s * (-1/D)                          (minus the mean, [P, 1])
     ACT   ss = sum_j (r_j + nm)^2                  (activation(square, bias=nm) with the add-reduce registers)
+    ACT   c = r + nm                               (centred BEFORE any scaling: r * rstd - mean * rstd would cancel
+                                                    catastrophically when the mean dominates the spread)
     DVE   v = ss * (1/D) + eps;   POOL rstd = rsqrt(v)   (GpSimd's precise rsqrt)
-    DVE   nb = nm * rstd
-    ACT   n = r * rstd + nb                        (fp32; one ScalarE pass)
-    affine (norm2): DVE n = n * w;  POOL n = n + b
-    modulation:     DVE n = n * (1 + scale);  POOL o = n + shift -> x's dtype  ((1 + scale) formed once per sample,
-                    or per tile for per-token modulation, as torch forms it: fp32, before the multiply)
+    finish (torch's order of fp32 roundings; the last op writes x's dtype)
+    DVE   n = (c * rstd) * f                       (one scalar_tensor_tensor; f = the weight, else (1 + scale))
+    POOL  n = n + b;  n = n * (1 + scale) if not yet applied;  o = n + shift
     DMA   o -> HBM
 Everything between the loads and the final rounding is fp32 (torch's FP32LayerNorm and the fp32 modulation do the
-same), so only the LayerNorm's summation order differs from torch's (errors ~1e-7 relative, tested against an fp64
-oracle); the residual is bit-identical to torch's in the emulator.
+same), so only the LayerNorm's summation order differs from torch's (tested against an fp64 oracle); the residual
+is bit-identical to torch's in the emulator. Per-column factors cost a two-input VectorE / GpSimd pass each (their
+fp32 rates), so the chain is engine-bound on trn2 and trn3, not HBM-bound; the work is spread over ScalarE,
+VectorE and GpSimd as above.
 
 Loop structure: weight / bias -> SBUF once (DMA with partition stride 0); for batch row: per-sample gate / scale /
-shift -> SBUF once (partition stride 0), (1 + scale) formed once; for token tile: DMA the x (and y) rows [n, D]
-(and the per-token modulation rows); the chain above; DMA the outputs. Under ``kernel[2]`` the (batch, tile) pairs
-are dealt round-robin to the two logical cores.
+shift -> SBUF once (partition stride 0), (1 + scale) formed once; over this program's token tiles (one group when
+four tiles' working buffers fit in SBUF, each buffer released once used; else groups of what fits): a software
+pipeline whose step k loads tile k (and forms its residual), stores
+tile k-1's residual and computes its statistics, finishes tile k-2 and stores tile k-3, so every engine's (and DMA
+queue's) in-order stream alternates between independent tiles and no store blocks the next load. Under
+``kernel[2]`` the token tiles are dealt round-robin to the two logical cores.
 
-Cost (MODELED, never measured): rows ``ln_modulate_chunk`` / ``gated_residual_ln_chunk`` of ``diffusers-nki bench
-kernels`` (the dependency-aware schedule of the trace is the headline, the roofline its ceiling). HBM traffic is the
-minimum for the fused chain: x and y read once, r and o written once (the unfused chain reads r back for its norm).
+Cost (MODELED, never measured): rows ``fused_norm1``, ``fused_res_norm2``, ``fused_res_norm3`` and ``fused_res_ffn``
+of ``diffusers-nki bench kernels`` (the per-rank calls of one Wan block; the dependency-aware schedule of the trace is
+the headline, the roofline its ceiling). HBM traffic is the minimum for each chain: x and y read once, r and o
+written once (the unfused chain reads r back for its norm and writes and reads every fp32 intermediate). The
+schedule sits about twice above the ceiling at the per-rank shape (585 tokens: five tiles, so the pipeline's fill
+and drain are a large share); on the whole 4680-token chunk the gap narrows for three of the four chains, while the
+attn1 -> norm2 chain (gate and affine: four per-column passes on VectorE / GpSimd) stays near twice its ceiling. The
+stage order was chosen on the scheduled model (an all-ScalarE statistics chain with finish-before-statistics order
+was tried and scheduled slower); further restructuring is open work, not a tuned result.
 
 Limits (``not_supported_reasons``): D <= MAX_DIM = 5120 (the working tiles [128, D] in SBUF; the widest fp32 case
 fits trn2's SBUF in strict trace mode); x and y of one float dtype; gate / scale / shift fp32, per sample or per
@@ -54,10 +65,11 @@ emulator) or "nki" backend (on a NeuronCore). The cached causal Wan path (``cach
 use (tests/kernels/test_nki_subset_audit.py).
 
 Tested ranges (tests/kernels/test_ln_modulate.py, emulator with numerics, trn2 unless noted; error vs an fp64 oracle
-<= 2 x torch's own + floor): S in {1, 113, 130, 257}, D in {2, 24, 96, 1536}, fp32 / bf16 / fp16, per-sample and
-per-token modulation, with and without the affine, gate None and given, batch 1 and 2 (modulation batch 1 or B),
-inputs offset by a large mean; kernel[2] and trn3; full Wan shape (4680 / 8 tokens per rank and the whole chunk x
-1536, bf16) in trace mode, and the widest fp32 row (D = 5120) strict.
+<= 2 x torch's own + floor): S in {1, 113, 129, 130, 257, 300}, D in {2, 24, 48, 64, 96, 1536}, fp32 / bf16 / fp16,
+per-sample and per-token modulation, with and without the affine, gate None and given, batch 1 and 2 (modulation
+batch 1 or B), inputs offset by a mean up to 100x their spread; kernel[2], trn1 and trn3; full Wan shapes (4680 / 8
+tokens per rank, and the whole 4680-token chunk with per-token modulation) x 1536 bf16 in trace mode, and the
+widest fp32 row (D = 5120, every optional input) strict in trace mode.
 """
 from __future__ import annotations
 
@@ -244,7 +256,15 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
     G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
-    work = 0
+    # this program's token tiles (dealt round-robin under kernel[2])
+    mine = []
+    t_i = 0
+    for s0 in range(0, S, P):
+        if t_i % n_prgs == prg_id:
+            mine.append(s0)
+        t_i = t_i + 1
+    if G >= 4:  # the pipeline holds at most 4 tiles' buffers at once (each released once used): one group per row
+        G = max(1, len(mine))
     for b in range(B):
         g_sb = None
         onep = None
@@ -258,13 +278,11 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
             nisa.dma_copy(dst=onep, src=_bcast_row(scale, b if scale.shape[0] > 1 else 0, D))
             nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
             _one_plus(onep, P)
-        for g0 in range(0, S, G * P):
-            mine = work % n_prgs == prg_id
-            work = work + 1
-            if mine:
+        for g0 in range(0, len(mine), G):
+            if g0 < len(mine):
                 starts = []
-                for s0 in range(g0, min(S, g0 + G * P), P):
-                    starts.append(s0)
+                for j in range(g0, min(len(mine), g0 + G)):
+                    starts.append(mine[j])
                 nt = len(starts)
                 rs = []
                 cs = []
@@ -292,6 +310,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                     if norm and i >= 0:
                         n = min(P, S - starts[i])
                         nisa.dma_copy(dst=_rows(n_o, b, starts[i], n, S, D), src=os[i][0:n])
+                        os[i] = None  # released: the SBUF holds the pipeline's last few tiles only
                     if k < nt:
                         if residual:
                             s0 = starts[k]
@@ -303,10 +322,12 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                             _residual(r_sb, x_sb, y_sb, gt, n, gated)
                         rs.append(r_sb)
                     i = k - 1
-                    if norm and i >= 0 and i < nt:
-                        c, rstd = _stats(rs[i], min(P, S - starts[i]), D, eps)
-                        cs.append(c)
-                        rstds.append(rstd)
+                    if i >= 0 and i < nt:
+                        if norm:
+                            c, rstd = _stats(rs[i], min(P, S - starts[i]), D, eps)
+                            cs.append(c)
+                            rstds.append(rstd)
+                        rs[i] = None
                     i = k - 2
                     if norm and i >= 0 and i < nt:
                         s0 = starts[i]
@@ -320,6 +341,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                         o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
                         _finish(o_sb, cs[i], rstds[i], n, w_sb, b_sb, op, st)
                         os.append(o_sb)
+                        cs[i] = None
     return r_o, n_o
 
 
