@@ -49,8 +49,10 @@ def test_attention_shapes_recorded_from_the_patched_pipeline_at_full_geometry(pr
     # every op of the steady chunk, with its call site: the kernels of ours per layer and pass
     kernels = budget._kernel_counts(probe["ops"])
     assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3,
-                       # the block's elementwise chains (caching/wan_block.py): norm1, two fused residuals, the FFN's
-                       "ln_modulate": LAYERS * 5, "gated_residual_ln": LAYERS * 5 * 2, "gated_residual": LAYERS * 5}
+                       # the block's elementwise chains (caching/wan_block.py): the first block's norm1, two fused
+                       # residuals per block, each FFN residual fused with the next block's norm1, the last one alone
+                       "ln_modulate": 5, "gated_residual_ln": LAYERS * 5 * 2 + (LAYERS - 1) * 5,
+                       "gated_residual": 5}
     # no LayerNorm of the blocks is left to XLA (the output head's norm_out is the one left)
     assert {r.site for r in probe["ops"] if r.name == "native_layer_norm"} == {"norm_out"}
     sites = {r.site for r in probe["ops"] if r.name == "qk_norm_rope"}
@@ -169,16 +171,18 @@ def test_dit_terms_are_the_transformers_matmuls_at_the_per_rank_shapes(probe, W)
     assert qk["calls"] == LAYERS * 5 * 2
     # the block's elementwise chains: one scheduled term per fused kernel, each call traced at the per-rank tokens
     fused = {t["label"].split(" ")[1]: t for t in d["terms"] if "kernels/ln_modulate.py" in t["label"]}
-    assert {k: t["calls"] for k, t in fused.items()} == {"ln_modulate": LAYERS * 5, "gated_residual_ln": LAYERS * 10,
-                                                       "gated_residual": LAYERS * 5}
-    assert fused["gated_residual"]["sites"] == {f"blocks.{i}": 5 for i in range(LAYERS)}
+    assert {k: t["calls"] for k, t in fused.items()} == {"ln_modulate": 5, "gated_residual": 5,
+                                                       "gated_residual_ln": LAYERS * 10 + (LAYERS - 1) * 5}
+    assert fused["gated_residual"]["sites"] == {f"blocks.{LAYERS - 1}": 5}
+    assert fused["ln_modulate"]["sites"] == {"blocks.0": 5}
     S = 3 * TPF // W  # (kind, per-rank tokens, D, gate, affine, modulated, per-token modulation)
     assert m.fused_calls == {("ln_modulate", S, 1536, False, False, True, False),
                              ("gated_residual_ln", S, 1536, True, True, False, False),   # attn1 -> norm2 (affine)
                              ("gated_residual_ln", S, 1536, False, False, True, False),  # attn2 -> norm3 + modulation
+                             ("gated_residual_ln", S, 1536, True, False, True, False),   # FFN -> the next norm1
                              ("gated_residual", S, 1536, True, False, False, False)}     # the FFN
     launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
-    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 20) + 5 and launch["seconds"] == pytest.approx(
+    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 15) + 5 + 5 and launch["seconds"] == pytest.approx(
         launch["calls"] * budget.launch_seconds("trn2"))
     att = d["terms"][0]
     assert att["label"].startswith("scheduled: attention")

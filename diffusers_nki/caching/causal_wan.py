@@ -793,6 +793,9 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
             ehs = torch.concat([ehs_img, ehs], dim=1)
         texts = [ehs] * len(module.blocks)
     proj = proj.unflatten(2 if per_token else 1, (6, -1))  # [B, tokens, 6, D] or [B, 6, D]
+    carry = {}  # caching.wan_block's hand-over between consecutive blocks (a fused norm1), this call only
+    for step in steps:
+        step.carry = carry
     for block, step, ehs in zip(module.blocks, steps, texts):
         x = block(x, ehs, proj, step)
     if per_token:

@@ -67,6 +67,7 @@ class FusedWanBlockForward:
         self.block = block
         self.route = route
         self.stats = stats
+        self.next = None  # the next block's FusedWanBlockForward (its norm1 fused with this block's FFN residual)
 
     def _stock(self, *args):
         return type(self.block).forward(self.block, *args)
@@ -90,11 +91,7 @@ class FusedWanBlockForward:
             return self._stock(hidden_states, encoder_hidden_states, temb, rotary_emb)
         blk = self.block
         x = hidden_states
-        if temb.ndim == 4:  # [B, tokens, 6, D] (Wan2.2-TI2V): the stock expression, then one row per token
-            mods = [m.squeeze(2) for m in (blk.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
-        else:
-            mods = list((blk.scale_shift_table + temb.float()).chunk(6, dim=1))
-        shift, scale, gate, c_shift, c_scale, c_gate = mods
+        shift, scale, gate, c_shift, c_scale, c_gate = _modulation(blk, temb)
         n2 = blk.norm2 if type(blk.norm2) is not torch.nn.Identity else None
         reasons = modulate_ops.not_supported_reasons(x, x, gate, None if n2 is None else n2.weight,
                                                      None if n2 is None else n2.bias, scale, shift, blk.norm1.eps,
@@ -108,7 +105,12 @@ class FusedWanBlockForward:
                              f"chains run (the fused kernels cannot serve them): {why}", stacklevel=3)
             self._count("stock_blocks")
             return self._stock(hidden_states, encoder_hidden_states, temb, rotary_emb)
-        n = modulate_ops.ln_modulate(x, None, None, scale, shift, blk.norm1.eps, backend)
+        carry = getattr(rotary_emb, "carry", None)  # the call's hand-over between consecutive blocks
+        handed = carry.pop(id(blk), None) if carry is not None else None
+        if handed is not None and handed[0] is x:  # the previous block's FFN residual came with this norm1 fused
+            n = handed[1]
+        else:
+            n = modulate_ops.ln_modulate(x, None, None, scale, shift, blk.norm1.eps, backend)
         a = blk.attn1(n, None, None, rotary_emb)
         if n2 is None:
             x = modulate_ops.gated_residual(x, a, gate, backend)
@@ -118,9 +120,27 @@ class FusedWanBlockForward:
         a = blk.attn2(n, encoder_hidden_states, None, None)
         x, n = modulate_ops.gated_residual_ln(x, a, None, None, None, c_scale, c_shift, blk.norm3.eps, backend)
         f = blk.ffn(n)
+        nxt = self.next.block if self.next is not None and carry is not None else None
+        if nxt is not None:  # the FFN residual fused with the next block's norm1 + modulation, handed over
+            n_shift, n_scale = _modulation(nxt, temb)[:2]
+            if not modulate_ops.not_supported_reasons(x, f, c_gate, None, None, n_scale, n_shift, nxt.norm1.eps,
+                                                      residual=True):
+                x, n = modulate_ops.gated_residual_ln(x, f, c_gate, None, None, n_scale, n_shift, nxt.norm1.eps,
+                                                      backend)
+                carry[id(nxt)] = (x, n)
+                self._count("fused_blocks")
+                return x
         x = modulate_ops.gated_residual(x, f, c_gate, backend)
         self._count("fused_blocks")
         return x
+
+
+def _modulation(blk, temb):
+    """shift, scale, gate, c_shift, c_scale, c_gate of ``blk`` for ``temb``, exactly as the stock forward forms
+    them (fp32; [B, 1, D] per sample, or [B, tokens, D] for Wan2.2-TI2V's [B, tokens, 6, D] temb)."""
+    if temb.ndim == 4:
+        return [m.squeeze(2) for m in (blk.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    return list((blk.scale_shift_table + temb.float()).chunk(6, dim=1))
 
 
 def install(model, route, stats: Dict[str, object]) -> int:
@@ -128,16 +148,21 @@ def install(model, route, stats: Dict[str, object]) -> int:
     cannot are counted under ``stats["not_installed"]`` with the reason (``describe``)."""
     n = 0
     skipped: Dict[str, int] = {}
+    prev = None
     for block in model.modules():
         if type(block).__name__ != "WanTransformerBlock":
             continue
         why = block_reason(block)
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
+            prev = None  # no hand-over across a stock block
             continue
         fwd = FusedWanBlockForward(block, route, stats)
         block.__dict__["forward"] = fwd
         block.__dict__[ATTR] = fwd
+        if prev is not None:
+            prev.next = fwd  # consecutive blocks (module order = call order in the cached forward)
+        prev = fwd
         n += 1
     stats["installed"] = n
     stats["not_installed"] = skipped

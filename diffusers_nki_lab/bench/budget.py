@@ -529,10 +529,10 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
 
 # the Wan block's elementwise chains through kernels/ln_modulate.py (caching/wan_block.py), by op; the argument
 # positions of each op's optional tensors in its recorded inputs: (gate, weight, scale)
-_FUSED_TERMS = (("ln_modulate", "block norm1 + modulation (LayerNorm, (1 + scale), shift)", (None, 1, 3)),
+_FUSED_TERMS = (("ln_modulate", "first block's norm1 + modulation (LayerNorm, (1 + scale), shift)", (None, 1, 3)),
                 ("gated_residual_ln", "block residuals fused with the next norm (attn1 -> norm2, attn2 -> norm3 + "
-                 "modulation)", (2, 3, 5)),
-                ("gated_residual", "block FFN gated residual", (2, None, None)))
+                 "modulation, FFN -> the next block's norm1 + modulation)", (2, 3, 5)),
+                ("gated_residual", "last block's FFN gated residual", (2, None, None)))
 
 
 def _fused_terms(kinds, tokens: int, W: int, target: str, model) -> list:
