@@ -20,10 +20,15 @@ Per block, with ``shift .. c_gate`` computed from ``scale_shift_table + temb.flo
     a    = attn2(n, text)
     x, n = gated_residual_ln(x, a, None, scale=c_scale, shift=c_shift)   the plain residual + norm3 + modulation
     f    = ffn(n)
-    x    = gated_residual(x, f, c_gate)                                  the FFN's gated residual
+    x, n' = gated_residual_ln(x, f, c_gate, scale=next.scale_msa, shift=next.shift_msa)   the FFN's gated residual +
+           the NEXT block's norm1 + modulation (its scale_shift_table, the same temb), handed over to it
+           (the last block: x = gated_residual(x, f, c_gate))
+The hand-over lives in a dict the cached forward makes per call (``rotary_emb.carry``, keyed by the next block) and
+is used only when the next block is called with that very tensor (an identity check: a hook that replaced the hidden
+states in between makes the next block compute its own norm1), so nothing outlives the call. Per block and call:
+4 calls for the first block, 3 for the others.
 The twins ("torch" backend) are diffusers' own expressions, so the torch path is bit-identical to stock; the kernels
-("sim", "nki") differ only in the LayerNorm's summation order. The FFN's residual is not fused with the NEXT block's
-norm1 (that would hand a tensor from one block's forward to the next; not done).
+("sim", "nki") differ only in the LayerNorm's summation order.
 
 A block the kernels cannot serve (``not_supported_reasons``: e.g. a feature dim above the kernels' limit, float64)
 runs the stock forward: counted in the hook's ``fused`` stats, warned once, raises under ``strict=True``.
