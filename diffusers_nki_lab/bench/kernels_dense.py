@@ -22,7 +22,8 @@ ranks, each with its halo rows):
   fused_norm1          [585, 1536] LayerNorm + per-sample modulation (the block's norm1; kernels/ln_modulate.py)
   fused_res_norm2      attn1's gated residual fused with the cross-attention's affine norm2
   fused_res_norm3      the cross-attention's plain residual fused with norm3 + modulation
-  fused_res_ffn        the FFN's gated residual
+  fused_res_ffn_norm1  the FFN's gated residual fused with the next block's norm1 + modulation (every block but the last)
+  fused_res_ffn        the last block's FFN gated residual
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ SHAPES: Dict[str, dict] = {
     "fused_norm1": dict(kernel="ln_modulate", S=585, D=1536, gate=False, affine=False, modulated=True),
     "fused_res_norm2": dict(kernel="gated_residual_ln", S=585, D=1536, gate=True, affine=True, modulated=False),
     "fused_res_norm3": dict(kernel="gated_residual_ln", S=585, D=1536, gate=False, affine=False, modulated=True),
+    "fused_res_ffn_norm1": dict(kernel="gated_residual_ln", S=585, D=1536, gate=True, affine=False, modulated=True),
     "fused_res_ffn": dict(kernel="gated_residual", S=585, D=1536, gate=True, affine=False, modulated=False),
 }
 FUSED_KINDS = ("ln_modulate", "gated_residual", "gated_residual_ln")
