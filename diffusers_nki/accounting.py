@@ -48,7 +48,8 @@ __all__ = ["ModuleRecord", "RECORD_ATTR", "MODEL_ATTR", "PATHS", "compiling", "c
            "push_record", "pop_record", "record_mark", "reset_records", "current_record", "observe",
            "owner_from_stack", "observed_record", "observed_model_record", "unattributed_calls",
            "unattributed_fallbacks", "note_unattributed_fallback", "reset_unattributed", "register_covered",
-           "DENSE_OPS", "count_dense", "dense_counters", "reset_dense_counters"]
+           "DENSE_OPS", "count_dense", "dense_counters", "reset_dense_counters", "FUSED_OPS", "count_fused",
+           "fused_counters", "reset_fused_counters"]
 
 RECORD_ATTR = "_diffusers_nki_record"  # on a patched attention module: its ModuleRecord
 MODEL_ATTR = "_diffusers_nki_patch"  # on a patched model: its lifecycle.ModelPatch (read here by duck typing)
@@ -56,6 +57,7 @@ MAX_FRAMES = 96
 PATHS = ("torch", "sim", "nki", "stock")  # the backends (diffusers_nki.backends.NAMES) and stock fallbacks
 OPS = ("attention", "attention_lse", "cache_write", "attention_backward", "qk_norm_rope")
 DENSE_OPS = ("gemm", "causal_conv3d")
+FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln")  # the Wan block's elementwise chains
 
 
 def compiling() -> bool:
@@ -113,6 +115,28 @@ def dense_counters() -> dict:
 def reset_dense_counters() -> None:
     with _count_lock:
         for c in _dense_counts.values():
+            for key in c:
+                c[key] = 0
+
+
+_fused_counts = {op: dict.fromkeys(PATHS[:-1], 0) for op in FUSED_OPS}
+
+
+def count_fused(op: str, path: str) -> None:
+    """One call of a fused elementwise kernel (``op`` in ``FUSED_OPS``, ``diffusers_nki.modulate_ops``) on ``path``."""
+    with _count_lock:
+        _fused_counts[op][path] += 1
+
+
+def fused_counters() -> dict:
+    """A copy: ``{"ln_modulate": {"torch": n, "sim": n, "nki": n}, "gated_residual": {...}, ...}``."""
+    with _count_lock:
+        return {op: dict(c) for op, c in _fused_counts.items()}
+
+
+def reset_fused_counters() -> None:
+    with _count_lock:
+        for c in _fused_counts.values():
             for key in c:
                 c[key] = 0
 

@@ -48,7 +48,13 @@ def test_attention_shapes_recorded_from_the_patched_pipeline_at_full_geometry(pr
     assert len(shapes) == 2
     # every op of the steady chunk, with its call site: the kernels of ours per layer and pass
     kernels = budget._kernel_counts(probe["ops"])
-    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3}
+    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3,
+                       # the block's elementwise chains (caching/wan_block.py): the first block's norm1, two fused
+                       # residuals per block, each FFN residual fused with the next block's norm1, the last one alone
+                       "ln_modulate": 5, "gated_residual_ln": LAYERS * 5 * 2 + (LAYERS - 1) * 5,
+                       "gated_residual": 5}
+    # no LayerNorm of the blocks is left to XLA (the output head's norm_out is the one left)
+    assert {r.site for r in probe["ops"] if r.name == "native_layer_norm"} == {"norm_out"}
     sites = {r.site for r in probe["ops"] if r.name == "qk_norm_rope"}
     assert sites == {f"blocks.{i}.attn1" for i in range(LAYERS)}
     ffn = [(r, n) for r, n in probe["ops"].items() if r.name == "addmm" and r.site == "blocks.0.ffn.net.0.proj"]
@@ -73,19 +79,21 @@ def test_held_out_count_covers_every_scheduled_kernel(probe, vae):
     import torch
 
     import diffusers_nki
-    from diffusers_nki import dense_ops, ops
+    from diffusers_nki import dense_ops, modulate_ops, ops
     from diffusers_nki.testing import tiny
 
     pipe = tiny.tiny_pipeline("causal_wan")
     diffusers_nki.patch(pipe, backend="torch")
     ops.reset_counters()
     dense_ops.reset_counters()
+    modulate_ops.reset_counters()
     try:
         with torch.no_grad():
             list(pipe.stream(**tiny.tiny_call_kwargs("causal_wan", chunks=2, steps=1, output_type="pt")))
     finally:
         diffusers_nki.unpatch(pipe)
-    counted = {k for k, v in {**ops.counters(), **dense_ops.counters()}.items() if v.get("torch")}
+    counted = {k for k, v in {**ops.counters(), **dense_ops.counters(), **modulate_ops.counters()}.items()
+               if v.get("torch")}
     res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), {"serial_one_core": "x"})
     assert budget.scheduled_kernels(res) <= counted, (budget.scheduled_kernels(res), counted)
     assert set(budget.kernels_called(res)) == counted
@@ -96,6 +104,7 @@ class FakeModel(budget._Model):
 
     def __init__(self):
         self.gemms = []
+        self.fused_calls = set()
 
     def _r(self, flops, target):
         from nkisim import cost
@@ -122,6 +131,11 @@ class FakeModel(budget._Model):
 
     def attention_kernel_time(self, call, target):
         return 2e-13 * call.heads * call.sq * (call.skv + call.cache) * call.batch
+
+    def fused(self, kind, S, D, gate, affine, modulated, per_token, target):
+        self.fused_calls.add((kind, S, D, gate, affine, modulated, per_token))
+        return {"scheduled_s": 1e-6, "ceiling_s": 1e-6, "efficiency": 0, "efficiency_ceiling": 0, "flops": 0,
+                "bottleneck": "act"}
 
 
 def _labelled(terms):
@@ -155,8 +169,20 @@ def test_dit_terms_are_the_transformers_matmuls_at_the_per_rank_shapes(probe, W)
     assert ffn["sites"] == {f"blocks.{i}.ffn.net.0.proj": 5 for i in range(LAYERS)}
     qk = [t for t in d["terms"] if t["label"].startswith("scheduled: qk_norm_rope")][0]
     assert qk["calls"] == LAYERS * 5 * 2
+    # the block's elementwise chains: one scheduled term per fused kernel, each call traced at the per-rank tokens
+    fused = {t["label"].split(" ")[1]: t for t in d["terms"] if "kernels/ln_modulate.py" in t["label"]}
+    assert {k: t["calls"] for k, t in fused.items()} == {"ln_modulate": 5, "gated_residual": 5,
+                                                       "gated_residual_ln": LAYERS * 10 + (LAYERS - 1) * 5}
+    assert fused["gated_residual"]["sites"] == {f"blocks.{LAYERS - 1}": 5}
+    assert fused["ln_modulate"]["sites"] == {"blocks.0": 5}
+    S = 3 * TPF // W  # (kind, per-rank tokens, D, gate, affine, modulated, per-token modulation)
+    assert m.fused_calls == {("ln_modulate", S, 1536, False, False, True, False),
+                             ("gated_residual_ln", S, 1536, True, True, False, False),   # attn1 -> norm2 (affine)
+                             ("gated_residual_ln", S, 1536, False, False, True, False),  # attn2 -> norm3 + modulation
+                             ("gated_residual_ln", S, 1536, True, False, True, False),   # FFN -> the next norm1
+                             ("gated_residual", S, 1536, True, False, False, False)}     # the FFN
     launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
-    assert launch["calls"] == LAYERS * (10 + 10 + 3) + 5 and launch["seconds"] == pytest.approx(
+    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 15) + 5 + 5 and launch["seconds"] == pytest.approx(
         launch["calls"] * budget.launch_seconds("trn2"))
     att = d["terms"][0]
     assert att["label"].startswith("scheduled: attention")

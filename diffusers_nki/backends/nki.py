@@ -64,7 +64,7 @@ import torch
 
 from diffusers_nki import accounting
 from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind_rows
-from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref
+from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, ln_modulate_ref
 
 __all__ = ["install_hint", "INSTALL", "unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
            "hardware_op", "prepare", "attention", "attention_lse", "cache_write", "qk_norm_rope", "force_emulator",
@@ -119,9 +119,13 @@ def _kernel_function(name: str):
         from diffusers_nki.kernels.gemm import gemm_kernel as fn
     elif name == "causal_conv3d":
         from diffusers_nki.kernels.causal_conv3d import causal_conv3d_kernel as fn
+    elif name == "ln_modulate":
+        from diffusers_nki.kernels.ln_modulate import ln_modulate_kernel as fn
+    elif name == "gated_residual":
+        from diffusers_nki.kernels.ln_modulate import gated_residual_kernel as fn
     else:
         raise ValueError(f"kernel={name!r} is not one of 'attention', 'cache_write', 'qk_norm_rope', 'gemm', "
-                         "'causal_conv3d'")
+                         "'causal_conv3d', 'ln_modulate', 'gated_residual'")
     return fn
 
 
@@ -423,3 +427,20 @@ def _register_dense() -> dict:
                 regs[op] = nki_op(reg, mutates_args=mutates)(fn)
             _dense_hw = regs
     return _dense_hw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the fused elementwise kernels of the Wan block (diffusers_nki.modulate_ops): launched eagerly like the others;
+# not registered with nki_op yet (under torch.compile(backend="neuron") the cached path's blocks are compiled XLA)
+# ----------------------------------------------------------------------------------------------------------
+def ln_modulate(x, weight=None, bias=None, scale=None, shift=None, eps=1e-6):
+    _check_shapes("ln_modulate", ln_modulate_ref.not_supported_reasons(x, None, None, weight, bias, scale, shift, eps))
+    return launch("ln_modulate", contiguous(x), contiguous(weight), contiguous(bias), contiguous(scale),
+                  contiguous(shift), float(eps))
+
+
+def gated_residual(x, y, gate=None, weight=None, bias=None, scale=None, shift=None, eps=1e-6, norm=False):
+    _check_shapes("gated_residual", ln_modulate_ref.not_supported_reasons(x, y, gate, weight, bias, scale, shift, eps,
+                                                                          residual=True))
+    return launch("gated_residual", contiguous(x), contiguous(y), contiguous(gate), contiguous(weight),
+                  contiguous(bias), contiguous(scale), contiguous(shift), float(eps), bool(norm))

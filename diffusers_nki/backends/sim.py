@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from diffusers_nki.backends._launch import rebind
-from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, qk_norm_rope_ref
+from diffusers_nki.kernels import (attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, ln_modulate_ref,
+                                   qk_norm_rope_ref)
 
 
 def _load():
@@ -105,4 +106,29 @@ def causal_conv3d(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
     simulate, _, causal_conv3d_kernel = _load_dense()
     causal_conv3d_ref.check_inputs(x, w, bias, cache, pad_top, pad_bottom)
     out = simulate(causal_conv3d_kernel)(*_cpu_contiguous((x, w, bias, cache, pad_top, pad_bottom)))
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def _load_fused():
+    # the fused elementwise kernels of the Wan block (diffusers_nki.modulate_ops): imported on their first use here
+    from diffusers_nki.kernels.ln_modulate import gated_residual_kernel, ln_modulate_kernel
+    from nkisim import simulate
+
+    return simulate, ln_modulate_kernel, gated_residual_kernel
+
+
+def ln_modulate(x, weight=None, bias=None, scale=None, shift=None, eps=1e-6):
+    simulate, ln_modulate_kernel, _ = _load_fused()
+    ln_modulate_ref.check_inputs(x, None, None, weight, bias, scale, shift, eps)
+    out = simulate(ln_modulate_kernel)(*_cpu_contiguous((x, weight, bias, scale, shift, float(eps))))
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def gated_residual(x, y, gate=None, weight=None, bias=None, scale=None, shift=None, eps=1e-6, norm=False):
+    simulate, _, gated_residual_kernel = _load_fused()
+    ln_modulate_ref.check_inputs(x, y, gate, weight, bias, scale, shift, eps, residual=True)
+    out = simulate(gated_residual_kernel)(*_cpu_contiguous((x, y, gate, weight, bias, scale, shift, float(eps),
+                                                            bool(norm))))
+    if norm:
+        return out[0].to(device=x.device, dtype=x.dtype), out[1].to(device=x.device, dtype=x.dtype)
     return out.to(device=x.device, dtype=x.dtype)

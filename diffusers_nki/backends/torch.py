@@ -5,6 +5,7 @@ from diffusers_nki.kernels.attention_ref import attention_ref
 from diffusers_nki.kernels.cache_write_ref import cache_write_ref
 from diffusers_nki.kernels.causal_conv3d_ref import causal_conv3d_ref
 from diffusers_nki.kernels.gemm_ref import gemm_ref
+from diffusers_nki.kernels.ln_modulate_ref import gated_residual_ref, ln_modulate_ref
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
 
 
@@ -35,3 +36,11 @@ def gemm(x, w, bias=None, activation=None):
 
 def causal_conv3d(x, w, bias=None, cache=None, pad_top=-1, pad_bottom=-1):
     return causal_conv3d_ref(x, w, bias, cache, pad_top, pad_bottom)
+
+
+def ln_modulate(x, weight=None, bias=None, scale=None, shift=None, eps=1e-6):
+    return ln_modulate_ref(x, weight, bias, scale, shift, eps)
+
+
+def gated_residual(x, y, gate=None, weight=None, bias=None, scale=None, shift=None, eps=1e-6, norm=False):
+    return gated_residual_ref(x, y, gate, weight, bias, scale, shift, eps, norm)

@@ -125,6 +125,7 @@ from diffusers_nki.prologue_ops import qk_norm_rope
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
 from .text_kv import TextKV, TextKVProcessor, not_cached_reason, time_embedding
+from . import wan_block
 
 __all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "RolloutHandle",
            "RecacheSpan", "SELF_FORCING", "LONGLIVE", "POSITIONS", "make_hook", "named_config"]
@@ -409,6 +410,7 @@ class _LayerStep:
         # Krea: rewrite = the KV re-computation call (its K/V replace the cache from slot 0); log_bias = a
         # denoising call with the attention bias on the context frames after the first (None: no bias)
         self.rewrite, self.log_bias = rewrite, log_bias
+        self.fused_backend = backend  # the blocks' fused elementwise chains (caching.wan_block) run on it
 
     def attend(self, q, k, v) -> torch.Tensor:
         kv, p, be, cp = self.kv, self.plan, self.backend, self.cp
@@ -985,6 +987,9 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
             ehs = torch.concat([ehs_img, ehs], dim=1)
         texts = [ehs] * len(module.blocks)
     proj = proj.unflatten(2 if per_token else 1, (6, -1))  # [B, tokens, 6, D] or [B, 6, D]
+    carry = {}  # caching.wan_block's hand-over between consecutive blocks (a fused norm1), this call only
+    for step in steps:
+        step.carry = carry
     for block, step, ehs in zip(module.blocks, steps, texts):
         x = block(x, ehs, proj, step)
     if per_token:
@@ -1014,6 +1019,7 @@ class CausalWanStaticCache(StaticCacheHook):
         self.grown_window: Optional[int] = None  # kept across rollouts after a grow
         self.last: Optional[_Rollout] = None  # a finished rollout: its buffers are reused by the next one
         self._recent = None  # weakref to the state of the latest served call (for describe())
+        self.fused = {}  # caching.wan_block's counts (blocks fused, calls served, fallbacks)
 
     def fresh_state(self):
         return dict(super().fresh_state(), parallel=None, grown_window=None, last=None, _recent=None)
@@ -1027,6 +1033,7 @@ class CausalWanStaticCache(StaticCacheHook):
         return module
 
     def deinitalize_hook(self, module):
+        wan_block.remove(module)
         self.last = None
         self._recent = None
         return super().deinitalize_hook(module)
@@ -1042,6 +1049,7 @@ class CausalWanStaticCache(StaticCacheHook):
                 self.swap_processor(f"{name}.attn1", m.attn1, CausalWanCacheProcessor(m.attn1.processor))
                 # the text K/V once per prompt (caching.text_kv): served only where the wrapped processor is known
                 self.swap_processor(f"{name}.attn2", m.attn2, TextKVProcessor(m.attn2.processor))
+        wan_block.install(module, self.route, self.fused)  # the blocks' norm / modulation / residual chains fused
         return module
 
     def _state_for(self, module, hs: torch.Tensor, chunk: CausalChunk) -> _Rollout:
@@ -1108,7 +1116,7 @@ class CausalWanStaticCache(StaticCacheHook):
 
     def describe(self) -> List[str]:
         c = self.config
-        lines = [f"self-attention processors swapped: {len(self._saved_processors)}",
+        lines = [f"self-attention processors swapped: {len(self._saved_processors)}", wan_block.describe(self.fused),
                  f"window: {c.capacity if c.capacity is not None else 'the whole rollout'} "
                  f"{c.unit}, sink {c.sink}, rolling={c.rolling}, grow={c.grow}"]
         s = self.current

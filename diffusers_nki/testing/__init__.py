@@ -68,3 +68,4 @@ def reset_state() -> None:
     accounting.reset_unattributed()
     accounting.reset_counters()
     dense_ops.reset_counters()
+    accounting.reset_fused_counters()

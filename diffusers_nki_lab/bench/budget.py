@@ -374,6 +374,10 @@ class _Model:
 
         return float(_modeled.model_call(call, target)["core_s"])
 
+    def fused(self, kind, S, D, gate, affine, modulated, per_token, target):
+
+        return kernels_dense.model_fused(kind, S, D, gate, affine, modulated, per_token, target)
+
 
 def _term(name, seconds, label, **extra):
     return dict(name=name, seconds=float(seconds), label=label, **extra)
@@ -505,6 +509,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
             n_all += n
         terms.append(_term("KV cache write (the cache pass)", sec, _sched("cache_write", last), calls=n_all,
                            sites=_sites(cw)))
+    terms += _fused_terms(kinds, tokens, W, target, model)
     for r, n in kinds.get("gemm", []):  # a GEMM kernel call of ours (wired): x [M, K], w [K, N]
         M, K = r.ins[0]
         N = r.ins[1][1]
@@ -562,6 +567,36 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
     return {"W": W, "layout": (U, R), "tokens_per_rank": S, "terms": terms,
             "seconds": sum(t["seconds"] for t in terms), "attention_layouts_tried": len(_rank_layouts(W)),
             "kernels": _kernel_counts(ops)}
+
+
+# the Wan block's elementwise chains through kernels/ln_modulate.py (caching/wan_block.py), by op; the argument
+# positions of each op's optional tensors in its recorded inputs: (gate, weight, scale)
+_FUSED_TERMS = (("ln_modulate", "first block's norm1 + modulation (LayerNorm, (1 + scale), shift)", (None, 1, 3)),
+                ("gated_residual_ln", "block residuals fused with the next norm (attn1 -> norm2, attn2 -> norm3 + "
+                 "modulation, FFN -> the next block's norm1 + modulation)", (2, 3, 5)),
+                ("gated_residual", "last block's FFN gated residual", (2, None, None)))
+
+
+def _fused_terms(kinds, tokens: int, W: int, target: str, model) -> list:
+    """One "scheduled: <kernel>" term per fused elementwise op the path called: each distinct recorded call traced
+    at its per-rank shape (x [B, S, D]; the flags read from which optional inputs the call passed)."""
+    out = []
+    for op, what, (gi, wi, si) in _FUSED_TERMS:
+        recs = kinds.get(op, [])
+        if not recs:
+            continue
+        sec, n_all, last = 0.0, 0, None
+        for r, n in recs:
+            _, S, D = r.ins[0]
+            scale = r.ins[si] if si is not None else None
+            last = model.fused(op, -(-S // W) if S == tokens else S, D, gi is not None and r.ins[gi] is not None,
+                               wi is not None and r.ins[wi] is not None, scale is not None,
+                               scale is not None and scale[1] > 1, target)
+            sec += n * last["scheduled_s"]
+            n_all += n
+        out.append(_term(what, sec, _sched(op, last, note="kernels/ln_modulate.py, per-rank tokens"), calls=n_all,
+                         sites=_sites(recs)))
+    return out
 
 
 def _shard_rows(H: int, V: int, kh: int) -> Tuple[int, int, int, float]:

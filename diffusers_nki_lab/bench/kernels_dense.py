@@ -19,6 +19,11 @@ ranks, each with its halo rows):
   vae_conv_r120   384 -> 384, 3x3x3, 2 frames, 15 + 2 rows x 208
   vae_conv_r240   192 -> 192, 3x3x3, 4 frames, 30 + 2 rows x 416
   vae_conv_full   96 -> 96, 3x3x3, 4 frames, 60 + 2 rows x 832 (full resolution)
+  fused_norm1          [585, 1536] LayerNorm + per-sample modulation (the block's norm1; kernels/ln_modulate.py)
+  fused_res_norm2      attn1's gated residual fused with the cross-attention's affine norm2
+  fused_res_norm3      the cross-attention's plain residual fused with norm3 + modulation
+  fused_res_ffn_norm1  the FFN's gated residual fused with the next block's norm1 + modulation (every block but the last)
+  fused_res_ffn        the last block's FFN gated residual
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import numpy as np
 from diffusers_nki_lab.bench._rows import kernel_row
 
 __all__ = ["SHAPES", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
-           "conv_out_rows"]
+           "conv_out_rows", "model_fused", "FUSED_KINDS"]
 
 _MEMO: Dict[Tuple, dict] = {}
 
@@ -47,7 +52,14 @@ SHAPES: Dict[str, dict] = {
                           pad_bottom=0, cache=True, bias=True),
     "vae_conv_full": dict(kernel="causal_conv3d", Cin=96, Cout=96, k=(3, 3, 3), T=4, Hin=62, W=832, pad_top=0,
                           pad_bottom=0, cache=True, bias=True),
+    # the Wan block's elementwise chains at the per-rank shape (caching/wan_block.py: what each block call runs)
+    "fused_norm1": dict(kernel="ln_modulate", S=585, D=1536, gate=False, affine=False, modulated=True),
+    "fused_res_norm2": dict(kernel="gated_residual_ln", S=585, D=1536, gate=True, affine=True, modulated=False),
+    "fused_res_norm3": dict(kernel="gated_residual_ln", S=585, D=1536, gate=False, affine=False, modulated=True),
+    "fused_res_ffn_norm1": dict(kernel="gated_residual_ln", S=585, D=1536, gate=True, affine=False, modulated=True),
+    "fused_res_ffn": dict(kernel="gated_residual", S=585, D=1536, gate=True, affine=False, modulated=False),
 }
+FUSED_KINDS = ("ln_modulate", "gated_residual", "gated_residual_ln")
 
 
 def _np_dtype(dtype: str):
@@ -154,13 +166,53 @@ def model_cache_write(S: int, C: int, H: int = 12, D: int = 128, target: str = "
     return _MEMO[key]
 
 
+def model_fused(kind: str, S: int, D: int = 1536, gate: bool = True, affine: bool = False, modulated: bool = True,
+                per_token: bool = False, target: str = "trn2", dtype: str = "bfloat16", lnc: int = 1,
+                record: bool = False) -> dict:
+    """Modeled cost of ONE call of a fused elementwise kernel of ``kernels/ln_modulate.py`` on [1, S, D]: ``kind``
+    "ln_modulate" (LayerNorm [+ affine] [+ modulation]), "gated_residual" (x + y [* gate]) or "gated_residual_ln"
+    (both in one pass); fp32 modulation rows per sample ([1, 1, D]) or per token (``per_token``)."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"model_fused: kind={kind!r} is not one of {FUSED_KINDS}")
+    key = ("fused", kind, S, D, bool(gate), bool(affine), bool(modulated), bool(per_token), target, dtype, lnc)
+    if key in _MEMO and not record:
+        return _MEMO[key]
+    from diffusers_nki.kernels.ln_modulate import gated_residual_kernel, ln_modulate_kernel
+
+    dt = _np_dtype(dtype)
+    mod = (1, S if per_token else 1, D)
+    x = _zeros((1, S, D), dt)
+    g = _zeros(mod, np.float32) if gate else None
+    w, b = (_zeros((D,), np.float32), _zeros((D,), np.float32)) if affine else (None, None)
+    sc, sh = (_zeros(mod, np.float32), _zeros(mod, np.float32)) if modulated else (None, None)
+    t0 = time.perf_counter()
+    if kind == "ln_modulate":
+        rec = _trace(ln_modulate_kernel, (x, w, b, sc, sh, 1e-6), target, lnc)
+    elif kind == "gated_residual":
+        rec = _trace(gated_residual_kernel, (x, _zeros((1, S, D), dt), g, None, None, None, None, 1e-6, False),
+                     target, lnc)
+    else:
+        rec = _trace(gated_residual_kernel, (x, _zeros((1, S, D), dt), g, w, b, sc, sh, 1e-6, True), target, lnc)
+    out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    _MEMO[key] = out
+    return dict(out, record=rec) if record else out
+
+
 def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
     """The ``bench kernels`` JSON row of dense shape ``name`` on ``target`` (the same keys as the attention rows:
     ``bench.kernels._row``)."""
     s = dict(SHAPES[name])
     isz = 2
     t0 = time.perf_counter()
-    if s["kernel"] == "gemm":
+    if s["kernel"] in FUSED_KINDS:
+        S, D = s["S"], s["D"]
+        res = model_fused(s["kernel"], S, D, s["gate"], s["affine"], s["modulated"], target=target, lnc=lnc,
+                          record=True)
+        ins = 1 if s["kernel"] == "ln_modulate" else 2
+        outs = 2 if s["kernel"] == "gated_residual_ln" else 1
+        hbm_min = (ins + outs) * S * D * isz
+        dims = {k: s[k] for k in ("S", "D", "gate", "affine", "modulated")}
+    elif s["kernel"] == "gemm":
         M, K, N = s["M"], s["K"], s["N"]
         res = model_gemm(M, K, N, s["bias"], s["activation"], target, lnc=lnc, record=True)
         hbm_min = (M * K + K * N + M * N) * isz + (N * 4 if s["bias"] else 0)

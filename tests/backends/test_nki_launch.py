@@ -336,6 +336,29 @@ def test_qk_norm_rope_launch_contract(fake_neuron):
     assert ops.counters()["qk_norm_rope"]["nki"] == 1
 
 
+def test_fused_block_chain_launch_contract(fake_neuron):
+    """modulate_ops on the "nki" backend: the ln_modulate kernels launched (contiguous inputs, the runtime LNC), the
+    twins' results, counted in modulate_ops' table."""
+    from diffusers_nki import modulate_ops
+    from diffusers_nki.kernels.ln_modulate import gated_residual_kernel
+    from diffusers_nki.kernels.ln_modulate_ref import gated_residual_ref
+
+    fake = fake_neuron()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 9, 16, generator=g)
+    y = torch.randn(2, 9, 16, generator=g).transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous
+    gate, scale, shift = (torch.randn(2, 6, 16, generator=g).chunk(6, dim=1)[i] for i in range(3))  # strided views
+    before = modulate_ops.counters()["gated_residual_ln"]["nki"]
+    r, n = modulate_ops.gated_residual_ln(x, y, gate, None, None, scale, shift, 1e-6, backend="nki")
+    r_t, n_t = gated_residual_ref(x, y, gate, None, None, scale, shift, 1e-6, True)
+    assert torch.equal(r, r_t)
+    torch.testing.assert_close(n, n_t, rtol=1e-5, atol=1e-5)
+    (launch,) = fake.launches
+    assert launch.kernel == "gated_residual" and launch.target is gated_residual_kernel and launch.lnc == 2
+    assert all(t[3] for t in _tensor_args(launch))
+    assert modulate_ops.counters()["gated_residual_ln"]["nki"] == before + 1
+
+
 def test_xla_path_is_refused_naming_torchneuron(fake_neuron):
     """A torch-neuronx without ``nki_op`` (the XLA-device integration, torch-neuronx 2.9): one clear error naming
     TorchNeuron, for an explicit backend="nki" and for the op; nothing is launched."""

@@ -178,4 +178,4 @@ def test_our_kernels_use_only_aws_published_nki_names(path):
 
 def test_every_kernel_file_is_checked():
     names = {p.name for p in _kernel_files()}
-    assert {"attention.py", "cache_write.py", "causal_conv3d.py", "gemm.py", "qk_norm_rope.py"} <= names
+    assert {"attention.py", "cache_write.py", "causal_conv3d.py", "gemm.py", "qk_norm_rope.py", "ln_modulate.py"} <= names

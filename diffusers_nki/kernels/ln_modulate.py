@@ -1,0 +1,401 @@
+"""NKI kernels for the elementwise chains of the Wan transformer block: LayerNorm + modulation, and the gated residual
+fused with the LayerNorm (+ modulation) that reads it next.
+
+Twins: ``kernels/ln_modulate_ref.py`` (same signatures and semantics; ``not_supported_reasons`` below IS the twin's
+function, so the limits live in one place). The math is diffusers' ``WanTransformerBlock.forward`` (0.42.1):
+``(norm1(h.float()) * (1 + scale_msa) + shift_msa).type_as(h)``, ``(h.float() + attn_out * gate_msa).type_as(h)``,
+``norm2(h.float()).type_as(h)`` (affine, no modulation), ``h + attn2_out`` (x's dtype), and the FFN's
+``(h.float() + ff_out.float() * c_gate_msa).type_as(h)`` followed by the next norm.
+
+Signatures (positional, like the twins):
+    ln_modulate_kernel(x, weight, bias, scale, shift, eps) -> o
+    gated_residual_kernel(x, y, gate, weight, bias, scale, shift, eps, norm) -> r, or (r, o) when ``norm``
+x, y [B, S, D] (x's dtype: fp32 / bf16 / fp16); gate, scale, shift fp32 [B or 1, 1 or S, D] (per sample, or per
+token as Wan2.2-TI2V) or None; weight, bias [D] or None; outputs in x's dtype (``nl.shared_hbm``).
+
+Algorithm, per tile of up to 128 tokens (tokens on partitions, D on the free axis):
+    residual (gated_residual only; exact: the same two fp32 roundings as torch, then one rounding to x's dtype)
+    POOL  t = y * gate                             (fp32; gate None: skipped)
+    DVE   r = x + t   -> x's dtype                 (gate None: r = x + y on POOL, one fp32 add rounded to x's dtype)
+    DMA   r -> HBM                                 (the new hidden states; the norm below reads the SBUF copy)
+    LayerNorm statistics, two-pass (no E[x^2] - mean^2 cancellation), the full-width passes on ScalarE
+    ACT   s = sum_j r_j                            (activation(copy) with the add-reduce registers)
+    DVE   nm = s * (-1/D)                          (minus the mean, [P, 1])
+    ACT   ss = sum_j (r_j + nm)^2                  (activation(square, bias=nm) with the add-reduce registers)
+    ACT   c = r + nm                               (centred BEFORE any scaling: r * rstd - mean * rstd would cancel
+                                                    catastrophically when the mean dominates the spread)
+    DVE   v = ss * (1/D) + eps;   POOL rstd = rsqrt(v)   (GpSimd's precise rsqrt)
+    finish (torch's order of fp32 roundings; the last op writes x's dtype)
+    DVE   n = (c * rstd) * f                       (one scalar_tensor_tensor; f = the weight, else (1 + scale))
+    POOL  n = n + b;  n = n * (1 + scale) if not yet applied;  o = n + shift
+    DMA   o -> HBM
+Everything between the loads and the final rounding is fp32 (torch's FP32LayerNorm and the fp32 modulation do the
+same), so only the LayerNorm's summation order differs from torch's (tested against an fp64 oracle); the residual
+is bit-identical to torch's in the emulator. Per-column factors cost a two-input VectorE / GpSimd pass each (their
+fp32 rates), so the chain is engine-bound on trn2 and trn3, not HBM-bound; the work is spread over ScalarE,
+VectorE and GpSimd as above.
+
+Loop structure: weight / bias -> SBUF once (DMA with partition stride 0); for batch row: per-sample gate / scale /
+shift -> SBUF once (partition stride 0), (1 + scale) formed once; over this program's token tiles (one group when
+four tiles' working buffers fit in SBUF, each buffer released once used; else groups of what fits): a software
+pipeline whose step k loads tile k (and forms its residual), stores
+tile k-1's residual and computes its statistics, finishes tile k-2 and stores tile k-3, so every engine's (and DMA
+queue's) in-order stream alternates between independent tiles and no store blocks the next load. Under
+``kernel[2]`` the token tiles are dealt round-robin to the two logical cores.
+
+Cost (MODELED, never measured): rows ``fused_norm1``, ``fused_res_norm2``, ``fused_res_norm3`` and ``fused_res_ffn``
+of ``diffusers-nki bench kernels`` (the per-rank calls of one Wan block; the dependency-aware schedule of the trace is
+the headline, the roofline its ceiling). HBM traffic is the minimum for each chain: x and y read once, r and o
+written once (the unfused chain reads r back for its norm and writes and reads every fp32 intermediate). The
+schedule sits about twice above the ceiling at the per-rank shape (585 tokens: five tiles, so the pipeline's fill
+and drain are a large share); on the whole 4680-token chunk the gap narrows for three of the four chains, while the
+attn1 -> norm2 chain (gate and affine: four per-column passes on VectorE / GpSimd) stays near twice its ceiling. The
+stage order was chosen on the scheduled model (an all-ScalarE statistics chain with finish-before-statistics order
+was tried and scheduled slower); further restructuring is open work, not a tuned result.
+
+Limits (``not_supported_reasons``): D <= MAX_DIM = 5120 (the working tiles [128, D] in SBUF; the widest fp32 case
+fits trn2's SBUF in strict trace mode); x and y of one float dtype; gate / scale / shift fp32, per sample or per
+token; eps >= 0. The op layer checks them with the twin's function (torch tensors, every reason listed); a direct
+launch is checked at trace time by ``_check`` (asserts; dtypes compared with ``==`` against NKI's own dtypes).
+
+Launch path: ``diffusers_nki.modulate_ops`` (custom ops ``diffusers_nki::ln_modulate``, ``::gated_residual`` and
+``::gated_residual_ln`` with fake impls and counters) dispatches to the "torch" (twins), "sim" (these kernels in the
+emulator) or "nki" backend (on a NeuronCore). The cached causal Wan path (``caching/causal_wan.py`` through
+``caching/wan_block.py``) calls them for every block. Kernel code stays inside the NKI subset production kernels
+use (tests/kernels/test_nki_subset_audit.py).
+
+Tested ranges (tests/kernels/test_ln_modulate.py, emulator with numerics, trn2 unless noted; error vs an fp64 oracle
+<= 2 x torch's own + floor): S in {1, 113, 129, 130, 257, 300}, D in {2, 24, 48, 64, 96, 1536}, fp32 / bf16 / fp16,
+per-sample and per-token modulation, with and without the affine, gate None and given, batch 1 and 2 (modulation
+batch 1 or B), inputs offset by a mean up to 100x their spread; kernel[2], trn1 and trn3; full Wan shapes (4680 / 8
+tokens per rank, and the whole 4680-token chunk with per-token modulation) x 1536 bf16 in trace mode, and the
+widest fp32 row (D = 5120, every optional input) strict in trace mode.
+"""
+from __future__ import annotations
+
+from diffusers_nki.nki import nki, nl, nisa
+from diffusers_nki.kernels.ln_modulate_ref import MAX_DIM, not_supported_reasons
+
+__all__ = ["ln_modulate_kernel", "gated_residual_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE"]
+
+P = 128  # partitions = tokens per tile
+MAX_GROUP = 8  # token tiles issued stage by stage together (the engines overlap across them)
+SBUF_RESERVE = 16384  # bytes per partition left for the small statistics tiles and the allocator's alignment
+
+# Wan2.1-1.3B, one 3-latent-frame chunk at 480x832 (1560 tokens per frame), dim 1536
+FULL_SCALE = dict(B=1, S=3 * 1560, D=1536)
+
+
+def _is_float(dt):
+    return dt == nl.float32 or dt == nl.bfloat16 or dt == nl.float16
+
+
+def _check_mod(name, t, B, S, D):
+    if t != None:  # noqa: E711  (an NKI tensor: compared with None the way production kernels do)
+        sh = t.shape
+        assert len(sh) == 3 and (sh[0] == 1 or sh[0] == B) and (sh[1] == 1 or sh[1] == S) and sh[2] == D, (
+            f"ln_modulate: {name} shape {sh} must be [1 or B={B}, 1 or S={S}, D={D}]")
+        assert t.dtype == nl.float32, f"ln_modulate: {name} dtype {t.dtype} must be float32"
+
+
+def _check(x, y, gate, weight, bias, scale, shift, eps):
+    """Trace-time checks of a direct launch (shapes and dtypes are compile-time constants). The op layer checks the
+    same limits first with the twin's ``not_supported_reasons`` (torch tensors, full messages)."""
+    assert len(x.shape) == 3, f"ln_modulate: x must be 3-D [B, S, D], got shape {x.shape}"
+    B, S, D = x.shape
+    assert D <= MAX_DIM, f"ln_modulate: feature dim D={D} exceeds the limit {MAX_DIM}"
+    assert D >= 2, f"ln_modulate: feature dim D={D} must be >= 2"
+    assert _is_float(x.dtype), f"ln_modulate: x dtype {x.dtype} is not supported (float32, bfloat16, float16)"
+    if y != None:  # noqa: E711
+        assert y.shape == x.shape and y.dtype == x.dtype, "gated_residual: y must have x's shape and dtype"
+    _check_mod("gate", gate, B, S, D)
+    _check_mod("scale", scale, B, S, D)
+    _check_mod("shift", shift, B, S, D)
+    assert (scale == None) == (shift == None), "ln_modulate: scale and shift must be given together"  # noqa: E711
+    if scale != None:  # noqa: E711
+        assert scale.shape == shift.shape, f"ln_modulate: scale {scale.shape} and shift {shift.shape} differ in shape"
+    if weight != None:  # noqa: E711
+        assert weight.shape[0] == D, f"ln_modulate: weight shape {weight.shape} must be [D={D}]"
+    if bias != None:  # noqa: E711
+        assert bias.shape[0] == D, f"ln_modulate: bias shape {bias.shape} must be [D={D}]"
+    assert eps >= 0, f"ln_modulate: eps must be >= 0, got {eps}"
+
+
+def _rows(t, b, s0, n, S, D):
+    """HBM view of t's rows [b, s0:s0+n] as [n, D] (t is [B, S, D])."""
+    return t.ap(pattern=[[D, n], [1, D]], offset=(b * S + s0) * D)
+
+
+def _bcast_row(t, row, D):
+    """HBM view of t's row ``row`` (a [D] vector) on every partition: [P, D] with partition stride 0."""
+    return t.ap(pattern=[[0, P], [1, D]], offset=row * D)
+
+
+def _load_vec(t, D):
+    """A [D] vector (the LayerNorm's weight or bias) on every partition, cast to fp32 by the DMA."""
+    v = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=v, src=_bcast_row(t, 0, D))
+    return v
+
+
+def _mod_rows(t, b, s0, n, S, D, dst):
+    """The modulation rows of batch row b for tokens [s0, s0+n) into ``dst`` [P, D] fp32 (per-token tensors)."""
+    tb = b if t.shape[0] > 1 else 0
+    nisa.dma_copy(dst=dst[0:n], src=_rows(t, tb, s0, n, S, D))
+
+
+def _one_plus(dst, n):
+    """dst = 1 + dst (the modulation's (1 + scale), fp32, in place), on VectorE."""
+    nisa.tensor_scalar(dst=dst[0:n], data=dst[0:n], op0=nl.add, operand0=1.0, engine=nisa.engine.vector)
+
+
+def _group_tiles(D, isz, resident):
+    """Token tiles processed together, stage by stage (1..MAX_GROUP): as many as the per-tile working buffers
+    (x, y, r, out in x's dtype; t, c in fp32) fit in the SBUF left after the ``resident`` bytes per partition."""
+    per_tile = D * (4 * isz + 8)
+    g = (nl.tile_size.sbuf_fmax_bytes - resident - SBUF_RESERVE) // per_tile
+    return max(1, min(MAX_GROUP, g))
+
+
+def _stats(r, n, D, eps):
+    """Per-row LayerNorm statistics of r[0:n]: (c, rstd) with c = r - mean (fp32) and rstd = 1/sqrt(var + eps).
+    Two passes (the mean first), so no E[r^2] - mean^2 cancellation; c is centred before it is ever scaled. The
+    three full-width passes run on ScalarE (sum, sum of squares with the add-reduce registers, centring)."""
+    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+    s = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], reduce_op=nl.add, reduce_cmd=nisa.reduce_cmd.reset_reduce,
+                    reduce_res=s[0:n])
+    nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nm[0:n], data=s[0:n], op0=nl.multiply, operand0=-1.0 / D, engine=nisa.engine.vector)
+    ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    # the squares land in c (discarded: overwritten by the centred values next)
+    nisa.activation(dst=c[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=ss[0:n])
+    nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], bias=nm[0:n])
+    ve = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ve[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=eps,
+                       engine=nisa.engine.vector)
+    rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rstd[0:n], data=ve[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
+    return c, rstd
+
+
+def _finish(out, c, rstd, n, w_sb, b_sb, onep, sh):
+    """out[0:n] = ((c * rstd) [* w] [+ b]) [* onep + sh] in torch's order of fp32 roundings, the last op writing
+    out's dtype: the per-row scale and the first per-column factor in one VectorE instruction
+    (``scalar_tensor_tensor``), the remaining per-column ops on GpSimd."""
+    first = w_sb
+    if first == None:  # noqa: E711
+        if b_sb == None:  # noqa: E711
+            first = onep
+    tail = 0  # per-column ops after the first
+    if b_sb != None:  # noqa: E711
+        tail = tail + 1
+    if onep != None and first != onep:  # noqa: E711
+        tail = tail + 1
+    if onep != None:  # noqa: E711
+        tail = tail + 1
+    if first == None:  # noqa: E711  a bias without a weight, or the plain LayerNorm
+        nisa.tensor_scalar(dst=out[0:n] if tail == 0 else c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n],
+                           engine=nisa.engine.vector)
+    else:
+        nisa.scalar_tensor_tensor(dst=out[0:n] if tail == 0 else c[0:n], data=c[0:n], op0=nl.multiply,
+                                  operand0=rstd[0:n], op1=nl.multiply, operand1=first[0:n])
+    if b_sb != None:  # noqa: E711
+        tail = tail - 1
+        nisa.tensor_tensor(dst=out[0:n] if tail == 0 else c[0:n], data1=c[0:n], data2=b_sb[0:n], op=nl.add,
+                           engine=nisa.engine.gpsimd)
+    if onep != None:  # noqa: E711
+        if first != onep:
+            nisa.tensor_tensor(dst=c[0:n], data1=c[0:n], data2=onep[0:n], op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=out[0:n], data1=c[0:n], data2=sh[0:n], op=nl.add, engine=nisa.engine.gpsimd)
+
+
+def _residual(r, x_sb, y_sb, g_sb, n, gated):
+    """r[0:n] = x + y * g (fp32 product on GpSimd, fp32 sum on VectorE, rounded once to r's dtype) or x + y
+    (GpSimd)."""
+    if gated:
+        t = nl.ndarray((P, r.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t[0:n], data1=y_sb[0:n], data2=g_sb[0:n], op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=t[0:n], op=nl.add, engine=nisa.engine.vector)
+    else:
+        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=y_sb[0:n], op=nl.add, engine=nisa.engine.gpsimd)
+
+
+def _mod_tile(t, b, s0, n, S, D):
+    """A [P, D] fp32 tile holding rows [s0, s0+n) of batch row b of the per-token modulation t."""
+    dst = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+    _mod_rows(t, b, s0, n, S, D, dst)
+    return dst
+
+
+def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
+    """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation). Token tiles are
+    taken ``_group_tiles`` at a time and every stage is issued for all tiles of the group before the next stage,
+    so each engine's in-order queue holds independent work of several tiles (the engines overlap across tiles)."""
+    B, S, D = x.shape
+    isz = 4
+    if x.dtype == nl.bfloat16 or x.dtype == nl.float16:
+        isz = 2
+    r_o = None
+    n_o = None
+    if residual:
+        r_o = nl.ndarray((B, S, D), dtype=x.dtype, buffer=nl.shared_hbm)
+    if norm:
+        n_o = nl.ndarray((B, S, D), dtype=x.dtype, buffer=nl.shared_hbm)
+    w_sb = None
+    b_sb = None
+    if norm and weight != None:  # noqa: E711
+        w_sb = _load_vec(weight, D)
+    if norm and bias != None:  # noqa: E711
+        b_sb = _load_vec(bias, D)
+    gated = gate != None  # noqa: E711
+    g_tok = gated and gate.shape[1] > 1
+    m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
+    G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
+    prg_id = nl.program_id(0)
+    n_prgs = nl.num_programs(0)
+    # this program's token tiles (dealt round-robin under kernel[2])
+    mine = []
+    t_i = 0
+    for s0 in range(0, S, P):
+        if t_i % n_prgs == prg_id:
+            mine.append(s0)
+        t_i = t_i + 1
+    if G >= 4:  # the pipeline holds at most 4 tiles' buffers at once (each released once used): one group per row
+        G = max(1, len(mine))
+    for b in range(B):
+        g_sb = None
+        onep = None
+        sh = None
+        if gated and not g_tok:
+            g_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=g_sb, src=_bcast_row(gate, b if gate.shape[0] > 1 else 0, D))
+        if norm and scale != None and not m_tok:  # noqa: E711
+            onep = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+            sh = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=onep, src=_bcast_row(scale, b if scale.shape[0] > 1 else 0, D))
+            nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
+            _one_plus(onep, P)
+        for g0 in range(0, len(mine), G):
+            if g0 < len(mine):
+                starts = []
+                for j in range(g0, min(len(mine), g0 + G)):
+                    starts.append(mine[j])
+                nt = len(starts)
+                rs = []
+                cs = []
+                rstds = []
+                os = []
+                # a software pipeline over the group's tiles: at step k, tile k is loaded (and its residual formed),
+                # tile k-1's residual is stored and gets its statistics, tile k-2 is finished and tile k-3 stored;
+                # every store is issued a step after the work it waits for, so the in-order DMA queues never stall
+                # the next loads, and each engine's queue alternates between independent tiles
+                for k in range(nt + 3):
+                    if k < nt:
+                        s0 = starts[k]
+                        n = min(P, S - s0)
+                        x_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                        nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, D))
+                        r_sb = x_sb
+                        if residual:
+                            y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                            nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, s0, n, S, D))
+                    i = k - 1
+                    if residual and i >= 0 and i < nt:
+                        n = min(P, S - starts[i])
+                        nisa.dma_copy(dst=_rows(r_o, b, starts[i], n, S, D), src=rs[i][0:n])
+                    i = k - 3
+                    if norm and i >= 0:
+                        n = min(P, S - starts[i])
+                        nisa.dma_copy(dst=_rows(n_o, b, starts[i], n, S, D), src=os[i][0:n])
+                        os[i] = None  # released: the SBUF holds the pipeline's last few tiles only
+                    if k < nt:
+                        if residual:
+                            s0 = starts[k]
+                            n = min(P, S - s0)
+                            gt = g_sb
+                            if g_tok:
+                                gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
+                            r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                            _residual(r_sb, x_sb, y_sb, gt, n, gated)
+                        rs.append(r_sb)
+                    i = k - 1
+                    if i >= 0 and i < nt:
+                        if norm:
+                            c, rstd = _stats(rs[i], min(P, S - starts[i]), D, eps)
+                            cs.append(c)
+                            rstds.append(rstd)
+                        rs[i] = None
+                    i = k - 2
+                    if norm and i >= 0 and i < nt:
+                        s0 = starts[i]
+                        n = min(P, S - s0)
+                        op = onep
+                        st = sh
+                        if m_tok:
+                            op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
+                            st = _mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D)
+                            _one_plus(op, n)
+                        o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                        _finish(o_sb, cs[i], rstds[i], n, w_sb, b_sb, op, st)
+                        os.append(o_sb)
+                        cs[i] = None
+    return r_o, n_o
+
+
+@nki.jit
+def ln_modulate_kernel(x, weight, bias, scale, shift, eps):
+    _check(x, None, None, weight, bias, scale, shift, eps)
+    r_o, n_o = _chain(x, None, None, weight, bias, scale, shift, eps, False, True)
+    return n_o
+
+
+@nki.jit
+def gated_residual_kernel(x, y, gate, weight, bias, scale, shift, eps, norm):
+    _check(x, y, gate, weight, bias, scale, shift, eps)
+    r_o, n_o = _chain(x, y, gate, weight, bias, scale, shift, eps, True, norm)
+    if norm:
+        return r_o, n_o
+    return r_o
+
+
+def model_full_scale(kind="gated_residual_ln", target="trn2", lnc=1, shape=None, per_token=False):
+    """MODELED cost (``nkisim.cost.CostReport``, never measured) of one launch at full scale, traced without
+    numerics on ``target``: ``FULL_SCALE`` (Wan2.1-1.3B, a 3-frame chunk, bf16, fp32 modulation per sample, or per
+    token with ``per_token``). ``kind``: "ln_modulate" (norm1 / norm3 + modulation), "gated_residual" (the residual
+    alone), "gated_residual_ln" (the gated residual fused with the next norm + modulation), "residual_ln_affine"
+    (the attn1 residual fused with the cross-attention's affine norm2)."""
+    import ml_dtypes
+    import numpy as np
+
+    from nkisim import simulate
+    from nkisim.cost import model
+
+    s = dict(FULL_SCALE, **(shape or {}))
+    B, S, D = s["B"], s["S"], s["D"]
+
+    def zeros(shp, dt):  # full-size inputs that occupy no memory (trace mode never reads values)
+        return np.broadcast_to(np.zeros((), dt), shp)
+
+    bf = ml_dtypes.bfloat16
+    x, y = zeros((B, S, D), bf), zeros((B, S, D), bf)
+    mod = (B, S if per_token else 1, D)
+    g, sc, sh = zeros(mod, np.float32), zeros(mod, np.float32), zeros(mod, np.float32)
+    w, bb = zeros((D,), np.float32), zeros((D,), np.float32)
+    kern = gated_residual_kernel if kind != "ln_modulate" else ln_modulate_kernel
+    kern = kern[lnc] if lnc > 1 else kern
+    sim = simulate(kern, target=target, numerics=False)
+    if kind == "ln_modulate":
+        sim(x, None, None, sc, sh, 1e-6)
+    elif kind == "gated_residual":
+        sim(x, y, g, None, None, None, None, 1e-6, False)
+    elif kind == "gated_residual_ln":
+        sim(x, y, g, None, None, sc, sh, 1e-6, True)
+    elif kind == "residual_ln_affine":
+        sim(x, y, g, w, bb, None, None, 1e-6, True)
+    else:
+        raise ValueError(f"model_full_scale: kind={kind!r} is not one of 'ln_modulate', 'gated_residual', "
+                         "'gated_residual_ln', 'residual_ln_affine'")
+    return model(sim.last_record, target)
