@@ -32,6 +32,12 @@ def probe():
 
 
 @pytest.fixture(scope="module")
+def fused_probe():
+    """The path with the opt-in fused elementwise chains (StaticCacheConfig.fuse_elementwise)."""
+    return budget.chunk_attention_calls(window=21, sink=0, layers=LAYERS, fuse_elementwise=True)
+
+
+@pytest.fixture(scope="module")
 def vae():
     return budget.vae_decode_calls()
 
@@ -48,13 +54,8 @@ def test_attention_shapes_recorded_from_the_patched_pipeline_at_full_geometry(pr
     assert len(shapes) == 2
     # every op of the steady chunk, with its call site: the kernels of ours per layer and pass
     kernels = budget._kernel_counts(probe["ops"])
-    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3,
-                       # the block's elementwise chains (caching/wan_block.py): the first block's norm1, two fused
-                       # residuals per block, each FFN residual fused with the next block's norm1, the last one alone
-                       "ln_modulate": 5, "gated_residual_ln": LAYERS * 5 * 2 + (LAYERS - 1) * 5,
-                       "gated_residual": 5}
-    # no LayerNorm of the blocks is left to XLA (the output head's norm_out is the one left)
-    assert {r.site for r in probe["ops"] if r.name == "native_layer_norm"} == {"norm_out"}
+    # the default path leaves the blocks' elementwise chains to the compiler (fuse_elementwise is opt-in)
+    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3}
     sites = {r.site for r in probe["ops"] if r.name == "qk_norm_rope"}
     assert sites == {f"blocks.{i}.attn1" for i in range(LAYERS)}
     ffn = [(r, n) for r, n in probe["ops"].items() if r.name == "addmm" and r.site == "blocks.0.ffn.net.0.proj"]
@@ -169,20 +170,8 @@ def test_dit_terms_are_the_transformers_matmuls_at_the_per_rank_shapes(probe, W)
     assert ffn["sites"] == {f"blocks.{i}.ffn.net.0.proj": 5 for i in range(LAYERS)}
     qk = [t for t in d["terms"] if t["label"].startswith("scheduled: qk_norm_rope")][0]
     assert qk["calls"] == LAYERS * 5 * 2
-    # the block's elementwise chains: one scheduled term per fused kernel, each call traced at the per-rank tokens
-    fused = {t["label"].split(" ")[1]: t for t in d["terms"] if "kernels/ln_modulate.py" in t["label"]}
-    assert {k: t["calls"] for k, t in fused.items()} == {"ln_modulate": 5, "gated_residual": 5,
-                                                       "gated_residual_ln": LAYERS * 10 + (LAYERS - 1) * 5}
-    assert fused["gated_residual"]["sites"] == {f"blocks.{LAYERS - 1}": 5}
-    assert fused["ln_modulate"]["sites"] == {"blocks.0": 5}
-    S = 3 * TPF // W  # (kind, per-rank tokens, D, gate, affine, modulated, per-token modulation)
-    assert m.fused_calls == {("ln_modulate", S, 1536, False, False, True, False),
-                             ("gated_residual_ln", S, 1536, True, True, False, False),   # attn1 -> norm2 (affine)
-                             ("gated_residual_ln", S, 1536, False, False, True, False),  # attn2 -> norm3 + modulation
-                             ("gated_residual_ln", S, 1536, True, False, True, False),   # FFN -> the next norm1
-                             ("gated_residual", S, 1536, True, False, False, False)}     # the FFN
     launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
-    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 15) + 5 + 5 and launch["seconds"] == pytest.approx(
+    assert launch["calls"] == LAYERS * (10 + 10 + 3) + 5 and launch["seconds"] == pytest.approx(
         launch["calls"] * budget.launch_seconds("trn2"))
     att = d["terms"][0]
     assert att["label"].startswith("scheduled: attention")
@@ -448,3 +437,33 @@ def test_decoder_option_records_each_decoder(tmp_path, capsys, monkeypatch, prob
     assert args._run(args) == 2
     err = capsys.readouterr().err
     assert "--decoder='taehv,vq'" in err and "['vq']" in err and "['wan', 'taehv']" in err
+
+
+def test_opt_in_fused_chains_are_recorded_and_scheduled_at_the_per_rank_shapes(fused_probe):
+    """With StaticCacheConfig(fuse_elementwise=True) the recorded path calls the fused kernels, and the budget
+    names them as scheduled terms, one per kernel, each call at the per-rank tokens."""
+    assert fused_probe["fuse_elementwise"] is True
+    kernels = budget._kernel_counts(fused_probe["ops"])
+    # the first block's norm1, two fused residuals per block, each FFN residual fused with the next block's norm1,
+    # the last one alone
+    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3,
+                       "ln_modulate": 5, "gated_residual_ln": LAYERS * 5 * 2 + (LAYERS - 1) * 5, "gated_residual": 5}
+    # no LayerNorm of the blocks is left to XLA (the output head's norm_out is the one left)
+    assert {r.site for r in fused_probe["ops"] if r.name == "native_layer_norm"} == {"norm_out"}
+    W = 8
+    m = FakeModel()
+    d = budget.dit_terms(fused_probe["chunks"][fused_probe["steady"]], W, "trn2", m, ops=fused_probe["ops"])
+    _labelled(d["terms"])
+    fused = {t["label"].split(" ")[1]: t for t in d["terms"] if "kernels/ln_modulate.py" in t["label"]}
+    assert {k: t["calls"] for k, t in fused.items()} == {"ln_modulate": 5, "gated_residual": 5,
+                                                       "gated_residual_ln": LAYERS * 10 + (LAYERS - 1) * 5}
+    assert fused["gated_residual"]["sites"] == {f"blocks.{LAYERS - 1}": 5}
+    assert fused["ln_modulate"]["sites"] == {"blocks.0": 5}
+    S = 3 * TPF // W  # (kind, per-rank tokens, D, gate, affine, modulated, per-token modulation)
+    assert m.fused_calls == {("ln_modulate", S, 1536, False, False, True, False),
+                             ("gated_residual_ln", S, 1536, True, True, False, False),   # attn1 -> norm2 (affine)
+                             ("gated_residual_ln", S, 1536, False, False, True, False),  # attn2 -> norm3 + modulation
+                             ("gated_residual_ln", S, 1536, True, False, True, False),   # FFN -> the next norm1
+                             ("gated_residual", S, 1536, True, False, False, False)}     # the FFN
+    launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
+    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 15) + 5 + 5

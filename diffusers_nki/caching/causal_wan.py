@@ -1049,7 +1049,10 @@ class CausalWanStaticCache(StaticCacheHook):
                 self.swap_processor(f"{name}.attn1", m.attn1, CausalWanCacheProcessor(m.attn1.processor))
                 # the text K/V once per prompt (caching.text_kv): served only where the wrapped processor is known
                 self.swap_processor(f"{name}.attn2", m.attn2, TextKVProcessor(m.attn2.processor))
-        wan_block.install(module, self.route, self.fused)  # the blocks' norm / modulation / residual chains fused
+        if self.config.fuse_elementwise:  # opt-in (StaticCacheConfig.fuse_elementwise says why)
+            wan_block.install(module, self.route, self.fused)  # the blocks' norm / modulation / residual chains fused
+        else:
+            self.fused["off"] = True
         return module
 
     def _state_for(self, module, hs: torch.Tensor, chunk: CausalChunk) -> _Rollout:

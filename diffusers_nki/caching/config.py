@@ -58,6 +58,11 @@ class StaticCacheConfig:
             the rollout needs when the family knows it; a warning; the output is unchanged, the attention shapes
             change once) instead of raising. The default cache ``diffusers_nki.patch`` installs sets it, so the
             patched pipeline never fails where stock succeeds. Families: AnyFlow-FAR, causal Wan.
+        fuse_elementwise: causal Wan only: run each block's LayerNorm + modulation and gated-residual chains through
+            the fused ``ln_modulate`` / ``gated_residual`` kernels (``caching/wan_block.py``; the twins are bit
+            identical to stock). Off by default: at Wan's per-rank shapes the kernels' MODELED time plus their launches
+            exceeds the budget's XLA-compiled assumption for the same elementwise work (``diffusers-nki bench kernels
+            --shapes fused_norm1,...`` beside the budget's XLA elementwise row), so by the project's rule (a kernel by default only where the model says it beats the compiler) they are opt-in.
     """
 
     capacity: Optional[int] = None
@@ -69,6 +74,7 @@ class StaticCacheConfig:
     backend: Optional[str] = None
     strict: bool = False
     grow: bool = False
+    fuse_elementwise: bool = False
 
     def __post_init__(self):
         for f in fields(self):
@@ -132,6 +138,7 @@ RULES = {
     "backend": (lambda v: v is None or isinstance(v, str), lambda v: v is None or _backend_ok(v), None),
     "strict": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
     "grow": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
+    "fuse_elementwise": (lambda v: isinstance(v, bool), None, "a bool (True or False)"),
 }
 
 

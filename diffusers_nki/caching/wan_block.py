@@ -188,6 +188,9 @@ def remove(model) -> int:
 
 def describe(stats: Dict[str, object]) -> str:
     """One line for the cache's ``describe()``: blocks with the fused forward, calls served, fallbacks."""
+    if stats.get("off"):
+        return ("block elementwise chains: stock (fused kernels opt-in: StaticCacheConfig(fuse_elementwise=True); "
+                "modeled slower than the compiler's elementwise at Wan's shapes)")
     text = (f"block elementwise chains fused (ln_modulate, gated_residual, gated_residual_ln): "
             f"{stats.get('installed', 0)} blocks, {stats.get('fused_blocks', 0)} block calls fused")
     if stats.get("stock_blocks"):

@@ -141,7 +141,8 @@ def wan13_transformer(layers: int = WAN13["layers"]):
 
 def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int] = None, steps: int = STEPS,
                           height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES,
-                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True) -> dict:
+                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True,
+                          fuse_elementwise: bool = False) -> dict:
     """The DEFAULT patched ``CausalWanPipeline`` (``diffusers_nki.patch(pipe, backend=backend)``: what a Trainium
     host gets, with the emulator's backend standing in for the device's: the same wiring) rolled out over
     Wan2.1-1.3B on the meta device at full geometry: every op it dispatches recorded with its call site
@@ -161,7 +162,9 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
                              num_frame_per_block=chunk_frames, window_frames=window, sink_frames=sink,
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
     pipe.set_progress_bar_config(disable=True)
-    diffusers_nki.patch(pipe, backend=backend)
+    # fuse_elementwise: the opt-in fused elementwise chains (StaticCacheConfig.fuse_elementwise), else the default
+    diffusers_nki.patch(pipe, backend=backend,
+                        cache=pipe.default_cache_config(fuse_elementwise=True) if fuse_elementwise else None)
     starts: List[int] = []
     h = transformer.register_forward_pre_hook(
         lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
@@ -204,7 +207,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
             "unrouted": sum(1 for c in rec.calls if c.path != "diffusers_nki"),
             "distinct_shapes": rec.distinct([c for c in rec.calls if c.path == "diffusers_nki"]),
             "ops": steady_ops, "dispatches": sum(steady_ops.values()), "transformer_calls": passes[steady],
-            "backend": backend, "layers": layers,
+            "backend": backend, "layers": layers, "fuse_elementwise": fuse_elementwise,
             "geometry": {"height": height, "width": width, "chunk_frames": chunk_frames, "chunks": chunks,
                          "window": window, "sink": sink, "tokens_per_frame": tpf, "steps": steps}}
 
@@ -871,11 +874,13 @@ def calibration_row(target: str = "trn2", quick: bool = True) -> dict:
 # the budget
 # ------------------------------------------------------------------------------------------------------
 def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] = None, vae: Optional[dict] = None,
-           model: Optional[_Model] = None, implemented: Optional[Dict[str, str]] = None, progress=None) -> dict:
+           model: Optional[_Model] = None, implemented: Optional[Dict[str, str]] = None, progress=None,
+           fuse_elementwise: bool = False) -> dict:
     """The modeled per-chunk budget of ``setup`` on each target: every layout, its terms, the headline (the best
-    IMPLEMENTED layout) beside the best modeled one."""
+    IMPLEMENTED layout) beside the best modeled one. ``fuse_elementwise``: record the path with the opt-in fused
+    elementwise chains (``StaticCacheConfig.fuse_elementwise``) instead of the default."""
     s = SETUPS[setup]
-    probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"])
+    probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"], fuse_elementwise=fuse_elementwise)
     if "ops" not in probe:
         raise ValueError("budget: the probe has no recorded ops (chunk_attention_calls() records them)")
     vae = vae or vae_decode_calls()
@@ -887,6 +892,7 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
             "graphs": (probe.get("transformer_calls") or STEPS + 1) + (vae.get("decoder_calls") or CHUNK_FRAMES)}
     out = {"modeled": True, "setup": setup, "label": s["label"], "published_fps": s["published_fps"],
            "decoder": vae.get("decoder", "wan"),
+           "fuse_elementwise": bool(probe.get("fuse_elementwise", fuse_elementwise)),
            "targets_fps": TARGET_FPS.get(setup), "unit": f"one steady-state chunk = {CHUNK_FRAMES} latent frames = "
            f"{frames} video frames at {HEIGHT}x{WIDTH}, {STEPS} denoising passes + 1 cache pass",
            "attention_calls": [c.to_dict() for c in calls], "implemented": impl,
@@ -1096,6 +1102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
     p.add_argument("--decoder", default="wan", help=f"the recorded decoder(s): a comma list of {', '.join(DECODERS)} "
                    "(each decoder is its own recorded run; the results carry a 'decoder' field)")
+    p.add_argument("--fuse-elementwise", action="store_true",
+                   help="record the path with the opt-in fused elementwise kernels (StaticCacheConfig(fuse_elementwise="
+                        "True)); the default path leaves that work to the compiler")
     p.add_argument("--precision", default="bf16", help=f"the modeled precision, one of {', '.join(PRECISIONS)}")
     p.add_argument("--doc", action="append", default=[], metavar="PATH",
                    help="rewrite the marked summary tables of this Markdown file (repeatable; README.md, docs/...)")
@@ -1170,7 +1179,8 @@ def run(args) -> int:
     for dec in _decoders(args):  # each decoder its own recorded run, its results labelled with it
         vae = vae_decode_calls(decoder=dec)
         impl = implemented_layouts() if dec == "wan" else implemented_layouts(decoder=dec)
-        results += [budget(s, targets, vae=vae, implemented=impl, progress=bar) for s in setups]
+        results += [budget(s, targets, vae=vae, implemented=impl, progress=bar,
+                           fuse_elementwise=getattr(args, "fuse_elementwise", False)) for s in setups]
     if bar is not None:
         bar.close()
     cal = calibration_row("trn2")

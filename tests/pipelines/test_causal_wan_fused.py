@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import diffusers_nki
-from diffusers_nki import errors, modulate_ops
+from diffusers_nki import StaticCacheConfig, errors, modulate_ops
 from diffusers_nki.cache import describe_cache
 from diffusers_nki.caching import wan_block
 from diffusers_nki.testing import reset_state, tiny
@@ -20,6 +20,10 @@ from diffusers_nki.testing import reset_state, tiny
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+# opt-in (StaticCacheConfig.fuse_elementwise: the kernels are modeled slower than the compiler's elementwise work)
+FUSED = StaticCacheConfig(fuse_elementwise=True)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +42,21 @@ def _unfused(pipe):
     assert wan_block.remove(pipe.transformer) == len(pipe.transformer.blocks)
 
 
-def test_default_path_runs_the_fused_chains_and_equals_stock_blocks(pipe):
-    layers = len(pipe.transformer.blocks)
+def test_default_patch_leaves_the_blocks_stock_and_says_so(pipe):
     diffusers_nki.patch(pipe, backend="torch")
+    try:
+        assert not any("forward" in b.__dict__ for b in pipe.transformer.blocks)
+        reset_state()
+        _rollout(pipe, chunks=2, steps=1)
+        assert sum(sum(c.values()) for c in modulate_ops.counters().values()) == 0
+        assert "block elementwise chains: stock (fused kernels opt-in" in str(diffusers_nki.explain(pipe))
+    finally:
+        diffusers_nki.unpatch(pipe)
+
+
+def test_opt_in_path_runs_the_fused_chains_and_equals_stock_blocks(pipe):
+    layers = len(pipe.transformer.blocks)
+    diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
     try:
         reset_state()
         fused = _rollout(pipe)
@@ -69,7 +85,7 @@ def test_unpatch_restores_the_blocks_exactly(pipe):
     kw = dict(hidden_states=x, timestep=torch.tensor([500.0]),
               encoder_hidden_states=torch.randn(1, 512, tiny.TEXT_DIM))
     ref = pipe.transformer(**kw).sample
-    diffusers_nki.patch(pipe, backend="torch")
+    diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
     try:
         assert all(isinstance(b.__dict__.get("forward"), wan_block.FusedWanBlockForward) for b in blocks)
         # a call without a CausalChunk (a bidirectional pipeline sharing the model): stock forward, no fused op
@@ -88,7 +104,7 @@ def test_sim_backend_runs_the_kernels_and_matches_the_twins(pipe):
     layers = len(pipe.transformer.blocks)
     out = {}
     for backend in ("torch", "sim"):
-        diffusers_nki.patch(pipe, backend=backend)
+        diffusers_nki.patch(pipe, backend=backend, cache=FUSED)
         try:
             reset_state()
             out[backend] = _rollout(pipe, chunks=2, steps=1)
@@ -169,7 +185,7 @@ def test_unsupported_blocks_fall_back_visibly_and_raise_when_strict(pipe, monkey
     import diffusers_nki.kernels.ln_modulate_ref as ref
 
     monkeypatch.setattr(ref, "MAX_DIM", 8)  # the tiny model's width exceeds it: every block call falls back
-    diffusers_nki.patch(pipe, backend="torch")
+    diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
     try:
         reset_state()
         with pytest.warns(RuntimeWarning, match="stock block elementwise chains run.*exceeds the limit 8"):
@@ -178,7 +194,7 @@ def test_unsupported_blocks_fall_back_visibly_and_raise_when_strict(pipe, monkey
         assert "block calls stock (fallback)" in str(describe_cache(pipe))
     finally:
         diffusers_nki.unpatch(pipe)
-    diffusers_nki.patch(pipe, backend="torch", strict=True)
+    diffusers_nki.patch(pipe, backend="torch", strict=True, cache=FUSED)
     try:
         with pytest.raises(errors.StrictFallbackError, match="fused block chains cannot serve"):
             _rollout(pipe, chunks=1, steps=1)
@@ -191,7 +207,7 @@ def test_a_block_whose_forward_is_owned_elsewhere_is_left_alone(pipe):
     own = blk.forward  # a bound method stored on the instance: "another hook owns it"
     blk.__dict__["forward"] = own
     try:
-        diffusers_nki.patch(pipe, backend="torch")
+        diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
         try:
             assert blk.__dict__["forward"] is own
             assert "1 blocks not fused: the block's forward is already replaced" in str(describe_cache(pipe))
