@@ -23,7 +23,8 @@ def _no_grad():
 
 
 # opt-in (StaticCacheConfig.fuse_elementwise: the kernels are modeled slower than the compiler's elementwise work)
-FUSED = StaticCacheConfig(fuse_elementwise=True)
+def _fused(pipe) -> StaticCacheConfig:
+    return pipe.default_cache_config(fuse_elementwise=True)  # the default cache, with the fused chains on
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_default_patch_leaves_the_blocks_stock_and_says_so(pipe):
 
 def test_opt_in_path_runs_the_fused_chains_and_equals_stock_blocks(pipe):
     layers = len(pipe.transformer.blocks)
-    diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
+    diffusers_nki.patch(pipe, backend="torch", cache=_fused(pipe))
     try:
         reset_state()
         fused = _rollout(pipe)
@@ -85,7 +86,7 @@ def test_unpatch_restores_the_blocks_exactly(pipe):
     kw = dict(hidden_states=x, timestep=torch.tensor([500.0]),
               encoder_hidden_states=torch.randn(1, 512, tiny.TEXT_DIM))
     ref = pipe.transformer(**kw).sample
-    diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
+    diffusers_nki.patch(pipe, backend="torch", cache=_fused(pipe))
     try:
         assert all(isinstance(b.__dict__.get("forward"), wan_block.FusedWanBlockForward) for b in blocks)
         # a call without a CausalChunk (a bidirectional pipeline sharing the model): stock forward, no fused op
@@ -104,7 +105,7 @@ def test_sim_backend_runs_the_kernels_and_matches_the_twins(pipe):
     layers = len(pipe.transformer.blocks)
     out = {}
     for backend in ("torch", "sim"):
-        diffusers_nki.patch(pipe, backend=backend, cache=FUSED)
+        diffusers_nki.patch(pipe, backend=backend, cache=_fused(pipe))
         try:
             reset_state()
             out[backend] = _rollout(pipe, chunks=2, steps=1)
@@ -185,7 +186,7 @@ def test_unsupported_blocks_fall_back_visibly_and_raise_when_strict(pipe, monkey
     import diffusers_nki.kernels.ln_modulate_ref as ref
 
     monkeypatch.setattr(ref, "MAX_DIM", 8)  # the tiny model's width exceeds it: every block call falls back
-    diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
+    diffusers_nki.patch(pipe, backend="torch", cache=_fused(pipe))
     try:
         reset_state()
         with pytest.warns(RuntimeWarning, match="stock block elementwise chains run.*exceeds the limit 8"):
@@ -194,7 +195,7 @@ def test_unsupported_blocks_fall_back_visibly_and_raise_when_strict(pipe, monkey
         assert "block calls stock (fallback)" in str(describe_cache(pipe))
     finally:
         diffusers_nki.unpatch(pipe)
-    diffusers_nki.patch(pipe, backend="torch", strict=True, cache=FUSED)
+    diffusers_nki.patch(pipe, backend="torch", strict=True, cache=_fused(pipe))
     try:
         with pytest.raises(errors.StrictFallbackError, match="fused block chains cannot serve"):
             _rollout(pipe, chunks=1, steps=1)
@@ -207,7 +208,7 @@ def test_a_block_whose_forward_is_owned_elsewhere_is_left_alone(pipe):
     own = blk.forward  # a bound method stored on the instance: "another hook owns it"
     blk.__dict__["forward"] = own
     try:
-        diffusers_nki.patch(pipe, backend="torch", cache=FUSED)
+        diffusers_nki.patch(pipe, backend="torch", cache=_fused(pipe))
         try:
             assert blk.__dict__["forward"] is own
             assert "1 blocks not fused: the block's forward is already replaced" in str(describe_cache(pipe))
