@@ -214,7 +214,8 @@ def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
                                    num_layers=layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                    eps=1e-6, rope_max_seq_len=1024)
     cf, steps = spec.chunk_frames, spec.steps
-    pipe = CausalWanPipeline(None, None, tr, None, FlowMatchLCMScheduler(shift=5.0), num_frame_per_block=cf,
+    vae = _wan_vae(spec.vae) if spec.vae != "wan2.1" else None  # the pipeline's spatial factor (16) from its VAE
+    pipe = CausalWanPipeline(None, None, tr, vae, FlowMatchLCMScheduler(shift=5.0), num_frame_per_block=cf,
                              window_frames=spec.window, sink_frames=spec.sink,
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)],
                              **spec.pipeline_options)
@@ -363,9 +364,9 @@ def per_layer_signatures(ops: dict) -> Dict[int, Counter]:
 # the fabric across chips
 # ------------------------------------------------------------------------------------------------------
 GBps = 1e9
-# (max chips spanned, per-chip bytes/s, all-to-all hops (0: the 4x4 torus's average), latency hops), innermost first
+# (max chips spanned, per-chip bytes/s, all-to-all hops, latency hops; 0: the 4x4 torus's), innermost first
 LEVELS = {
-    "trn2": ((16, 1024 * GBps, 0, 4), (64, 256 * GBps, 4 / 3, 6), (10 ** 9, 3200e9 / 8 / 16, 1, 8)),
+    "trn2": ((16, 1024 * GBps, 0, 0), (64, 256 * GBps, 4 / 3, 6), (10 ** 9, 3200e9 / 8 / 16, 1, 8)),
     "trn3": ((4, 256 * GBps / 2, 1, 2), (144, 320 * GBps / 2, 1, 4), (10 ** 9, 28800e9 / 8 / 144, 1, 8)),
 }
 LEVEL_SOURCE = {
@@ -419,7 +420,7 @@ def _share(spec: ModelSpec, rec: dict, W: int):
     spanning the chunk's tokens); Helios' plan splits only inside attn1 / attn2 / ffn (per-token there)."""
     if spec.kind == "helios":
         seqs = {c.sq for c in rec["calls"]}
-        return lambda r: 1.0 / W if _SPLIT_HELIOS.match(r.site) and any(o[1:2] and o[1] in seqs for o in r.outs) \
+        return lambda r: 1.0 / W if _SPLIT_HELIOS.match(r.site) and any(S in o for o in r.outs for S in seqs) \
             else 1.0
     tokens = rec["tokens"]
     return lambda r: 1.0 / W if any(tokens in o for o in r.outs) else 1.0
@@ -530,8 +531,8 @@ def _gather_term(spec: ModelSpec, rec: dict, W: int, fab) -> dict:
     if spec.kind == "helios":
         dim = spec.heads * spec.head_dim
         for mod in ("attn1", "attn2", "ffn"):  # each module's output length, as recorded (layer 0)
-            S = max(o[1] for r in rec["ops"] if r.kind == "matmul" and r.site.startswith(f"blocks.0.{mod}.")
-                    for o in r.outs if len(o) == 3)
+            S = max(o[-2] for r in rec["ops"] if r.kind == "matmul" and r.site.startswith(f"blocks.0.{mod}.")
+                    for o in r.outs if len(o) >= 2)
             for _ in range(spec.layers * rec["passes"]):
                 scaling._collective(fab, W, 1, W, -(-S // W) * dim * E, "all_gather", comm)
         what = "the plan's output all-gathers (every attn1, attn2, ffn of every layer and pass)"

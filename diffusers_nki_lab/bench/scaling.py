@@ -202,7 +202,8 @@ def _collective(fab: Fabric, W: int, stride: int, n: int, piece: float, kind: st
     hops = 1.0 if kind == "all_gather" else max(1.0, _avg_hops(chips, fab.torus))
     inter_Bps, lat_hops = fab.inter_Bps, _diameter(chips, fab.torus)
     if fab.levels and remote_peers:  # the outermost level the group spans sets the bandwidth and the hops
-        span, inter_Bps, level_hops, lat_hops = next((lv for lv in fab.levels if chips <= lv[0]), fab.levels[-1])
+        span, inter_Bps, level_hops, level_lat = next((lv for lv in fab.levels if chips <= lv[0]), fab.levels[-1])
+        lat_hops = level_lat or lat_hops  # 0: the torus's diameter
         if level_hops:
             hops = 1.0 if kind == "all_gather" else level_hops
     t_intra = piece * local_peers / (fab.intra_Bps / ranks_per_chip)
