@@ -981,12 +981,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rewrite the marked summary tables of this Markdown file (repeatable; README.md, docs/...)")
     p.add_argument("--from-json", default=None, metavar="PATH",
                    help="with --doc: take the results from this earlier JSON instead of recomputing them")
-    p.add_argument("--model", default=None, metavar="NAMES",
-                   help="comma list of real-time models (helios14b, longlive2_5b, krea14b, wan13b): their budgets "
-                   "across chips (bench/budget_models); without it, the Wan2.1 setups on one chip")
-    p.add_argument("--chips", default=None, metavar="N,N,...", help="with --model: chip counts (default 1,2,4,...,64)")
-    p.add_argument("--layers", default=None, type=int, metavar="K",
-                   help="with --model: layers recorded (the per-layer ops counted x layers / K; default 2)")
 
 
 def _parse(args):
@@ -1006,10 +1000,6 @@ def _parse(args):
 
 
 def run(args) -> int:
-    if getattr(args, "model", None):  # the real-time models across chips
-        from diffusers_nki_lab.bench import budget_models
-
-        return budget_models.run(args)
     try:
         setups, targets = _parse(args)
     except ValueError as e:

@@ -63,7 +63,7 @@ from diffusers_nki_lab.bench import _record, budget, scaling
 from diffusers_nki_lab.bench.published import AttnCall
 
 __all__ = ["MODELS", "ModelSpec", "LAYERS_RECORDED", "DEFAULT_CHIPS", "record", "per_layer_signatures", "chip_fabric",
-           "dit_terms", "decode_terms", "model_budget", "render", "doc_table", "update_doc", "run"]
+           "dit_terms", "decode_terms", "model_budget", "render", "doc_table", "update_doc", "add_arguments", "run"]
 
 LAYERS_RECORDED = 2
 DEFAULT_CHIPS = (1, 2, 4, 8, 16, 32, 64)
@@ -744,8 +744,23 @@ def _parse_chips(text: str) -> List[int]:
     return chips
 
 
+def add_arguments(p) -> None:
+    """``bench budget``'s arguments (``bench/budget.add_arguments``) and ``--model`` / ``--chips`` / ``--layers``."""
+    budget.add_arguments(p)
+    p.add_argument("--model", default=None, metavar="NAMES",
+                   help=f"comma list of real-time models ({', '.join(MODELS)}): their budgets across chips; "
+                   "without it, the Wan2.1 setups on one chip")
+    p.add_argument("--chips", default=None, metavar="N,N,...",
+                   help=f"with --model: chip counts (default {','.join(map(str, DEFAULT_CHIPS))})")
+    p.add_argument("--layers", default=None, type=int, metavar="K",
+                   help=f"with --model: layers recorded, per-layer ops counted x layers / K (default {LAYERS_RECORDED})")
+
+
 def run(args) -> int:
-    """``bench budget --model ...``: the models' budgets across chips (JSON + table; ``--doc``: the marked table)."""
+    """``bench budget``: with ``--model``, the models' budgets across chips (JSON + table; ``--doc``: the marked
+    table); without it, ``bench/budget.run`` (the Wan2.1 setups on one chip)."""
+    if not getattr(args, "model", None):
+        return budget.run(args)
     try:
         keys = [x.strip() for x in args.model.split(",") if x.strip()]
         for k in keys:
