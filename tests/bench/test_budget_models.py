@@ -183,3 +183,18 @@ def test_command_writes_json_table_and_doc(tmp_path, capsys, monkeypatch, krea):
         args = cli.build_parser(argv).parse_args(argv)
         assert args._run(args) == 2
         assert word in capsys.readouterr().err
+
+
+def test_wan13b_on_one_chip_is_bench_budgets_own_dit():
+    """At one chip (8 ranks) the Wan2.1-1.3B row's DiT is bench/budget.dit_terms over the same recorded calls."""
+    from diffusers_nki_lab.bench import budget
+
+    rec = bm.record("wan13b", 2)
+    one = [bm.AttnCall(c.name, c.sq, c.skv, c.heads, c.head_dim, c.count // rec["layer_scale"], c.kv_heads, c.batch,
+                       c.cache, c.cache_len, c.causal_block) for c in rec["calls"]]
+    unscaled = dict(rec, ops=rec["recorded_ops"], calls=one, layer_scale=1)
+    ours = bm.dit_terms(bm.MODELS["wan13b"], unscaled, 8, "trn2", 1, FakeModel(12))
+    theirs = budget.dit_terms(one, 8, "trn2", FakeModel(12), 1560, ops=rec["recorded_ops"])
+    assert ours["layout"] == theirs["layout"] and ours["seconds"] == pytest.approx(theirs["seconds"], rel=1e-9)
+    scaled = bm.dit_terms(bm.MODELS["wan13b"], rec, 8, "trn2", 1, FakeModel(12))
+    assert scaled["seconds"] > 10 * ours["seconds"]  # 30 layers counted, not 2
