@@ -178,6 +178,12 @@ def test_command_writes_json_table_and_doc(tmp_path, capsys, monkeypatch, krea):
     assert [r["chips"] for r in rows] == [1, 2] and all(r["fps"] > 0 for r in rows)
     text = doc.read_text()
     assert "old" not in text and "| 1 chip | 2 chips |" in text and text.endswith(f"{bm.DOC_END}\nafter\n")
+    # --from-json: the marked region rewritten from that run's JSON, nothing recomputed
+    doc.write_text(f"{bm.DOC_BEGIN}\nstale\n{bm.DOC_END}\n")
+    monkeypatch.setattr(bm, "model_budget", None)
+    argv = ["bench", "budget", "--model", "krea14b", "--from-json", str(out_json), "--doc", str(doc)]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args._run(args) == 0 and "stale" not in doc.read_text() and "| 1 chip | 2 chips |" in doc.read_text()
     for bad, word in ((["--model", "nope"], "nope"), (["--model", "krea14b", "--chips", "0"], "--chips")):
         argv = ["bench", "budget", *bad, "--json", str(tmp_path / "x.json")]
         args = cli.build_parser(argv).parse_args(argv)
