@@ -588,8 +588,9 @@ def decode_terms(spec: ModelSpec, rec: dict, V: int, target: str, model: Optiona
 # the budget per chip count
 # ------------------------------------------------------------------------------------------------------
 def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
-    """The rank counts that use ``chips`` chips (8 (N - 1) < W <= 8 N), largest first."""
-    return [W for W in range(CORES * chips, CORES * (chips - 1), -1)]
+    """The rank counts ``chips`` chips can hold (W <= 8 N), largest first: the first with an even layout is used
+    (the tokens may not split over every core: e.g. 1560 tokens per frame over 120 of 128 cores)."""
+    return list(range(CORES * chips, 0, -1))
 
 
 def _decodes(spec: ModelSpec, rec: dict, target: str, model, implemented) -> List[dict]:
@@ -634,20 +635,24 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
                     break
             if progress is not None:
                 progress.update(1)
-            if dit is None:
-                rows.append({"chips": n, "fps": None, "why": f"no even Ulysses x ring layout of {tried[-1]}.."
-                             f"{tried[0]} ranks ({'tokens per frame ' + str(rec['tokens_per_frame']) if spec.kind == 'causal_wan' else 'sequence ' + str(rec['tokens'])}, {spec.heads} heads)"})
+            if dit is None:  # not reached: one rank always splits evenly
+                rows.append({"chips": n, "fps": None, "why": f"no even Ulysses x ring layout of 1..{tried[0]} ranks"})
                 continue
             chunk = dit["seconds"] + dec["seconds"]
             fps = spec.video_frames / chunk
-            rows.append({"chips": n, "ranks": dit["W"], "layout": dit["layout"], "dit_s": dit["seconds"],
+            rows.append({"chips": n, "ranks": dit["W"], "chips_used": -(-dit["W"] // CORES), "layout": dit["layout"],
+                         "dit_s": dit["seconds"],
                          "decode_s": dec["seconds"], "decode_layout": dec["layout"], "chunk_s": chunk, "fps": fps,
                          "fps_per_chip": fps / n, "dit_only_fps": spec.video_frames / dit["seconds"],
                          "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit})
         reach = [r for r in rows if r["fps"] is not None and r["fps"] >= spec.published_fps]
+        reach_dit = [r for r in rows if r["fps"] is not None and r["dit_only_fps"] >= spec.published_fps]
         out["targets"][t] = {"rows": rows, "decode": dec, "decodes_considered": [d["layout"] for d in decs],
                              "fewest_chips_to_published": reach[0]["chips"] if reach else None,
-                             "fps_per_chip_there": reach[0]["fps_per_chip"] if reach else None}
+                             "fps_per_chip_there": reach[0]["fps_per_chip"] if reach else None,
+                             "fewest_chips_to_published_dit_only": reach_dit[0]["chips"] if reach_dit else None,
+                             "dit_only_fps_per_chip_there": (reach_dit[0]["dit_only_fps"] / reach_dit[0]["chips"]
+                                                             if reach_dit else None)}
     return out
 
 
@@ -663,16 +668,24 @@ def doc_table(results: List[dict]) -> str:
     GPU rate (MODELED)."""
     chips = sorted({r["chips"] for res in results for v in res["targets"].values() for r in v["rows"]})
     lines = ["| model | target | " + " | ".join(f"{n} chip{'s' if n > 1 else ''}" for n in chips)
-             + " | published GPU fps | fewest chips to reach it (fps per chip there) |",
-             "|---|---|" + "---|" * len(chips) + "---|---|"]
+             + " | published GPU fps | fewest chips to reach it: end to end (fps per chip) | the same, DiT only |",
+             "|---|---|" + "---|" * len(chips) + "---|---|---|"]
+
+    def few(n, per):
+        return f"{n} ({_f(per, 2)})" if n else "not within these chip counts"
+
     for res in results:
         for t, v in res["targets"].items():
             by = {r["chips"]: r for r in v["rows"]}
-            cells = [_f(by[n]["fps"]) if n in by else "" for n in chips]
-            few = v["fewest_chips_to_published"]
+            cells = [(f"{_f(by[n]['fps'])} ({_f(by[n]['dit_only_fps'])})" if by[n]["fps"] is not None else "-")
+                     if n in by else "" for n in chips]
             lines.append(f"| {res['label']} | {t} | " + " | ".join(cells) + f" | {res['published_fps']:g} | "
-                         + (f"{few} ({_f(v['fps_per_chip_there'], 2)})" if few else "not within these chip counts")
+                         + few(v["fewest_chips_to_published"], v["fps_per_chip_there"]) + " | "
+                         + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"))
                          + " |")
+    lines.append("")
+    lines.append("Each cell: fps end to end (the decode after the DiT, in its implemented layout) and, in "
+                 "parentheses, the DiT alone. MODELED.")
     return "\n".join(lines)
 
 
@@ -693,20 +706,22 @@ def render(results: List[dict]) -> str:
                 f"{k} {n}" for k, n in sorted(res["kernels_called"]["decode"].items())) or "none (stock)"))
         for t, v in res["targets"].items():
             L += ["", f"{t}: decode {v['decode']['layout']}, {1e3 * v['decode']['seconds']:.1f} ms", "",
-                  "| chips | ranks | U x R | DiT ms | decode ms | chunk ms | fps | fps per chip | DiT-only fps | "
-                  "inter-chip MB per rank |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| chips | ranks (chips used) | U x R | DiT ms | decode ms | chunk ms | fps | fps per chip | "
+                  "DiT-only fps | inter-chip MB per rank |", "|---|---|---|---|---|---|---|---|---|---|"]
             for r in v["rows"]:
                 if r["fps"] is None:
                     L.append(f"| {r['chips']} | - | - | - | - | - | - | - | - | {r['why']} |")
                     continue
-                L.append(f"| {r['chips']} | {r['ranks']} | {r['layout'][0]} x {r['layout'][1]} | "
+                L.append(f"| {r['chips']} | {r['ranks']} ({r['chips_used']}) | {r['layout'][0]} x {r['layout'][1]} | "
                          f"{1e3 * r['dit_s']:.1f} | {1e3 * r['decode_s']:.1f} | {1e3 * r['chunk_s']:.1f} | "
                          f"{r['fps']:.1f} | {r['fps_per_chip']:.2f} | {r['dit_only_fps']:.1f} | "
                          f"{r['bytes_inter_chip'] / 1e6:.1f} |")
             few = v["fewest_chips_to_published"]
             L.append(f"fewest chips reaching the published {res['published_fps']:g} fps: "
                      + (f"{few} ({v['fps_per_chip_there']:.2f} fps per chip)" if few else
-                        "none of the chip counts given"))
+                        "none of the chip counts given") + "; DiT only: "
+                     + (str(v["fewest_chips_to_published_dit_only"]) if v["fewest_chips_to_published_dit_only"]
+                        else "none of the chip counts given"))
             first = next((r for r in v["rows"] if r["fps"] is not None), None)
             if first is not None:
                 L += ["", f"terms at {first['chips']} chip(s), DiT on each of {first['ranks']} ranks:", "",
