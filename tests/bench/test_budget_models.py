@@ -136,7 +136,7 @@ def test_budget_rows_per_chip_count(which, key, request):
             assert r["fps"] == pytest.approx(spec.video_frames / r["chunk_s"])
             assert r["fps_per_chip"] == pytest.approx(r["fps"] / r["chips"])
             _labelled(r["dit"]["terms"], True)
-            assert (r["bytes_inter_chip"] > 0) == (r["chips"] > 1)
+            assert (r["bytes_inter_chip"] > 0) == (r["chips_used"] > 1)
         _labelled(v["decode"]["terms"], False)
         if key == "krea14b":  # the cached path splits every per-token op: more chips, a faster DiT
             assert rows[2]["dit_s"] < rows[1]["dit_s"] < rows[0]["dit_s"]
@@ -155,9 +155,9 @@ def test_budget_rows_per_chip_count(which, key, request):
 
 
 def test_krea_kv_recompute_is_one_switch(monkeypatch):
-    monkeypatch.setattr(bm, "KREA_PIPELINE_OPTIONS", {"kv_recompute": True})
+    monkeypatch.setattr(bm, "KREA_PIPELINE_OPTIONS", {"kv_recompute": 3})
     s = bm._spec("krea14b")
-    assert s.pipeline_options == {"kv_recompute": True} and "KV re-computation recorded" in s.notes[0]
+    assert s.pipeline_options == {"kv_recompute": 3} and "KV re-computation recorded" in s.notes[0]
     assert bm._spec("helios14b").pipeline_options == {}
 
 
@@ -207,3 +207,14 @@ def test_wan13b_on_one_chip_is_bench_budgets_own_dit():
     assert ours["layout"] == theirs["layout"] and ours["seconds"] == pytest.approx(theirs["seconds"], rel=1e-9)
     scaled = bm.dit_terms(bm.MODELS["wan13b"], rec, 8, "trn2", 1, FakeModel(12))
     assert scaled["seconds"] > 10 * ours["seconds"]  # 30 layers counted, not 2
+
+
+def test_more_chips_never_model_slower_than_fewer():
+    """N chips can run a smaller chip count's layout: the row takes it, says so, and divides fps by the N chips."""
+    rows = [{"chips": 1, "fps": 10.0, "chunk_s": 1.2, "ranks": 8, "fps_per_chip": 10.0},
+            {"chips": 2, "fps": 20.0, "chunk_s": 0.6, "ranks": 16, "fps_per_chip": 10.0},
+            {"chips": 4, "fps": 15.0, "chunk_s": 0.8, "ranks": 30, "fps_per_chip": 3.75}]
+    out = bm._envelope(rows)
+    assert out[:2] == rows[:2]
+    assert out[2]["chips"] == 4 and out[2]["ranks"] == 16 and out[2]["layout_of_chips"] == 2
+    assert out[2]["fps_per_chip"] == pytest.approx(5.0) and out[2]["largest_split"]["ranks"] == 30
