@@ -31,7 +31,7 @@ COMMANDS = {
 BENCH_SUBCOMMANDS = {
     "kernels": ("diffusers_nki_lab.bench.kernels", "modeled Trainium cost of the attention kernels at full scale"),
     "cache": ("diffusers_nki_lab.bench.cache", "stock vs static-cache rollouts: shapes, recompiles, time, memory"),
-    "budget": ("diffusers_nki_lab.bench.budget", "MODELED end-to-end time and fps per chunk of chunk-causal Wan on trn2/trn3"),
+    "budget": ("diffusers_nki_lab.bench.budget_models", "MODELED end-to-end time and fps per chunk of chunk-causal Wan on trn2/trn3"),
     "scaling": ("diffusers_nki_lab.bench.scaling", "modeled attention under context parallelism (Ulysses x ring), "
                 "per chip and multi-chip, collectives included"),
     "quality": ("diffusers_nki_lab.bench.quality", "the trained tiny model's frames scored by a tracker: stock vs patched vs "

@@ -80,6 +80,9 @@ class Fabric:
     inter_Bps: float = 0.0  # chip-to-chip bandwidth per chip (0: single chip)
     torus: Tuple[int, int] = (1, 1)
     source: str = ""
+    # across chips by span (``bench/budget_models.chip_fabric``): ((max chips spanned, per-chip bytes/s, all-to-all
+    # hops or 0 for the torus's average, latency hops), ...) innermost first; empty: inter_Bps over the torus
+    levels: Tuple[Tuple[int, float, float, int], ...] = ()
 
     @property
     def cores(self) -> int:
@@ -197,13 +200,19 @@ def _collective(fab: Fabric, W: int, stride: int, n: int, piece: float, kind: st
     chips = max(1, -(-(n * stride) // cpc)) if stride < cpc else n
     chips = min(chips, fab.chips)
     hops = 1.0 if kind == "all_gather" else max(1.0, _avg_hops(chips, fab.torus))
+    inter_Bps, lat_hops = fab.inter_Bps, _diameter(chips, fab.torus)
+    if fab.levels and remote_peers:  # the outermost level the group spans sets the bandwidth and the hops
+        span, inter_Bps, level_hops, level_lat = next((lv for lv in fab.levels if chips <= lv[0]), fab.levels[-1])
+        lat_hops = level_lat or lat_hops  # 0: the torus's diameter
+        if level_hops:
+            hops = 1.0 if kind == "all_gather" else level_hops
     t_intra = piece * local_peers / (fab.intra_Bps / ranks_per_chip)
     t_inter = 0.0
     if remote_peers:
-        if not fab.inter_Bps:
+        if not inter_Bps:
             raise ValueError(f"{fab.name}: a collective over {n} ranks x stride {stride} leaves the chip")
-        t_inter = piece * remote_peers * hops / (fab.inter_Bps / ranks_per_chip)
-    lat = LATENCY_S * (1 + (_diameter(chips, fab.torus) if remote_peers else 0))
+        t_inter = piece * remote_peers * hops / (inter_Bps / ranks_per_chip)
+    lat = LATENCY_S * (1 + (lat_hops if remote_peers else 0))
     comm.bytes_intra += piece * local_peers
     comm.bytes_inter += piece * remote_peers
     comm.collectives += 1

@@ -1,0 +1,857 @@
+"""``diffusers-nki bench budget --model ... --chips ...``: the MODELED (never measured) time of one steady chunk of
+the real-time models across 1, 2, 4, ... Trainium chips, per target (trn2, trn3), and the fewest chips that reach
+each model's published GPU frame rate. Honest by the rules of ``bench/budget`` (its module doc): every term is a
+call the recorded default path makes ("scheduled: <kernel>": a kernel of ours, traced in the emulator and
+scheduled; "XLA-compiled: ASSUMPTION ...": any other op) or an "ASSUMPTION: ..." row with why.
+
+The models (``MODELS``; geometries read in the originals' configs, cited per model):
+- ``wan13b``: Self-Forcing, Wan2.1-T2V-1.3B through ``CausalWanPipeline`` (the setup of ``bench budget``).
+- ``krea14b``: Krea Realtime 14B, Wan2.1-14B geometry through ``CausalWanPipeline`` (krea-ai/realtime-video:
+  ``GenerateParams`` 480x832, ``kv_cache_num_frames=3`` + ``num_frame_per_block=3`` = a 6-frame attention window,
+  4 steps "for performance" (the README's 11 fps on a B200 is with 4 steps); Wan2.1 ``wan_t2v_14B.py``: dim 5120,
+  40 heads, 40 layers, FFN 13824). Its KV re-computation (``do_kv_recomp``) is NOT in the recorded path: the row says
+  so; ``KREA_PIPELINE_OPTIONS`` is the one line that turns it on once ``CausalWanPipeline`` has the option.
+- ``longlive2_5b``: LongLive 2.0, Wan2.2-TI2V-5B geometry (NVlabs/LongLive ``wan_5b/configs/wan_ti2v_5B.py``: dim
+  3072, 24 heads, 30 layers, FFN 14336, VAE stride (4, 16, 16); ``configs/inference.yaml``: latents [48, 44, 80] =
+  704x1280, blocks of 8 latent frames, a 32-frame local window, an 8-frame sink, 4 steps) through
+  ``CausalWanPipeline`` as this repo runs it (the plain per-chunk timestep: per-token timesteps are not in it), the
+  Wan2.2 VAE (48 latent channels, 16x spatial) decoded by ``WanStreamingDecoder`` with the static cache.
+- ``helios14b``: Helios, stock diffusers ``HeliosPipeline`` / ``HeliosTransformer3DModel`` at its default (Helios-14B)
+  config, streamed by ``diffusers_nki.pipelines.HeliosSession``: 9 latent frames = 33 video frames per chunk at
+  384x640, 3 steps, history (16, 2, 1), no guidance; each chunk decoded on its own by the stock ``vae.decode`` (as
+  the session does). The distilled checkpoint's pyramid (lower-resolution early stages, ``HeliosPyramidPipeline``)
+  is NOT in the recorded path (the session runs ``HeliosPipeline``): 3 full-resolution steps, an upper bound.
+
+Recording: the default patched pipeline (``diffusers_nki.patch(pipe, backend="sim")``) at full geometry on the meta
+device, every op logged with its call site (``bench/_record``), ``LAYERS_RECORDED`` of the model's layers: a
+per-layer op (call site under ``blocks.<i>.``) is counted ``layers / LAYERS_RECORDED`` times (LABELLED in every row;
+``per_layer_signatures`` shows the layers' ops are identical, a test checks it), the rest once.
+
+Across chips (``chip_fabric``): W ranks = NeuronCores, 8 per chip, in diffusers' mesh order (``bench/scaling``): the
+cached Wan path shards every frame's tokens over W (``parallel.CacheParallel``: tokens per frame % W == 0, heads
+% U == 0); Helios goes through diffusers' own plan (``HeliosTransformer3DModel._cp_plan``: the input of every
+attn1 / attn2 / ffn split over W, the output all-gathered after each; the ops between them replicated). For each chip
+count N the largest W in (8 (N - 1), 8 N] with an even split, and its best Ulysses x ring layout. Inter-chip
+bandwidths per chip, by the outermost level a collective spans (AWS docs, about-neuron/arch/neuron-hardware):
+- trn2 (trn2-arch.rst): <= 16 chips one trn2.48xlarge, NeuronLink-v3 1,024 GB/s per chip, 4x4 2D torus; <= 64 a
+  Trn2 UltraServer, inter-instance NeuronLink-v3 256 GB/s per chip (instances in a ring of 4); beyond, EFAv3
+  3,200 Gbps per 16-chip instance = 25 GB/s per chip.
+- trn3 (trn3-arch.rst, Gen2 UltraServer, 144 chips, 4 per server, switched all-to-all): intra-server 256 GB/s
+  and inter-server 320 GB/s per chip, both BIDIRECTIONAL (ASSUMPTION: half each way); beyond 144 chips EFA 28,800
+  Gbps per UltraServer = 25 GB/s per chip. (The same page's spec table gives NeuronLink-v4 2,048 GiB/s per device;
+  the per-level figures are the conservative reading.)
+Inside a chip the existing figures (``bench/scaling.FABRICS``). Latency: 2 us per collective plus 2 us per hop
+(ASSUMPTION, as bench/scaling). Nothing overlaps (ASSUMPTION, as bench/budget). The decode runs after the DiT on
+one core (always implemented), or height-sharded over the 8 cores of one chip where ``vae_parallel`` implements it
+(the Wan2.1 VAE's streaming decode). Multi-chip layouts are MODELED only: the same code over a process group that
+spans chips, never run across chips here.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from diffusers_nki_lab.bench import _record, budget, scaling
+from diffusers_nki_lab.bench.published import AttnCall
+
+__all__ = ["MODELS", "ModelSpec", "LAYERS_RECORDED", "DEFAULT_CHIPS", "record", "per_layer_signatures", "chip_fabric",
+           "dit_terms", "decode_terms", "model_budget", "render", "doc_table", "update_doc", "add_arguments", "run"]
+
+LAYERS_RECORDED = 2
+DEFAULT_CHIPS = (1, 2, 4, 8, 16, 32, 64)
+CORES = 8
+E = budget.E
+# the one line to switch Krea's KV re-computation on once CausalWanPipeline takes it (branch krea's options:
+# {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}); empty = the plain path, and the row says it is not in it
+KREA_PIPELINE_OPTIONS: Dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    key: str
+    label: str
+    kind: str                     # "causal_wan" | "helios"
+    layers: int
+    heads: int
+    ffn: int
+    in_channels: int
+    height: int
+    width: int
+    chunk_frames: int             # latent frames per chunk
+    steps: int
+    video_frames: int             # decoded frames per steady chunk
+    published_fps: float
+    published: str                # where and on what GPU
+    source: str                   # where the geometry comes from
+    window: Optional[int] = None
+    sink: int = 0
+    vae: str = "wan2.1"           # "wan2.1" | "wan2.2"
+    pipeline_options: Dict[str, object] = field(default_factory=dict)
+    notes: Tuple[str, ...] = ()
+    head_dim: int = 128
+    text_len: int = 512
+
+
+def _krea_notes() -> Tuple[str, ...]:
+    if KREA_PIPELINE_OPTIONS:
+        return (f"pipeline options {KREA_PIPELINE_OPTIONS} (KV re-computation recorded)",)
+    return ("KV re-computation not in the recorded path (CausalWanPipeline has no such option yet; the original "
+            "re-encodes the context frames into the cache every block: do_kv_recomp)",)
+
+
+MODELS: Dict[str, ModelSpec] = {
+    "wan13b": ModelSpec(
+        "wan13b", "Self-Forcing (Wan2.1-1.3B)", "causal_wan", 30, 12, 8960, 16, 480, 832, 3, 4, 12, 17.0,
+        "17 fps on one H100 (Self-Forcing; the project's field guide, section 5)",
+        "Wan2.1-T2V-1.3B config (bench/budget WAN13), Self-Forcing: chunks of 3, a 21-frame window", window=21),
+    "krea14b": ModelSpec(
+        "krea14b", "Krea Realtime 14B (Wan2.1-14B)", "causal_wan", 40, 40, 13824, 16, 480, 832, 3, 4, 12, 11.0,
+        "11 fps on one B200, 4 steps (krea-ai/realtime-video README)",
+        "krea-ai/realtime-video release_server.py GenerateParams (480x832, kv_cache_num_frames=3, 4 steps for "
+        "performance) + Wan2.1 wan/configs/wan_t2v_14B.py (dim 5120, 40 heads, 40 layers, FFN 13824)",
+        window=6, pipeline_options=KREA_PIPELINE_OPTIONS, notes=_krea_notes()),
+    "longlive2_5b": ModelSpec(
+        "longlive2_5b", "LongLive 2.0 (Wan2.2-TI2V-5B)", "causal_wan", 30, 24, 14336, 48, 704, 1280, 8, 4, 32, 24.8,
+        "24.8 fps bf16 (NVlabs/LongLive README, Models table; the GPU is not named beside it, the README's "
+        "validated stack is an H100)",
+        "NVlabs/LongLive wan_5b/configs/wan_ti2v_5B.py (dim 3072, 24 heads, 30 layers, FFN 14336) + "
+        "configs/inference.yaml (latents 48 x 44 x 80, num_frame_per_block 8, local_attn_size 32, sink_size 8, "
+        "4 steps)", window=32, sink=8, vae="wan2.2",
+        notes=("per-token timesteps and the multi-shot sink are not in CausalWanPipeline (the plain chunk "
+               "timestep is recorded)",)),
+    "helios14b": ModelSpec(
+        "helios14b", "Helios 14B", "helios", 40, 40, 13824, 16, 384, 640, 9, 3, 33, 19.5,
+        "19.5 fps end to end on one H100 (PKU-YuanGroup/Helios README; diffusers' Helios guide)",
+        "diffusers 0.42.1 HeliosTransformer3DModel defaults (Helios-14B: 40 heads x 128, 40 layers, FFN 13824; "
+        "Helios-Base's model card: fine-tuned from Wan2.1-T2V-14B) and HeliosPipeline defaults (384x640, 33-frame "
+        "chunks, history 16/2/1); 3 steps (the distilled model's)",
+        notes=("the distilled checkpoint's pyramid stages are not in the recorded path (HeliosSession runs "
+               "HeliosPipeline): 3 full-resolution steps, an upper bound",)),
+}
+
+
+def _spec(key: str) -> ModelSpec:
+    if key not in MODELS:
+        raise ValueError(f"--model {key!r}: choose from {list(MODELS)}")
+    s = MODELS[key]
+    if key == "krea14b" and s.pipeline_options != KREA_PIPELINE_OPTIONS:  # the switch, read at call time
+        s = ModelSpec(**{**s.__dict__, "pipeline_options": dict(KREA_PIPELINE_OPTIONS), "notes": _krea_notes()})
+    return s
+
+
+# ------------------------------------------------------------------------------------------------------
+# recording
+# ------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _meta_autocast():
+    """Helios' RoPE opens ``torch.autocast(device_type=pos.device.type, enabled=False)``; torch has no autocast for
+    the meta device: inside the recording, a disabled autocast on meta is a no-op (what it is anyway)."""
+    import torch
+
+    real = torch.autocast
+
+    def autocast(device_type, *a, **k):
+        return contextlib.nullcontext() if device_type == "meta" else real(device_type, *a, **k)
+
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = real
+
+
+def _wan_vae(kind: str):
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        if kind == "wan2.1":
+            return AutoencoderKLWan()
+        # the Wan2.2 VAE (Wan2.2-TI2V-5B-Diffusers vae/config.json: base 160, decoder base 256, z 48, residual,
+        # patch 2, 16x spatial); the latents' mean / std values do not matter on the meta device
+        return AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],
+                                num_res_blocks=2, temperal_downsample=[False, True, True], is_residual=True,
+                                in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+                                scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+
+
+def _attn_calls(rec_calls, spec: ModelSpec, keep) -> List[AttnCall]:
+    """The recorded attention calls of our op (``keep(i)`` selects them by index) as AttnCall shapes with counts."""
+    out: Counter = Counter()
+    for i, c in enumerate(rec_calls):
+        if c.path != "diffusers_nki" or not keep(i):
+            continue
+        d = c.dims
+        out[(d["Sq"], d["Skv"], d["C"], d["C"] if d["C"] else 0, d["causal_block"])] += 1
+    calls = []
+    for (sq, skv, cap, cl, cb), n in out.items():
+        name = "self (cache + chunk)" if cap else ("cross (text)" if skv == spec.text_len else "self")
+        calls.append(AttnCall(name, sq, skv, spec.heads, spec.head_dim, n, spec.heads, 1, cap, cl, cb))
+    return calls
+
+
+def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
+    import torch
+    from diffusers import FlowMatchLCMScheduler, WanTransformer3DModel
+
+    import diffusers_nki
+    from diffusers_nki.caching.causal_wan import CHUNK_KEY
+    from diffusers_nki.pipelines.causal_wan import CausalWanPipeline
+    from diffusers_nki_lab.bench._measure import AttentionRecorder
+
+    with torch.device("meta"):
+        tr = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=spec.heads,
+                                   attention_head_dim=spec.head_dim, in_channels=spec.in_channels,
+                                   out_channels=spec.in_channels, text_dim=4096, freq_dim=256, ffn_dim=spec.ffn,
+                                   num_layers=layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                   eps=1e-6, rope_max_seq_len=1024)
+    cf, steps = spec.chunk_frames, spec.steps
+    vae = _wan_vae(spec.vae) if spec.vae != "wan2.1" else None  # the pipeline's spatial factor (16) from its VAE
+    pipe = CausalWanPipeline(None, None, tr, vae, FlowMatchLCMScheduler(shift=5.0), num_frame_per_block=cf,
+                             window_frames=spec.window, sink_frames=spec.sink,
+                             denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)],
+                             **spec.pipeline_options)
+    pipe.set_progress_bar_config(disable=True)
+    diffusers_nki.patch(pipe, backend=budget.RECORD_BACKEND)
+    starts: List[int] = []
+    h = tr.register_forward_pre_hook(
+        lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
+    chunks = spec.window // cf + 1  # the window full, then a steady chunk with its cache pass
+    latent = chunks * cf
+    sf = 16 if spec.vae == "wan2.2" else 8
+    ops = _record.OpRecorder(tr, tag=lambda: starts[-1] // cf if starts else -1)
+    try:
+        with torch.no_grad(), AttentionRecorder(scope=tr) as rec, ops:
+            pipe(prompt_embeds=torch.zeros(1, spec.text_len, 4096, device="meta"),
+                 latents=torch.zeros(1, spec.in_channels, latent, spec.height // sf, spec.width // sf, device="meta"),
+                 height=spec.height, width=spec.width, num_frames=4 * (latent - 1) + 1, output_type="latent")
+    finally:
+        h.remove()
+        ops.close()
+        diffusers_nki.unpatch(pipe)
+    per_pass = len(rec.calls) // len(starts)
+    passes = Counter(s // cf for s in starts)
+    # the steady chunk: the last one with the most transformer passes (the window full, its cache pass, and any
+    # re-computation pass; the rollout's last chunk has no cache pass)
+    steady = max(i for i, p in passes.items() if p == max(passes.values()))
+    calls = _attn_calls(rec.calls, spec, lambda i: starts[i // per_pass] // cf == steady)
+    tpf = (spec.height // sf // 2) * (spec.width // sf // 2)
+    return {"ops": ops.records(tag=steady), "calls": calls, "tokens_per_frame": tpf, "tokens": cf * tpf,
+            "passes": passes[steady], "decode": _record_wan_decode(spec, sf)}
+
+
+def _record_wan_decode(spec: ModelSpec, sf: int) -> dict:
+    """The steady streaming decode of one chunk as the default path runs it (``WanStreamingDecoder`` on the static
+    cache ``patch(pipe)`` installs); the Wan2.1 VAE at 480x832 is ``bench/budget``'s own recording."""
+    import torch
+
+    from diffusers_nki.caching.wan_vae import WanVAECacheConfig, apply_wan_vae_cache, remove_wan_vae_cache
+    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
+
+    if spec.vae == "wan2.1" and (spec.height, spec.width, spec.chunk_frames) == (budget.HEIGHT, budget.WIDTH, 3):
+        return dict(budget.vae_decode_calls(), streaming_wan21=True)
+    vae = _wan_vae(spec.vae)
+    apply_wan_vae_cache(vae, WanVAECacheConfig(backend=budget.RECORD_BACKEND))
+    h, w = spec.height // sf, spec.width // sf
+    phase = [0]
+    rec = _record.OpRecorder(vae, tag=lambda: phase[0])
+    try:
+        dec = WanStreamingDecoder(vae)
+        with torch.no_grad(), rec, _quiet():
+            dec.decode(torch.zeros(1, vae.config.z_dim, 1, h, w, device="meta"))
+            phase[0] = 1
+            calls0 = dec.stream.calls
+            out = dec.decode(torch.zeros(1, vae.config.z_dim, spec.chunk_frames, h, w, device="meta"))
+            calls = dec.stream.calls - calls0
+    finally:
+        rec.close()
+        remove_wan_vae_cache(vae)
+    return {"ops": rec.records(tag=1), "video_frames": int(out.shape[2]), "decoder_calls": calls,
+            "latent_frames": spec.chunk_frames, "streaming_wan21": False}
+
+
+@contextlib.contextmanager
+def _quiet():
+    import warnings
+
+    with warnings.catch_warnings():  # the kernel's visible fallbacks (recorded as XLA convolutions)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def _record_helios(spec: ModelSpec, layers: int) -> dict:
+    import torch
+    from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+
+    import diffusers_nki
+    from diffusers_nki.pipelines import HeliosSession
+    from diffusers_nki_lab.bench._measure import AttentionRecorder
+
+    with torch.device("meta"):
+        tr = HeliosTransformer3DModel(num_layers=layers)  # the defaults are Helios-14B's
+    pipe = HeliosPipeline(None, None, _wan_vae("wan2.1"), HeliosScheduler(stage_range=[0, 1], stages=1,
+                                                                          use_dynamic_shifting=True), tr)
+    diffusers_nki.patch(pipe, backend=budget.RECORD_BACKEND)
+    s = HeliosSession(pipe, prompt_embeds=torch.zeros(1, spec.text_len, 4096, device="meta"), height=spec.height,
+                      width=spec.width, num_latent_frames_per_chunk=spec.chunk_frames, num_inference_steps=spec.steps,
+                      guidance_scale=1.0, seed=0, output_type="pt")
+    try:
+        with torch.no_grad(), _meta_autocast():
+            s.next_chunk()  # chunk 0 (every chunk has the same shapes: the history is a fixed-size buffer)
+            ops, vops = _record.OpRecorder(tr), _record.OpRecorder(pipe.vae)
+            with AttentionRecorder(scope=tr) as rec, ops, vops:
+                out = s.next_chunk()
+    finally:
+        ops.close()
+        vops.close()
+        diffusers_nki.unpatch(pipe)
+    calls = _attn_calls(rec.calls, spec, lambda i: True)
+    seq = max(c.sq for c in calls)
+    return {"ops": ops.records(), "calls": calls, "tokens_per_frame": seq, "tokens": seq, "passes": spec.steps,
+            "decode": {"ops": vops.records(), "video_frames": int(out.frames.shape[1]), "decoder_calls": 1,
+                       "latent_frames": spec.chunk_frames, "streaming_wan21": False}}
+
+
+_RECORDS: Dict[tuple, dict] = {}
+
+
+def record(key: str, layers: int = LAYERS_RECORDED) -> dict:
+    """The default patched path of model ``key`` recorded at full geometry with ``layers`` layers (memoised):
+    ``{"ops": steady chunk's {OpRecord: n} (per-layer ops scaled to the model's layers), "recorded_ops" (as
+    recorded), "calls": [AttnCall] (scaled likewise), "tokens", "tokens_per_frame", "passes", "decode": {...}}``."""
+    spec = _spec(key)
+    if not 1 <= layers <= spec.layers or spec.layers % layers:
+        raise ValueError(f"layers={layers!r}: must divide {key}'s {spec.layers} layers")
+    k = (key, layers, tuple(sorted(spec.pipeline_options.items())))
+    if k not in _RECORDS:
+        t0 = time.perf_counter()
+        r = (_record_helios if spec.kind == "helios" else _record_causal_wan)(spec, layers)
+        f = spec.layers // layers
+        r["recorded_ops"] = r["ops"]
+        r["ops"] = {op: n * (f if _layer(op.site) is not None else 1) for op, n in r["ops"].items()}
+        r["calls"] = [AttnCall(c.name, c.sq, c.skv, c.heads, c.head_dim, c.count * f, c.kv_heads, c.batch, c.cache,
+                               c.cache_len, c.causal_block) for c in r["calls"]]
+        r.update(layers_recorded=layers, layers=spec.layers, layer_scale=f, record_s=time.perf_counter() - t0,
+                 pipeline_options=dict(spec.pipeline_options))
+        _RECORDS[k] = r
+    return _RECORDS[k]
+
+
+def _layer(site: str) -> Optional[int]:
+    m = re.match(r"blocks\.(\d+)(\.|$)", site)
+    return int(m.group(1)) if m else None
+
+
+def per_layer_signatures(ops: dict) -> Dict[int, Counter]:
+    """Per recorded layer, its ops with the layer index folded out of the call site: identical across layers is
+    what scaling by the layer count assumes."""
+    out: Dict[int, Counter] = {}
+    for r, n in ops.items():
+        i = _layer(r.site)
+        if i is not None:
+            out.setdefault(i, Counter())[(r.op, re.sub(r"^blocks\.\d+", "blocks.*", r.site), r.ins, r.outs,
+                                          r.args)] += n
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# the fabric across chips
+# ------------------------------------------------------------------------------------------------------
+GBps = 1e9
+# (max chips spanned, per-chip bytes/s, all-to-all hops, latency hops; 0: the 4x4 torus's), innermost first
+LEVELS = {
+    "trn2": ((16, 1024 * GBps, 0, 0), (64, 256 * GBps, 4 / 3, 6), (10 ** 9, 3200e9 / 8 / 16, 1, 8)),
+    "trn3": ((4, 256 * GBps / 2, 1, 2), (144, 320 * GBps / 2, 1, 4), (10 ** 9, 28800e9 / 8 / 144, 1, 8)),
+}
+LEVEL_SOURCE = {
+    "trn2": "trn2-arch.rst: NeuronLink-v3 1,024 GB/s per chip in a trn2.48xlarge (16 chips, 4x4 torus); 256 GB/s "
+            "per chip between the 4 instances of a Trn2 UltraServer (64 chips, a ring); EFAv3 3,200 Gbps per "
+            "instance beyond (25 GB/s per chip)",
+    "trn3": "trn3-arch.rst (Gen2 UltraServer, 144 chips, 4 per server, switched): 256 GB/s intra-server and 320 "
+            "GB/s inter-server per chip, bidirectional (ASSUMPTION half each way); EFA 28,800 Gbps per UltraServer "
+            "beyond (25 GB/s per chip)",
+}
+
+
+def chip_fabric(target: str, chips: int) -> scaling.Fabric:
+    """``chips`` chips of ``target`` as a ``bench/scaling.Fabric``: the chip's own core-to-core figure inside, the
+    documented inter-chip figures by the level a collective spans (``LEVELS``, the module doc)."""
+    if target not in LEVELS:
+        raise ValueError(f"target={target!r}: choose from {list(LEVELS)}")
+    if not isinstance(chips, int) or chips < 1:
+        raise ValueError(f"chips={chips!r}: must be an int >= 1")
+    one = scaling.FABRICS[target]
+    return scaling.Fabric(f"{chips} {target} chips", target, chips, one.cores_per_chip, one.intra_Bps,
+                          LEVELS[target][0][1], (4, 4) if target == "trn2" else (1, 1),
+                          source=f"{one.source}; {LEVEL_SOURCE[target]}", levels=LEVELS[target])
+
+
+# ------------------------------------------------------------------------------------------------------
+# terms
+# ------------------------------------------------------------------------------------------------------
+class _Model(budget._Model):
+    """``bench/budget``'s kernel models at this model's heads."""
+
+    def __init__(self, heads: int = 12, head_dim: int = 128):
+        self.heads, self.head_dim = heads, head_dim
+
+    def qk_norm_rope(self, S, target):
+        from diffusers_nki_lab.bench import kernels_dense
+
+        return kernels_dense.model_qk_norm_rope(S, self.heads, self.head_dim, target)
+
+    def cache_write(self, S, C, H, target):
+        from diffusers_nki_lab.bench import kernels_dense
+
+        return kernels_dense.model_cache_write(S, C, H, self.head_dim, target)
+
+
+_SPLIT_HELIOS = re.compile(r"^blocks\.\d+\.(attn1|attn2|ffn)(\.|$)")
+
+
+def _share(spec: ModelSpec, rec: dict, W: int):
+    """The fraction of an op's work on each of W ranks: the cached Wan path shards every per-token op (an output
+    spanning the chunk's tokens); Helios' plan splits only inside attn1 / attn2 / ffn (per-token there)."""
+    if spec.kind == "helios":
+        seqs = {c.sq for c in rec["calls"]}
+        return lambda r: 1.0 / W if _SPLIT_HELIOS.match(r.site) and any(S in o for o in r.outs for S in seqs) \
+            else 1.0
+    tokens = rec["tokens"]
+    return lambda r: 1.0 / W if any(tokens in o for o in r.outs) else 1.0
+
+
+def _best_layout(spec, rec, W, fab, target, model):
+    work = scaling.Workload(spec.key, "chunk", tuple(rec["calls"]), rec["tokens_per_frame"], "", "")
+    best = None
+    for U, R in scaling.layouts(spec.heads, W):
+        if spec.kind == "causal_wan" and rec["tokens_per_frame"] % W:
+            continue
+        try:
+            r = scaling.model_layout(work, fab, U, R, lambda c: model.attention_kernel_time(c, target))
+        except ValueError:
+            continue
+        if not r["uneven"] and (best is None or r["serial_s"] < best["serial_s"]):
+            best = r
+    return best
+
+
+def _lab(spec: ModelSpec, rec: dict) -> str:
+    return (f"; per-layer ops recorded on {rec['layers_recorded']} of {rec['layers']} layers, counted x"
+            f"{rec['layer_scale']}" if rec["layer_scale"] != 1 else "")
+
+
+def dit_terms(spec: ModelSpec, rec: dict, W: int, target: str, chips: int, model: Optional[_Model] = None
+              ) -> Optional[dict]:
+    """The DiT's terms of one steady chunk on each of W ranks over ``chips`` chips (None: no even layout)."""
+    model = model or _Model(spec.heads, spec.head_dim)
+    fab = chip_fabric(target, chips)
+    best = _best_layout(spec, rec, W, fab, target, model)
+    if best is None:
+        return None
+    U, R = best["ulysses_degree"], best["ring_degree"]
+    share, lab = _share(spec, rec, W), _lab(spec, rec)
+    kinds: Dict[str, list] = {}
+    for r, n in rec["ops"].items():
+        kinds.setdefault(r.name if r.kind == "kernel" else r.kind, []).append((r, n))
+    unknown = set(kinds) - {"attention", "qk_norm_rope", "cache_write", "gemm", "matmul", "elementwise", "copy",
+                            "view"}
+    if unknown:
+        raise ValueError(f"dit_terms: recorded kernels {sorted(unknown)} have no model here (add one)")
+    att = kinds.get("attention", [])
+    terms = [budget._term("attention (self over the history / cache + chunk, text cross-attention)", best["compute_s"],
+                          "scheduled: attention (bench/_modeled, the rank's calls of this layout)" + lab,
+                          layout=f"{U} x {R}", calls=sum(n for _, n in att), sites=budget._sites(att))]
+    if W > 1:
+        terms.append(budget._term(
+            "attention collectives (Ulysses all-to-alls, ring)", best["collective_s"],
+            f"ASSUMPTION: bench/scaling collective model over {fab.name} (inside a chip as bench/budget; between "
+            f"chips {LEVEL_SOURCE[target]}), not overlapped", bytes_inter_chip=best["bytes_inter_chip"],
+            collectives=best["collectives"]))
+    tokens = rec["tokens"]
+    for name, what in (("qk_norm_rope", "self-attention q/k RMSNorm + RoPE"), ("cache_write", "KV cache write")):
+        recs = kinds.get(name, [])
+        if not recs:
+            continue
+        sec, last = 0.0, None
+        for r, n in recs:
+            if name == "qk_norm_rope":
+                last = model.qk_norm_rope(-(-r.ins[0][1] // W) if r.ins[0][1] == tokens else r.ins[0][1], target)
+            else:
+                C, H = r.ins[0][1], r.ins[0][2]
+                last = model.cache_write(-(-r.ins[2][1] // R), -(-C // R), H // U, target)
+            sec += n * last["scheduled_s"]
+        terms.append(budget._term(what, sec, budget._sched(name, last) + lab, calls=sum(n for _, n in recs),
+                                  sites=budget._sites(recs)))
+    for r, n in kinds.get("gemm", []):  # a GEMM kernel call of ours, where the default path wires it
+        M, K = r.ins[0]
+        g = model.gemm(-(-M // W) if M == tokens else M, K, r.ins[1][1], True,
+                       "gelu_tanh" if "'gelu_tanh'" in r.args else None, target)
+        terms.append(budget._term(f"{budget._role(r.site)} [{M}, {K}] x [{K}, {r.ins[1][1]}]", n * g["scheduled_s"],
+                                  budget._sched("gemm", g) + lab, calls=n, sites={r.site: n}, flops=n * g["flops"]))
+    roles: Dict[str, dict] = {}
+    for r, n in kinds.get("matmul", []):
+        f = _record.flops(r) * share(r)
+        g = roles.setdefault(budget._role(r.site), {"seconds": 0.0, "flops": 0.0, "calls": 0, "sites": {}})
+        g["seconds"] += n * budget._xla_matmul(f, _record.io_elements(r) * share(r), target)
+        g["flops"] += n * f
+        g["calls"] += n
+        g["sites"][r.site] = g["sites"].get(r.site, 0) + n
+    for role, g in sorted(roles.items(), key=lambda kv: -kv[1]["seconds"]):
+        terms.append(budget._term(f"matmul {role}", g["seconds"], budget._xla_label(target) + lab, calls=g["calls"],
+                                  sites=g["sites"], flops=g["flops"]))
+    hbm = budget._spec(target).hbm_per_core * 1e9
+    for kind, what in (("elementwise", "elementwise (norms, modulation, residuals, activations, RoPE tables)"),
+                       ("copy", "copies and concatenations")):
+        recs = kinds.get(kind, [])
+        el = sum(n * _record.io_elements(r) * share(r) for r, n in recs)
+        terms.append(budget._term(what, el * E / hbm, "XLA-compiled: ASSUMPTION every op reads its inputs and writes "
+                                  "its output once in bf16 at the core's HBM share, unfused" + lab,
+                                  calls=sum(n for _, n in recs), bytes=el * E, sites=budget._sites(recs)))
+    if W > 1:
+        terms.append(_gather_term(spec, rec, W, fab))
+    kcalls = sum(n for r, n in rec["ops"].items() if r.kind == "kernel") + rec["passes"]
+    terms.append(budget._term("launches: every kernel call of ours + one compiled graph per transformer pass",
+                              kcalls * budget.launch_seconds(target),
+                              f"ASSUMPTION: {1e6 * budget.launch_seconds(target):.1f} us per launch (sim.cost "
+                              "GenSpec.launch_*), each call its own launch", calls=kcalls))
+    return {"W": W, "chips": chips, "layout": (U, R), "terms": terms, "seconds": sum(t["seconds"] for t in terms),
+            "bytes_inter_chip": best["bytes_inter_chip"]}
+
+
+def _gather_term(spec: ModelSpec, rec: dict, W: int, fab) -> dict:
+    """The output gathers of the plan: the cached Wan path gathers the output per pass (``CacheParallel.gather``);
+    Helios' plan all-gathers the output of every attn1, attn2 and ffn (``_cp_plan``'s ContextParallelOutput)."""
+    comm = scaling._Comm()
+    if spec.kind == "helios":
+        dim = spec.heads * spec.head_dim
+        for mod in ("attn1", "attn2", "ffn"):  # each module's output length, as recorded (layer 0)
+            S = max(o[-2] for r in rec["ops"] if r.kind == "matmul" and r.site.startswith(f"blocks.0.{mod}.")
+                    for o in r.outs if len(o) >= 2)
+            for _ in range(spec.layers * rec["passes"]):
+                scaling._collective(fab, W, 1, W, -(-S // W) * dim * E, "all_gather", comm)
+        what = "the plan's output all-gathers (every attn1, attn2, ffn of every layer and pass)"
+    else:
+        for _ in range(rec["passes"]):
+            scaling._collective(fab, W, 1, W, rec["tokens"] // W * spec.in_channels * 4 * E, "all_gather", comm)
+        what = "output all-gather per pass (CacheParallel.gather)"
+    return budget._term(what, comm.seconds, "ASSUMPTION: bench/scaling collective model, not overlapped",
+                        collectives=comm.collectives, bytes_inter_chip=comm.bytes_inter)
+
+
+def decode_terms(spec: ModelSpec, rec: dict, V: int, target: str, model: Optional[_Model] = None) -> dict:
+    """The chunk's decode on V cores: the Wan2.1 streaming decode is ``bench/budget.vae_terms`` (its recorded
+    kernel convolutions, V = 1 or height-sharded); any other recorded decode on one core here, kernel convolutions
+    scheduled, every other op an XLA row by call site."""
+    model = model or _Model(spec.heads, spec.head_dim)
+    dec = rec["decode"]
+    if dec.get("streaming_wan21"):
+        return budget.vae_terms(dec, V, target, model)
+    if V != 1:
+        raise ValueError(f"decode_terms: {spec.key}'s decode is implemented on one core only (V={V})")
+    conv_only = {r: n for r, n in dec["ops"].items() if r.name == "causal_conv3d"}
+    base = budget.vae_terms(dict(dec, ops=conv_only, latent_frames=dec["latent_frames"]), 1, target, model)
+    terms = [t for t in base["terms"] if t["label"].startswith("scheduled")]
+    roles: Dict[str, dict] = {}
+    for r, n in dec["ops"].items():
+        if r.kind != "matmul":
+            continue
+        g = roles.setdefault(f"{r.name} {budget._role(r.site)}", {"seconds": 0.0, "calls": 0, "sites": {},
+                                                                   "flops": 0.0})
+        g["seconds"] += n * budget._xla_matmul(_record.flops(r), _record.io_elements(r), target)
+        g["calls"] += n
+        g["flops"] += n * _record.flops(r)
+        g["sites"][r.site] = g["sites"].get(r.site, 0) + n
+    for role, g in sorted(roles.items(), key=lambda kv: -kv[1]["seconds"]):
+        terms.append(budget._term(f"decode {role}", g["seconds"], budget._xla_label(target), calls=g["calls"],
+                                  sites=g["sites"], flops=g["flops"]))
+    hbm = budget._spec(target).hbm_per_core * 1e9
+    for kind in ("elementwise", "copy"):
+        recs = [(r, n) for r, n in dec["ops"].items() if r.kind == kind]
+        el = sum(n * _record.io_elements(r) for r, n in recs)
+        terms.append(budget._term(f"decode {kind} ops", el * E / hbm, "XLA-compiled: ASSUMPTION every op reads its "
+                                  "inputs and writes its output once in bf16 at the core's HBM share, unfused",
+                                  calls=sum(n for _, n in recs), bytes=el * E, sites=budget._sites(recs)))
+    kcalls = sum(n for r, n in dec["ops"].items() if r.kind == "kernel") + dec["decoder_calls"]
+    terms.append(budget._term("decode launches: every kernel call of ours + one compiled graph per decoder call",
+                              kcalls * budget.launch_seconds(target),
+                              f"ASSUMPTION: {1e6 * budget.launch_seconds(target):.1f} us per launch", calls=kcalls))
+    return {"V": 1, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# the budget per chip count
+# ------------------------------------------------------------------------------------------------------
+def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
+    """The rank counts ``chips`` chips can hold (W <= 8 N), largest first: the first with an even layout is used
+    (the tokens may not split over every core: e.g. 1560 tokens per frame over 120 of 128 cores)."""
+    return list(range(CORES * chips, 0, -1))
+
+
+def _decodes(spec: ModelSpec, rec: dict, target: str, model, implemented) -> List[dict]:
+    out = [dict(decode_terms(spec, rec, 1, target, model), layout="decode on one core (after the DiT)",
+                status="implemented: " + implemented.get("serial_one_core", "one process decodes the chunk"))]
+    if rec["decode"].get("streaming_wan21") and "shared" in implemented:
+        out.append(dict(decode_terms(spec, rec, CORES, target, model), layout=f"decode height-sharded over the "
+                        f"{CORES} cores of one chip (after the DiT)", status="implemented: " + implemented["shared"]))
+    return out
+
+
+def _envelope(rows: List[dict]) -> List[dict]:
+    """N chips can always run a smaller chip count's layout: a row slower than an earlier (fewer chips) one takes
+    that layout (``"layout_of_chips"`` says which; its fps per chip is per the N chips held)."""
+    out: List[dict] = []
+    for r in rows:
+        prev = min((p for p in out if p["fps"] is not None), key=lambda p: p["chunk_s"], default=None)
+        if r["fps"] is not None and prev is not None and prev["chunk_s"] < r["chunk_s"]:
+            r = dict(prev, chips=r["chips"], fps_per_chip=prev["fps"] / r["chips"],
+                     layout_of_chips=prev.get("layout_of_chips", prev["chips"]),
+                     largest_split={"ranks": r["ranks"], "chunk_s": r["chunk_s"], "fps": r["fps"]})
+        out.append(r)
+    return out
+
+
+def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Sequence[int] = DEFAULT_CHIPS,
+                 rec: Optional[dict] = None, model: Optional[_Model] = None,
+                 implemented: Optional[Dict[str, str]] = None, progress=None) -> dict:
+    """Per target and chip count: the DiT over the chips (the best rank count and layout), the best implemented
+    decode after it, the chunk time, fps and fps per chip; and the fewest chips (of ``chips``) that reach the
+    published GPU rate."""
+    spec = _spec(key)
+    rec = rec or record(key)
+    model = model or _Model(spec.heads, spec.head_dim)
+    impl = implemented if implemented is not None else budget.implemented_layouts()
+    out = {"modeled": True, "model": key, "label": spec.label, "published_fps": spec.published_fps,
+           "published": spec.published, "geometry_source": spec.source, "notes": list(spec.notes),
+           "unit": f"one steady chunk: {spec.chunk_frames} latent frames = {spec.video_frames} video frames at "
+                   f"{spec.height}x{spec.width}, {rec['passes']} transformer passes",
+           "layers": rec["layers"], "layers_recorded": rec["layers_recorded"],
+           "attention_calls": [c.to_dict() for c in rec["calls"]],
+           "kernels_called": {"dit": budget._kernel_counts(rec["ops"]),
+                              "decode": budget._kernel_counts(rec["decode"]["ops"])},
+           "pipeline_options": rec.get("pipeline_options", {}), "targets": {}}
+    for t in targets:
+        decs = _decodes(spec, rec, t, model, impl)
+        dec = min(decs, key=lambda d: d["seconds"])
+        rows = []
+        for n in chips:
+            dit, tried = None, []
+            for W in _worlds(spec, rec, n):
+                d = dit_terms(spec, rec, W, t, n, model)
+                tried.append(W)
+                if d is not None:
+                    dit = d
+                    break
+            if progress is not None:
+                progress.update(1)
+            if dit is None:  # not reached: one rank always splits evenly
+                rows.append({"chips": n, "fps": None, "why": f"no even Ulysses x ring layout of 1..{tried[0]} ranks"})
+                continue
+            chunk = dit["seconds"] + dec["seconds"]
+            fps = spec.video_frames / chunk
+            rows.append({"chips": n, "ranks": dit["W"], "chips_used": -(-dit["W"] // CORES), "layout": dit["layout"],
+                         "dit_s": dit["seconds"],
+                         "decode_s": dec["seconds"], "decode_layout": dec["layout"], "chunk_s": chunk, "fps": fps,
+                         "fps_per_chip": fps / n, "dit_only_fps": spec.video_frames / dit["seconds"],
+                         "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit})
+        rows = _envelope(rows)
+        reach = [r for r in rows if r["fps"] is not None and r["fps"] >= spec.published_fps]
+        reach_dit = [r for r in rows if r["fps"] is not None and r["dit_only_fps"] >= spec.published_fps]
+        out["targets"][t] = {"rows": rows, "decode": dec, "decodes_considered": [d["layout"] for d in decs],
+                             "fewest_chips_to_published": reach[0]["chips"] if reach else None,
+                             "fps_per_chip_there": reach[0]["fps_per_chip"] if reach else None,
+                             "fewest_chips_to_published_dit_only": reach_dit[0]["chips"] if reach_dit else None,
+                             "dit_only_fps_per_chip_there": (reach_dit[0]["dit_only_fps"] / reach_dit[0]["chips"]
+                                                             if reach_dit else None)}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# output
+# ------------------------------------------------------------------------------------------------------
+def _f(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def doc_table(results: List[dict]) -> str:
+    """One row per model and target: the modeled fps per chip count, and the fewest chips reaching the published
+    GPU rate (MODELED)."""
+    chips = sorted({r["chips"] for res in results for v in res["targets"].values() for r in v["rows"]})
+    lines = ["| model | target | " + " | ".join(f"{n} chip{'s' if n > 1 else ''}" for n in chips)
+             + " | published GPU fps | fewest chips to reach it: end to end (fps per chip) | the same, DiT only |",
+             "|---|---|" + "---|" * len(chips) + "---|---|---|"]
+
+    def few(n, per):
+        return f"{n} ({_f(per, 2)})" if n else "not within these chip counts"
+
+    for res in results:
+        for t, v in res["targets"].items():
+            by = {r["chips"]: r for r in v["rows"]}
+            cells = [(f"{_f(by[n]['fps'])} ({_f(by[n]['dit_only_fps'])})" if by[n]["fps"] is not None else "-")
+                     if n in by else "" for n in chips]
+            lines.append(f"| {res['label']} | {t} | " + " | ".join(cells) + f" | {res['published_fps']:g} | "
+                         + few(v["fewest_chips_to_published"], v["fps_per_chip_there"]) + " | "
+                         + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"))
+                         + " |")
+    lines.append("")
+    lines.append("Each cell: fps end to end (the decode after the DiT, in its implemented layout) and, in "
+                 "parentheses, the DiT alone. MODELED.")
+    return "\n".join(lines)
+
+
+def render(results: List[dict]) -> str:
+    L = ["MODELED (never measured) time per steady chunk of the real-time models across Trainium chips: the default "
+         "patched path recorded at full geometry on the meta device, every term a call it makes ('scheduled: "
+         "<kernel>'), an 'XLA-compiled: ASSUMPTION' row or an 'ASSUMPTION: <why>' row; multi-chip layouts modeled "
+         "only (never run across chips).", "", doc_table(results)]
+    for res in results:
+        L += ["", f"## {res['label']} ({res['model']}): {res['unit']}",
+              f"published: {res['published']}; geometry: {res['geometry_source']}"]
+        L += [f"NOTE: {n}" for n in res["notes"]]
+        if res["layers_recorded"] != res["layers"]:
+            L.append(f"per-layer ops recorded on {res['layers_recorded']} of {res['layers']} layers and counted "
+                     f"x{res['layers'] // res['layers_recorded']} (identical per layer)")
+        L.append("kernels the default path calls per chunk: DiT " + ", ".join(
+            f"{k} {n}" for k, n in sorted(res["kernels_called"]["dit"].items())) + "; decode " + (", ".join(
+                f"{k} {n}" for k, n in sorted(res["kernels_called"]["decode"].items())) or "none (stock)"))
+        for t, v in res["targets"].items():
+            L += ["", f"{t}: decode {v['decode']['layout']}, {1e3 * v['decode']['seconds']:.1f} ms", "",
+                  "| chips | ranks (chips used) | U x R | DiT ms | decode ms | chunk ms | fps | fps per chip | "
+                  "DiT-only fps | inter-chip MB per rank |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in v["rows"]:
+                if r["fps"] is None:
+                    L.append(f"| {r['chips']} | - | - | - | - | - | - | - | - | {r['why']} |")
+                    continue
+                lay = (f"{r['layout'][0]} x {r['layout'][1]}" if "layout_of_chips" not in r else
+                       f"{r['layout'][0]} x {r['layout'][1]}, the {r['layout_of_chips']}-chip layout (the largest "
+                       f"split, {r['largest_split']['ranks']} ranks, {r['largest_split']['fps']:.1f} fps)")
+                L.append(f"| {r['chips']} | {r['ranks']} ({r['chips_used']}) | {lay} | "
+                         f"{1e3 * r['dit_s']:.1f} | {1e3 * r['decode_s']:.1f} | {1e3 * r['chunk_s']:.1f} | "
+                         f"{r['fps']:.1f} | {r['fps_per_chip']:.2f} | {r['dit_only_fps']:.1f} | "
+                         f"{r['bytes_inter_chip'] / 1e6:.1f} |")
+            few = v["fewest_chips_to_published"]
+            L.append(f"fewest chips reaching the published {res['published_fps']:g} fps: "
+                     + (f"{few} ({v['fps_per_chip_there']:.2f} fps per chip)" if few else
+                        "none of the chip counts given") + "; DiT only: "
+                     + (str(v["fewest_chips_to_published_dit_only"]) if v["fewest_chips_to_published_dit_only"]
+                        else "none of the chip counts given"))
+            first = next((r for r in v["rows"] if r["fps"] is not None), None)
+            if first is not None:
+                L += ["", f"terms at {first['chips']} chip(s), DiT on each of {first['ranks']} ranks:", "",
+                      "| term | calls | ms | label |", "|---|---|---|---|"]
+                for tm in first["dit"]["terms"] + v["decode"]["terms"]:
+                    L.append(f"| {tm['name']} | {tm.get('calls', '')} | {1e3 * tm['seconds']:.2f} | {tm['label']} |")
+    return "\n".join(L)
+
+
+DOC_BEGIN = "<!-- bench budget: models -->"
+DOC_END = "<!-- /bench budget: models -->"
+
+
+def update_doc(path: str, results: List[dict]) -> int:
+    """Rewrites the ``<!-- bench budget: models -->`` ... ``<!-- /bench budget: models -->`` region of ``path``
+    with ``doc_table``; a file without it is an error."""
+    with open(path) as f:
+        text = f.read()
+    pattern = re.compile(re.escape(DOC_BEGIN) + r"\n.*?" + re.escape(DOC_END), re.S)
+    text, n = pattern.subn(lambda m: DOC_BEGIN + "\n" + doc_table(results) + "\n" + DOC_END, text)
+    if n == 0:
+        raise ValueError(f"--doc {path}: no '{DOC_BEGIN}' ... '{DOC_END}' region to rewrite")
+    with open(path, "w") as f:
+        f.write(text)
+    return n
+
+
+def _parse_chips(text: str) -> List[int]:
+    try:
+        chips = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        chips = []
+    if not chips or chips[0] < 1:
+        raise ValueError(f"--chips={text!r}: a comma list of chip counts >= 1 (e.g. 1,2,4,8)")
+    return chips
+
+
+def add_arguments(p) -> None:
+    """``bench budget``'s arguments (``bench/budget.add_arguments``) and ``--model`` / ``--chips`` / ``--layers``."""
+    budget.add_arguments(p)
+    p.add_argument("--model", default=None, metavar="NAMES",
+                   help=f"comma list of real-time models ({', '.join(MODELS)}): their budgets across chips; "
+                   "without it, the Wan2.1 setups on one chip")
+    p.add_argument("--chips", default=None, metavar="N,N,...",
+                   help=f"with --model: chip counts (default {','.join(map(str, DEFAULT_CHIPS))})")
+    p.add_argument("--layers", default=None, type=int, metavar="K",
+                   help=f"with --model: layers recorded, per-layer ops counted x layers / K (default {LAYERS_RECORDED})")
+
+
+def run(args) -> int:
+    """``bench budget``: with ``--model``, the models' budgets across chips (JSON + table; ``--doc``: the marked
+    table); without it, ``bench/budget.run`` (the Wan2.1 setups on one chip)."""
+    if not getattr(args, "model", None):
+        return budget.run(args)
+    try:
+        keys = [x.strip() for x in args.model.split(",") if x.strip()]
+        for k in keys:
+            _spec(k)
+        chips = _parse_chips(getattr(args, "chips", None) or ",".join(map(str, DEFAULT_CHIPS)))
+        _, targets = budget._parse(args)
+        layers = int(getattr(args, "layers", None) or LAYERS_RECORDED)
+    except ValueError as e:
+        print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
+        return 2
+    for doc in args.doc:
+        if not os.path.isfile(doc):
+            print(f"diffusers-nki bench budget: --doc {doc}: no such file", file=sys.stderr)
+            return 2
+    if getattr(args, "from_json", None) is not None:  # rewrite the marked tables from an earlier run's JSON
+        if not args.doc:
+            print("diffusers-nki bench budget: --from-json needs --doc (it only rewrites the tables)", file=sys.stderr)
+            return 2
+        try:
+            with open(args.from_json) as f:
+                results = [r for r in json.load(f)["results"] if r["model"] in keys]
+            for doc in args.doc:
+                print(f"rewrote {update_doc(doc, results)} table(s) in {doc}")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
+            return 2
+        return 0
+    t0 = time.perf_counter()
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="budget across chips (modeled)", unit="chip count", disable=getattr(args, "no_progress", False))
+    except ImportError:  # pragma: no cover
+        bar = None
+    try:
+        results = [model_budget(k, targets, chips, record(k, layers), progress=bar) for k in keys]
+    except ValueError as e:
+        print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    print(render(results))
+    from diffusers_nki_lab.bench._measure import json_safe
+
+    path = args.json or os.path.join("outputs", "budget", "budget_models.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(json_safe({"schema": "diffusers_nki_lab.bench.budget_models/1", "modeled": True, "chips": chips,
+                             "results": results, "seconds": time.perf_counter() - t0, "method": __doc__}), f,
+                  indent=2, allow_nan=False)
+    print(f"\nwrote {path}")
+    for doc in args.doc:
+        try:
+            print(f"rewrote {update_doc(doc, results)} table(s) in {doc}")
+        except ValueError as e:
+            print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
+            return 2
+    return 0
