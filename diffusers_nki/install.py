@@ -17,7 +17,7 @@ import types
 import warnings
 from typing import Dict, Optional, Tuple
 
-from diffusers_nki import accounting, bridge, caching, compat, errors
+from diffusers_nki import accounting, bridge, caching, compat, dense_ops, errors
 from diffusers_nki import cache as cache_api
 from diffusers_nki.accounting import RECORD_ATTR, ModuleRecord
 from diffusers_nki.family import FamilyPatch
@@ -181,6 +181,11 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
                 had, old = name in vars(model), vars(model).get(name)
                 setattr(model, name, value)
                 st.undo.append(InstanceAttr("", name, value, had, old))
+        for path, module, hook in dense_ops.default_gemm_hooks(model, route):  # the GEMMs where the model wins
+            had, old = "forward" in vars(module), vars(module).get("forward")
+            module.forward = hook
+            st.gemm[path] = hook
+            st.undo.append(ForwardSwap(path, hook, had, old))
         st.undo.append(Hook("", model.register_forward_pre_hook(_model_pre_hook).id))
         st.undo.append(Hook("", model.register_forward_hook(_model_post_hook, always_call=True).id))
         if unknown:
