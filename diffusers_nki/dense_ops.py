@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+from torch import compiler as _compiler
 
 from diffusers_nki import accounting, backends, compat, errors
 from diffusers_nki.backends import nki as _hw
@@ -47,7 +48,7 @@ from diffusers_nki.kernels.gemm_table import TABLE as _GEMM_TABLE
 
 __all__ = ["gemm", "causal_conv3d", "counters", "reset_counters", "fallbacks", "DenseKernelsConfig",
            "apply_dense_kernels", "remove_dense_kernels", "DENSE_OPS", "conv_module", "kernel_weight", "note_fallback",
-           "GEMM_MODELS", "gemm_decision", "xla_seconds", "GemmHook", "default_gemm_hooks"]
+           "GEMM_MODELS", "GEMM_ATTR", "gemm_decision", "xla_seconds", "GemmHook", "gemm_forward", "default_gemm_hooks"]
 
 DENSE_OPS = accounting.DENSE_OPS
 _lock = threading.Lock()
@@ -371,14 +372,19 @@ def gemm_decision(M: int, K: int, N: int, activation, dtype, target: str) -> dic
                     f"at {shape} on {target} (MODELED)")}
 
 
-class GemmHook:
-    """The forward ``patch()`` installs on one ``nn.Linear`` of a covered DiT (or on the diffusers ``GELU`` that
-    owns it, fusing its tanh GELU): each call is routed through ``gemm`` when ``gemm_decision`` says the kernel
-    wins at that call's shape on the route's target, else runs the module's own forward (stock). Its state is its
-    own: the decision per (M, dtype) seen, with the calls each way (``rows()``, read by ``explain()``)."""
+GEMM_ATTR = "_diffusers_nki_gemm"  # a routed module's GemmHook (its own state)
 
-    def __init__(self, owner, linear, fuse_gelu: bool, route):
-        self.owner, self.linear, self.fuse_gelu, self.route = owner, linear, fuse_gelu, route
+
+class GemmHook:
+    """The state of the default GEMM route on one module (``module.__dict__[GEMM_ATTR]``): an ``nn.Linear`` of a
+    covered DiT, or the diffusers ``GELU`` that owns one (``fuse_gelu``: one GEMM + GELU-tanh call), and the route.
+    The module's forward is ``gemm_forward`` (one function for every module, bound to it: a compiled block's
+    code is the same for every block): each call goes through ``gemm`` when ``gemm_decision`` says the kernel
+    wins at that call's shape on the route's target, else the module's own forward runs (stock). Eager calls
+    record, per (M, dtype), the decision and the calls each way (``rows()``, read by ``explain()``)."""
+
+    def __init__(self, fuse_gelu: bool, route):
+        self.fuse_gelu, self.route = fuse_gelu, route
         self.shapes: Dict[tuple, dict] = {}
         self.lock = threading.Lock()
 
@@ -395,12 +401,8 @@ class GemmHook:
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
-    def _stock(self, x):
-        return type(self.owner).forward(self.owner, x)
-
-    def _note(self, key, decision, ran: str) -> None:
-        if accounting.compiling():
-            return
+    def note(self, M: int, dtype, decision: dict, ran: str, why: Optional[str] = None) -> None:
+        key = (int(M), str(dtype).replace("torch.", ""))
         with self.lock:
             row = self.shapes.get(key)
             if row is None:
@@ -408,48 +410,63 @@ class GemmHook:
                     key = ("other", None)
                     row = self.shapes.setdefault(key, {"why": "other shapes", "kernel_calls": 0, "stock_calls": 0})
                 else:
-                    row = self.shapes[key] = {"why": decision["why"], "kernel": decision["kernel"],
+                    row = self.shapes[key] = {"why": why or decision["why"], "kernel": decision["kernel"],
                                               "kernel_s": decision["kernel_s"], "xla_s": decision["xla_s"],
                                               "kernel_calls": 0, "stock_calls": 0}
             row[f"{ran}_calls"] += 1
-
-    def __call__(self, x):
-        mod = self.linear
-        K, N = mod.in_features, mod.out_features
-        M = x.numel() // K if x.dim() else 0
-        act = "gelu_tanh" if self.fuse_gelu else None
-        d = gemm_decision(int(M), K, N, act, x.dtype, self.route.target)
-        key = (int(M), str(x.dtype).replace("torch.", ""))
-        if not d["kernel"]:
-            self._note(key, d, "stock")
-            return self._stock(x)
-        if torch.is_grad_enabled() and (x.requires_grad or mod.weight.requires_grad):
-            _fallback("gradients are enabled (the GEMM kernel serves inference)")
-            self._note(key, dict(d, why="stock: gradients are enabled (the GEMM kernel serves inference)"), "stock")
-            return self._stock(x)
-        backend = self.route.backend
-        # the torch twin takes the weight as a [K, N] view (no copy: it computes F.linear on its transpose, the
-        # stock layer's own op); the kernels get the contiguous "in, out" layout, remade when the weight changes
-        w = mod.weight.t() if backend == "torch" else kernel_weight(mod, _gemm_ref.linear_weight)
-        x2 = x.reshape(-1, K)
-        reasons = _gemm_ref.not_supported_reasons(x2, w, mod.bias, act)
-        if reasons:
-            _fallback("; ".join(reasons))
-            self._note(key, dict(d, why="stock: " + "; ".join(reasons)), "stock")
-            return self._stock(x)
-        self._note(key, d, "kernel")
-        return gemm(x2, w, mod.bias, act, backend).reshape(*x.shape[:-1], N)
 
     def rows(self) -> list:
         with self.lock:
             return [dict(v, M=k[0], dtype=k[1]) for k, v in self.shapes.items()]
 
 
+@_compiler.assume_constant_result
+def _kernel_wins(M: int, K: int, N: int, activation, dtype, target: str) -> bool:
+    """``gemm_decision``'s verdict, a constant of a compiled graph (its shapes are)."""
+    return bool(gemm_decision(M, K, N, activation, dtype, target)["kernel"])
+
+
+def gemm_forward(self, x):
+    """The forward ``patch()`` binds to each routed module (state: ``self.__dict__[GEMM_ATTR]``)."""
+    st = self.__dict__[GEMM_ATTR]
+    mod = self.proj if st.fuse_gelu else self
+    K, N = mod.in_features, mod.out_features
+    M = x.numel() // K if x.dim() else 0
+    act = "gelu_tanh" if st.fuse_gelu else None
+    eager = not accounting.compiling()
+    if eager:
+        d = gemm_decision(int(M), K, N, act, x.dtype, st.route.target)
+        use = d["kernel"]
+    else:
+        use = _kernel_wins(int(M), K, N, act, x.dtype, st.route.target)
+    if not use:
+        if eager:
+            st.note(M, x.dtype, d, "stock")
+        return type(self).forward(self, x)
+    grad = torch.is_grad_enabled() and (x.requires_grad or mod.weight.requires_grad)
+    backend = st.route.backend
+    # the torch twin takes the weight as a [K, N] view (no copy: it computes F.linear on its transpose, the stock
+    # layer's own op); the kernels get the contiguous "in, out" layout, remade whenever the weight changes
+    w = mod.weight.t() if backend == "torch" else kernel_weight(mod, _gemm_ref.linear_weight)
+    x2 = x.reshape(-1, K)
+    reasons = _gemm_ref.not_supported_reasons(x2, w, mod.bias, act)
+    if grad or reasons:
+        why = "; ".join(reasons) or "gradients are enabled (the GEMM kernel serves inference)"
+        _fallback(why)
+        if eager:
+            st.note(M, x.dtype, d, "stock", why="stock: " + why)
+        return type(self).forward(self, x)
+    if eager:
+        st.note(M, x.dtype, d, "kernel")
+    return gemm(x2, w, mod.bias, act, backend).reshape(*x.shape[:-1], N)
+
+
 def default_gemm_hooks(model, route) -> list:
-    """``[(path, module, GemmHook)]``: the forwards ``patch()`` installs on ``model`` (a class of ``GEMM_MODELS``,
+    """``[(path, module, GemmHook)]``: the modules ``patch()`` routes on ``model`` (a class of ``GEMM_MODELS``,
     matched exactly; any other model: none): every ``nn.Linear`` (exact class) inside its blocks, the Linear owned
     by a diffusers tanh ``GELU`` through that GELU (one fused GEMM + GELU call). Modules already carrying the
-    opt-in hook (``apply_dense_kernels``) are left as they are."""
+    opt-in hook (``apply_dense_kernels``) are left as they are. The caller binds ``gemm_forward`` and stores the
+    hook under ``GEMM_ATTR``."""
     block_cls = None
     for model_path, block_path in GEMM_MODELS.items():
         if resolve_class(model_path) is type(model):
@@ -470,7 +487,7 @@ def default_gemm_hooks(model, route) -> list:
             parent = parents.get(id(mod))
             if parent is not None and _gelu_tanh_owner(parent, mod):
                 if _HOOK not in parent.__dict__:
-                    out.append((path.rpartition(".")[0], parent, GemmHook(parent, mod, True, route)))
+                    out.append((path.rpartition(".")[0], parent, GemmHook(True, route)))
                 continue
-            out.append((path, mod, GemmHook(mod, mod, False, route)))
+            out.append((path, mod, GemmHook(False, route)))
     return out

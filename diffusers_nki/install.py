@@ -182,10 +182,14 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
                 setattr(model, name, value)
                 st.undo.append(InstanceAttr("", name, value, had, old))
         for path, module, hook in dense_ops.default_gemm_hooks(model, route):  # the GEMMs where the model wins
+            had, old = dense_ops.GEMM_ATTR in vars(module), vars(module).get(dense_ops.GEMM_ATTR)
+            module.__dict__[dense_ops.GEMM_ATTR] = hook
+            st.undo.append(InstanceAttr(path, dense_ops.GEMM_ATTR, hook, had, old))
             had, old = "forward" in vars(module), vars(module).get("forward")
-            module.forward = hook
+            fwd = types.MethodType(dense_ops.gemm_forward, module)
+            module.forward = fwd
             st.gemm[path] = hook
-            st.undo.append(ForwardSwap(path, hook, had, old))
+            st.undo.append(ForwardSwap(path, fwd, had, old))
         st.undo.append(Hook("", model.register_forward_pre_hook(_model_pre_hook).id))
         st.undo.append(Hook("", model.register_forward_hook(_model_post_hook, always_call=True).id))
         if unknown:

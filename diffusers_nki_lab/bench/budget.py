@@ -151,7 +151,8 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     index, "ops": {OpRecord: n} of the steady chunk, "dispatches": its op count, ...}``; the steady
     chunk is the last one with a cache pass (the window is full there). ``record_ops=False``: the attention calls
     only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need. ``target``:
-    ``patch(target=...)`` (None: the route's default): where the GEMM kernel is chosen depends on it."""
+    ``patch(target=...)`` (None: the route's default): where the GEMM kernel is chosen depends on it (recorded in
+    fp32 on meta, as ever; ``dit_terms`` checks each GEMM choice again in bf16 at the per-rank shape)."""
     import torch
     from diffusers import FlowMatchLCMScheduler
 
