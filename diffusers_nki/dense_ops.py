@@ -461,6 +461,12 @@ def gemm_forward(self, x):
     return gemm(x2, w, mod.bias, act, backend).reshape(*x.shape[:-1], N)
 
 
+# pickling (torch.save) reduces a bound method to ``getattr(module, __name__)``, evaluated before the module's state
+# is restored: named "forward", a pickled copy gets the module's own (stock) forward back, and ``install.problems``
+# says so (``patch()`` on the copy routes it again)
+gemm_forward.__name__ = "forward"
+
+
 def default_gemm_hooks(model, route) -> list:
     """``[(path, module, GemmHook)]``: the modules ``patch()`` routes on ``model`` (a class of ``GEMM_MODELS``,
     matched exactly; any other model: none): every ``nn.Linear`` (exact class) inside its blocks, the Linear owned

@@ -333,6 +333,9 @@ def problems(model, st: ModelState) -> Dict[str, str]:
             out.setdefault(path, f"attention backend changed to {getattr(be, 'value', be)!r} after patch()")
         elif isinstance(entry, ForwardSwap) and vars(module).get("forward") is not entry.ours:
             out.setdefault(path, "forward replaced after patch()")
+        elif isinstance(entry, ForwardSwap) and path in st.gemm and getattr(entry.ours, "__func__", None) \
+                is not dense_ops.gemm_forward:
+            out.setdefault(path, "the GEMM route's forward did not survive pickling (patch() again)")
         elif isinstance(entry, Hook) and not _has_hook(module, entry.hook_id):
             out.setdefault(path, "diffusers_nki's record hooks were removed")
         elif isinstance(entry, InstanceAttr) and vars(module).get(entry.name) is not entry.ours:

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import diffusers_nki
+import diffusers_nki.install
+import diffusers_nki.lifecycle
 import diffusers_nki.patching
 from diffusers_nki import backends, dense_ops
 from diffusers_nki.backends import nki as hw
@@ -299,4 +301,30 @@ def test_regional_compile_keeps_one_graph_and_the_kernel_calls():
         assert (got - want).abs().max().item() <= 1e-5
     finally:
         torch._dynamo.reset()
+        diffusers_nki.unpatch(m)
+
+
+def test_a_pickled_copy_runs_stock_says_so_and_patch_routes_it_again():
+    import io
+
+    m = small_wan()
+    diffusers_nki.patch(m, backend="torch")
+    try:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        c = torch.load(buf, weights_only=False)
+        with torch.no_grad():
+            want = m(**inputs())[0]
+            dense_ops.reset_counters()
+            got = c(**inputs())[0]
+        assert torch.equal(got, want) and dense_ops.counters()["gemm"]["torch"] == 0  # stock linears in the copy
+        st = diffusers_nki.lifecycle.installed(c)
+        assert "did not survive pickling" in diffusers_nki.install.problems(c, st)["blocks.0.ffn.net.0"]
+        diffusers_nki.patch(c, backend="torch")
+        with torch.no_grad():
+            c(**inputs())
+        assert dense_ops.counters()["gemm"]["torch"] == sum(_expected(c, 256, "trn2").values()) > 0
+        diffusers_nki.unpatch(c)
+    finally:
         diffusers_nki.unpatch(m)
