@@ -15,7 +15,10 @@ in for the device's: the same wiring) over Wan2.1-1.3B's published config on the
 ``bench/_record.OpRecorder`` logs every op either dispatches, with its call site (module path), shapes and count.
 Each term then comes from those records:
 - "scheduled: <kernel>": a call of ours (``diffusers_nki::attention``, ``qk_norm_rope``, ``cache_write``,
-  ``causal_conv3d``, ``gemm`` where wired) is the NKI kernel of ``kernels/`` that call launches, traced in the
+  ``causal_conv3d``, and ``gemm`` where the route chose it: ``dense_ops.gemm_decision`` on the target, so each
+  target has its own recording, and a recorded GEMM whose per-rank shape the route would keep on XLA (bf16, the
+  budget's precision; the recording is fp32 on meta) counts as the XLA row) is the NKI kernel of ``kernels/`` that
+  call launches, traced in the
   emulator at the per-rank shape and costed by the dependency-aware schedule (``sim.schedule``; the roofline
   ceiling kept beside it). The attention's per-rank calls come from ``bench/scaling.model_layout`` at the best
   Ulysses x ring layout of W ranks (diffusers' context parallelism as ``parallel.CacheParallel`` runs it).
