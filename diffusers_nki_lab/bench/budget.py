@@ -551,7 +551,9 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
             scaling._collective(fab, W, 1, W, S * patch * E, "all_gather", comm)
         terms.append(_term("output all-gather per pass (CacheParallel.gather)", comm.seconds,
                            "ASSUMPTION: bench/scaling collective model, not overlapped"))
-    kcalls = sum(n for r, n in ops.items() if r.kind == "kernel") + STEPS + 1
+    # GEMMs the route keeps on XLA at this rank's shape are part of the compiled graph, not launches of their own
+    kcalls = sum(n for r, n in ops.items() if r.kind == "kernel") - sum(n for _, n in kinds.get("gemm_xla", [])) \
+        + STEPS + 1
     terms.append(_term("launches: every kernel call of ours + one compiled graph per transformer pass",
                        kcalls * launch_seconds(target),
                        f"ASSUMPTION: {1e6 * launch_seconds(target):.1f} us start-up + tear-down per launch (sim.cost "
