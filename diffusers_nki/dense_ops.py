@@ -452,6 +452,9 @@ def gemm_forward(self, x):
     reasons = _gemm_ref.not_supported_reasons(x2, w, mod.bias, act)
     if grad or reasons:
         why = "; ".join(reasons) or "gradients are enabled (the GEMM kernel serves inference)"
+        if st.route.strict:
+            raise errors.StrictFallbackError(f"diffusers_nki gemm route: {type(self).__name__} falls back to its own "
+                                             f"forward: {why} (strict=True)")
         _fallback(why)
         if eager:
             st.note(M, x.dtype, d, "stock", why="stock: " + why)

@@ -328,3 +328,26 @@ def test_a_pickled_copy_runs_stock_says_so_and_patch_routes_it_again():
         diffusers_nki.unpatch(c)
     finally:
         diffusers_nki.unpatch(m)
+
+
+def test_gradients_fall_back_visibly_or_raise_when_strict():
+    from diffusers_nki.errors import StrictFallbackError
+
+    m = small_wan()
+    x = inputs()
+    with torch.no_grad():
+        want = m(**x)[0]
+    diffusers_nki.patch(m, backend="torch")
+    try:
+        dense_ops.reset_counters()
+        with pytest.warns(RuntimeWarning, match="gradients are enabled"):
+            got = m(**x)[0]  # grad mode, parameters requiring grad: the layers the kernel would serve run stock
+        assert torch.allclose(got, want, atol=1e-5) and dense_ops.counters()["gemm"]["torch"] == 0
+        assert dense_ops.fallbacks().get("gradients are enabled (the GEMM kernel serves inference)", 0) > 0
+        rows = {r["path"]: r for r in diffusers_nki.explain(m).models[0].gemm}
+        assert rows["blocks.0.ffn.net.0"]["why"].startswith("stock: gradients are enabled")
+        diffusers_nki.patch(m, backend="torch", strict=True)
+        with pytest.raises(StrictFallbackError, match="gradients are enabled"):
+            m(**x)
+    finally:
+        diffusers_nki.unpatch(m)
