@@ -133,6 +133,14 @@ def test_a_term_names_gemm_only_where_the_recorded_path_called_it(probe, vae):
         if W == 8:  # at 585 tokens per rank the route keeps XLA for the projections on trn3 (bf16)
             assert kept > 0 and not any(".attn1." in s for s in named)
             assert [t for t in d["terms"] if t["label"].startswith("XLA") and "blocks.*.attn1.to_q" in t["name"]]
+    # the GELU of an FFN GEMM kept on XLA is an elementwise op again (read + write once), as stock runs it
+    assert {r: n for r, n in p3["ops"].items() if r.name == "gemm"} == {
+        r: n for r, n in probe["ops"].items() if r.name == "gemm"}  # fp32 at 4680 tokens: both record every GEMM
+    d3, d2 = budget.dit_terms(calls, 8, "trn3", FakeModel(), ops=p3["ops"]), budget.dit_terms(
+        calls, 8, "trn2", FakeModel(), ops=probe["ops"])
+    el3, el2 = ([t for t in d["terms"] if t["name"].startswith("norms")][0] for d in (d3, d2))
+    assert "gelu" in el3["label"] and "gelu" not in el2["label"]  # trn2 keeps the GELU fused in the kernel
+    assert el3["bytes"] - el2["bytes"] == pytest.approx(2 * 2 * (3 * TPF // 8) * 8960 * LAYERS * 5, rel=1e-9)
     no_gemm = {r: n for r, n in probe["ops"].items() if r.name != "gemm"}
     d = budget.dit_terms(calls, 8, "trn2", FakeModel(), ops=no_gemm)
     assert not [t for t in d["terms"] if t["label"].startswith("scheduled: gemm")]

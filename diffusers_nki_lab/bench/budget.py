@@ -498,6 +498,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
                                   f"this shape on {target}"), calls=t["calls"], sites=t["sites"], flops=t["flops"]))
     # every matmul no kernel of ours serves: an XLA row per call-site role, with the GEMM kernel's model beside it
     roles: Dict[str, dict] = {}
+    gelu_el = 0.0
     for r, n in kinds.get("gemm_xla", []):  # recorded through the gemm op at one rank's M; XLA at W ranks' M
         M, K = r.ins[0]
         N = r.ins[1][1]
@@ -510,6 +511,8 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         g["sites"][r.site] = g["sites"].get(r.site, 0) + n
         g["shapes"].add(f"[{Mr}, {K}] x [{K}, {N}]")
         g["kernel_s"] += n * model.gemm(Mr, K, N, True, None, target)["scheduled_s"]
+        if "'gelu_tanh'" in r.args:  # stock runs its GELU as an elementwise op (counted with them, unfused)
+            gelu_el += n * 2 * Mr * N
     for r, n in kinds.get("matmul", []):
         f = _record.flops(r) * share(r)
         g = roles.setdefault(_role(r.site), {"seconds": 0.0, "flops": 0.0, "calls": 0, "sites": {}, "shapes": set(),
@@ -538,8 +541,8 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
     for kind, what in (("elementwise", "norms, modulation, gated residuals, activations, RoPE tables (elementwise)"),
                        ("copy", "copies and concatenations (cat, clone, index_select, casts)")):
         recs = kinds.get(kind, [])
-        el = sum(n * _record.io_elements(r) * share(r) for r, n in recs)
-        ops_named = sorted({r.name for r, _ in recs})
+        el = sum(n * _record.io_elements(r) * share(r) for r, n in recs) + (gelu_el if kind == "elementwise" else 0)
+        ops_named = sorted({r.name for r, _ in recs} | ({"gelu"} if gelu_el and kind == "elementwise" else set()))
         terms.append(_term(what, el * E / hbm,
                            "XLA-compiled: ASSUMPTION every op reads its inputs and writes its output once in bf16 at the "
                            f"core's HBM share, unfused ({', '.join(ops_named)})", calls=sum(n for _, n in recs),
