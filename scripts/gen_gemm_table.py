@@ -1,4 +1,4 @@
-"""Regenerate ``diffusers_nki/kernels/gemm_table.py``: the table ``patch()`` reads to decide, per ``nn.Linear`` call
+"""Regenerate ``diffusers_nki/gemm_table.py``: the table ``patch()`` reads to decide, per ``nn.Linear`` call
 of a covered DiT, whether the GEMM kernel beats the compiler's own matmul at that shape on that target.
 
 For each target (trn2, trn3), dtype class (bfloat16: the 16-bit types; float32) and layer shape (K, N, activation)
@@ -29,8 +29,7 @@ SHAPES = {
 }
 TARGETS = ("trn2", "trn3")
 DTYPES = ("bfloat16", "float32")
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "diffusers_nki", "kernels",
-                   "gemm_table.py")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "diffusers_nki", "gemm_table.py")
 
 
 def key(target: str, dtype: str, K: int, N: int, activation) -> str:

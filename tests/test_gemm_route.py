@@ -24,7 +24,7 @@ import diffusers_nki.lifecycle
 import diffusers_nki.patching
 from diffusers_nki import backends, dense_ops
 from diffusers_nki.backends import nki as hw
-from diffusers_nki.kernels.gemm_table import TABLE
+from diffusers_nki.gemm_table import TABLE
 
 K_FFN = (512, 2048, "gelu_tanh")  # the tests' Wan width: dim 512 (4 heads x 128), FFN 2048
 
