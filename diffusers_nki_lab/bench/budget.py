@@ -386,7 +386,7 @@ def _xla_matmul(flops: float, elems: float, target: str) -> float:
     return max(flops / (g.pe_peak_flops * XLA_MATMUL_EFFICIENCY[target]), elems * E / (g.hbm_per_core * 1e9))
 
 
-def _BF16():
+def _bf16():
     import torch
 
     return torch.bfloat16
@@ -482,7 +482,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         N = r.ins[1][1]
         act = "gelu_tanh" if "'gelu_tanh'" in r.args else None
         Mr = -(-M // W) if M == tokens else M
-        if not dense_ops.gemm_decision(Mr, K, N, act, _BF16(), target)["kernel"]:
+        if not dense_ops.gemm_decision(Mr, K, N, act, _bf16(), target)["kernel"]:
             kinds.setdefault("gemm_xla", []).append((r, n))  # at this per-rank shape the route keeps XLA
             continue
         g = model.gemm(Mr, K, N, True, act, target)
