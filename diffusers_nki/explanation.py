@@ -49,6 +49,8 @@ class ModelReport:
     cache_backend: Optional[str] = None  # the static cache's kernel backend, when one is installed
     compiled: Dict[str, Any] = field(default_factory=dict)  # {"by_backend": {...}, "fallbacks": {...}}
     owners: Tuple[str, ...] = ()  # who patched it, most recent last ("own patch()", "WanPipeline.transformer")
+    target: Optional[str] = None  # the route's Trainium target (the modeled decisions are made for it)
+    gemm: List[dict] = field(default_factory=list)  # per default-GEMM layer and shape seen: decision, times, calls
 
     def summary(self) -> dict:
         soft = [m for m in self.modules if m.softmax]
@@ -104,6 +106,7 @@ class Explanation:
                     "component": m.component, "class": m.cls, "family": m.family, "patched": m.patched,
                     "backend": m.backend, "strict": m.strict, "cache_backend": m.cache_backend,
                     "owners": list(m.owners), "notes": list(m.notes), "compiled": dict(m.compiled),
+                    "target": m.target, "gemm": [dict(g) for g in m.gemm],
                     "modules": [dict(vars(x)) for x in m.modules], "summary": m.summary(),
                 }
                 for m in self.models
@@ -118,7 +121,7 @@ class Explanation:
         for m in self.models:
             head = f"{m.component + ': ' if m.component else ''}{m.cls}"
             if m.patched:
-                head += f"  [family {m.family}, backend {m.backend!r}{', strict' if m.strict else ''}"
+                head += f"  [family {m.family}, backend {m.backend!r}, target {m.target!r}{', strict' if m.strict else ''}"
                 if m.cache_backend is not None:
                     head += f", static cache backend {m.cache_backend!r}"
                 head += "]"
@@ -148,6 +151,7 @@ class Explanation:
                 fb = "; ".join(f"{n}x {r}" for r, n in fbs.items())
                 lines.append(f"  inside compiled code (counted per model, not per module): kernel calls {text}"
                              + (f"; fallbacks {fb}" if fb else ""))
+            lines += _gemm_lines(m.gemm)
             if len(m.owners) > 1:
                 lines.append(f"  note: patched by {', '.join(m.owners)}; the most recent ({m.owners[-1]}) is "
                              "installed, unpatching it brings back the one before")
@@ -170,6 +174,28 @@ class Explanation:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _gemm_lines(rows) -> List[str]:
+    """The default GEMM route, one line per layer role and shape (layer indices folded): kernel or stock, why."""
+    if not rows:
+        return []
+    groups: Dict[tuple, dict] = {}
+    layers = {r["path"] for r in rows}
+    for r in rows:
+        parts = r["path"].split(".")
+        first = next((i for i, p in enumerate(parts) if p.isdigit()), None)  # the block index, folded
+        role = ".".join("*" if i == first else p for i, p in enumerate(parts))
+        g = groups.setdefault((role, r["why"]), {"layers": set(), "kernel": 0, "stock": 0})
+        g["layers"].add(r["path"])
+        g["kernel"] += r.get("kernel_calls", 0)
+        g["stock"] += r.get("stock_calls", 0)
+    out = [f"  gemm route ({len(layers)} linear layers hooked; MODELED kernel vs XLA time per call shape seen):"]
+    for (role, why), g in sorted(groups.items()):
+        out.append(f"    {role} ({len(g['layers'])} layers): {why}; calls: {g['kernel']} kernel, {g['stock']} stock")
+    if not any(r.get("M") is not None for r in rows if r.get("kernel_calls") or r.get("stock_calls")):
+        out.append("    (no call yet: the decision is made per call shape)")
+    return out
 
 
 def _proc_name(module, kind, ours=None) -> str:
@@ -320,8 +346,14 @@ def _explain_model(name, model) -> ModelReport:
     if st is not None and "" in problems:
         notes = (problems[""],) + notes
     owners = tuple("own patch()" if r.owner == "self" else r.label for r in mp.requests) if mp is not None else ()
+    gemm = []
+    for path, hook in (st.gemm.items() if st is not None else ()):
+        rows = hook.rows()
+        gemm += [dict(r, path=path) for r in rows] or [dict(path=path, why="installed; not called yet",
+                                                            kernel_calls=0, stock_calls=0, M=None)]
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
-                       st.strict if st else None, reports, notes, cache_be, compiled, owners)
+                       st.strict if st else None, reports, notes, cache_be, compiled, owners,
+                       st.route.target if st is not None else None, gemm)
 
 
 def _ran_notes(evidence) -> tuple:

@@ -17,7 +17,7 @@ import types
 import warnings
 from typing import Dict, Optional, Tuple
 
-from diffusers_nki import accounting, bridge, caching, compat, errors
+from diffusers_nki import accounting, bridge, caching, compat, dense_ops, errors
 from diffusers_nki import cache as cache_api
 from diffusers_nki.accounting import RECORD_ATTR, ModuleRecord
 from diffusers_nki.family import FamilyPatch
@@ -181,6 +181,15 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
                 had, old = name in vars(model), vars(model).get(name)
                 setattr(model, name, value)
                 st.undo.append(InstanceAttr("", name, value, had, old))
+        for path, module, hook in dense_ops.default_gemm_hooks(model, route):  # the GEMMs where the model wins
+            had, old = dense_ops.GEMM_ATTR in vars(module), vars(module).get(dense_ops.GEMM_ATTR)
+            module.__dict__[dense_ops.GEMM_ATTR] = hook
+            st.undo.append(InstanceAttr(path, dense_ops.GEMM_ATTR, hook, had, old))
+            had, old = "forward" in vars(module), vars(module).get("forward")
+            fwd = types.MethodType(dense_ops.gemm_forward, module)
+            module.forward = fwd
+            st.gemm[path] = hook
+            st.undo.append(ForwardSwap(path, fwd, had, old))
         st.undo.append(Hook("", model.register_forward_pre_hook(_model_pre_hook).id))
         st.undo.append(Hook("", model.register_forward_hook(_model_post_hook, always_call=True).id))
         if unknown:
@@ -324,6 +333,9 @@ def problems(model, st: ModelState) -> Dict[str, str]:
             out.setdefault(path, f"attention backend changed to {getattr(be, 'value', be)!r} after patch()")
         elif isinstance(entry, ForwardSwap) and vars(module).get("forward") is not entry.ours:
             out.setdefault(path, "forward replaced after patch()")
+        elif isinstance(entry, ForwardSwap) and path in st.gemm and getattr(entry.ours, "__func__", None) \
+                is not dense_ops.gemm_forward:
+            out.setdefault(path, "the GEMM route's forward did not survive pickling (patch() again)")
         elif isinstance(entry, Hook) and not _has_hook(module, entry.hook_id):
             out.setdefault(path, "diffusers_nki's record hooks were removed")
         elif isinstance(entry, InstanceAttr) and vars(module).get(entry.name) is not entry.ours:

@@ -127,6 +127,7 @@ class ModelState:
     dispatch: Dict[str, Any] = field(default_factory=dict)  # module path -> its retargeted dispatch processor
     member: Any = None  # the AttentionBackendName member installed
     unattributed: ModuleRecord = None  # the model's calls no module could be named for (compiled code)
+    gemm: Dict[str, Any] = field(default_factory=dict)  # module path -> its dense_ops.GemmHook (the default GEMMs)
 
     @property
     def backend(self) -> str:

@@ -122,7 +122,7 @@ def _request(owner, label: str, name: str, model, route: Route, arg) -> Request:
                    family if (arg is not None or config is not None) else None, default)
 
 
-def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None):
+def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None, target=None):
     """Route every softmax attention of the covered models in ``pipe_or_model`` through the NKI kernels.
 
     ``backend``: "auto" (nki on a Neuron device, else torch), "torch", "sim" or "nki".
@@ -130,9 +130,12 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     exact static KV cache wherever the model family has one (its ``CacheSpec.default``: same output as stock, one
     set of attention shapes); ``False`` installs none; a ``diffusers_nki.StaticCacheConfig`` installs that one;
     anything else raises TypeError. The cache goes in after the attention is patched (a config with
-    ``backend=None`` follows the patch's backend). Returns ``pipe_or_model`` itself; see the module docstring.
+    ``backend=None`` follows the patch's backend). ``target``: the Trainium generation the modeled decisions are
+    made for ("trn2" or "trn3"; None: detected on a Neuron host, else "trn2"; ``backends.resolve_target``): where
+    the GEMM kernel serves the covered DiT's linear layers (``dense_ops.gemm_decision``); with the "torch" backend
+    it is recorded and changes no numerics. Returns ``pipe_or_model`` itself; see the module docstring.
     """
-    route = Route.resolve(backend, strict)
+    route = Route.resolve(backend, strict, target)
     backends.require(route.backend)  # e.g. "nki" without the Neuron SDK: fail now, naming why
     comps = components(pipe_or_model)
     cache_api.check_cache_argument(cache)  # before anything changes
@@ -191,8 +194,8 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             _release(ps)
             raise
         pipe_states[pipe_or_model] = ps
-    logger.info("diffusers_nki.patch: %s -> backend %r%s", type(pipe_or_model).__name__, route.backend,
-                " (strict)" if strict else "")
+    logger.info("diffusers_nki.patch: %s -> backend %r, target %r%s", type(pipe_or_model).__name__, route.backend,
+                route.target, " (strict)" if strict else "")
     return pipe_or_model
 
 

@@ -54,12 +54,18 @@ def test_attention_shapes_recorded_from_the_patched_pipeline_at_full_geometry(pr
     assert len(shapes) == 2
     # every op of the steady chunk, with its call site: the kernels of ours per layer and pass
     kernels = budget._kernel_counts(probe["ops"])
-    # the default path leaves the blocks' elementwise chains to the compiler (fuse_elementwise is opt-in)
-    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3}
+    # the default path leaves the blocks' elementwise chains to the compiler (fuse_elementwise is opt-in); the
+    # route (target trn2, the default off a Neuron host) sends every linear layer of the blocks through the GEMM
+    # kernel at this shape: q/k/v/o, the cross-attention q/o, the FFN (its GELU fused) per layer and pass
+    assert probe["target"] == "trn2"
+    assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3,
+                       "gemm": LAYERS * 5 * 8}
     sites = {r.site for r in probe["ops"] if r.name == "qk_norm_rope"}
     assert sites == {f"blocks.{i}.attn1" for i in range(LAYERS)}
-    ffn = [(r, n) for r, n in probe["ops"].items() if r.name == "addmm" and r.site == "blocks.0.ffn.net.0.proj"]
-    assert [(r.ins[1], r.ins[2], n) for r, n in ffn] == [((3 * TPF, 1536), (1536, 8960), 5)]
+    ffn = [(r, n) for r, n in probe["ops"].items() if r.name == "gemm" and r.site == "blocks.0.ffn.net.0"]
+    assert [(r.ins[0], r.ins[1], "'gelu_tanh'" in r.args, n) for r, n in ffn] == [((3 * TPF, 1536), (1536, 8960),
+                                                                                    True, 5)]
+    assert not [r for r in probe["ops"] if r.name == "addmm" and r.site.startswith("blocks.")]
 
 
 def test_vae_calls_account_for_every_decoder_flop(vae):
@@ -80,24 +86,85 @@ def test_held_out_count_covers_every_scheduled_kernel(probe, vae):
     import torch
 
     import diffusers_nki
-    from diffusers_nki import dense_ops, modulate_ops, ops
-    from diffusers_nki.testing import tiny
+    from diffusers import FlowMatchLCMScheduler, WanTransformer3DModel
 
-    pipe = tiny.tiny_pipeline("causal_wan")
-    diffusers_nki.patch(pipe, backend="torch")
+    from diffusers_nki import dense_ops, modulate_ops, ops
+    from diffusers_nki.pipelines import CausalWanPipeline
+    from diffusers_nki.testing import tiny
+    from diffusers_nki.testing.tiny import pipelines as tp
+
+    # the tiny pipeline at the tests' Wan width (dim 512 = 4 x 128, FFN 2048, one block) and 256x256 pixels (768
+    # tokens per chunk): shapes at which the route's table has the kernel win on trn2, so the GEMM is held out too
+    torch.manual_seed(0)
+    dit = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16,
+                                out_channels=16, text_dim=tp.TEXT_DIM, freq_dim=32, ffn_dim=2048, num_layers=1,
+                                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64)
+    pipe = CausalWanPipeline(tokenizer=tp.tiny_tokenizer(), text_encoder=tp.tiny_umt5_encoder(0), transformer=dit,
+                             vae=tp.tiny_wan_vae(0), scheduler=FlowMatchLCMScheduler(shift=5.0),
+                             num_frame_per_block=3, window_frames=21, sink_frames=0)
+    diffusers_nki.patch(pipe, backend="torch", target="trn2")
     ops.reset_counters()
     dense_ops.reset_counters()
     modulate_ops.reset_counters()
     try:
         with torch.no_grad():
-            list(pipe.stream(**tiny.tiny_call_kwargs("causal_wan", chunks=2, steps=1, output_type="pt")))
+            list(pipe.stream(**tiny.tiny_call_kwargs("causal_wan", chunks=2, steps=1, output_type="pt", height=256,
+                                                     width=256)))
     finally:
         diffusers_nki.unpatch(pipe)
     counted = {k for k, v in {**ops.counters(), **dense_ops.counters(), **modulate_ops.counters()}.items()
                if v.get("torch")}
+    assert "gemm" in counted
     res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), {"serial_one_core": "x"})
     assert budget.scheduled_kernels(res) <= counted, (budget.scheduled_kernels(res), counted)
     assert set(budget.kernels_called(res)) == counted
+    assert set(budget.kernels_called(res, "trn2")) == counted and "gemm" in budget.scheduled_kernels(res, "trn2")
+
+
+def test_a_term_names_gemm_only_where_the_recorded_path_called_it(probe, vae):
+    """The trn3 recording: at Wan's per-rank shapes the route keeps XLA for some layers, and a term says "scheduled:
+    gemm" only for a GEMM the trn3 recording called AND the route chooses at that rank's shape (bf16); a recording
+    without GEMM calls (trn2 faked: the gemm records dropped) gives no gemm term at all."""
+    p3 = budget.chunk_attention_calls(window=21, sink=0, layers=LAYERS, target="trn3")
+    assert p3["target"] == "trn3"
+    calls = probe["chunks"][probe["steady"]]
+    for W in (1, 8):
+        d = budget.dit_terms(calls, W, "trn3", FakeModel(), ops=p3["ops"])
+        _labelled(d["terms"])
+        for t in d["terms"]:
+            if t["label"].startswith("scheduled: gemm"):
+                assert all(any(r.name == "gemm" and r.site == site for r in p3["ops"]) for site in t["sites"]), t
+        named = {s for t in d["terms"] if t["label"].startswith("scheduled: gemm") for s in t["sites"]}
+        assert named == {r.site for r in p3["ops"] if r.name == "gemm" and dense_ops_kernel(r, W, "trn3")}
+        kept = sum(n for r, n in p3["ops"].items() if r.name == "gemm" and not dense_ops_kernel(r, W, "trn3"))
+        launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
+        assert launch["calls"] == sum(n for r, n in p3["ops"].items() if r.kind == "kernel") - kept + 5
+        if W == 8:  # at 585 tokens per rank the route keeps XLA for the projections on trn3 (bf16)
+            assert kept > 0 and not any(".attn1." in s for s in named)
+            assert [t for t in d["terms"] if t["label"].startswith("XLA") and "blocks.*.attn1.to_q" in t["name"]]
+    # the GELU of an FFN GEMM kept on XLA is an elementwise op again (read + write once), as stock runs it
+    assert {r: n for r, n in p3["ops"].items() if r.name == "gemm"} == {
+        r: n for r, n in probe["ops"].items() if r.name == "gemm"}  # fp32 at 4680 tokens: both record every GEMM
+    d3, d2 = budget.dit_terms(calls, 8, "trn3", FakeModel(), ops=p3["ops"]), budget.dit_terms(
+        calls, 8, "trn2", FakeModel(), ops=probe["ops"])
+    el3, el2 = ([t for t in d["terms"] if t["name"].startswith("norms")][0] for d in (d3, d2))
+    assert "gelu" in el3["label"] and "gelu" not in el2["label"]  # trn2 keeps the GELU fused in the kernel
+    assert el3["bytes"] - el2["bytes"] == pytest.approx(2 * 2 * (3 * TPF // 8) * 8960 * LAYERS * 5, rel=1e-9)
+    no_gemm = {r: n for r, n in probe["ops"].items() if r.name != "gemm"}
+    d = budget.dit_terms(calls, 8, "trn2", FakeModel(), ops=no_gemm)
+    assert not [t for t in d["terms"] if t["label"].startswith("scheduled: gemm")]
+
+
+def dense_ops_kernel(r, W, target):
+    import torch
+
+    from diffusers_nki import dense_ops
+
+    M, K = r.ins[0]
+    N = r.ins[1][1]
+    Mr = M // W if M == 3 * TPF else M
+    return dense_ops.gemm_decision(Mr, K, N, "gelu_tanh" if "'gelu_tanh'" in r.args else None, torch.bfloat16,
+                                   target)["kernel"]
 
 
 class FakeModel(budget._Model):
@@ -164,14 +231,17 @@ def test_dit_terms_are_the_transformers_matmuls_at_the_per_rank_shapes(probe, W)
     assert not [t for t in d["terms"] if "attn2.to_k" in t["name"] or "attn2.to_v" in t["name"]]
     stock = budget.transformer_flops(3 * TPF, 5, dict(budget.WAN13, layers=LAYERS), text_per_prompt=False)
     assert sum(stock.values()) > sum(flops.values())  # what the cache saves per steady chunk
-    ffn = [t for t in d["terms"] if t["name"].startswith("matmul blocks.*.ffn.net.*.proj")][0]
+    ffn = [t for t in d["terms"] if t["name"].startswith("matmul blocks.*.ffn.net.* (")
+           and "+ GELU-tanh" in t["name"]][0]
     assert f"[{3 * TPF // W}, 1536] x [1536, 8960]" in ffn["name"] and ffn["calls"] == LAYERS * 5
-    assert ffn["label"].startswith("XLA-compiled: ASSUMPTION 60%") and ffn["gemm_kernel_s"] > 0
-    assert ffn["sites"] == {f"blocks.{i}.ffn.net.0.proj": 5 for i in range(LAYERS)}
+    assert ffn["label"].startswith("scheduled: gemm") and "the route chose the kernel" in ffn["label"]
+    assert ffn["sites"] == {f"blocks.{i}.ffn.net.0": 5 for i in range(LAYERS)}
+    assert (3 * TPF // W, 1536, 8960) in m.gemms  # modeled at the per-rank shape
+    assert not [t for t in d["terms"] if t["label"].startswith("XLA") and "blocks." in t["name"]]
     qk = [t for t in d["terms"] if t["label"].startswith("scheduled: qk_norm_rope")][0]
     assert qk["calls"] == LAYERS * 5 * 2
     launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
-    assert launch["calls"] == LAYERS * (10 + 10 + 3) + 5 and launch["seconds"] == pytest.approx(
+    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 40) + 5 and launch["seconds"] == pytest.approx(
         launch["calls"] * budget.launch_seconds("trn2"))
     att = d["terms"][0]
     assert att["label"].startswith("scheduled: attention")
@@ -289,7 +359,8 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "MODELED" in out and "fps counts ONLY layouts the code implements" in out
     assert "| serial, decode on one core | 8 | 1 |" in out and "not counted" in out and "17 fps" in out
-    assert "| DiT | matmul blocks.*.ffn.net.*.proj ([585, 1536] x [1536, 8960]) |" in out and "Calibration row" in out
+    assert "| DiT | matmul blocks.*.ffn.net.* ([585, 1536] x [1536, 8960] + GELU-tanh) |" in out
+    assert "Calibration row" in out and "recorded with patch(target='trn2'): DiT kernels" in out
     assert "| Self-Forcing (21-frame window) | trn2 |" in out and "scope UNSETTLED" in out  # like for like
     assert "guandeh17/Self-Forcing#67" in out and "kernels the default path calls per chunk" in out
     data = json.loads(out_json.read_text())
@@ -447,7 +518,8 @@ def test_opt_in_fused_chains_are_recorded_and_scheduled_at_the_per_rank_shapes(f
     # the first block's norm1, two fused residuals per block, each FFN residual fused with the next block's norm1,
     # the last one alone
     assert kernels == {"attention": LAYERS * 5 * 2, "qk_norm_rope": LAYERS * 5 * 2, "cache_write": LAYERS * 3,
-                       "ln_modulate": 5, "gated_residual_ln": LAYERS * 5 * 2 + (LAYERS - 1) * 5, "gated_residual": 5}
+                       "ln_modulate": 5, "gated_residual_ln": LAYERS * 5 * 2 + (LAYERS - 1) * 5, "gated_residual": 5,
+                       "gemm": LAYERS * 5 * 8}
     # no LayerNorm of the blocks is left to XLA (the output head's norm_out is the one left)
     assert {r.site for r in fused_probe["ops"] if r.name == "native_layer_norm"} == {"norm_out"}
     W = 8
@@ -466,4 +538,4 @@ def test_opt_in_fused_chains_are_recorded_and_scheduled_at_the_per_rank_shapes(f
                              ("gated_residual_ln", S, 1536, True, False, True, False),   # FFN -> the next norm1
                              ("gated_residual", S, 1536, True, False, False, False)}     # the FFN
     launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
-    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 15) + 5 + 5
+    assert launch["calls"] == LAYERS * (10 + 10 + 3 + 40 + 15) + 5 + 5

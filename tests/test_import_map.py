@@ -19,7 +19,7 @@ PACKAGES = tuple(SOURCES)
 LAYERS = (
     ("emulator", ("nkisim",)),
     ("leaves", ("diffusers_nki.errors", "diffusers_nki.compat", "diffusers_nki.accounting", "diffusers_nki.nki",
-                "diffusers_nki.masks", "diffusers_nki.family", "diffusers_nki.kernels")),
+                "diffusers_nki.masks", "diffusers_nki.family", "diffusers_nki.kernels", "diffusers_nki.gemm_table")),
     ("records and backends", ("diffusers_nki.patches", "diffusers_nki.backends")),
     ("ops", ("diffusers_nki.ops", "diffusers_nki.prologue_ops", "diffusers_nki.autograd", "diffusers_nki.dense_ops",
              "diffusers_nki.modulate_ops",

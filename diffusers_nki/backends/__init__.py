@@ -19,9 +19,12 @@ available).
   (``torch.compiler.assume_constant_result``: executed for real at trace time, logging included, never traced),
   so it is graph-safe and the choice is kept even if that trace fails later for another reason.
 
-``Route(backend, strict)``: the route of a patch as one frozen value, resolved once (``Route.resolve``: "auto" ->
-a concrete backend, the arguments validated) by ``patch()`` and the dispatch registration, and handed as is to
-the processors, the static caches and the dispatch backend functions.
+``Route(backend, strict, target)``: the route of a patch as one frozen value, resolved once (``Route.resolve``:
+"auto" -> a concrete backend, the target detected or checked, the arguments validated) by ``patch()`` and the
+dispatch registration, and handed as is to the processors, the static caches and the dispatch backend functions.
+``target`` ("trn2" or "trn3"; "trn1" only when detected) is the Trainium generation the route's modeled decisions
+are made for (``dense_ops.gemm_decision``): ``target=None`` detects it on a Neuron host (``detect_target``),
+else "trn2"; the "torch" backend records it and computes the same numbers whatever it says.
 
 The backend modules are imported here, eagerly: none imports anything heavy at module import (the Neuron SDK
 and the emulator are imported when a kernel first runs).
@@ -29,6 +32,7 @@ and the emulator are imported when a kernel first runs).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -41,6 +45,9 @@ from diffusers_nki.backends import torch as _torch
 
 NAMES = ("torch", "sim", "nki")
 CHOICES = ("auto",) + NAMES
+TARGETS = ("trn2", "trn3")          # what ``patch(target=...)`` accepts
+DETECTABLE = ("trn1",) + TARGETS    # what a host can be detected as (trn1 / inf2: no modeled decisions)
+DEFAULT_TARGET = "trn2"             # off a Neuron host (the "sim" and "torch" backends) unless target= says
 
 logger = logging.getLogger("diffusers_nki")
 _auto_choice = None  # resolved once per process
@@ -103,6 +110,43 @@ def require(name: str):
     return mod
 
 
+def check_target(target) -> str:
+    """Return ``target`` if it is one of ``TARGETS``; else raise ValueError naming the argument, value and set."""
+    if not isinstance(target, str) or target not in TARGETS:
+        raise ValueError(f"target={target!r} is not a Trainium target diffusers_nki models; choose None (detect) or "
+                         f"one of {list(TARGETS)}")
+    return target
+
+
+def detect_target():
+    """The Trainium generation of THIS host, or None off a Neuron host.
+
+    The sources, in order (AWS's documentation): ``NEURON_PLATFORM_TARGET_OVERRIDE`` (the Neuron compiler's
+    platform override, "trn1" / "trn2" / "trn3" or the NeuronCore generations "gen2" / "gen3" / "gen4", which
+    ``nki.isa.nc_version`` documents as the Trn1/Inf2, Trn2 and Trn3 targets); else, on a host with Neuron devices
+    (``/dev/neuron*``), the EC2 instance type from DMI (``/sys/devices/virtual/dmi/id/product_name``, e.g.
+    "trn2.48xlarge": the instance family names the chip). ``nki.isa.get_nc_version()`` answers only inside a
+    kernel's trace context, so it is not used here. A Neuron host whose instance type names no Trainium family
+    gives None (the caller's default). Tests replace ``_nki._has_device`` / ``_nki._instance_type``."""
+    if os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip():
+        t = _nki.platform_target()  # validates the override (ValueError naming it)
+        return t if t in DETECTABLE else None
+    if not _nki._has_device():
+        return None
+    product = _nki._instance_type()
+    for prefix, t in (("trn1", "trn1"), ("inf2", "trn1"), ("trn2", "trn2"), ("trn3", "trn3")):
+        if product.startswith(prefix):
+            return t
+    return None
+
+
+def resolve_target(target=None) -> str:
+    """``target`` checked, or (None) the detected one, else ``DEFAULT_TARGET``."""
+    if target is not None:
+        return check_target(target)
+    return detect_target() or DEFAULT_TARGET
+
+
 @dataclass(frozen=True)
 class Route:
     """Where a patch sends its attention: a concrete ``backend`` ("torch", "sim" or "nki") and ``strict`` (raise
@@ -110,6 +154,7 @@ class Route:
 
     backend: str
     strict: bool = False
+    target: str = DEFAULT_TARGET
 
     def __post_init__(self):
         if self.backend not in NAMES:
@@ -117,11 +162,14 @@ class Route:
                              f"{list(NAMES)} (Route.resolve maps 'auto')")
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r} must be a bool (True or False)")
+        if self.target not in DETECTABLE:
+            raise ValueError(f"Route.target={self.target!r} must be one of {list(DETECTABLE)}")
 
     @classmethod
-    def resolve(cls, backend: str = "auto", strict: bool = False) -> "Route":
-        """The route for ``patch(backend=..., strict=...)``: the name checked, "auto" resolved (once per process)."""
+    def resolve(cls, backend: str = "auto", strict: bool = False, target=None) -> "Route":
+        """The route for ``patch(backend=..., strict=..., target=...)``: the name checked, "auto" resolved (once per
+        process), the target checked or detected (``resolve_target``)."""
         check_name(backend)
         if not isinstance(strict, bool):
             raise ValueError(f"strict={strict!r} must be a bool (True or False)")
-        return cls(resolve(backend), strict)
+        return cls(resolve(backend), strict, resolve_target(target))

@@ -15,7 +15,10 @@ in for the device's: the same wiring) over Wan2.1-1.3B's published config on the
 ``bench/_record.OpRecorder`` logs every op either dispatches, with its call site (module path), shapes and count.
 Each term then comes from those records:
 - "scheduled: <kernel>": a call of ours (``diffusers_nki::attention``, ``qk_norm_rope``, ``cache_write``,
-  ``causal_conv3d``, ``gemm`` where wired) is the NKI kernel of ``kernels/`` that call launches, traced in the
+  ``causal_conv3d``, and ``gemm`` where the route chose it: ``dense_ops.gemm_decision`` on the target, so each
+  target has its own recording, and a recorded GEMM whose per-rank shape the route would keep on XLA (bf16, the
+  budget's precision; the recording is fp32 on meta) counts as the XLA row) is the NKI kernel of ``kernels/`` that
+  call launches, traced in the
   emulator at the per-rank shape and costed by the dependency-aware schedule (``sim.schedule``; the roofline
   ceiling kept beside it). The attention's per-rank calls come from ``bench/scaling.model_layout`` at the best
   Ulysses x ring layout of W ranks (diffusers' context parallelism as ``parallel.CacheParallel`` runs it).
@@ -61,7 +64,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import diffusers_nki
-from diffusers_nki import vae_parallel
+from diffusers_nki import backends, dense_ops, vae_parallel
 from diffusers_nki_lab.bench import _modeled, _record, calibrate, kernels_dense, scaling
 from diffusers_nki_lab.bench._measure import AttentionRecorder, json_safe
 from diffusers_nki_lab.bench.published import AttnCall
@@ -142,7 +145,7 @@ def wan13_transformer(layers: int = WAN13["layers"]):
 def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int] = None, steps: int = STEPS,
                           height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES,
                           layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True,
-                          fuse_elementwise: bool = False) -> dict:
+                          fuse_elementwise: bool = False, target: Optional[str] = None) -> dict:
     """The DEFAULT patched ``CausalWanPipeline`` (``diffusers_nki.patch(pipe, backend=backend)``: what a Trainium
     host gets, with the emulator's backend standing in for the device's: the same wiring) rolled out over
     Wan2.1-1.3B on the meta device at full geometry: every op it dispatches recorded with its call site
@@ -150,7 +153,9 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     the attention calls' dims (``AttentionRecorder``). Returns ``{"chunks": [[AttnCall, ...], ...], "steady":
     index, "ops": {OpRecord: n} of the steady chunk, "dispatches": its op count, ...}``; the steady
     chunk is the last one with a cache pass (the window is full there). ``record_ops=False``: the attention calls
-    only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need."""
+    only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need. ``target``:
+    ``patch(target=...)`` (None: the route's default): where the GEMM kernel is chosen depends on it (recorded in
+    fp32 on meta, as ever; ``dit_terms`` checks each GEMM choice again in bf16 at the per-rank shape)."""
     import torch
     from diffusers import FlowMatchLCMScheduler
 
@@ -163,8 +168,9 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
     pipe.set_progress_bar_config(disable=True)
     # fuse_elementwise: the opt-in fused elementwise chains (StaticCacheConfig.fuse_elementwise), else the default
-    diffusers_nki.patch(pipe, backend=backend,
+    diffusers_nki.patch(pipe, backend=backend, target=target,
                         cache=pipe.default_cache_config(fuse_elementwise=True) if fuse_elementwise else None)
+    route_target = backends.resolve_target(target)  # what patch() resolved it to
     starts: List[int] = []
     h = transformer.register_forward_pre_hook(
         lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
@@ -207,7 +213,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
             "unrouted": sum(1 for c in rec.calls if c.path != "diffusers_nki"),
             "distinct_shapes": rec.distinct([c for c in rec.calls if c.path == "diffusers_nki"]),
             "ops": steady_ops, "dispatches": sum(steady_ops.values()), "transformer_calls": passes[steady],
-            "backend": backend, "layers": layers, "fuse_elementwise": fuse_elementwise,
+            "backend": backend, "layers": layers, "fuse_elementwise": fuse_elementwise, "target": route_target,
             "geometry": {"height": height, "width": width, "chunk_frames": chunk_frames, "chunks": chunks,
                          "window": window, "sink": sink, "tokens_per_frame": tpf, "steps": steps}}
 
@@ -428,6 +434,12 @@ def _xla_matmul(flops: float, elems: float, target: str) -> float:
     return max(flops / (g.pe_peak_flops * XLA_MATMUL_EFFICIENCY[target]), elems * E / (g.hbm_per_core * 1e9))
 
 
+def _bf16():
+    import torch
+
+    return torch.bfloat16
+
+
 def _xla_label(target: str) -> str:
     return (f"XLA-compiled: ASSUMPTION {_pct(XLA_MATMUL_EFFICIENCY[target])} of the PE peak (published utilisation "
             f"of other workloads on {target}; no kernel of ours serves these calls on the default path)")
@@ -513,15 +525,43 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         terms.append(_term("KV cache write (the cache pass)", sec, _sched("cache_write", last), calls=n_all,
                            sites=_sites(cw)))
     terms += _fused_terms(kinds, tokens, W, target, model)
-    for r, n in kinds.get("gemm", []):  # a GEMM kernel call of ours (wired): x [M, K], w [K, N]
+    gemms: Dict[tuple, dict] = {}
+    for r, n in kinds.get("gemm", []):  # a GEMM kernel call of ours (the route chose it): x [M, K], w [K, N]
         M, K = r.ins[0]
         N = r.ins[1][1]
         act = "gelu_tanh" if "'gelu_tanh'" in r.args else None
-        g = model.gemm(-(-M // W) if M == tokens else M, K, N, True, act, target)
-        terms.append(_term(f"{_role(r.site)} [{M}, {K}] x [{K}, {N}]", n * g["scheduled_s"], _sched("gemm", g),
-                           calls=n, sites={r.site: n}, flops=n * g["flops"]))
+        Mr = -(-M // W) if M == tokens else M
+        if not dense_ops.gemm_decision(Mr, K, N, act, _bf16(), target)["kernel"]:
+            kinds.setdefault("gemm_xla", []).append((r, n))  # at this per-rank shape the route keeps XLA
+            continue
+        g = model.gemm(Mr, K, N, True, act, target)
+        t = gemms.setdefault((_role(r.site), Mr, K, N, act), {"seconds": 0.0, "flops": 0.0, "calls": 0, "sites": {},
+                                                              "g": g})
+        t["seconds"] += n * g["scheduled_s"]
+        t["flops"] += n * g["flops"]
+        t["calls"] += n
+        t["sites"][r.site] = t["sites"].get(r.site, 0) + n
+    for (role, Mr, K, N, act), t in sorted(gemms.items(), key=lambda kv: -kv[1]["seconds"]):
+        terms.append(_term(f"matmul {role} ([{Mr}, {K}] x [{K}, {N}]{' + GELU-tanh' if act else ''})", t["seconds"],
+                           _sched("gemm", t["g"], note=f"the route chose the kernel: faster than XLA by the model at "
+                                  f"this shape on {target}"), calls=t["calls"], sites=t["sites"], flops=t["flops"]))
     # every matmul no kernel of ours serves: an XLA row per call-site role, with the GEMM kernel's model beside it
     roles: Dict[str, dict] = {}
+    gelu_el = 0.0
+    for r, n in kinds.get("gemm_xla", []):  # recorded through the gemm op at one rank's M; XLA at W ranks' M
+        M, K = r.ins[0]
+        N = r.ins[1][1]
+        Mr = -(-M // W) if M == tokens else M
+        g = roles.setdefault(_role(r.site), {"seconds": 0.0, "flops": 0.0, "calls": 0, "sites": {}, "shapes": set(),
+                                             "kernel_s": 0.0})
+        g["seconds"] += n * _xla_matmul(2.0 * Mr * K * N, Mr * K + K * N + Mr * N + N, target)
+        g["flops"] += n * 2.0 * Mr * K * N
+        g["calls"] += n
+        g["sites"][r.site] = g["sites"].get(r.site, 0) + n
+        g["shapes"].add(f"[{Mr}, {K}] x [{K}, {N}]")
+        g["kernel_s"] += n * model.gemm(Mr, K, N, True, None, target)["scheduled_s"]
+        if "'gelu_tanh'" in r.args:  # stock runs its GELU as an elementwise op (counted with them, unfused)
+            gelu_el += n * 2 * Mr * N
     for r, n in kinds.get("matmul", []):
         f = _record.flops(r) * share(r)
         g = roles.setdefault(_role(r.site), {"seconds": 0.0, "flops": 0.0, "calls": 0, "sites": {}, "shapes": set(),
@@ -540,16 +580,18 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
     for role, g in sorted(roles.items(), key=lambda kv: -kv[1]["seconds"]):
         note = ""
         if g["kernel_s"]:
-            note = (f"; the gemm kernel would schedule {1e3 * g['kernel_s']:.1f} ms here (not wired: "
-                    f"{'it would be faster' if g['kernel_s'] < g['seconds'] else 'XLA is as fast'})")
+            note = (f"; the gemm kernel would schedule {1e3 * g['kernel_s']:.1f} ms here (not counted: "
+                    + ("XLA is as fast, the route keeps these layers stock" if g["kernel_s"] >= g["seconds"] else
+                       "faster, but the route does not call it here (outside its layer set, or its decision at "
+                       "this call's shape)") + ")")
         terms.append(_term(f"matmul {role} ({', '.join(sorted(g['shapes']))})", g["seconds"], _xla_label(target) + note,
                            calls=g["calls"], sites=g["sites"], flops=g["flops"], gemm_kernel_s=g["kernel_s"]))
     hbm = _spec(target).hbm_per_core * 1e9
     for kind, what in (("elementwise", "norms, modulation, gated residuals, activations, RoPE tables (elementwise)"),
                        ("copy", "copies and concatenations (cat, clone, index_select, casts)")):
         recs = kinds.get(kind, [])
-        el = sum(n * _record.io_elements(r) * share(r) for r, n in recs)
-        ops_named = sorted({r.name for r, _ in recs})
+        el = sum(n * _record.io_elements(r) * share(r) for r, n in recs) + (gelu_el if kind == "elementwise" else 0)
+        ops_named = sorted({r.name for r, _ in recs} | ({"gelu"} if gelu_el and kind == "elementwise" else set()))
         terms.append(_term(what, el * E / hbm,
                            "XLA-compiled: ASSUMPTION every op reads its inputs and writes its output once in bf16 at the "
                            f"core's HBM share, unfused ({', '.join(ops_named)})", calls=sum(n for _, n in recs),
@@ -561,7 +603,9 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
             scaling._collective(fab, W, 1, W, S * patch * E, "all_gather", comm)
         terms.append(_term("output all-gather per pass (CacheParallel.gather)", comm.seconds,
                            "ASSUMPTION: bench/scaling collective model, not overlapped"))
-    kcalls = sum(n for r, n in ops.items() if r.kind == "kernel") + STEPS + 1
+    # GEMMs the route keeps on XLA at this rank's shape are part of the compiled graph, not launches of their own
+    kcalls = sum(n for r, n in ops.items() if r.kind == "kernel") - sum(n for _, n in kinds.get("gemm_xla", [])) \
+        + STEPS + 1
     terms.append(_term("launches: every kernel call of ours + one compiled graph per transformer pass",
                        kcalls * launch_seconds(target),
                        f"ASSUMPTION: {1e6 * launch_seconds(target):.1f} us start-up + tear-down per launch (sim.cost "
@@ -880,9 +924,8 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     IMPLEMENTED layout) beside the best modeled one. ``fuse_elementwise``: record the path with the opt-in fused
     elementwise chains (``StaticCacheConfig.fuse_elementwise``) instead of the default."""
     s = SETUPS[setup]
-    probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"], fuse_elementwise=fuse_elementwise)
-    if "ops" not in probe:
-        raise ValueError("budget: the probe has no recorded ops (chunk_attention_calls() records them)")
+    probes = _probes(probe, targets, s, fuse_elementwise)
+    probe = probes[targets[0]]
     vae = vae or vae_decode_calls()
     calls = probe["chunks"][probe["steady"]]
     tpf = probe["geometry"]["tokens_per_frame"]
@@ -900,8 +943,9 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
            "kernels_called": {"dit": _kernel_counts(probe["ops"]), "vae": _kernel_counts(vae["ops"])},
            "record_backend": probe.get("backend"), "host": host, "gpu_scope": GPU_SCOPE.get(setup),
            "targets": {}}
+    out["kernels_called"] = {"dit": _kernels_union(probes.values()), "vae": _kernel_counts(vae["ops"])}
     for t in targets:
-        lay = layouts(calls, vae, t, model, tpf, impl, progress, probe["ops"])
+        lay = layouts(calls, vae, t, model, tpf, impl, progress, probes[t]["ops"])
         rows = lay["layouts"]
         done = [r for r in rows if r["implemented"]]
         head = done[0] if done else None
@@ -912,7 +956,33 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
             "fps": head["fps"] if head else None,
             "dit_only_fps": 4 * CHUNK_FRAMES / lay["dit"][CORES]["seconds"],
             "dit": {str(W): v for W, v in lay["dit"].items()}, "vae": {str(V): v for V, v in lay["vae"].items()},
+            "kernels_called": {"dit": _kernel_counts(probes[t]["ops"]), "vae": _kernel_counts(vae["ops"])},
+            "route_target": probes[t].get("target"),
         }
+    return out
+
+
+def _probes(probe, targets, s, fuse_elementwise: bool = False) -> Dict[str, dict]:
+    """The recorded default path per target: the route's choices (the GEMM kernel where the model says it wins)
+    depend on the target, so each target has its own recording. ``probe``: None (record each), one recording
+    (used for the targets it was recorded for: its "target", None = the route's default) or ``{target: recording}``."""
+    given = probe if isinstance(probe, dict) and "ops" not in probe else (
+        {} if probe is None else {probe.get("target") or backends.DEFAULT_TARGET: probe})
+    out = {}
+    for t in targets:
+        out[t] = given.get(t) or chunk_attention_calls(window=s["window"], sink=s["sink"], target=t,
+                                                       fuse_elementwise=fuse_elementwise)
+        if "ops" not in out[t]:
+            raise ValueError("budget: the probe has no recorded ops (chunk_attention_calls() records them)")
+    return out
+
+
+def _kernels_union(probes) -> Dict[str, int]:
+    """Calls per kernel over the recordings of several targets (the largest count of each)."""
+    out: Dict[str, int] = {}
+    for p in probes:
+        for k, n in _kernel_counts(p["ops"]).items():
+            out[k] = max(out.get(k, 0), n)
     return out
 
 
@@ -923,10 +993,13 @@ def _ms(s):
     return f"{1e3 * s:.1f}"
 
 
-def scheduled_kernels(result: dict) -> set:
-    """Every kernel a "scheduled: <kernel>" term of ``budget()``'s result names (all targets, layouts)."""
+def scheduled_kernels(result: dict, target: Optional[str] = None) -> set:
+    """Every kernel a "scheduled: <kernel>" term of ``budget()``'s result names (all layouts; every target, or
+    ``target``'s)."""
     out = set()
-    for v in result["targets"].values():
+    for t_name, v in result["targets"].items():
+        if target is not None and t_name != target:
+            continue
         for part in list(v["dit"].values()) + list(v["vae"].values()):
             for t in part["terms"]:
                 if t["label"].startswith("scheduled: "):
@@ -934,11 +1007,13 @@ def scheduled_kernels(result: dict) -> set:
     return out
 
 
-def kernels_called(result: dict) -> Dict[str, int]:
-    """Calls per chunk of each kernel of ours on the recorded default path (DiT + decode)."""
+def kernels_called(result: dict, target: Optional[str] = None) -> Dict[str, int]:
+    """Calls per chunk of each kernel of ours on the recorded default path (DiT + decode): of ``target``'s recording,
+    or (None) the largest count over the targets' recordings."""
     out: Dict[str, int] = {}
+    called = result["kernels_called"] if target is None else result["targets"][target]["kernels_called"]
     for part in ("dit", "vae"):
-        for k, n in result["kernels_called"][part].items():
+        for k, n in called[part].items():
             out[k] = out.get(k, 0) + n
     return out
 
@@ -976,6 +1051,9 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
                   + f"; DiT only {v['dit_only_fps']:.1f} fps; published {r['published_fps']} fps on one H100 (scope: see "
                   "below)" + (f"; target {r['targets_fps'][0]}, moonshot {r['targets_fps'][1]}"
                               if r.get("targets_fps") else "")]
+            if v.get("kernels_called"):
+                L.append(f"recorded with patch(target={v.get('route_target')!r}): DiT kernels " + ", ".join(
+                    f"{k} {n}" for k, n in sorted(v["kernels_called"]["dit"].items())))
             L += ["", "| layout | DiT ranks | VAE ranks | DiT ms | VAE ms | per chunk ms | latency ms | fps | status |",
                   "|---|---|---|---|---|---|---|---|---|"]
             for lay in v["layouts"]:
