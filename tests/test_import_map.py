@@ -23,7 +23,7 @@ LAYERS = (
     ("records and backends", ("diffusers_nki.patches", "diffusers_nki.backends")),
     ("ops", ("diffusers_nki.ops", "diffusers_nki.prologue_ops", "diffusers_nki.autograd", "diffusers_nki.dense_ops",
              "diffusers_nki.caching.config", "diffusers_nki.caching.core")),
-    ("routing", ("diffusers_nki.routing", "diffusers_nki.parallel", "diffusers_nki.vae_parallel",
+    ("routing", ("diffusers_nki.routing", "diffusers_nki.parallel", "diffusers_nki.vae_parallel", "diffusers_nki.precision",
                  "diffusers_nki.bridge")),
     ("implementations", ("diffusers_nki.processors", "diffusers_nki.caching")),
     ("engine", ("diffusers_nki.lifecycle", "diffusers_nki.install", "diffusers_nki.cache", "diffusers_nki.patching",

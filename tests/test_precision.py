@@ -1,0 +1,123 @@
+"""``patch(..., precision=)`` and ``DenseKernelsConfig(precision=)``: opt-in fp8 / MXFP8 for the DiT's block
+projections and feed-forward (``diffusers_nki.precision``), the default bf16 path unchanged, counters proving the
+quantized GEMM ran, explain() per layer, unpatch restoring exactly, clear errors for bad values."""
+import pytest
+import torch
+
+import diffusers_nki
+import diffusers_nki.patching
+from diffusers_nki import dense_ops
+from diffusers_nki.kernels import gemm_fp8_ref as q
+from diffusers_nki.testing import tiny
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _model():
+    m, mk = tiny.tiny_transformer("wan", dtype=torch.bfloat16)
+    return m, mk()
+
+
+def _run(m, inp):
+    return m(**inp, return_dict=False)[0]
+
+
+def _linears(m):
+    return [(n, mod) for n, mod in m.named_modules() if type(mod) is torch.nn.Linear and n.startswith("blocks.")]
+
+
+@pytest.mark.parametrize("precision,op", [("fp8", "gemm_fp8"), ("mxfp8", "gemm_mx")])
+def test_precision_routes_block_linears_through_the_quantized_twin(precision, op):
+    m, inp = _model()
+    ref = _run(m, inp)
+    diffusers_nki.patch(m, backend="torch", precision=precision)
+    dense_ops.reset_counters()
+    out = _run(m, inp)
+    n_lin = len(_linears(m))
+    # one call per block Linear (the FFN's first GEMM fused with its GELU: still one call)
+    assert dense_ops.counters()[op]["torch"] == n_lin
+    assert dense_ops.counters()["gemm"]["torch"] == 0
+    ex = diffusers_nki.explain(m)
+    layers = ex.models[0].precision_layers
+    assert set(layers) == {n for n, _ in _linears(m)}
+    assert all(d["precision"] == precision and d["op"] == op and d["calls"] == 1 for d in layers.values())
+    assert f"precision {precision}" in str(ex) and ex.to_dict()["models"][0]["precision"] == precision
+    # quantized, so not bit-equal to bf16, but close (the quality table measures the drift properly)
+    assert not torch.equal(out, ref)
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 0.1
+    diffusers_nki.unpatch(m)
+    assert torch.equal(_run(m, inp), ref)
+    assert not any("_diffusers_nki_wq" in mod.__dict__ or "forward" in mod.__dict__ for _, mod in _linears(m))
+
+
+def test_quantized_output_is_the_twin_layer_by_layer():
+    """The patched FFN's first Linear computes exactly gemm_fp8_ref(x, prepare(w)) with the fused GELU."""
+    m, _ = _model()
+    ffn = m.blocks[0].ffn
+    x = torch.randn(2, 5, ffn.net[0].proj.in_features).bfloat16()
+    diffusers_nki.patch(m, backend="torch", precision="fp8")
+    got = ffn.net[0](x)
+    lin = ffn.net[0].proj
+    prep = q.prepare(lin.weight.t().contiguous(), "fp8")
+    want = q.gemm_fp8_ref(x.reshape(-1, x.shape[-1]), prep.wq, prep.scale, lin.bias, "gelu_tanh")
+    assert torch.equal(got.reshape(-1, got.shape[-1]), want)
+    diffusers_nki.unpatch(m)
+
+
+def test_default_is_bf16_and_installs_nothing():
+    m, inp = _model()
+    ref = _run(m, inp)
+    diffusers_nki.patch(m, backend="torch")
+    dense_ops.reset_counters()
+    out = _run(m, inp)
+    assert sum(dense_ops.counters()["gemm_fp8"].values()) == 0
+    assert diffusers_nki.explain(m).models[0].precision_layers == {}
+    assert diffusers_nki.explain(m).models[0].precision == "bf16"
+    diffusers_nki.unpatch(m)
+    assert torch.equal(_run(m, inp), ref)
+
+
+def test_repatch_changes_precision_and_back():
+    m, inp = _model()
+    diffusers_nki.patch(m, backend="torch", precision="fp8")
+    a = _run(m, inp)
+    diffusers_nki.patch(m, backend="torch", precision="mxfp8")
+    assert {d["precision"] for d in diffusers_nki.explain(m).models[0].precision_layers.values()} == {"mxfp8"}
+    diffusers_nki.patch(m, backend="torch", precision="bf16")
+    assert diffusers_nki.explain(m).models[0].precision_layers == {}
+    diffusers_nki.patch(m, backend="torch", precision="fp8")
+    assert torch.equal(_run(m, inp), a)
+    diffusers_nki.unpatch(m)
+
+
+@pytest.mark.parametrize("bad", ["fp4", "FP8", None, 8])
+def test_bad_precision_names_argument_value_and_choices(bad):
+    m, inp = _model()
+    with pytest.raises(ValueError, match=r"precision=.*not one of \('bf16', 'fp8', 'mxfp8'\)"):
+        diffusers_nki.patch(m, backend="torch", precision=bad)
+    assert not diffusers_nki.patching.is_patched(m)
+    with pytest.raises(ValueError, match=r"DenseKernelsConfig: precision="):
+        dense_ops.DenseKernelsConfig(precision=bad)
+
+
+def test_mxfp8_has_no_emulator_kernel_yet_and_says_so():
+    m, _ = _model()
+    with pytest.raises(ValueError, match=r"precision='mxfp8' runs on backend in \('torch',\), not backend='sim'"):
+        diffusers_nki.patch(m, backend="sim", precision="mxfp8")
+    assert not diffusers_nki.patching.is_patched(m)
+
+
+def test_dense_config_precision_hooks_every_linear():
+    m, inp = _model()
+    ref = _run(m, inp)
+    n = dense_ops.apply_dense_kernels(m, dense_ops.DenseKernelsConfig(backend="torch", precision="fp8"))
+    assert n == sum(type(x) is torch.nn.Linear for x in m.modules())
+    dense_ops.reset_counters()
+    _run(m, inp)
+    assert dense_ops.counters()["gemm_fp8"]["torch"] == n
+    dense_ops.remove_dense_kernels(m)
+    assert torch.equal(_run(m, inp), ref)
