@@ -49,8 +49,9 @@ MX_EMAX = 8                # float8_e4m3fn's largest unbiased exponent
 TINY = 1e-30               # amax floor: an all-zero row / column quantizes to zeros, never 0 / 0
 FP8 = torch.float8_e4m3fn  # storage of the fp8 values (|v| <= 240: the same bits as float8_e4m3)
 ACTIVATIONS = (None, "gelu_tanh")
-XROW_BUDGET = 48 * 1024    # bytes per partition of one 128-token tile of x rows in SBUF (kernel constant)
-MAX_K = XROW_BUDGET // 2   # the longest contraction whose 16-bit rows fit XROW_BUDGET (24576)
+XROW_BUDGET = 24 * 1024    # bytes per partition of one 128-token tile of x rows in SBUF (kernel constant)
+# the longest contraction whose rows fit XROW_BUDGET: 12288 (16-bit x), 6144 (fp32 x)
+MAX_K = {torch.float32: XROW_BUDGET // 4, torch.bfloat16: XROW_BUDGET // 2, torch.float16: XROW_BUDGET // 2}
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -147,8 +148,8 @@ def not_supported_reasons(x, wq, w_scale, bias=None, activation=None) -> List[st
     if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (N,):
         r.append(f"w_scale must be float32 [N={N}] (one scale per output channel), got {w_scale.dtype} "
                  f"{tuple(w_scale.shape)}")
-    if K > MAX_K:
-        r.append(f"K={K} exceeds the limit {MAX_K} (one 128-token tile of x rows must fit {XROW_BUDGET // 1024} KiB "
+    if x.dtype in MAX_K and K > MAX_K[x.dtype]:
+        r.append(f"K={K} exceeds the limit {MAX_K[x.dtype]} for {x.dtype} (one 128-token tile of x rows must fit {XROW_BUDGET // 1024} KiB "
                  "of SBUF per partition)")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
