@@ -335,9 +335,7 @@ def check_quant_backend(precision: str, backend: str, where: str) -> None:
                          f"backend={backend!r}" + (" (resolved to 'nki')" if backend == "auto" else ""))
 
 
-@torch.library.custom_op("diffusers_nki::gemm_q", mutates_args=())
-def _gemm_q_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
-               activation: Optional[str], precision: str, backend: str) -> torch.Tensor:
+def _gemm_q_impl(x, wq, w_scale, bias, activation, precision, backend):
     accounting.count_dense(_QUANT_OP[precision], backend)
     prep = _q_ref.Prepared(wq, w_scale, precision)
     if backend == "torch":
@@ -345,13 +343,30 @@ def _gemm_q_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: O
     elif backend == "sim" and precision == "fp8":
         out = _sim_gemm_fp8(x, wq, w_scale, bias, activation)
     else:
-        raise ValueError(f"diffusers_nki::gemm_q: precision={precision!r} has no kernel on backend={backend!r} "
-                         f"(choose one of {QUANT_BACKENDS[precision]})")
+        raise ValueError(f"diffusers_nki::{_QUANT_OP[precision]}: precision={precision!r} has no kernel on "
+                         f"backend={backend!r} (choose one of {QUANT_BACKENDS[precision]})")
     return out.contiguous()
 
 
-@_gemm_q_op.register_fake
-def _gemm_q_fake(x, wq, w_scale, bias, activation, precision, backend):
+@torch.library.custom_op("diffusers_nki::gemm_fp8", mutates_args=())
+def _gemm_fp8_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 activation: Optional[str], backend: str) -> torch.Tensor:
+    return _gemm_q_impl(x, wq, w_scale, bias, activation, "fp8", backend)
+
+
+@torch.library.custom_op("diffusers_nki::gemm_mx", mutates_args=())
+def _gemm_mx_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                activation: Optional[str], backend: str) -> torch.Tensor:
+    return _gemm_q_impl(x, wq, w_scale, bias, activation, "mxfp8", backend)
+
+
+@_gemm_fp8_op.register_fake
+def _gemm_fp8_fake(x, wq, w_scale, bias, activation, backend):
+    return x.new_empty((x.shape[0], wq.shape[1]))
+
+
+@_gemm_mx_op.register_fake
+def _gemm_mx_fake(x, wq, w_scale, bias, activation, backend):
     return x.new_empty((x.shape[0], wq.shape[1]))
 
 
@@ -376,7 +391,8 @@ def gemm_quant(x, prepared, bias=None, activation=None, backend: str = "torch") 
         reasons = _q_ref.not_supported_reasons(x, prepared.wq, prepared.scale, bias, activation)
         if reasons:
             raise ValueError("diffusers_nki.dense_ops.gemm_quant: " + "; ".join(reasons))
-    return _gemm_q_op(x, prepared.wq, prepared.scale, bias, activation, prepared.precision, backend)
+    op = _gemm_fp8_op if prepared.precision == "fp8" else _gemm_mx_op
+    return op(x, prepared.wq, prepared.scale, bias, activation, backend)
 
 
 def _prepared(mod, precision):
@@ -402,11 +418,15 @@ def _quant_forward(precision):
             grad = torch.is_grad_enabled() and (x.requires_grad or mod.weight.requires_grad)
             reasons = [] if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else [
                 f"x dtype {x2.dtype} is not supported (float32, bfloat16, float16)"]
-            if reasons or grad:
+            prep = None
+            if not reasons and not grad:
+                prep = _prepared(mod, precision)
+                if precision == "fp8":
+                    reasons = _q_ref.not_supported_reasons(x2, prep.wq, prep.scale, mod.bias, act)
+            if reasons or grad:   # visible: counted in fallbacks(), warned once per reason
                 _fallback("; ".join(reasons) or "gradients are enabled (the dense kernels serve inference)")
                 out = torch.nn.functional.linear(x, mod.weight, mod.bias)
                 return torch.nn.functional.gelu(out, approximate="tanh") if fuse_gelu else out
-            prep = _prepared(mod, precision)
             if not accounting.compiling():
                 rec["calls"] += 1
             return gemm_quant(x2, prep, mod.bias, act, backend).reshape(*x.shape[:-1], prep.wq.shape[1])

@@ -44,8 +44,8 @@ Loop structure (unrolled at trace time; shapes are compile-time constants):
 
 Limits (``not_supported_reasons``; asserted at trace time too): x and wq 2-D with matching K; M, K, N >= 1; x
 fp32 / bf16 / fp16; wq float8_e4m3 (trn2's TensorE fp8 types are float8_e4m3 and float8_e5m2 [API-nl]); w_scale
-fp32 [N]; bias [N] fp32 or x's dtype; K <= ``MAX_K`` (one 128-token tile of x rows within ``XROW_BUDGET``: 16384
-in 16-bit, 8192 in fp32). trn2 or later (double_row does not exist on trn1). M and N any size; tails are partial
+fp32 [N]; bias [N] fp32 or x's dtype; K <= ``MAX_K`` (one 128-token tile of x rows within ``XROW_BUDGET``: 18432
+in 16-bit, 9216 in fp32). trn2 or later (double_row does not exist on trn1). M and N any size; tails are partial
 tiles, never padding written to HBM.
 
 Tested (tests/kernels/test_gemm_fp8.py): emulator vs the twin and a float64 oracle on the same quantized inputs

@@ -82,7 +82,10 @@ VAE_ROWS_TRACED = 64    # output rows traced per VAE convolution call (taller ca
 E = 2                    # bytes per activation element (bf16)
 RECORD_BACKEND = "sim"   # the backend the recorded default patch uses (the device's wiring; fake impls on meta)
 DECODERS = ("wan",)      # the recorded decoders (--decoder); another decoder is another recorded run
-PRECISIONS = ("bf16",)   # the modeled precisions (--precision); another precision is another set of kernel models
+PRECISIONS = ("bf16", "fp8", "mxfp8")   # the modeled precisions (--precision); another precision is another set of kernel models
+# where each precision has a kernel: "fp8" (kernels/gemm_fp8.py, TensorE double-row: trn2 and trn3), "mxfp8" (trn3
+# only: MX matmul is NeuronCore-v4); the bf16 rows everywhere
+PRECISION_TARGETS = {"bf16": ("trn2", "trn3"), "fp8": ("trn2", "trn3"), "mxfp8": ("trn3",)}
 # compiled XLA's matmul efficiency (of the PE peak) for the matmuls no kernel of ours serves: only published
 # utilisation figures of OTHER workloads exist (an AWS talk: 60% TensorE utilisation on trn2, > 90% on trn3 for a
 # production workload; NKIBench / AccelOpt average 45% -> 59% on trn2; FIELD_GUIDE section 4): ASSUMPTION
@@ -141,7 +144,8 @@ def wan13_transformer(layers: int = WAN13["layers"]):
 
 def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int] = None, steps: int = STEPS,
                           height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES,
-                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True) -> dict:
+                          layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True,
+                          precision: str = "bf16") -> dict:
     """The DEFAULT patched ``CausalWanPipeline`` (``diffusers_nki.patch(pipe, backend=backend)``: what a Trainium
     host gets, with the emulator's backend standing in for the device's: the same wiring) rolled out over
     Wan2.1-1.3B on the meta device at full geometry: every op it dispatches recorded with its call site
@@ -149,7 +153,9 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     the attention calls' dims (``AttentionRecorder``). Returns ``{"chunks": [[AttnCall, ...], ...], "steady":
     index, "ops": {OpRecord: n} of the steady chunk, "dispatches": its op count, ...}``; the steady
     chunk is the last one with a cache pass (the window is full there). ``record_ops=False``: the attention calls
-    only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need."""
+    only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need.
+    ``precision``: ``patch(precision=)`` of the recorded run ("fp8" / "mxfp8": the blocks' projections and FFN are
+    then calls of the quantized GEMM ops, recorded as such)."""
     import torch
     from diffusers import FlowMatchLCMScheduler
 
@@ -161,7 +167,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
                              num_frame_per_block=chunk_frames, window_frames=window, sink_frames=sink,
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
     pipe.set_progress_bar_config(disable=True)
-    diffusers_nki.patch(pipe, backend=backend)
+    diffusers_nki.patch(pipe, backend=backend, **({"precision": precision} if precision != "bf16" else {}))
     starts: List[int] = []
     h = transformer.register_forward_pre_hook(
         lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
@@ -320,6 +326,12 @@ class _Model:
 
         return kernels_dense.model_conv(Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, True, target)
 
+    def gemm_q(self, M, K, N, bias, activation, target, kernel):
+        """The quantized GEMM kernel ``kernel`` ("gemm_fp8" / "gemm_mx") at one per-rank shape."""
+        if kernel == "gemm_fp8":
+            return kernels_dense.model_gemm_fp8(M, K, N, bias, activation, target)
+        return kernels_dense.model_gemm_mx(M, K, N, bias, activation, target)
+
     def qk_norm_rope(self, S, target):
 
         return kernels_dense.model_qk_norm_rope(S, WAN13["heads"], WAN13["head_dim"], target)
@@ -470,6 +482,20 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         g = model.gemm(-(-M // W) if M == tokens else M, K, N, True, act, target)
         terms.append(_term(f"{_role(r.site)} [{M}, {K}] x [{K}, {N}]", n * g["scheduled_s"], _sched("gemm", g),
                            calls=n, sites={r.site: n}, flops=n * g["flops"]))
+    for kname in ("gemm_fp8", "gemm_mx"):   # patch(precision=): the blocks' quantized GEMM calls, one row per role
+        rows_q: Dict[tuple, dict] = {}
+        for r, n in kinds.get(kname, []):
+            M, K = r.ins[0]
+            N = r.ins[1][1]
+            act = "gelu_tanh" if "'gelu_tanh'" in r.args else None
+            key = (_role(r.site), M, K, N, act, r.ins[3] is not None)
+            q = rows_q.setdefault(key, {"calls": 0, "sites": {}})
+            q["calls"] += n
+            q["sites"][r.site] = q["sites"].get(r.site, 0) + n
+        for (role, M, K, N, act, bias), q in rows_q.items():
+            g = model.gemm_q(-(-M // W) if M == tokens else M, K, N, bias, act, target, kname)
+            terms.append(_term(f"{role} [{M}, {K}] x [{K}, {N}] ({kname[5:]})", q["calls"] * g["scheduled_s"],
+                               _sched(kname, g), calls=q["calls"], sites=q["sites"], flops=q["calls"] * g["flops"]))
     # every matmul no kernel of ours serves: an XLA row per call-site role, with the GEMM kernel's model beside it
     roles: Dict[str, dict] = {}
     for r, n in kinds.get("matmul", []):
@@ -763,11 +789,16 @@ def calibration_row(target: str = "trn2", quick: bool = True) -> dict:
 # the budget
 # ------------------------------------------------------------------------------------------------------
 def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] = None, vae: Optional[dict] = None,
-           model: Optional[_Model] = None, implemented: Optional[Dict[str, str]] = None, progress=None) -> dict:
+           model: Optional[_Model] = None, implemented: Optional[Dict[str, str]] = None, progress=None,
+           precision: str = "bf16") -> dict:
     """The modeled per-chunk budget of ``setup`` on each target: every layout, its terms, the headline (the best
-    IMPLEMENTED layout) beside the best modeled one."""
+    IMPLEMENTED layout) beside the best modeled one. ``precision``: the recorded run's ``patch(precision=)``
+    (targets without that precision's kernel are left out: mxfp8 has trn3 rows only)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"budget: precision={precision!r} is not one of {PRECISIONS}")
+    targets = [t for t in targets if t in PRECISION_TARGETS[precision]]
     s = SETUPS[setup]
-    probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"])
+    probe = probe or chunk_attention_calls(window=s["window"], sink=s["sink"], precision=precision)
     if "ops" not in probe:
         raise ValueError("budget: the probe has no recorded ops (chunk_attention_calls() records them)")
     vae = vae or vae_decode_calls()
@@ -777,7 +808,8 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     frames = 4 * CHUNK_FRAMES
     host = {"dit_dispatches": probe.get("dispatches"), "decode_dispatches": vae.get("dispatches"),
             "graphs": (probe.get("transformer_calls") or STEPS + 1) + (vae.get("decoder_calls") or CHUNK_FRAMES)}
-    out = {"modeled": True, "setup": setup, "label": s["label"], "published_fps": s["published_fps"],
+    out = {"modeled": True, "setup": setup, "label": s["label"] + ("" if precision == "bf16" else f" [{precision}]"),
+           "precision": precision, "published_fps": s["published_fps"],
            "targets_fps": TARGET_FPS.get(setup), "unit": f"one steady-state chunk = {CHUNK_FRAMES} latent frames = "
            f"{frames} video frames at {HEIGHT}x{WIDTH}, {STEPS} denoising passes + 1 cache pass",
            "attention_calls": [c.to_dict() for c in calls], "implemented": impl,
@@ -996,6 +1028,10 @@ def _parse(args):
                                  ("--precision", getattr(args, "precision", "bf16"), PRECISIONS)):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}: choose from {list(allowed)}")
+    prec = getattr(args, "precision", "bf16")
+    if not any(t in PRECISION_TARGETS[prec] for t in targets):
+        raise ValueError(f"--precision={prec!r} has rows on {list(PRECISION_TARGETS[prec])} only; --targets="
+                         f"{args.targets!r} names none of them")
     return setups, targets
 
 
@@ -1037,7 +1073,8 @@ def run(args) -> int:
         bar = None
     vae = vae_decode_calls(decoder=getattr(args, "decoder", "wan"))
     impl = implemented_layouts()
-    results = [budget(s, targets, vae=vae, implemented=impl, progress=bar) for s in setups]
+    prec = getattr(args, "precision", "bf16")
+    results = [budget(s, targets, vae=vae, implemented=impl, progress=bar, precision=prec) for s in setups]
     if bar is not None:
         bar.close()
     cal = calibration_row("trn2")

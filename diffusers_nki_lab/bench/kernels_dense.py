@@ -19,6 +19,9 @@ ranks, each with its halo rows):
   vae_conv_r120   384 -> 384, 3x3x3, 2 frames, 15 + 2 rows x 208
   vae_conv_r240   192 -> 192, 3x3x3, 4 frames, 30 + 2 rows x 416
   vae_conv_full   96 -> 96, 3x3x3, 4 frames, 60 + 2 rows x 832 (full resolution)
+The quantized GEMM rows (``QUANT_SHAPES``; ``patch(precision="fp8")``, ``kernels/gemm_fp8.py``: fp8 activations
+quantized in the kernel, fp8 weights prepared at load, TensorE double-row mode; trn2 / trn3 only, no trn1 row):
+  gemm_fp8_qkvo, gemm_fp8_text_kv, gemm_fp8_ffn_up, gemm_fp8_ffn_down   the same shapes as their bf16 rows
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numpy as np
 
 from diffusers_nki_lab.bench._rows import kernel_row
 
-__all__ = ["SHAPES", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
+__all__ = ["SHAPES", "QUANT_SHAPES", "ROW_SHAPES", "model_gemm_fp8", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
            "conv_out_rows"]
 
 _MEMO: Dict[Tuple, dict] = {}
@@ -48,6 +51,11 @@ SHAPES: Dict[str, dict] = {
     "vae_conv_full": dict(kernel="causal_conv3d", Cin=96, Cout=96, k=(3, 3, 3), T=4, Hin=62, W=832, pad_top=0,
                           pad_bottom=0, cache=True, bias=True),
 }
+
+QUANT_SHAPES: Dict[str, dict] = {
+    "gemm_fp8_" + k[len("gemm_"):]: dict(v, kernel="gemm_fp8") for k, v in SHAPES.items() if v["kernel"] == "gemm"}
+ROW_SHAPES: Dict[str, dict] = {**SHAPES, **QUANT_SHAPES}   # every row ``bench kernels`` can make here
+QUANT_TARGETS = ("trn2", "trn3")   # fp8 double-row matmul exists from NeuronCore-v3 on
 
 
 def _np_dtype(dtype: str):
@@ -93,6 +101,26 @@ def model_gemm(M: int, K: int, N: int, bias: bool = True, activation: Optional[s
     t0 = time.perf_counter()
     rec = _trace(gemm_kernel, (_zeros((M, K), dt), _zeros((K, N), dt), _zeros((N,), np.float32) if bias else None,
                                activation), target, lnc)
+    out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    _MEMO[key] = out
+    return dict(out, record=rec) if record else out
+
+
+def model_gemm_fp8(M: int, K: int, N: int, bias: bool = True, activation: Optional[str] = None,
+                   target: str = "trn2", dtype: str = "bfloat16", lnc: int = 1, record: bool = False) -> dict:
+    """Modeled cost of ONE ``gemm_fp8_kernel`` call (x in ``dtype``, fp8 weight and scales; ``_report`` keys;
+    memoised): what ``patch(precision="fp8")`` calls per nn.Linear."""
+    import ml_dtypes
+
+    key = ("gemm_fp8", M, K, N, bool(bias), activation, target, dtype, lnc)
+    if key in _MEMO and not record:
+        return _MEMO[key]
+    from diffusers_nki.kernels.gemm_fp8 import gemm_fp8_kernel
+
+    t0 = time.perf_counter()
+    rec = _trace(gemm_fp8_kernel, (_zeros((M, K), _np_dtype(dtype)), _zeros((K, N), ml_dtypes.float8_e4m3),
+                                   _zeros((N,), np.float32), _zeros((N,), np.float32) if bias else None, activation),
+                 target, lnc)
     out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
     _MEMO[key] = out
     return dict(out, record=rec) if record else out
@@ -154,13 +182,21 @@ def model_cache_write(S: int, C: int, H: int = 12, D: int = 128, target: str = "
     return _MEMO[key]
 
 
-def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
+def bench_dense(name: str, target: str, lnc: int = 1) -> Optional[dict]:
     """The ``bench kernels`` JSON row of dense shape ``name`` on ``target`` (the same keys as the attention rows:
-    ``bench.kernels._row``)."""
-    s = dict(SHAPES[name])
+    ``bench.kernels._row``); None for a quantized row on a target without fp8 matmul (trn1)."""
+    s = dict(ROW_SHAPES[name])
     isz = 2
     t0 = time.perf_counter()
-    if s["kernel"] == "gemm":
+    if s["kernel"] == "gemm_fp8":
+        if target not in QUANT_TARGETS:
+            return None
+        M, K, N = s["M"], s["K"], s["N"]
+        res = model_gemm_fp8(M, K, N, s["bias"], s["activation"], target, lnc=lnc, record=True)
+        hbm_min = (M * K + M * N) * isz + K * N + N * 4 + (N * 4 if s["bias"] else 0)
+        dims = {k: s[k] for k in ("M", "K", "N", "bias", "activation")}
+        dims["precision"] = "fp8"
+    elif s["kernel"] == "gemm":
         M, K, N = s["M"], s["K"], s["N"]
         res = model_gemm(M, K, N, s["bias"], s["activation"], target, lnc=lnc, record=True)
         hbm_min = (M * K + K * N + M * N) * isz + (N * 4 if s["bias"] else 0)
