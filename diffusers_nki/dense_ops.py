@@ -322,9 +322,10 @@ _QW = "_diffusers_nki_wq"       # on a hooked nn.Linear: (key, Prepared) -- the 
 _QPREC = "_diffusers_nki_prec"  # on a hooked nn.Linear: {"precision": ..., "op": ..., "calls": n}
 _QUANT_OP = {"fp8": "gemm_fp8", "mxfp8": "gemm_mx"}
 # which backend runs which precision's kernel: the twins run everywhere; the emulator runs the fp8 kernel
-# (trn2's float8_e4m3 is reinterpreted from torch's float8_e4m3fn bits, exact for |v| <= 240); on a device
-# torch has no float8_e4m3 tensor to hand the kernel, and the MX kernel is not built yet (twin only)
-QUANT_BACKENDS = {"fp8": ("torch", "sim"), "mxfp8": ("torch",)}
+# (trn2's float8_e4m3 is reinterpreted from torch's float8_e4m3fn bits, exact for |v| <= 240) and the MX kernel
+# (kernels/gemm_mx.py, on the emulator's trn3 target: MX exists on NeuronCore-v4 only; the weight packed by
+# gemm_mx_ref.pack); on a device neither is wired yet (torch has no float8_e4m3 / packed-x4 tensor to hand over)
+QUANT_BACKENDS = {"fp8": ("torch", "sim"), "mxfp8": ("torch", "sim")}
 
 
 def check_quant_backend(precision: str, backend: str, where: str) -> None:
@@ -342,6 +343,8 @@ def _gemm_q_impl(x, wq, w_scale, bias, activation, precision, backend):
         out = _q_ref.prepared_ref(x, prep, bias, activation)
     elif backend == "sim" and precision == "fp8":
         out = _sim_gemm_fp8(x, wq, w_scale, bias, activation)
+    elif backend == "sim" and precision == "mxfp8":
+        out = _sim_gemm_mx(x, wq, w_scale, bias, activation)
     else:
         raise ValueError(f"diffusers_nki::{_QUANT_OP[precision]}: precision={precision!r} has no kernel on "
                          f"backend={backend!r} (choose one of {QUANT_BACKENDS[precision]})")
@@ -380,6 +383,24 @@ def _sim_gemm_fp8(x, wq, w_scale, bias, activation):
     w8 = wq.detach().cpu().contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3)
     args = [t.detach().cpu().contiguous() if isinstance(t, torch.Tensor) else t for t in (x, w_scale, bias)]
     out = simulate(gemm_fp8_kernel)(args[0], w8, args[1], args[2], activation)
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def _sim_gemm_mx(x, wq, w_scale, bias, activation):
+    """The MX kernel in the emulator (target trn3, its only target): the prepared weight packed four K values per
+    32-bit word (``gemm_mx_ref.pack``); inputs it cannot take raise (the layer hook checks them first)."""
+    import numpy as np
+
+    from diffusers_nki.kernels import gemm_mx_ref
+    from diffusers_nki.kernels.gemm_mx import gemm_mx_kernel
+    from nkisim import simulate
+
+    prep = _q_ref.Prepared(wq.detach().cpu(), w_scale.detach().cpu(), "mxfp8")
+    xc = x.detach().cpu().contiguous()
+    pw, ps = gemm_mx_ref.pack(prep)
+    gemm_mx_ref.check_inputs(xc, pw, ps, bias, activation)
+    b = None if bias is None else bias.detach().cpu().contiguous()
+    out = simulate(gemm_mx_kernel, target="trn3")(xc, pw.numpy().view(np.uint32), ps.numpy(), b, activation)
     return out.to(device=x.device, dtype=x.dtype)
 
 
@@ -423,6 +444,8 @@ def _quant_forward(precision):
                 prep = _prepared(mod, precision)
                 if precision == "fp8":
                     reasons = _q_ref.not_supported_reasons(x2, prep.wq, prep.scale, mod.bias, act)
+                elif backends.resolve(backend) == "sim":   # the MX kernel's limits (the twin takes any K / dtype)
+                    reasons = _mx_kernel_reasons(x2)
             if reasons or grad:   # visible: counted in fallbacks(), warned once per reason
                 _fallback("; ".join(reasons) or "gradients are enabled (the dense kernels serve inference)")
                 out = torch.nn.functional.linear(x, mod.weight, mod.bias)
@@ -434,6 +457,15 @@ def _quant_forward(precision):
         return forward
 
     return make
+
+
+def _mx_kernel_reasons(x2):
+    r = []
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        r.append(f"mxfp8 kernel: x dtype {x2.dtype} is not supported (bfloat16, float16)")
+    if x2.shape[-1] % 128:
+        r.append(f"mxfp8 kernel: K={x2.shape[-1]} must be a multiple of 128")
+    return r
 
 
 def quantized_layers(module: torch.nn.Module) -> Dict[str, dict]:

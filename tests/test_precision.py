@@ -1,6 +1,8 @@
 """``patch(..., precision=)`` and ``DenseKernelsConfig(precision=)``: opt-in fp8 / MXFP8 for the DiT's block
 projections and feed-forward (``diffusers_nki.precision``), the default bf16 path unchanged, counters proving the
 quantized GEMM ran, explain() per layer, unpatch restoring exactly, clear errors for bad values."""
+import warnings
+
 import pytest
 import torch
 
@@ -104,11 +106,11 @@ def test_bad_precision_names_argument_value_and_choices(bad):
         dense_ops.DenseKernelsConfig(precision=bad)
 
 
-def test_mxfp8_has_no_emulator_kernel_yet_and_says_so():
-    m, _ = _model()
-    with pytest.raises(ValueError, match=r"precision='mxfp8' runs on backend in \('torch',\), not backend='sim'"):
-        diffusers_nki.patch(m, backend="sim", precision="mxfp8")
-    assert not diffusers_nki.patching.is_patched(m)
+def test_quantized_precisions_have_no_device_wiring_and_say_so():
+    for prec in ("fp8", "mxfp8"):
+        with pytest.raises(ValueError, match=rf"precision='{prec}' runs on backend in \('torch', 'sim'\), not "
+                                             r"backend='nki'"):
+            dense_ops.DenseKernelsConfig(backend="nki", precision=prec)
 
 
 def test_dense_config_precision_hooks_every_linear():
@@ -134,4 +136,32 @@ def test_fp8_on_the_emulator_runs_the_kernel_and_matches_the_twin_path():
     assert dense_ops.counters()["gemm_fp8"]["torch"] == 0
     # the same quantized values; the kernel's fp32 sums differ from torch's only in summation order
     assert ((out.float() - twin.float()).abs().max() / twin.float().abs().max()).item() < 2e-2
+    diffusers_nki.unpatch(m)
+
+
+def test_mxfp8_on_the_emulator_runs_the_mx_kernel_and_matches_the_twin_path():
+    # widths that are multiples of 128 (the MX kernel's K limit): every block Linear runs the kernel
+    m, mk = tiny.tiny_transformer("wan", dtype=torch.bfloat16, num_attention_heads=2, attention_head_dim=64,
+                                  ffn_dim=256)
+    inp = mk()
+    assert all(mod.in_features % 128 == 0 for _, mod in _linears(m))
+    diffusers_nki.patch(m, backend="torch", precision="mxfp8")
+    twin = _run(m, inp)
+    diffusers_nki.patch(m, backend="sim", precision="mxfp8")
+    dense_ops.reset_counters()
+    out = _run(m, inp)
+    assert dense_ops.counters()["gemm_mx"]["sim"] == len(_linears(m)) and not dense_ops.fallbacks()
+    assert ((out.float() - twin.float()).abs().max() / twin.float().abs().max()).item() < 2e-2
+    diffusers_nki.unpatch(m)
+
+
+def test_mxfp8_layers_the_kernel_cannot_take_fall_back_visibly():
+    m, inp = _model()   # the default tiny widths (not multiples of 128)
+    diffusers_nki.patch(m, backend="sim", precision="mxfp8")
+    dense_ops.reset_counters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # warned once per reason per process: counted below instead
+        _run(m, inp)
+    assert dense_ops.counters()["gemm_mx"]["sim"] == 0 and sum(dense_ops.fallbacks().values()) == len(_linears(m))
+    assert all(r.startswith("mxfp8 kernel: K=") for r in dense_ops.fallbacks())
     diffusers_nki.unpatch(m)

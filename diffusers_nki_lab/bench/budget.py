@@ -86,6 +86,8 @@ PRECISIONS = ("bf16", "fp8", "mxfp8")   # the modeled precisions (--precision); 
 # where each precision has a kernel: "fp8" (kernels/gemm_fp8.py, TensorE double-row: trn2 and trn3), "mxfp8" (trn3
 # only: MX matmul is NeuronCore-v4); the bf16 rows everywhere
 PRECISION_TARGETS = {"bf16": ("trn2", "trn3"), "fp8": ("trn2", "trn3"), "mxfp8": ("trn3",)}
+# the recorded run's backend per precision: the MX kernel exists on the emulator's trn3 target only, and the
+# recording runs on the meta device (fake implementations): "sim" stands in for the device's wiring as for bf16
 # compiled XLA's matmul efficiency (of the PE peak) for the matmuls no kernel of ours serves: only published
 # utilisation figures of OTHER workloads exist (an AWS talk: 60% TensorE utilisation on trn2, > 90% on trn3 for a
 # production workload; NKIBench / AccelOpt average 45% -> 59% on trn2; FIELD_GUIDE section 4): ASSUMPTION
