@@ -165,6 +165,8 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     if chunks is None:  # the window full, then one more chunk with its cache pass
         chunks = (window or 21) // chunk_frames + 1
     transformer = wan13_transformer(layers)
+    if precision == "mxfp8":   # the MX kernel quantizes bf16 / fp16 activations (quantize_mx): record in bf16
+        transformer = transformer.to(torch.bfloat16)
     pipe = CausalWanPipeline(None, None, transformer, None, FlowMatchLCMScheduler(shift=5.0),
                              num_frame_per_block=chunk_frames, window_frames=window, sink_frames=sink,
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
