@@ -37,6 +37,7 @@ from diffusers_nki import accounting, backends, compat, errors
 from diffusers_nki.backends import nki as _hw
 from diffusers_nki.kernels import causal_conv3d_ref as _conv_ref
 from diffusers_nki.kernels import gemm_fp8_ref as _q_ref
+from diffusers_nki.kernels import gemm_mx_ref as _mx_ref
 from diffusers_nki.kernels import gemm_ref as _gemm_ref
 
 __all__ = ["gemm", "causal_conv3d", "counters", "reset_counters", "fallbacks", "DenseKernelsConfig",
@@ -391,14 +392,13 @@ def _sim_gemm_mx(x, wq, w_scale, bias, activation):
     32-bit word (``gemm_mx_ref.pack``); inputs it cannot take raise (the layer hook checks them first)."""
     import numpy as np
 
-    from diffusers_nki.kernels import gemm_mx_ref
     from diffusers_nki.kernels.gemm_mx import gemm_mx_kernel
     from nkisim import simulate
 
     prep = _q_ref.Prepared(wq.detach().cpu(), w_scale.detach().cpu(), "mxfp8")
     xc = x.detach().cpu().contiguous()
-    pw, ps = gemm_mx_ref.pack(prep)
-    gemm_mx_ref.check_inputs(xc, pw, ps, bias, activation)
+    pw, ps = _mx_ref.pack(prep)
+    _mx_ref.check_inputs(xc, pw, ps, bias, activation)
     b = None if bias is None else bias.detach().cpu().contiguous()
     out = simulate(gemm_mx_kernel, target="trn3")(xc, pw.numpy().view(np.uint32), ps.numpy(), b, activation)
     return out.to(device=x.device, dtype=x.dtype)
