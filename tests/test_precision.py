@@ -165,3 +165,17 @@ def test_mxfp8_layers_the_kernel_cannot_take_fall_back_visibly():
     assert dense_ops.counters()["gemm_mx"]["sim"] == 0 and sum(dense_ops.fallbacks().values()) == len(_linears(m))
     assert all(r.startswith("mxfp8 kernel: K=") for r in dense_ops.fallbacks())
     diffusers_nki.unpatch(m)
+
+
+def test_bench_quality_runs_the_patched_rows_under_the_precision():
+    from diffusers_nki_lab.bench import quality
+    from diffusers_nki_lab.trained import load_pipeline
+
+    pipe = load_pipeline()
+    dense_ops.reset_counters()
+    res = quality.measure(pipe, chunks=2, switch_at=1, prompts=quality.PROMPTS[:1], rows=("stock", "patched"),
+                          progress=False, precision="fp8")
+    assert res["precision"] == "fp8" and set(res["rows"]) == {"stock", "patched"}
+    assert dense_ops.counters()["gemm_fp8"]["torch"] > 0   # the patched row ran the quantized GEMM
+    assert not diffusers_nki.patching.is_patched(pipe)       # left unpatched
+    assert "patched rows in precision fp8" in quality.format_table(res)
