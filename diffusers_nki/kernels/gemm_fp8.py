@@ -19,8 +19,13 @@ Algorithm (tokens on the output partitions, fp32 PSUM accumulation over the cont
     Per 128-token tile: the x rows are loaded whole ([rows, K] in x's dtype, ``X_CHUNK`` columns per DMA); VectorE
     ``tensor_scalar_reduce`` takes |x| and its row maximum in one pass; two [rows, 1] ``tensor_scalar`` give the
     reciprocal scale and the dequantization scale; ScalarE ``activation(copy, scale=inv)`` writes the fp8 rows; PE
-    transposes of 128 x 128 fp8 blocks (16 per PSUM bank) and VectorE evictions build the RESIDENT x^T block in
-    SBUF ([128, K tiles, tokens] fp8, at most ``XT_BUDGET`` bytes per partition).
+    transposes of 128 x 128 fp8 blocks (16 per PSUM bank) and evictions alternating between VectorE and ScalarE
+    build the RESIDENT x^T block in SBUF ([128, K tiles, tokens] fp8, at most ``XT_BUDGET`` bytes per partition).
+    The row buffers are double-buffered and the two stages software-pipelined in program order (stage 1 of tile
+    t+1 -- load, row max, quantize -- is issued before stage 2 of tile t -- transposes, evictions), so an
+    engine's in-order queue never holds the next tile's row max behind this tile's transposes. The whole block's
+    x^T precedes its first matmul: the per-token scale needs the entire row (the cost of a dynamic per-token
+    recipe; ``bench kernels`` shows it where K is long).
     TensorE in ``perf_mode=double_row`` [API-isa nc_matmul "FP8 double performance mode"; nki.isa.matmul_perf_mode:
     "2x matmul throughput by packing two FP8 weight/ifmap element pairs"]: one instruction contracts TWO full
     K tiles ([128, 2, tokens] stationary x^T, [128, 2, N_t] moving w), i.e. 256 of the contraction for the cost of
