@@ -180,11 +180,12 @@ def _transpose_tile(ctx, xT, b, rows, mcol):
                              engine=eng)
 
 
-def _prep_block(ctx, x, xT, m_blk, blk_rows):
+def _prep_block(ctx, x, xT, m_blk, blk_rows, first):
     """x^T of an M block, software-pipelined in program order: stage 1 of tile t+1, then stage 2 of tile t (so
-    VectorE's row max of the next tile does not queue behind this tile's transposes)."""
+    VectorE's row max of the next tile does not queue behind this tile's transposes). ``first``: the buffer of
+    tile 0's stage 1, issued by the caller ahead of the first w slabs' DMAs."""
     nt = (blk_rows + P - 1) // P
-    bufs = [_quantize_tile(ctx, x, m_blk, min(P, blk_rows), 0)]
+    bufs = [first]
     for t in range(nt):
         if t + 1 < nt:
             bufs.append(_quantize_tile(ctx, x, m_blk + (t + 1) * P, min(P, blk_rows - (t + 1) * P), t + 1))
@@ -338,10 +339,12 @@ def gemm_fp8_kernel(x, wq, w_scale, bias=None, activation=None):
     for si in range(len(slabs)):
         jb, k0, nk = slabs[si]
         m_blk, blk_rows, g0, g1, n0, nw = jobs[jb]
-        _issue_loads(ctx, wq, w_scale, bias, slabs, jobs, wring, si + W_AHEAD, K, N)
         if m_blk != blk_now:   # the whole M block's x^T before its first matmul (the row max needs all of K)
             blk_now = m_blk
-            _prep_block(ctx, x, xT, m_blk, blk_rows)
+            first = _quantize_tile(ctx, x, m_blk, min(P, blk_rows), 0)   # its rows' DMA ahead of the w slabs'
+            _issue_loads(ctx, wq, w_scale, bias, slabs, jobs, wring, si + W_AHEAD, K, N)
+            _prep_block(ctx, x, xT, m_blk, blk_rows, first)
+        _issue_loads(ctx, wq, w_scale, bias, slabs, jobs, wring, si + W_AHEAD, K, N)
         _flush_stores(ctx)
         accs = acc_sets[jb % 2]
         _matmuls(ctx, xT, wring[si % N_WRING], accs, k0, nk, g0, g1, blk_rows, nw, per_bank)
