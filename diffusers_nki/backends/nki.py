@@ -119,11 +119,9 @@ def _kernel_function(name: str):
         from diffusers_nki.kernels.gemm import gemm_kernel as fn
     elif name == "causal_conv3d":
         from diffusers_nki.kernels.causal_conv3d import causal_conv3d_kernel as fn
-    elif name == "gemm_fp8":
-        from diffusers_nki.kernels.gemm_fp8 import gemm_fp8_kernel as fn
     else:
         raise ValueError(f"kernel={name!r} is not one of 'attention', 'cache_write', 'qk_norm_rope', 'gemm', "
-                         "'causal_conv3d', 'gemm_fp8'")
+                         "'causal_conv3d'")
     return fn
 
 
