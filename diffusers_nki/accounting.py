@@ -48,7 +48,7 @@ __all__ = ["ModuleRecord", "RECORD_ATTR", "MODEL_ATTR", "PATHS", "compiling", "c
            "push_record", "pop_record", "record_mark", "reset_records", "current_record", "observe",
            "owner_from_stack", "observed_record", "observed_model_record", "unattributed_calls",
            "unattributed_fallbacks", "note_unattributed_fallback", "reset_unattributed", "register_covered",
-           "DENSE_OPS", "count_dense", "dense_counters", "reset_dense_counters", "FUSED_OPS", "count_fused",
+           "DENSE_OPS", "QUANT_OPS", "count_dense", "dense_counters", "reset_dense_counters", "FUSED_OPS", "count_fused",
            "fused_counters", "reset_fused_counters"]
 
 RECORD_ATTR = "_diffusers_nki_record"  # on a patched attention module: its ModuleRecord
@@ -58,6 +58,7 @@ PATHS = ("torch", "sim", "nki", "stock")  # the backends (diffusers_nki.backends
 OPS = ("attention", "attention_lse", "cache_write", "attention_backward", "qk_norm_rope")
 DENSE_OPS = ("gemm", "causal_conv3d")
 FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln")  # the Wan block's elementwise chains
+QUANT_OPS = ("gemm_fp8", "gemm_mx")  # the quantized GEMMs of precision="fp8" / "mxfp8" (counted like the dense ops)
 
 
 def compiling() -> bool:
@@ -97,7 +98,7 @@ def reset_counters() -> None:
                 c[key] = 0
 
 
-_dense_counts = {op: dict.fromkeys(PATHS[:-1], 0) for op in DENSE_OPS}  # backends only: no stock fallback path
+_dense_counts = {op: dict.fromkeys(PATHS[:-1], 0) for op in DENSE_OPS + QUANT_OPS}  # backends only: no stock fallback path
 
 
 def count_dense(op: str, path: str) -> None:

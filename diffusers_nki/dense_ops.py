@@ -43,12 +43,16 @@ from diffusers_nki import accounting, backends, compat, errors
 from diffusers_nki.backends import nki as _hw
 from diffusers_nki.kernels import causal_conv3d_ref as _conv_ref
 from diffusers_nki.family import resolve_class
+from diffusers_nki.kernels import gemm_fp8_ref as _q_ref
+from diffusers_nki.kernels import gemm_mx_ref as _mx_ref
 from diffusers_nki.kernels import gemm_ref as _gemm_ref
 from diffusers_nki.gemm_table import TABLE as _GEMM_TABLE
 
 __all__ = ["gemm", "causal_conv3d", "counters", "reset_counters", "fallbacks", "DenseKernelsConfig",
            "apply_dense_kernels", "remove_dense_kernels", "DENSE_OPS", "conv_module", "kernel_weight", "note_fallback",
-           "GEMM_MODELS", "GEMM_ATTR", "gemm_decision", "xla_seconds", "GemmHook", "gemm_forward", "default_gemm_hooks"]
+           "GEMM_MODELS", "GEMM_ATTR", "gemm_decision", "xla_seconds", "GemmHook", "gemm_forward", "default_gemm_hooks",
+           "gemm_quant", "PRECISIONS", "quantized_layers"]
+PRECISIONS = _q_ref.PRECISIONS
 
 DENSE_OPS = accounting.DENSE_OPS
 _lock = threading.Lock()
@@ -160,12 +164,16 @@ class DenseKernelsConfig:
 
     ops: Tuple[str, ...] = ("gemm",)
     backend: str = "auto"
+    precision: str = "bf16"   # "fp8" / "mxfp8": the "gemm" layers run the quantized GEMM (gemm_quant)
 
     def __post_init__(self):
         bad = [o for o in self.ops if o not in DENSE_OPS]
         if bad or not self.ops:
             raise ValueError(f"DenseKernelsConfig(ops={self.ops!r}): choose a non-empty subset of {DENSE_OPS}")
         backends.check_name(self.backend)
+        _q_ref.check_precision(self.precision, "DenseKernelsConfig")
+        if self.precision != "bf16":
+            check_quant_backend(self.precision, self.backend, "DenseKernelsConfig")
 
 
 _HOOK = "_diffusers_nki_dense"
@@ -237,12 +245,13 @@ def apply_dense_kernels(module: torch.nn.Module, config: Optional[DenseKernelsCo
         if _HOOK in mod.__dict__:
             continue
         if "gemm" in config.ops and type(mod) is torch.nn.Linear:
+            lin = _linear_forward if config.precision == "bf16" else _quant_forward(config.precision)
             mod.__dict__[_HOOK] = mod.__dict__.get("forward")
-            mod.forward = _linear_forward(mod, False, config.backend)
+            mod.forward = lin(mod, False, config.backend)
             parent = parents.get(id(mod))
             if parent is not None and _HOOK not in parent.__dict__ and _gelu_tanh_owner(parent, mod):
                 parent.__dict__[_HOOK] = parent.__dict__.get("forward")
-                parent.forward = _linear_forward(mod, True, config.backend)
+                parent.forward = lin(mod, True, config.backend)
             n += 1
         elif "causal_conv3d" in config.ops and type(mod) is WanCausalConv3d:
             mod.__dict__[_HOOK] = mod.__dict__.get("forward")
@@ -310,6 +319,8 @@ def remove_dense_kernels(module: torch.nn.Module) -> int:
             else:
                 mod.forward = prev
             mod.__dict__.pop("_diffusers_nki_w", None)
+            mod.__dict__.pop(_QW, None)
+            mod.__dict__.pop(_QPREC, None)
             n += 1
     return n
 
@@ -500,3 +511,162 @@ def default_gemm_hooks(model, route) -> list:
                 continue
             out.append((path, mod, GemmHook(False, route)))
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# precision="fp8" / "mxfp8": the quantized GEMM (kernels/gemm_fp8.py and its twin kernels/gemm_fp8_ref.py)
+# ----------------------------------------------------------------------------------------------------------
+_QW = "_diffusers_nki_wq"       # on a hooked nn.Linear: (key, Prepared) -- the weight quantized once
+_QPREC = "_diffusers_nki_prec"  # on a hooked nn.Linear: {"precision": ..., "op": ..., "calls": n}
+_QUANT_OP = {"fp8": "gemm_fp8", "mxfp8": "gemm_mx"}
+# which backend runs which precision's kernel: the twins run everywhere; the emulator runs the fp8 kernel
+# (trn2's float8_e4m3 is reinterpreted from torch's float8_e4m3fn bits, exact for |v| <= 240) and the MX kernel
+# (kernels/gemm_mx.py, on the emulator's trn3 target: MX exists on NeuronCore-v4 only; the weight packed by
+# gemm_mx_ref.pack); on a device neither is wired yet (torch has no float8_e4m3 / packed-x4 tensor to hand over)
+QUANT_BACKENDS = {"fp8": ("torch", "sim"), "mxfp8": ("torch", "sim")}
+
+
+def check_quant_backend(precision: str, backend: str, where: str) -> None:
+    """Raise ValueError when ``precision`` has no kernel on ``backend`` (checked at patch / config time)."""
+    b = backends.resolve(backend) if backend == "auto" else backend
+    if b not in QUANT_BACKENDS[precision]:
+        raise ValueError(f"{where}: precision={precision!r} runs on backend in {QUANT_BACKENDS[precision]}, not "
+                         f"backend={backend!r}" + (" (resolved to 'nki')" if backend == "auto" else ""))
+
+
+def _gemm_q_impl(x, wq, w_scale, bias, activation, precision, backend):
+    accounting.count_dense(_QUANT_OP[precision], backend)
+    prep = _q_ref.Prepared(wq, w_scale, precision)
+    if backend == "torch":
+        out = _q_ref.prepared_ref(x, prep, bias, activation)
+    elif backend == "sim" and precision == "fp8":
+        out = _sim_gemm_fp8(x, wq, w_scale, bias, activation)
+    elif backend == "sim" and precision == "mxfp8":
+        out = _sim_gemm_mx(x, wq, w_scale, bias, activation)
+    else:
+        raise ValueError(f"diffusers_nki::{_QUANT_OP[precision]}: precision={precision!r} has no kernel on "
+                         f"backend={backend!r} (choose one of {QUANT_BACKENDS[precision]})")
+    return out.contiguous()
+
+
+@torch.library.custom_op("diffusers_nki::gemm_fp8", mutates_args=())
+def _gemm_fp8_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 activation: Optional[str], backend: str) -> torch.Tensor:
+    return _gemm_q_impl(x, wq, w_scale, bias, activation, "fp8", backend)
+
+
+@torch.library.custom_op("diffusers_nki::gemm_mx", mutates_args=())
+def _gemm_mx_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                activation: Optional[str], backend: str) -> torch.Tensor:
+    return _gemm_q_impl(x, wq, w_scale, bias, activation, "mxfp8", backend)
+
+
+@_gemm_fp8_op.register_fake
+def _gemm_fp8_fake(x, wq, w_scale, bias, activation, backend):
+    return x.new_empty((x.shape[0], wq.shape[1]))
+
+
+@_gemm_mx_op.register_fake
+def _gemm_mx_fake(x, wq, w_scale, bias, activation, backend):
+    return x.new_empty((x.shape[0], wq.shape[1]))
+
+
+def _sim_gemm_fp8(x, wq, w_scale, bias, activation):
+    """The fp8 kernel in the emulator: the weight's bits as trn2's float8_e4m3 (same bits for |v| <= 240)."""
+    import ml_dtypes
+
+    from diffusers_nki.kernels.gemm_fp8 import gemm_fp8_kernel
+    from nkisim import simulate
+
+    w8 = wq.detach().cpu().contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3)
+    args = [t.detach().cpu().contiguous() if isinstance(t, torch.Tensor) else t for t in (x, w_scale, bias)]
+    out = simulate(gemm_fp8_kernel)(args[0], w8, args[1], args[2], activation)
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def _sim_gemm_mx(x, wq, w_scale, bias, activation):
+    """The MX kernel in the emulator (target trn3, its only target): the prepared weight packed four K values per
+    32-bit word (``gemm_mx_ref.pack``); inputs it cannot take raise (the layer hook checks them first)."""
+    import numpy as np
+
+    from diffusers_nki.kernels.gemm_mx import gemm_mx_kernel
+    from nkisim import simulate
+
+    prep = _q_ref.Prepared(wq.detach().cpu(), w_scale.detach().cpu(), "mxfp8")
+    xc = x.detach().cpu().contiguous()
+    pw, ps = _mx_ref.pack(prep)
+    _mx_ref.check_inputs(xc, pw, ps, bias, activation)
+    b = None if bias is None else bias.detach().cpu().contiguous()
+    out = simulate(gemm_mx_kernel, target="trn3")(xc, pw.numpy().view(np.uint32), ps.numpy(), b, activation)
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def gemm_quant(x, prepared, bias=None, activation=None, backend: str = "torch") -> torch.Tensor:
+    """``act(x @ w + bias)`` with ``prepared = gemm_fp8_ref.prepare(w, precision)`` (fp8: per-token / per-channel
+    scales; mxfp8: 32-element MX blocks), activations quantized per call. Counted as "gemm_fp8" / "gemm_mx"."""
+    backend = backends.resolve(backend)
+    if prepared.precision == "fp8":
+        reasons = _q_ref.not_supported_reasons(x, prepared.wq, prepared.scale, bias, activation)
+        if reasons:
+            raise ValueError("diffusers_nki.dense_ops.gemm_quant: " + "; ".join(reasons))
+    op = _gemm_fp8_op if prepared.precision == "fp8" else _gemm_mx_op
+    return op(x, prepared.wq, prepared.scale, bias, activation, backend)
+
+
+def _prepared(mod, precision):
+    """The layer's weight quantized once (load time), remade only when the parameter changed."""
+    p = mod.weight
+    if accounting.compiling():
+        return _q_ref.prepare(_gemm_ref.linear_weight(p.detach()), precision)
+    key = (p._version, p.data_ptr(), p.dtype, p.device, precision)
+    cached = mod.__dict__.get(_QW)
+    if cached is None or cached[0] != key:
+        cached = (key, _q_ref.prepare(_gemm_ref.linear_weight(p.detach()), precision))
+        mod.__dict__[_QW] = cached
+    return cached[1]
+
+
+def _quant_forward(precision):
+    def make(mod, fuse_gelu, backend):
+        rec = mod.__dict__.setdefault(_QPREC, {"precision": precision, "op": _QUANT_OP[precision], "calls": 0})
+
+        def forward(x):
+            act = "gelu_tanh" if fuse_gelu else None
+            x2 = x.reshape(-1, x.shape[-1])
+            grad = torch.is_grad_enabled() and (x.requires_grad or mod.weight.requires_grad)
+            reasons = [] if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else [
+                f"x dtype {x2.dtype} is not supported (float32, bfloat16, float16)"]
+            prep = None
+            if not reasons and not grad:
+                prep = _prepared(mod, precision)
+                if precision == "fp8":
+                    reasons = _q_ref.not_supported_reasons(x2, prep.wq, prep.scale, mod.bias, act)
+                elif backends.resolve(backend) == "sim":   # the MX kernel's limits (the twin takes any K / dtype)
+                    reasons = _mx_kernel_reasons(x2)
+            if reasons or grad:   # visible: counted in fallbacks(), warned once per reason
+                _fallback("; ".join(reasons) or "gradients are enabled (the dense kernels serve inference)")
+                out = torch.nn.functional.linear(x, mod.weight, mod.bias)
+                return torch.nn.functional.gelu(out, approximate="tanh") if fuse_gelu else out
+            if not accounting.compiling():
+                rec["calls"] += 1
+            return gemm_quant(x2, prep, mod.bias, act, backend).reshape(*x.shape[:-1], prep.wq.shape[1])
+
+        return forward
+
+    return make
+
+
+def _mx_kernel_reasons(x2):
+    r = []
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        r.append(f"mxfp8 kernel: x dtype {x2.dtype} is not supported (bfloat16, float16)")
+    if x2.shape[-1] % 128:
+        r.append(f"mxfp8 kernel: K={x2.shape[-1]} must be a multiple of 128")
+    return r
+
+
+def quantized_layers(module: torch.nn.Module) -> Dict[str, dict]:
+    """``{path: {"precision", "op", "calls"}}`` of the nn.Linear layers of ``module`` routed through a quantized
+    GEMM (what ``explain()`` reports per layer; calls counted in eager mode)."""
+    return {path: dict(m.__dict__[_QPREC]) for path, m in module.named_modules()
+            if _QPREC in m.__dict__ and _HOOK in m.__dict__}

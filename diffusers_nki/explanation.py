@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from diffusers_nki import accounting, autograd, backends, bridge, caching, compat, install, lifecycle, parallel
 from diffusers_nki import cache as cache_api
 from diffusers_nki import patches, patching
+from diffusers_nki import precision as precision_api
 from diffusers_nki.accounting import RECORD_ATTR, ModuleRecord
 
 __all__ = ["explain", "Explanation", "ModelReport", "ModuleReport"]
@@ -51,6 +52,8 @@ class ModelReport:
     owners: Tuple[str, ...] = ()  # who patched it, most recent last ("own patch()", "WanPipeline.transformer")
     target: Optional[str] = None  # the route's Trainium target (the modeled decisions are made for it)
     gemm: List[dict] = field(default_factory=list)  # per default-GEMM layer and shape seen: decision, times, calls
+    precision: str = "bf16"  # patch(precision=): the dense layers' precision ("bf16": the model's own layers)
+    precision_layers: Dict[str, dict] = field(default_factory=dict)  # path -> {"precision", "op", "calls"}
 
     def summary(self) -> dict:
         soft = [m for m in self.modules if m.softmax]
@@ -107,6 +110,7 @@ class Explanation:
                     "backend": m.backend, "strict": m.strict, "cache_backend": m.cache_backend,
                     "owners": list(m.owners), "notes": list(m.notes), "compiled": dict(m.compiled),
                     "target": m.target, "gemm": [dict(g) for g in m.gemm],
+                    "precision": m.precision, "precision_layers": {k: dict(v) for k, v in m.precision_layers.items()},
                     "modules": [dict(vars(x)) for x in m.modules], "summary": m.summary(),
                 }
                 for m in self.models
@@ -157,6 +161,11 @@ class Explanation:
                              "installed, unpatching it brings back the one before")
             for note in m.notes:
                 lines.append(f"  note: {note}")
+            if m.precision_layers:
+                lines.append(f"  precision {m.precision}: {len(m.precision_layers)} nn.Linear layer(s) through the "
+                             "quantized GEMM (attention itself and the layers outside the blocks stay bf16):")
+                for path, d in m.precision_layers.items():
+                    lines.append(f"    {path}  {d['precision']}  op {d['op']}  calls={d['calls']}")
             s = m.summary()
             unv = f", {s['unverified_modules']} unverified" if s["unverified_modules"] else ""
             lines.append(f"  routed: {s['routed_modules']}/{s['softmax_modules']} softmax attention modules "
@@ -353,7 +362,8 @@ def _explain_model(name, model) -> ModelReport:
                                                             kernel_calls=0, stock_calls=0, M=None)]
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, notes, cache_be, compiled, owners,
-                       st.route.target if st is not None else None, gemm)
+                       st.route.target if st is not None else None, gemm,
+                       precision_api.current(model), precision_api.layers(model))
 
 
 def _ran_notes(evidence) -> tuple:

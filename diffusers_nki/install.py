@@ -181,7 +181,9 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
                 had, old = name in vars(model), vars(model).get(name)
                 setattr(model, name, value)
                 st.undo.append(InstanceAttr("", name, value, had, old))
-        for path, module, hook in dense_ops.default_gemm_hooks(model, route):  # the GEMMs where the model wins
+        # the GEMMs where the model wins (bf16); a reduced precision hands these layers to diffusers_nki.precision
+        gemm_hooks = dense_ops.default_gemm_hooks(model, route) if route.precision == "bf16" else []
+        for path, module, hook in gemm_hooks:
             had, old = dense_ops.GEMM_ATTR in vars(module), vars(module).get(dense_ops.GEMM_ATTR)
             module.__dict__[dense_ops.GEMM_ATTR] = hook
             st.undo.append(InstanceAttr(path, dense_ops.GEMM_ATTR, hook, had, old))

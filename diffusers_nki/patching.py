@@ -39,6 +39,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from diffusers_nki import backends, bridge, caching, install, patches
+from diffusers_nki import precision as precision_api
 from diffusers_nki import cache as cache_api
 from diffusers_nki.caching import wan_vae
 from diffusers_nki.accounting import MODEL_ATTR
@@ -122,7 +123,8 @@ def _request(owner, label: str, name: str, model, route: Route, arg) -> Request:
                    family if (arg is not None or config is not None) else None, default)
 
 
-def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None, target=None):
+def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None, target=None,
+          precision: str = "bf16"):
     """Route every softmax attention of the covered models in ``pipe_or_model`` through the NKI kernels.
 
     ``backend``: "auto" (nki on a Neuron device, else torch), "torch", "sim" or "nki".
@@ -133,10 +135,14 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
     ``backend=None`` follows the patch's backend). ``target``: the Trainium generation the modeled decisions are
     made for ("trn2" or "trn3"; None: detected on a Neuron host, else "trn2"; ``backends.resolve_target``): where
     the GEMM kernel serves the covered DiT's linear layers (``dense_ops.gemm_decision``); with the "torch" backend
-    it is recorded and changes no numerics. Returns ``pipe_or_model`` itself; see the module docstring.
+    it is recorded and changes no numerics. ``precision``: "bf16" (default, the faithful path), "fp8" (trn2) or
+    "mxfp8" (trn3): the covered models' block projections and feed-forward through the quantized GEMM
+    (``diffusers_nki.precision``; opt-in, listed by ``explain()``; those layers then leave the default bf16 GEMM
+    route). Returns ``pipe_or_model`` itself; see the module docstring.
     """
-    route = Route.resolve(backend, strict, target)
+    route = Route.resolve(backend, strict, target, precision)
     backends.require(route.backend)  # e.g. "nki" without the Neuron SDK: fail now, naming why
+    precision_api.check(precision, route.backend)
     comps = components(pipe_or_model)
     cache_api.check_cache_argument(cache)  # before anything changes
     is_model = isinstance(pipe_or_model, torch.nn.Module)
@@ -151,12 +157,15 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
         mp = patch_of(pipe_or_model)
         own = mp.own() if mp is not None else []
         if own and own[-1].same_args(route, cache) and _live(pipe_or_model, own[-1]):
+            precision_api.install(pipe_or_model, precision, route.backend)
             return pipe_or_model
     else:
         ps = pipe_states.get(pipe_or_model)
         if ps is not None:
             if ps.route == route and same_cache(ps.cache, cache) and len(ps.entries) == len(planned) and all(
                     n == pn and ref() is c and _live(c, req) for (n, ref, req), (pn, c) in zip(ps.entries, planned)):
+                for _, c in planned:
+                    precision_api.install(c, precision, route.backend)
                 return pipe_or_model
             unpatch(pipe_or_model)
     if not planned:
@@ -194,8 +203,10 @@ def patch(pipe_or_model, backend: str = "auto", strict: bool = False, cache=None
             _release(ps)
             raise
         pipe_states[pipe_or_model] = ps
-    logger.info("diffusers_nki.patch: %s -> backend %r, target %r%s", type(pipe_or_model).__name__, route.backend,
-                route.target, " (strict)" if strict else "")
+    for _, comp in planned:
+        precision_api.install(comp, precision, route.backend)
+    logger.info("diffusers_nki.patch: %s -> backend %r, target %r, precision %r%s", type(pipe_or_model).__name__,
+                route.backend, route.target, precision, " (strict)" if strict else "")
     return pipe_or_model
 
 
@@ -231,6 +242,7 @@ def unpatch(pipe_or_model):
                 f"diffusers_nki.unpatch: this {type(pipe_or_model).__name__} was not patched by diffusers_nki.patch()"
                 + (f" on its own (it is patched through {via}: unpatch that pipeline)" if via else ""))
         cache_api.release_pipeline_caches(pipe_or_model)
+        precision_api.release(pipe_or_model)
         _replace_requests(pipe_or_model, [r for r in mp.requests if r.owner != "self"])
         return pipe_or_model
     ps = pipe_states.pop(pipe_or_model, None)
@@ -239,6 +251,9 @@ def unpatch(pipe_or_model):
                               "by diffusers_nki.patch()")
     cache_api.release_pipeline_caches(pipe_or_model)
     wan_vae.release_for_patch(pipe_or_model)
+    for _, ref, _ in ps.entries:
+        if ref() is not None:
+            precision_api.release(ref())
     _release(ps)
     return pipe_or_model
 

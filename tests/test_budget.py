@@ -189,6 +189,10 @@ class FakeModel(budget._Model):
         hout = Hin + pad_top + pad_bottom - k[1] + 1
         return self._r(2 * Cin * Cout * k[0] * k[1] * k[2] * T * hout * W, target)
 
+    def gemm_q(self, M, K, N, bias, activation, target, kernel):
+        self.gemms.append((M, K, N, kernel))
+        return self._r(2 * M * K * N, target)
+
     def qk_norm_rope(self, S, target):
         return {"scheduled_s": 1e-6, "ceiling_s": 1e-6, "efficiency": 0, "efficiency_ceiling": 0, "flops": 0,
                 "bottleneck": "pool"}
@@ -377,11 +381,37 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     assert "--out DIR is deprecated, use --json PATH" in capsys.readouterr().err
     assert json.loads((tmp_path / "old" / "budget.json").read_text())["modeled"] is True
     for bad in (["--setups", "nope"], ["--targets", "trn9"], ["--decoder", "nope"], ["--decoder", "wan,wan"],
-                ["--precision", "fp8"]):
+                ["--precision", "fp4"]):
         argv = ["bench", "budget", *bad, "--json", str(tmp_path / "x.json")]
         args = cli.build_parser(argv).parse_args(argv)
         assert args._run(args) == 2
         assert bad[1] in capsys.readouterr().err
+
+
+def test_precision_fp8_terms_are_the_quantized_gemm_calls_the_path_makes(probe, capsys, tmp_path):
+    """``--precision fp8``: the run recorded under ``patch(precision="fp8")``; every block projection / FFN matmul
+    is then a call of the fp8 kernel (scheduled: gemm_fp8, one row per role and shape), the matmul FLOPs are
+    the bf16 run's, and the rest (embedders, head) stays XLA rows. mxfp8 has trn3 rows only."""
+    p8 = budget.chunk_attention_calls(window=21, sink=0, layers=LAYERS, precision="fp8")
+    calls = p8["chunks"][p8["steady"]]
+    m = FakeModel()
+    d = budget.dit_terms(calls, 8, "trn2", m, ops=p8["ops"])
+    d16 = budget.dit_terms(probe["chunks"][probe["steady"]], 8, "trn2", FakeModel(), ops=probe["ops"])
+    _labelled(d["terms"])
+    q = [t for t in d["terms"] if t["label"].startswith("scheduled: gemm_fp8")]
+    assert {t["name"].split(" [")[0] for t in q} == {
+        "blocks.*.attn1.to_q", "blocks.*.attn1.to_k", "blocks.*.attn1.to_v", "blocks.*.attn1.to_out.*",
+        "blocks.*.attn2.to_q", "blocks.*.attn2.to_out.*", "blocks.*.ffn.net.*"}
+    assert all(t["name"].endswith("(fp8)") and t["calls"] == LAYERS * 5 for t in q)
+    assert not [t for t in d["terms"] if t["name"].startswith("matmul blocks.")]   # no block matmul left to XLA
+    assert sum(t.get("flops", 0) for t in d["terms"]) == pytest.approx(sum(t.get("flops", 0) for t in d16["terms"]))
+    assert {g[3] for g in m.gemms if len(g) == 4} == {"gemm_fp8"}
+    with pytest.raises(ValueError, match="precision='int8' is not one of"):
+        budget.budget("self_forcing", ["trn2"], probe=p8, precision="int8")
+    argv = ["bench", "budget", "--precision", "mxfp8", "--targets", "trn2", "--json", str(tmp_path / "x.json")]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args._run(args) == 2
+    assert "has rows on ['trn3'] only" in capsys.readouterr().err
 
 
 def test_matrix_causal_wan_row_still_uses_the_recorded_calls(monkeypatch, probe):

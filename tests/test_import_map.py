@@ -24,7 +24,7 @@ LAYERS = (
     ("ops", ("diffusers_nki.ops", "diffusers_nki.prologue_ops", "diffusers_nki.autograd", "diffusers_nki.dense_ops",
              "diffusers_nki.modulate_ops",
              "diffusers_nki.caching.config", "diffusers_nki.caching.core")),
-    ("routing", ("diffusers_nki.routing", "diffusers_nki.parallel", "diffusers_nki.vae_parallel",
+    ("routing", ("diffusers_nki.routing", "diffusers_nki.parallel", "diffusers_nki.vae_parallel", "diffusers_nki.precision",
                  "diffusers_nki.bridge")),
     ("implementations", ("diffusers_nki.processors", "diffusers_nki.caching")),
     ("engine", ("diffusers_nki.lifecycle", "diffusers_nki.install", "diffusers_nki.cache", "diffusers_nki.patching",
@@ -39,7 +39,7 @@ MAX_UPWARD = 1
 # against it, the NKI shim that picks the real SDK or the emulator)
 LAZY_TARGETS = ("nkisim", "diffusers_nki.nki", "diffusers_nki.kernels.attention",
                 "diffusers_nki.kernels.cache_write", "diffusers_nki.kernels.qk_norm_rope", "diffusers_nki.kernels.gemm",
-                "diffusers_nki.kernels.ln_modulate",
+                "diffusers_nki.kernels.ln_modulate", "diffusers_nki.kernels.gemm_fp8", "diffusers_nki.kernels.gemm_mx",
                 "diffusers_nki.kernels.causal_conv3d")
 LAZY_SOURCES = {  # modules that may import more of ours inside functions, and why
     "diffusers_nki": "the package facade: lazy public names (import diffusers_nki stays cheap) and the import hook",

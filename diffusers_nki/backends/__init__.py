@@ -155,6 +155,9 @@ class Route:
     backend: str
     strict: bool = False
     target: str = DEFAULT_TARGET
+    # patch(precision=): "bf16" keeps the default GEMM route on the covered DiT's linear layers; "fp8" / "mxfp8"
+    # hand those layers to the quantized GEMM (diffusers_nki.precision validates the name and installs it)
+    precision: str = "bf16"
 
     def __post_init__(self):
         if self.backend not in NAMES:
@@ -166,10 +169,10 @@ class Route:
             raise ValueError(f"Route.target={self.target!r} must be one of {list(DETECTABLE)}")
 
     @classmethod
-    def resolve(cls, backend: str = "auto", strict: bool = False, target=None) -> "Route":
+    def resolve(cls, backend: str = "auto", strict: bool = False, target=None, precision: str = "bf16") -> "Route":
         """The route for ``patch(backend=..., strict=..., target=...)``: the name checked, "auto" resolved (once per
         process), the target checked or detected (``resolve_target``)."""
         check_name(backend)
         if not isinstance(strict, bool):
             raise ValueError(f"strict={strict!r} must be a bool (True or False)")
-        return cls(resolve(backend), strict, resolve_target(target))
+        return cls(resolve(backend), strict, resolve_target(target), precision)

@@ -85,7 +85,12 @@ VAE_ROWS_TRACED = 64    # output rows traced per VAE convolution call (taller ca
 E = 2                    # bytes per activation element (bf16)
 RECORD_BACKEND = "sim"   # the backend the recorded default patch uses (the device's wiring; fake impls on meta)
 DECODERS = ("wan", "taehv")  # the recorded decoders (--decoder); each decoder is its own recorded run
-PRECISIONS = ("bf16",)   # the modeled precisions (--precision); another precision is another set of kernel models
+PRECISIONS = ("bf16", "fp8", "mxfp8")   # the modeled precisions (--precision); another precision is another set of kernel models
+# where each precision has a kernel: "fp8" (kernels/gemm_fp8.py, TensorE double-row: trn2 and trn3), "mxfp8" (trn3
+# only: MX matmul is NeuronCore-v4); the bf16 rows everywhere
+PRECISION_TARGETS = {"bf16": ("trn2", "trn3"), "fp8": ("trn2", "trn3"), "mxfp8": ("trn3",)}
+# the recorded run's backend per precision: the MX kernel exists on the emulator's trn3 target only, and the
+# recording runs on the meta device (fake implementations): "sim" stands in for the device's wiring as for bf16
 # compiled XLA's matmul efficiency (of the PE peak) for the matmuls no kernel of ours serves: only published
 # utilisation figures of OTHER workloads exist (an AWS talk: 60% TensorE utilisation on trn2, > 90% on trn3 for a
 # production workload; NKIBench / AccelOpt average 45% -> 59% on trn2; FIELD_GUIDE section 4): ASSUMPTION
@@ -145,7 +150,7 @@ def wan13_transformer(layers: int = WAN13["layers"]):
 def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int] = None, steps: int = STEPS,
                           height: int = HEIGHT, width: int = WIDTH, chunk_frames: int = CHUNK_FRAMES,
                           layers: int = WAN13["layers"], backend: str = RECORD_BACKEND, record_ops: bool = True,
-                          fuse_elementwise: bool = False, target: Optional[str] = None) -> dict:
+                          fuse_elementwise: bool = False, target: Optional[str] = None, precision: str = "bf16") -> dict:
     """The DEFAULT patched ``CausalWanPipeline`` (``diffusers_nki.patch(pipe, backend=backend)``: what a Trainium
     host gets, with the emulator's backend standing in for the device's: the same wiring) rolled out over
     Wan2.1-1.3B on the meta device at full geometry: every op it dispatches recorded with its call site
@@ -155,7 +160,9 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     chunk is the last one with a cache pass (the window is full there). ``record_ops=False``: the attention calls
     only (no op recorder; "ops" is empty): what the demo's and the matrix's attention columns need. ``target``:
     ``patch(target=...)`` (None: the route's default): where the GEMM kernel is chosen depends on it (recorded in
-    fp32 on meta, as ever; ``dit_terms`` checks each GEMM choice again in bf16 at the per-rank shape)."""
+    fp32 on meta, as ever; ``dit_terms`` checks each GEMM choice again in bf16 at the per-rank shape).
+    ``precision``: ``patch(precision=)`` of the recorded run ("fp8" / "mxfp8": the blocks' projections and FFN are
+    then calls of the quantized GEMM ops, recorded as such)."""
     import torch
     from diffusers import FlowMatchLCMScheduler
 
@@ -163,13 +170,16 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
     if chunks is None:  # the window full, then one more chunk with its cache pass
         chunks = (window or 21) // chunk_frames + 1
     transformer = wan13_transformer(layers)
+    if precision == "mxfp8":   # the MX kernel quantizes bf16 / fp16 activations (quantize_mx): record in bf16
+        transformer = transformer.to(torch.bfloat16)
     pipe = CausalWanPipeline(None, None, transformer, None, FlowMatchLCMScheduler(shift=5.0),
                              num_frame_per_block=chunk_frames, window_frames=window, sink_frames=sink,
                              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
     pipe.set_progress_bar_config(disable=True)
     # fuse_elementwise: the opt-in fused elementwise chains (StaticCacheConfig.fuse_elementwise), else the default
     diffusers_nki.patch(pipe, backend=backend, target=target,
-                        cache=pipe.default_cache_config(fuse_elementwise=True) if fuse_elementwise else None)
+                        cache=pipe.default_cache_config(fuse_elementwise=True) if fuse_elementwise else None,
+                        **({"precision": precision} if precision != "bf16" else {}))
     route_target = backends.resolve_target(target)  # what patch() resolved it to
     starts: List[int] = []
     h = transformer.register_forward_pre_hook(
@@ -214,6 +224,7 @@ def chunk_attention_calls(window: int = 21, sink: int = 0, chunks: Optional[int]
             "distinct_shapes": rec.distinct([c for c in rec.calls if c.path == "diffusers_nki"]),
             "ops": steady_ops, "dispatches": sum(steady_ops.values()), "transformer_calls": passes[steady],
             "backend": backend, "layers": layers, "fuse_elementwise": fuse_elementwise, "target": route_target,
+            "precision": precision,
             "geometry": {"height": height, "width": width, "chunk_frames": chunk_frames, "chunks": chunks,
                          "window": window, "sink": sink, "tokens_per_frame": tpf, "steps": steps}}
 
@@ -370,6 +381,12 @@ class _Model:
     def conv(self, Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, target, bias=True):
 
         return kernels_dense.model_conv(Cin, Cout, k, T, Hin, W, pad_top, pad_bottom, cache, bias, target)
+
+    def gemm_q(self, M, K, N, bias, activation, target, kernel):
+        """The quantized GEMM kernel ``kernel`` ("gemm_fp8" / "gemm_mx") at one per-rank shape."""
+        if kernel == "gemm_fp8":
+            return kernels_dense.model_gemm_fp8(M, K, N, bias, activation, target)
+        return kernels_dense.model_gemm_mx(M, K, N, bias, activation, target)
 
     def qk_norm_rope(self, S, target):
 
@@ -545,6 +562,20 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         terms.append(_term(f"matmul {role} ([{Mr}, {K}] x [{K}, {N}]{' + GELU-tanh' if act else ''})", t["seconds"],
                            _sched("gemm", t["g"], note=f"the route chose the kernel: faster than XLA by the model at "
                                   f"this shape on {target}"), calls=t["calls"], sites=t["sites"], flops=t["flops"]))
+    for kname in ("gemm_fp8", "gemm_mx"):   # patch(precision=): the blocks' quantized GEMM calls, one row per role
+        rows_q: Dict[tuple, dict] = {}
+        for r, n in kinds.get(kname, []):
+            M, K = r.ins[0]
+            N = r.ins[1][1]
+            act = "gelu_tanh" if "'gelu_tanh'" in r.args else None
+            key = (_role(r.site), M, K, N, act, r.ins[3] is not None)
+            q = rows_q.setdefault(key, {"calls": 0, "sites": {}})
+            q["calls"] += n
+            q["sites"][r.site] = q["sites"].get(r.site, 0) + n
+        for (role, M, K, N, act, bias), q in rows_q.items():
+            g = model.gemm_q(-(-M // W) if M == tokens else M, K, N, bias, act, target, kname)
+            terms.append(_term(f"{role} [{M}, {K}] x [{K}, {N}] ({kname[5:]})", q["calls"] * g["scheduled_s"],
+                               _sched(kname, g), calls=q["calls"], sites=q["sites"], flops=q["calls"] * g["flops"]))
     # every matmul no kernel of ours serves: an XLA row per call-site role, with the GEMM kernel's model beside it
     roles: Dict[str, dict] = {}
     gelu_el = 0.0
@@ -919,12 +950,16 @@ def calibration_row(target: str = "trn2", quick: bool = True) -> dict:
 # ------------------------------------------------------------------------------------------------------
 def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] = None, vae: Optional[dict] = None,
            model: Optional[_Model] = None, implemented: Optional[Dict[str, str]] = None, progress=None,
-           fuse_elementwise: bool = False) -> dict:
+           fuse_elementwise: bool = False, precision: str = "bf16") -> dict:
     """The modeled per-chunk budget of ``setup`` on each target: every layout, its terms, the headline (the best
     IMPLEMENTED layout) beside the best modeled one. ``fuse_elementwise``: record the path with the opt-in fused
-    elementwise chains (``StaticCacheConfig.fuse_elementwise``) instead of the default."""
+    elementwise chains (``StaticCacheConfig.fuse_elementwise``) instead of the default. ``precision``: the recorded
+    run's ``patch(precision=)`` (targets without that precision's kernel are left out: mxfp8 has trn3 rows only)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"budget: precision={precision!r} is not one of {PRECISIONS}")
+    targets = [t for t in targets if t in PRECISION_TARGETS[precision]]
     s = SETUPS[setup]
-    probes = _probes(probe, targets, s, fuse_elementwise)
+    probes = _probes(probe, targets, s, fuse_elementwise, precision)
     probe = probes[targets[0]]
     vae = vae or vae_decode_calls()
     calls = probe["chunks"][probe["steady"]]
@@ -933,7 +968,8 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     frames = 4 * CHUNK_FRAMES
     host = {"dit_dispatches": probe.get("dispatches"), "decode_dispatches": vae.get("dispatches"),
             "graphs": (probe.get("transformer_calls") or STEPS + 1) + (vae.get("decoder_calls") or CHUNK_FRAMES)}
-    out = {"modeled": True, "setup": setup, "label": s["label"], "published_fps": s["published_fps"],
+    out = {"modeled": True, "setup": setup, "label": s["label"] + ("" if precision == "bf16" else f" [{precision}]"),
+           "precision": precision, "published_fps": s["published_fps"],
            "decoder": vae.get("decoder", "wan"),
            "fuse_elementwise": bool(probe.get("fuse_elementwise", fuse_elementwise)),
            "targets_fps": TARGET_FPS.get(setup), "unit": f"one steady-state chunk = {CHUNK_FRAMES} latent frames = "
@@ -962,7 +998,7 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     return out
 
 
-def _probes(probe, targets, s, fuse_elementwise: bool = False) -> Dict[str, dict]:
+def _probes(probe, targets, s, fuse_elementwise: bool = False, precision: str = "bf16") -> Dict[str, dict]:
     """The recorded default path per target: the route's choices (the GEMM kernel where the model says it wins)
     depend on the target, so each target has its own recording. ``probe``: None (record each), one recording
     (used for the targets it was recorded for: its "target", None = the route's default) or ``{target: recording}``."""
@@ -971,7 +1007,7 @@ def _probes(probe, targets, s, fuse_elementwise: bool = False) -> Dict[str, dict
     out = {}
     for t in targets:
         out[t] = given.get(t) or chunk_attention_calls(window=s["window"], sink=s["sink"], target=t,
-                                                       fuse_elementwise=fuse_elementwise)
+                                                       fuse_elementwise=fuse_elementwise, precision=precision)
         if "ops" not in out[t]:
             raise ValueError("budget: the probe has no recorded ops (chunk_attention_calls() records them)")
     return out
@@ -1203,6 +1239,10 @@ def _parse(args):
     for name, value, allowed in (("--precision", getattr(args, "precision", "bf16"), PRECISIONS),):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}: choose from {list(allowed)}")
+    prec = getattr(args, "precision", "bf16")
+    if not any(t in PRECISION_TARGETS[prec] for t in targets):
+        raise ValueError(f"--precision={prec!r} has rows on {list(PRECISION_TARGETS[prec])} only; --targets="
+                         f"{args.targets!r} names none of them")
     return setups, targets
 
 
@@ -1254,10 +1294,11 @@ def run(args) -> int:
     except ImportError:  # pragma: no cover
         bar = None
     results = []
+    prec = getattr(args, "precision", "bf16")
     for dec in _decoders(args):  # each decoder its own recorded run, its results labelled with it
         vae = vae_decode_calls(decoder=dec)
         impl = implemented_layouts() if dec == "wan" else implemented_layouts(decoder=dec)
-        results += [budget(s, targets, vae=vae, implemented=impl, progress=bar,
+        results += [budget(s, targets, vae=vae, implemented=impl, progress=bar, precision=prec,
                            fuse_elementwise=getattr(args, "fuse_elementwise", False)) for s in setups]
     if bar is not None:
         bar.close()

@@ -24,6 +24,11 @@ ranks, each with its halo rows):
   fused_res_norm3      the cross-attention's plain residual fused with norm3 + modulation
   fused_res_ffn_norm1  the FFN's gated residual fused with the next block's norm1 + modulation (every block but the last)
   fused_res_ffn        the last block's FFN gated residual
+The quantized GEMM rows (``QUANT_SHAPES``; ``patch(precision="fp8")``, ``kernels/gemm_fp8.py``: fp8 activations
+quantized in the kernel, fp8 weights prepared at load, TensorE double-row mode; trn2 / trn3 only, no trn1 row):
+  gemm_fp8_qkvo, gemm_fp8_text_kv, gemm_fp8_ffn_up, gemm_fp8_ffn_down   the same shapes as their bf16 rows
+and the MXFP8 rows (``patch(precision="mxfp8")``, ``kernels/gemm_mx.py``: trn3 only, MX is NeuronCore-v4's):
+  gemm_mx_qkvo, gemm_mx_text_kv, gemm_mx_ffn_up, gemm_mx_ffn_down
 """
 from __future__ import annotations
 
@@ -34,8 +39,8 @@ import numpy as np
 
 from diffusers_nki_lab.bench._rows import kernel_row
 
-__all__ = ["SHAPES", "model_gemm", "model_conv", "model_qk_norm_rope", "model_cache_write", "bench_dense",
-           "conv_out_rows", "model_fused", "FUSED_KINDS"]
+__all__ = ["SHAPES", "QUANT_SHAPES", "ROW_SHAPES", "model_gemm_fp8", "model_gemm_mx", "model_gemm", "model_conv",
+           "model_qk_norm_rope", "model_cache_write", "bench_dense", "conv_out_rows", "model_fused", "FUSED_KINDS"]
 
 _MEMO: Dict[Tuple, dict] = {}
 
@@ -60,6 +65,14 @@ SHAPES: Dict[str, dict] = {
     "fused_res_ffn": dict(kernel="gated_residual", S=585, D=1536, gate=True, affine=False, modulated=False),
 }
 FUSED_KINDS = ("ln_modulate", "gated_residual", "gated_residual_ln")
+
+QUANT_SHAPES: Dict[str, dict] = {
+    "gemm_fp8_" + k[len("gemm_"):]: dict(v, kernel="gemm_fp8") for k, v in SHAPES.items() if v["kernel"] == "gemm"}
+QUANT_SHAPES.update({"gemm_mx_" + k[len("gemm_"):]: dict(v, kernel="gemm_mx") for k, v in SHAPES.items()
+                     if v["kernel"] == "gemm"})
+ROW_SHAPES: Dict[str, dict] = {**SHAPES, **QUANT_SHAPES}   # every row ``bench kernels`` can make here
+# fp8 double-row matmul exists from NeuronCore-v3 on, MX matmul on NeuronCore-v4 only
+QUANT_TARGETS = {"gemm_fp8": ("trn2", "trn3"), "gemm_mx": ("trn3",)}
 
 
 def _np_dtype(dtype: str):
@@ -105,6 +118,44 @@ def model_gemm(M: int, K: int, N: int, bias: bool = True, activation: Optional[s
     t0 = time.perf_counter()
     rec = _trace(gemm_kernel, (_zeros((M, K), dt), _zeros((K, N), dt), _zeros((N,), np.float32) if bias else None,
                                activation), target, lnc)
+    out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    _MEMO[key] = out
+    return dict(out, record=rec) if record else out
+
+
+def model_gemm_fp8(M: int, K: int, N: int, bias: bool = True, activation: Optional[str] = None,
+                   target: str = "trn2", dtype: str = "bfloat16", lnc: int = 1, record: bool = False) -> dict:
+    """Modeled cost of ONE ``gemm_fp8_kernel`` call (x in ``dtype``, fp8 weight and scales; ``_report`` keys;
+    memoised): what ``patch(precision="fp8")`` calls per nn.Linear."""
+    import ml_dtypes
+
+    key = ("gemm_fp8", M, K, N, bool(bias), activation, target, dtype, lnc)
+    if key in _MEMO and not record:
+        return _MEMO[key]
+    from diffusers_nki.kernels.gemm_fp8 import gemm_fp8_kernel
+
+    t0 = time.perf_counter()
+    rec = _trace(gemm_fp8_kernel, (_zeros((M, K), _np_dtype(dtype)), _zeros((K, N), ml_dtypes.float8_e4m3),
+                                   _zeros((N,), np.float32), _zeros((N,), np.float32) if bias else None, activation),
+                 target, lnc)
+    out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    _MEMO[key] = out
+    return dict(out, record=rec) if record else out
+
+
+def model_gemm_mx(M: int, K: int, N: int, bias: bool = True, activation: Optional[str] = None,
+                  target: str = "trn3", dtype: str = "bfloat16", lnc: int = 1, record: bool = False) -> dict:
+    """Modeled cost of ONE ``gemm_mx_kernel`` call (trn3; x in ``dtype``, the packed MXFP8 weight and its e8m0
+    scales; ``_report`` keys; memoised): what ``patch(precision="mxfp8")`` calls per nn.Linear."""
+    key = ("gemm_mx", M, K, N, bool(bias), activation, target, dtype, lnc)
+    if key in _MEMO and not record:
+        return _MEMO[key]
+    from diffusers_nki.kernels.gemm_mx import gemm_mx_kernel
+
+    t0 = time.perf_counter()
+    rec = _trace(gemm_mx_kernel, (_zeros((M, K), _np_dtype(dtype)), _zeros((K // 4, N), np.uint32),
+                                  _zeros((K // 32, N), np.uint8), _zeros((N,), np.float32) if bias else None,
+                                  activation), target, lnc)
     out = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
     _MEMO[key] = out
     return dict(out, record=rec) if record else out
@@ -198,10 +249,10 @@ def model_fused(kind: str, S: int, D: int = 1536, gate: bool = True, affine: boo
     return dict(out, record=rec) if record else out
 
 
-def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
+def bench_dense(name: str, target: str, lnc: int = 1) -> Optional[dict]:
     """The ``bench kernels`` JSON row of dense shape ``name`` on ``target`` (the same keys as the attention rows:
-    ``bench.kernels._row``)."""
-    s = dict(SHAPES[name])
+    ``bench.kernels._row``); None for a quantized row on a target without fp8 matmul (trn1)."""
+    s = dict(ROW_SHAPES[name])
     isz = 2
     t0 = time.perf_counter()
     if s["kernel"] in FUSED_KINDS:
@@ -212,6 +263,16 @@ def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
         outs = 2 if s["kernel"] == "gated_residual_ln" else 1
         hbm_min = (ins + outs) * S * D * isz
         dims = {k: s[k] for k in ("S", "D", "gate", "affine", "modulated")}
+    elif s["kernel"] in QUANT_TARGETS:
+        if target not in QUANT_TARGETS[s["kernel"]]:
+            return None
+        M, K, N = s["M"], s["K"], s["N"]
+        fn = model_gemm_fp8 if s["kernel"] == "gemm_fp8" else model_gemm_mx
+        res = fn(M, K, N, s["bias"], s["activation"], target, lnc=lnc, record=True)
+        scales = N * 4 if s["kernel"] == "gemm_fp8" else (K // 32) * N
+        hbm_min = (M * K + M * N) * isz + K * N + scales + (N * 4 if s["bias"] else 0)
+        dims = {k: s[k] for k in ("M", "K", "N", "bias", "activation")}
+        dims["precision"] = "fp8" if s["kernel"] == "gemm_fp8" else "mxfp8"
     elif s["kernel"] == "gemm":
         M, K, N = s["M"], s["K"], s["N"]
         res = model_gemm(M, K, N, s["bias"], s["activation"], target, lnc=lnc, record=True)
@@ -227,5 +288,10 @@ def bench_dense(name: str, target: str, lnc: int = 1) -> dict:
         dims = {k: (list(s[k]) if k == "k" else s[k]) for k in ("Cin", "Cout", "k", "T", "Hin", "W", "pad_top",
                                                                "pad_bottom", "cache", "bias")}
         dims["Hout"] = Hout
-    return kernel_row(name, s["kernel"], target, res["record"], 1.0, None, time.perf_counter() - t0, hbm_min, 0, 0,
-                      dims)[0]
+    row = kernel_row(name, s["kernel"], target, res["record"], 1.0, None, time.perf_counter() - t0, hbm_min, 0, 0,
+                     dims)[0]
+    if s["kernel"] in QUANT_TARGETS:   # the efficiencies above are of the bf16 PE peak; these of the kernel's own
+        f = 2.0 if s["kernel"] == "gemm_fp8" else 4.0   # fp8 double-row 2x, MX 4x the bf16 rate (sim.cost)
+        row["peak_factor"] = f
+        row["modeled_efficiency_own_peak"] = {k: v / f for k, v in row["modeled_efficiency"].items()}
+    return row

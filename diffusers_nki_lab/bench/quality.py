@@ -7,7 +7,9 @@ Rows (every rollout of a row uses the same prompts, the same initial noise and t
 - ``stock``: no plugin at all: ``trained.model.reference_rollout`` (every chunk recomputed from scratch with the
   dense block-causal mask of the model's window and sinks), decoded by the stock ``vae.decode``;
 - ``patched``: ``diffusers_nki.patch(pipe, backend="torch")``: the static KV cache (9-frame window, 3-frame sink),
-  NKI-routed attention, the streaming VAE decode cache; driven by a session chunk by chunk;
+  NKI-routed attention, the streaming VAE decode cache; driven by a session chunk by chunk; ``--precision fp8`` /
+  ``mxfp8``: every patched row under ``patch(..., precision=)`` (the blocks' projections and FFN through the
+  quantized GEMM's twin, which reproduces the kernel's quantization exactly), the stock rows unchanged;
 - ``broken: rope offset``: the denoising passes rotated one chunk early (a stale RoPE frame offset; the cache pass
   right), so each chunk is denoised as if it stood where the previous one stands;
 - ``broken: rope not offset``: every call (the cache pass too) rotated from frame 0, as if the chunk's start
@@ -296,13 +298,14 @@ BREAKERS = {"broken: rope offset": broken_rope, "broken: rope not offset": rope_
 
 def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_PROMPTS, switch_at: int = 3,
             seed: int = 0, rows=ROWS, progress: bool = True, keep_frames: bool = False,
-            weights: Optional[str] = None, keep_prompts=KEEP_PROMPTS, taehv_weights: Optional[str] = None) -> dict:
+            weights: Optional[str] = None, keep_prompts=KEEP_PROMPTS, taehv_weights: Optional[str] = None,
+            precision: str = "bf16") -> dict:
     """Scores per row (means over the prompts) and per rollout. ``pipe``: ``trained.load_pipeline()`` by default
     (patched and unpatched in turn here; left unpatched); ``weights``: the file it was loaded from (the sharded
     decode's worker processes load the same VAE), None for the shipped one. The sharded rows decode the
     ``patched`` row's latents over 2 processes (so they need the ``patched`` row); so do the decoder rows
     (``DECODER_ROWS``: their drift is against its frames). ``taehv_weights``: the distilled TAEHV (default: the
-    shipped asset)."""
+    shipped asset). ``precision``: the patched rows' ``patch(precision=)``."""
     from tqdm.auto import tqdm
 
     pipe = pipe if pipe is not None else load_pipeline()
@@ -342,7 +345,7 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
     t0 = time.perf_counter()
     for patched in (False, True):
         if patched:
-            diffusers_nki.patch(pipe, backend="torch")
+            diffusers_nki.patch(pipe, backend="torch", **({"precision": precision} if precision != "bf16" else {}))
         try:
             for row, i, case, at in jobs:
                 if row.startswith("stock") == patched:
@@ -397,7 +400,7 @@ def measure(pipe=None, chunks: int = 12, prompts=PROMPTS, switch_prompts=SWITCH_
             table[r].update(psnr_db=float(np.mean([x["psnr_db"] for x in results[r]])),
                             max_abs=float(max(x["max_abs"] for x in results[r])),
                             latents_equal=all(x["latents_equal"] for x in results[r]))
-    out = {"schema": "diffusers_nki_lab.bench.quality/2", "chunks": chunks, "frames": F, "switch_at": switch_at,
+    out = {"schema": "diffusers_nki_lab.bench.quality/2", "precision": precision, "chunks": chunks, "frames": F, "switch_at": switch_at,
            "keep_at": KEEP_AT, "light": world.LIGHT, "dark_frames": world.dark_frames(),
            "seed": seed, "window": pipe.config.window_frames, "sink": pipe.config.sink_frames,
            "rows": table, "rollouts": results, "seconds": time.perf_counter() - t0, "loadavg_1min_at_start": load0,
@@ -446,7 +449,8 @@ def decoder_table(res: dict) -> str:
 
 def format_table(res: dict) -> str:
     lines = [f"tiny trained chunk-causal Wan, {res['chunks']} chunks x 3 latent frames (64x64), window "
-             f"{res['window']} frames, sink {res['sink']}; prompt switch at chunk {res['switch_at']}",
+             f"{res['window']} frames, sink {res['sink']}; prompt switch at chunk {res['switch_at']}; patched rows "
+             f"in precision {res.get('precision', 'bf16')}",
              f"{'row':<54} {'quality':>7} {'color':>6} {'shape':>6} {'motion':>6} {'bound.':>6} {'seam':>6} "
              f"{'err in':>7} {'err at':>7}",
              f"{'':<54} {'':>7} {'':>6} {'':>6} {'':>6} {'':>6} {'':>6} {'chunk':>7} {'bound.':>7}"]
@@ -504,6 +508,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "asset, python -m diffusers_nki_lab.trained.train_taehv)")
     p.add_argument("--doc", default=None, metavar="MD", help="also write the table into this markdown file, between "
                    "its '<!-- bench quality: begin/end -->' markers (docs/DEMO.md)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
+                   help="the patched rows' patch(precision=) (default bf16, the faithful path)")
+    p.add_argument("--rows", default=None, help="comma list of rows to run (default: all)")
 
 
 def decoder_rows(value: str) -> tuple:
@@ -523,9 +530,16 @@ def run(args) -> int:
         print(f"diffusers-nki bench quality: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    if getattr(args, "rows", None):  # --rows: a subset of the rows (the decoder's included)
+        picked = tuple(r.strip() for r in args.rows.split(",") if r.strip())
+        bad = [r for r in picked if r not in rows]
+        if bad:
+            print(f"diffusers-nki bench quality: --rows {bad} not among {list(rows)}", file=sys.stderr)
+            return 2
+        rows = picked
     extra = {} if rows == ROWS else {"rows": rows, "taehv_weights": getattr(args, "taehv_weights", None)}
     res = measure(load_pipeline(args.weights), chunks=args.chunks, switch_at=args.switch_at, seed=args.seed,
-                  weights=args.weights, **extra)
+                  weights=args.weights, precision=getattr(args, "precision", "bf16"), **extra)
     print(format_table(res))
     if any(r in DECODER_ROWS for r in res["rows"]):
         print(decoder_table(res))
