@@ -54,7 +54,9 @@ def test_gemm_and_conv_launch_contract(fake_neuron):
     assert lc.kernel == "causal_conv3d" and lc.target is causal_conv3d_kernel and lc.args[4:] == [("value", 0),
                                                                                                   ("value", 1)]
     assert dense_ops.counters() == {"gemm": {"torch": 0, "sim": 0, "nki": 1},
-                                    "causal_conv3d": {"torch": 0, "sim": 0, "nki": 1}}
+                                    "causal_conv3d": {"torch": 0, "sim": 0, "nki": 1},
+                                    "gemm_fp8": {"torch": 0, "sim": 0, "nki": 0},  # precision="fp8" / "mxfp8" only
+                                    "gemm_mx": {"torch": 0, "sim": 0, "nki": 0}}
 
 
 def test_without_nki_op_the_dense_ops_are_refused_naming_torchneuron(fake_neuron, monkeypatch):
