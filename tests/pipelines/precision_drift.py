@@ -28,13 +28,13 @@ def _inputs(frames=9, seed=5):
     return torch.randn(1, 16, frames, 4, 4, generator=g), torch.randn(1, 7, tiny.TEXT_DIM, generator=g)
 
 
+@torch.no_grad()  # scoped: a process-wide set_grad_enabled(False) would leak into the tests that follow
 def drift(precisions=PRECISIONS, frames: int = 9, seed: int = 5) -> dict:
     """``{"stock_bf16": [per-chunk rel err], "<precision>": [per-chunk rel err], ...}`` vs the fp64 original."""
     import diffusers_nki
     from diffusers_nki.pipelines import original_step_noise
     from diffusers_nki.testing import tiny
 
-    torch.set_grad_enabled(False)
     latents, pe = _inputs(frames, seed)
     sched = warp(STEPS, 5.0)
     m64 = tiny.tiny_transformer("wan", seed=0, in_channels=16, out_channels=16, text_dim=tiny.TEXT_DIM)[0].double()
