@@ -70,7 +70,7 @@ def test_causal_wan_pipeline_equals_krea_realtime_original_loop(original):
     transformer = WanTransformer3DModel(**dict(causal_wan_diffusers_config(), rope_max_seq_len=1024)).eval()
     convert_krea_realtime_checkpoint(original.ckpt, transformer=transformer)
     pipe = CausalWanPipeline(None, None, transformer, None, FlowMatchLCMScheduler(shift=config.timestep_shift),
-                             num_frame_per_block=BLOCK, kv_recompute=ctx_frames)
+                             num_frame_per_block=BLOCK, kv_recompute=ctx_frames, keep_first_frame=True)
     pipe.set_progress_bar_config(disable=True)
 
     def run(seed, n_blocks=blocks):
@@ -162,7 +162,7 @@ def test_krea_session_compiles_one_graph_per_call_site_after_warmup():
 
     base = tiny.tiny_pipeline("causal_wan")
     pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=BLOCK,
-                             kv_recompute=3, kv_cache_attention_bias=0.3)
+                             kv_recompute=3, kv_cache_attention_bias=0.3, keep_first_frame=True)
     counter = CompileCounter()
     try:
         pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
@@ -215,7 +215,7 @@ def test_kv_cache_attention_bias_leaves_the_first_chunk_and_moves_the_next():
     outs = []
     for bias in (1.0, 0.3):
         pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=BLOCK,
-                                 kv_recompute=3, kv_cache_attention_bias=bias)
+                                 kv_recompute=3, kv_cache_attention_bias=bias, keep_first_frame=True)
         pipe.set_progress_bar_config(disable=True)
         with torch.no_grad():
             outs.append(pipe(prompt_embeds=pe, height=32, width=32, num_frames=4 * (3 * BLOCK - 1) + 1,
@@ -239,7 +239,7 @@ def test_krea_rollout_on_the_emulated_kernels_equals_the_torch_twins(kernel_coun
 
     base = tiny.tiny_pipeline("causal_wan")
     pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=1,
-                             kv_recompute=2, kv_cache_attention_bias=0.3)
+                             kv_recompute=2, kv_cache_attention_bias=0.3, keep_first_frame=True)
     pipe.set_progress_bar_config(disable=True)
     pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
     outs, calls = {}, None
