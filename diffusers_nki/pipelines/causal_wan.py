@@ -498,9 +498,11 @@ class CausalWanSession:
 
     def _recompute(self, start: int, embeds: torch.Tensor) -> None:
         """Krea Realtime's KV re-computation before the chunk at ``start`` (``release_server.py``
-        ``recompute_kv_cache`` with ``keep_first_frame``): the context = the video's first latent frame, then the
-        latest ``c - 1`` frames (c = min(start, kv_recompute)), re-encoded at the context timestep in ONE call of
-        ``kv_recompute`` frames (padding after: one shape), block-causal; its K/V become the cache."""
+        ``recompute_kv_cache``, ``get_clean_context_frames``): the context = a first latent frame (the video's
+        first; with ``keep_first_frame=False`` once the window has rolled, a decoded frame re-encoded:
+        ``_encode_first``), then the latest ``c - 1`` frames (c = min(start, kv_recompute)), re-encoded at the
+        context timestep in ONE call of ``kv_recompute`` frames (padding after: one shape), block-causal; its K/V
+        become the cache."""
         inp = self.inputs
         c = min(start, inp.recompute)
         if c == 0:  # the first chunk: an empty cache (theirs returns before re-computing)
@@ -527,7 +529,7 @@ class CausalWanSession:
         if self.inputs.recompute and not self.inputs.keep_first:
             n = 1 + self.pipe.vae_scale_factor_temporal * (self.inputs.recompute - 1)
             px = pixels if self._pixels is None else torch.cat([self._pixels, pixels], dim=2)
-            self._pixels = px[:, :, -n:]
+            self._pixels = px[:, :, -n:].clone()  # (not a view of the whole decoded chunk)
 
     def _encode_first(self) -> torch.Tensor:
         """The context's first latent frame once Krea's window has rolled (``keep_first_frame=False``): the oldest
@@ -538,7 +540,7 @@ class CausalWanSession:
         if self._pixels is None or self._pixels.shape[2] < n:
             raise RuntimeError(f"CausalWanSession: keep_first_frame=False needs the last {n} decoded frames; the "
                                f"session kept {0 if self._pixels is None else self._pixels.shape[2]}")
-        frame = self._pixels[:, :, :1].to(device=vae.device, dtype=vae.dtype)
+        frame = self._pixels[:, :, :1].to(device=vae.device, dtype=vae.dtype).contiguous()  # one layout: one graph
         mu = vae.encode(frame).latent_dist.mean
         cfg = vae.config
         mean = torch.tensor(cfg.latents_mean, dtype=mu.dtype, device=mu.device).view(1, cfg.z_dim, 1, 1, 1)
