@@ -379,8 +379,8 @@ class CausalWanSession:
         self.decoder = None
         reencode = inp.recompute and not inp.keep_first
         if reencode and (self.light_decoder is not None or self.pipe.vae is None):
-            raise ValueError("CausalWanPipeline(keep_first_frame=False) re-encodes decoded frames of the Wan VAE (Krea's "
-                             "server): it needs the pipeline's vae and no light decoder (got " +
+            raise ValueError("CausalWanPipeline(keep_first_frame=False) re-encodes decoded frames of the Wan VAE "
+                             "(Krea's server): it needs the pipeline's vae and no light decoder (got " +
                              ("decoder=" + type(self.light_decoder).__name__ if self.light_decoder is not None
                               else "vae=None") + "); or pass keep_first_frame=True")
         if self.output_type != "latent" and self.light_decoder is not None:
@@ -1230,14 +1230,17 @@ def _check_keep_first_frame(keep, kv_recompute) -> Optional[bool]:
     """Krea's ``keep_first_frame`` (validated): ``None`` is their default (``False``) with ``kv_recompute``, and
     stays ``None`` without it (the option exists only for Krea's re-computed context)."""
     if keep is None:
-        return None if kv_recompute is None else False
+        if kv_recompute is None:
+            return None
+        keep = False
     if not isinstance(keep, bool):
         raise ValueError(f"keep_first_frame={keep!r} must be None, True or False")
     if kv_recompute is None:
         raise ValueError(f"keep_first_frame={keep!r} needs kv_recompute (Krea Realtime's re-computed context)")
     if not keep and kv_recompute < 2:
-        raise ValueError(f"keep_first_frame=False needs kv_recompute >= 2, got {kv_recompute} (their server's "
-                         f"re-encoding branch keeps kv_recompute - 1 latest frames after the re-encoded one)")
+        raise ValueError(f"keep_first_frame=False (the default with kv_recompute) needs kv_recompute >= 2, got "
+                         f"{kv_recompute} (their server's re-encoding branch keeps kv_recompute - 1 latest frames "
+                         f"after the re-encoded one); pass keep_first_frame=True")
     return keep
 
 

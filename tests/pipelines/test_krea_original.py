@@ -4,7 +4,11 @@ re-noising noise from their generator; config ``self_forcing_server_14b.yaml``),
 own loader (``load_transformer`` from a flat ``model.*`` safetensors file, as their published 14B file; ours through
 ``convert_krea_realtime_checkpoint`` from the same file), fp32, block by block, both computed in this run. Their time
 embedding's sinusoid is float64, diffusers' stock one float32 (error up to 4e-5 at t ~ 1000): measured both ways, the
-float64 one within 1e-5 per chunk (the rollout's fidelity), the stock one within 5e-5. The harness
+float64 one within 1e-5 per chunk (the rollout's fidelity), the stock one within 5e-5. Their DEFAULT
+``keep_first_frame=False`` (once the window rolls, the context's first latent frame is their VAE encoder's latent of
+the oldest kept decoded frame) against their loop with their own VAE classes at a tiny width, 5 blocks (3 past the
+roll), within 1e-5 per chunk; their server's decoder (which the re-encoded frames come from) against
+``WanStreamingDecoder(krea_time_cache=True)``. The harness
 and what it changes: ``krea_original.py``. Their frame length is hard-coded (1560 tokens: 480x832), so the tiny model
 runs at that resolution. Skips with the reason when the mirror is absent.
 
@@ -335,7 +339,7 @@ def test_kv_cache_attention_bias_leaves_the_first_chunk_and_moves_the_next():
     # keep_first_frame: Krea only; their default (False) needs the VAE and kv_recompute >= 2
     with pytest.raises(ValueError, match="keep_first_frame=True needs kv_recompute"):
         CausalWanPipeline(None, None, base.transformer, None, base.scheduler, keep_first_frame=True)
-    with pytest.raises(ValueError, match="keep_first_frame=False needs kv_recompute >= 2, got 1"):
+    with pytest.raises(ValueError, match=r"keep_first_frame=False \(the default.*needs kv_recompute >= 2, got 1"):
         CausalWanPipeline(None, None, base.transformer, base.vae, base.scheduler, kv_recompute=1)
     pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, kv_recompute=3)
     assert pipe.config.keep_first_frame is False
