@@ -1182,7 +1182,11 @@ class CausalWanPipeline(DiffusionPipeline):
         elif output_type != "latent":
             if self.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-            video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
+            if inp.recompute:  # Krea: their server's decode (WanStreamingDecoder, krea_time_cache), as a session's
+                with torch.no_grad():
+                    video = WanStreamingDecoder(self.vae, krea_time_cache=True).decode(out)
+            else:
+                video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
             out = self._postprocess(video, output_type)
             self.maybe_free_model_hooks()
         del inp

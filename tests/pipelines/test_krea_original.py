@@ -379,3 +379,27 @@ def test_krea_rollout_on_the_emulated_kernels_equals_the_torch_twins(kernel_coun
     assert calls["attention"]["sim"] == layers * 2 and calls["cache_write"]["sim"] == layers * 2, calls
     err = float((outs["sim"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
     assert err <= 1e-5, err
+
+
+def test_krea_call_decodes_as_its_session():
+    # keep_first_frame=False (the default): __call__ (latents, then one decode) returns the frames a session returns
+    # chunk by chunk (their server's decode, krea_time_cache), the re-encoded chunk 2 included; the stock Wan decode
+    # of the same latents differs from the 4th latent frame on
+    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
+    from diffusers_nki.testing import tiny
+
+    base = tiny.tiny_pipeline("causal_wan")
+    pipe = CausalWanPipeline(None, None, base.transformer, base.vae, base.scheduler, num_frame_per_block=BLOCK,
+                             kv_recompute=3)
+    pipe.set_progress_bar_config(disable=True)
+    pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
+    kw = dict(prompt_embeds=pe, height=32, width=32, num_frames=4 * (3 * BLOCK - 1) + 1)
+    with torch.no_grad():
+        called = pipe(**kw, generator=torch.Generator().manual_seed(1), output_type="pt").frames
+        s = pipe.session(**kw, generator=torch.Generator().manual_seed(1), output_type="pt", progress=False)
+        chunks = [s.next_chunk() for _ in range(3)]
+        latents = torch.cat([c.latents for c in chunks], 2)
+        stock = WanStreamingDecoder(base.vae).decode(latents)
+    assert torch.equal(called, torch.cat([c.frames for c in chunks], 1))
+    stock = pipe._postprocess(stock, "pt")
+    assert torch.equal(stock[:, :9], called[:, :9]) and float((stock - called).abs().max()) > 1e-3
