@@ -124,10 +124,26 @@ class WanStreamingDecoder:
     The decode cache holds the VAE's dtype and device of the first chunk: a VAE moved or cast mid-stream (e.g.
     ``vae.to(torch.bfloat16)``) is refused with an error naming both (start a new decoder; a session's ``reset()``
     does). ``snapshot()`` / ``restore(state)``: the decoder's state (its feature cache, copied), so that a decode
-    that failed half-way (out of memory, KeyboardInterrupt) can be undone and the chunk decoded again exactly."""
+    that failed half-way (out of memory, KeyboardInterrupt) can be undone and the chunk decoded again exactly.
 
-    def __init__(self, vae, process_group=None):
+    ``krea_time_cache=True``: the decode of krea-ai/realtime-video's server (``demo_utils/vae_block3.py``
+    ``Resample``, the decoder their ``GenerationSession`` runs, one latent frame per call): where the first temporal
+    upsampler (fed one frame per call) keeps the last two frames of its input for the next call, theirs keeps
+    ``[where(previous frame == 0, 0, current frame), current frame]``, i.e. the CURRENT frame twice once the
+    previous one is non-zero (stock: ``[previous, current]``). From the 4th latent frame on their pixels differ from
+    stock; a Krea pipeline's session decodes as theirs (its ``keep_first_frame=False`` re-encodes those pixels).
+    Reproduced by rewriting that one cache entry after every one-frame decoder call (both paths)."""
+
+    def __init__(self, vae, process_group=None, krea_time_cache: bool = False):
         self.vae = vae
+        self.krea_time_cache = bool(krea_time_cache)
+        self._krea_conv = None
+        if self.krea_time_cache:
+            up = getattr(getattr(vae.decoder, "up_blocks", [None])[0], "upsamplers", None)
+            if not up or getattr(up[0], "mode", None) != "upsample3d" or vae.config.patch_size is not None:
+                raise ValueError("WanStreamingDecoder(krea_time_cache=True) serves the Wan2.1 VAE (its first up "
+                                 "block ends in a temporal upsampler, no patch_size), as Krea's server decodes")
+            self._krea_conv = up[0]
         self.hook = find_wan_vae_cache(vae)
         self.process_group = process_group
         if self.hook is None and process_group is not None:
@@ -192,16 +208,35 @@ class WanStreamingDecoder:
                 B, _, _, h, w = z.shape
                 group = "config" if self.process_group is None else self.process_group
                 self.stream = self.hook.new_stream(vae, B, h, w, process_group=group)
-            out = self.stream.decode(z)
+            if self.krea_time_cache:  # one frame per call, then their cache entry (class docstring)
+                j = self.stream.convs.index(self._krea_conv.time_conv)
+                outs = []
+                for i in range(z.shape[2]):
+                    outs.append(self.stream.decode(z[:, :, i:i + 1]))
+                    _krea_entry(self.stream.buffers[j])
+                out = torch.cat(outs, dim=2)
+            else:
+                out = self.stream.decode(z)
             self.first = False
             self.frames_in += z.shape[2]
             return out
         cfg = vae.config
         x = vae.post_quant_conv(denormalize_latents(vae, latents))
-        outs = []
-        for i in range(x.shape[2]):
-            outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
-            self.first = False
+        outs, entry = [], []
+        hook = None
+        if self.krea_time_cache:  # where the upsampler's entry is in the list cache: its feat_idx when called
+            hook = self._krea_conv.register_forward_pre_hook(
+                lambda m, a, kw: entry.append(kw["feat_idx"][0]), with_kwargs=True)
+        try:
+            for i in range(x.shape[2]):
+                outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=self.cache, feat_idx=[0],
+                                        first_chunk=self.first))
+                self.first = False
+                if entry and isinstance(self.cache[entry[-1]], torch.Tensor):
+                    _krea_entry(self.cache[entry[-1]])
+        finally:
+            if hook is not None:
+                hook.remove()
         out = torch.cat(outs, dim=2)
         if cfg.patch_size is not None:
             from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
@@ -209,6 +244,12 @@ class WanStreamingDecoder:
             out = unpatchify(out, patch_size=cfg.patch_size)
         self.frames_in += x.shape[2]
         return torch.clamp(out, min=-1.0, max=1.0)
+
+
+def _krea_entry(cache: torch.Tensor) -> None:
+    """Krea's server's cache entry of the first temporal upsampler (``WanStreamingDecoder``, ``krea_time_cache``):
+    ``[a, b]`` (the last two frames of its input) becomes ``[where(a == 0, 0, b), b]``, in place."""
+    cache[:, :, 0] = torch.where(cache[:, :, 0] == 0, torch.zeros_like(cache[:, :, 1]), cache[:, :, 1])
 
 
 def _check_timesteps(name: str, values, low: float = 0.0, high: float = 1000.0, last_zero: bool = False
@@ -326,6 +367,7 @@ class _Inputs:
     scheduler_sigmas: Optional[List[float]] = None  # the unshifted sigmas a non-LCM scheduler is set with
     first_frame: Optional[torch.Tensor] = None  # image-to-video: the clean first latent frame [B, C, 1, h, w]
     recompute: int = 0  # Krea: context frames re-computed before every chunk (0: the committed ring)
+    keep_first: bool = True  # Krea: keep the video's first latent frame as the context's first (False: re-encode)
     bias: float = 1.0  # Krea: the KV-cache attention bias of the denoising calls (1: none)
 
 
@@ -384,17 +426,24 @@ class CausalWanSession:
         self._history: List[torch.Tensor] = []  # the latest chunks' clean latents (what a re-cache re-encodes)
         self._history_start = 0
         self._anchor = None  # Krea (kv_recompute): the video's first latent frame, the context's first frame
+        self._pixels = None  # Krea, keep_first_frame=False: the last 1 + 4 (kv_recompute - 1) decoded frames
         self._undecoded = None
         self._broken = None
         self.decoder = None
         self._shot_index, self._shot_pending, self._pin = 0, False, 0  # LongLive 2.0 shots (set_prompt new_shot)
         self._clean_frames = 0  # frames of the running denoising call held clean (image-to-video)
+        reencode = inp.recompute and not inp.keep_first
+        if reencode and (self.light_decoder is not None or self.pipe.vae is None):
+            raise ValueError("CausalWanPipeline(keep_first_frame=False) re-encodes decoded frames of the Wan VAE "
+                             "(Krea's server): it needs the pipeline's vae and no light decoder (got " +
+                             ("decoder=" + type(self.light_decoder).__name__ if self.light_decoder is not None
+                              else "vae=None") + "); or pass keep_first_frame=True")
         if self.output_type != "latent" and self.light_decoder is not None:
             self.decoder = TAEHVStreamingDecoder(self.light_decoder)
-        elif self.output_type != "latent":
+        elif self.output_type != "latent" or reencode:
             if self.pipe.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-            self.decoder = WanStreamingDecoder(self.pipe.vae)
+            self.decoder = WanStreamingDecoder(self.pipe.vae, krea_time_cache=bool(inp.recompute))
         if latents is None and inp.frames is not None:  # a finite rollout draws its noise at once (as __call__ did)
             B, C, _, h, w = inp.shape
             latents = randn_tensor((B, C, inp.frames, h, w), generator=self.generator,
@@ -515,14 +564,18 @@ class CausalWanSession:
 
     def _recompute(self, start: int, embeds: torch.Tensor) -> None:
         """Krea Realtime's KV re-computation before the chunk at ``start`` (``release_server.py``
-        ``recompute_kv_cache`` with ``keep_first_frame``): the context = the video's first latent frame, then the
-        latest ``c - 1`` frames (c = min(start, kv_recompute)), re-encoded at the context timestep in ONE call of
-        ``kv_recompute`` frames (padding after: one shape), block-causal; its K/V become the cache."""
+        ``recompute_kv_cache``, ``get_clean_context_frames``): the context = a first latent frame (the video's
+        first; with ``keep_first_frame=False`` once the window has rolled, a decoded frame re-encoded:
+        ``_encode_first``), then the latest ``c - 1`` frames (c = min(start, kv_recompute)), re-encoded at the
+        context timestep in ONE call of ``kv_recompute`` frames (padding after: one shape), block-causal; its K/V
+        become the cache."""
         inp = self.inputs
         c = min(start, inp.recompute)
         if c == 0:  # the first chunk: an empty cache (theirs returns before re-computing)
             return
         parts = [self._anchor]
+        if not inp.keep_first and start - inp.block >= inp.recompute:  # theirs: the rolled window, re-encoded
+            parts = [self._encode_first()]
         if c > 1:
             hist = torch.cat(self._history, dim=2)
             end = start - self._history_start
@@ -535,6 +588,30 @@ class CausalWanSession:
         x = torch.cat([x, x.new_zeros((B, C, inp.recompute - c, h, w))], dim=2)
         ctx = torch.tensor(inp.ctx, device=x.device)
         self._call(x, ctx, embeds, self._chunk(start, recompute_frames=c))
+
+    def _keep_pixels(self, pixels: torch.Tensor) -> None:
+        """Krea, ``keep_first_frame=False``: the last ``1 + 4 (kv_recompute - 1)`` decoded pixel frames (their
+        ``frame_context_cache`` deque, fed every decoded frame of every block, the first block's included)."""
+        if self.inputs.recompute and not self.inputs.keep_first:
+            n = 1 + self.pipe.vae_scale_factor_temporal * (self.inputs.recompute - 1)
+            px = pixels if self._pixels is None else torch.cat([self._pixels, pixels], dim=2)
+            self._pixels = px[:, :, -n:].clone()  # (not a view of the whole decoded chunk)
+
+    def _encode_first(self) -> torch.Tensor:
+        """The context's first latent frame once Krea's window has rolled (``keep_first_frame=False``): the oldest
+        kept pixel frame through the VAE encoder alone (their ``encode_video_latent`` of ``frame_context_cache[0]``
+        with a fresh encoder cache), the posterior mean normalized as their ``VAEEncoderWrapper`` does."""
+        vae, inp = self.pipe.vae, self.inputs
+        n = 1 + self.pipe.vae_scale_factor_temporal * (inp.recompute - 1)
+        if self._pixels is None or self._pixels.shape[2] < n:
+            raise RuntimeError(f"CausalWanSession: keep_first_frame=False needs the last {n} decoded frames; the "
+                               f"session kept {0 if self._pixels is None else self._pixels.shape[2]}")
+        frame = self._pixels[:, :, :1].to(device=vae.device, dtype=vae.dtype).contiguous()  # one layout: one graph
+        mu = vae.encode(frame).latent_dist.mean
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, dtype=mu.dtype, device=mu.device).view(1, cfg.z_dim, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=mu.dtype, device=mu.device).view(1, cfg.z_dim, 1, 1, 1)
+        return ((mu - mean) * inv_std).to(torch.float32)
 
     def _recache(self, embeds: torch.Tensor) -> None:
         """LongLive's KV re-cache under ``embeds``: the frames the window needs, re-encoded in one call."""
@@ -622,7 +699,10 @@ class CausalWanSession:
             self._undecoded = out  # generated and committed: a failed decode is retried from these latents
             saved = self.decoder.snapshot() if self.recoverable else None
             try:
-                out.frames = self.pipe._postprocess(self.decoder.decode(out.latents), self.output_type)
+                pixels = self.decoder.decode(out.latents)
+                if self.output_type != "latent":
+                    out.frames = self.pipe._postprocess(pixels, self.output_type)
+                self._keep_pixels(pixels)
             except BaseException as e:
                 if saved is not None:
                     self.decoder.restore(saved)
@@ -759,6 +839,12 @@ class CausalWanSession:
             self._keep(z)
             if c == 0 and not inp.recompute and pipe.config.get("prompt_switch", "recache") == "recache":
                 self._recache(self.prompt_embeds)
+        if inp.recompute and not inp.keep_first:  # Krea's re-encoding of a decoded frame (one frame, one shape)
+            B, _, _, h, w = inp.shape
+            s = self.pipe.vae_scale_factor_spatial
+            self._pixels = z.new_zeros((B, 3, 1 + self.pipe.vae_scale_factor_temporal * (inp.recompute - 1),
+                                        h * s, w * s))
+            self._encode_first()
         self.handle.reset()
         self._restart(self.latents)
 
@@ -811,6 +897,16 @@ class CausalWanPipeline(DiffusionPipeline):
             logits of every context frame but the first; needs ``kv_recompute``. A prompt switch
             (``session.set_prompt``) applies after the chunk's re-computation, as their server's. Run through the attention kernel as two log-sum-exp calls merged
             exactly (``diffusers_nki.caching.causal_wan._biased_attention``).
+        keep_first_frame: Krea's choice of the context's first frame (their ``GenerateParams.keep_first_frame``;
+            only with ``kv_recompute``; ``None`` = their default, ``False``). ``True``: the video's first latent
+            frame, always. ``False``: once the window has rolled (a chunk starting at ``start`` with ``start -
+            num_frame_per_block >= kv_recompute``, their ``(block_idx - 1) * num_frame_per_block >=
+            kv_cache_num_frames``), the first context frame is the OLDEST of the last ``1 + 4 (kv_recompute - 1)``
+            decoded pixel frames (their ``frame_context_cache[0]``: the last pixel frame of latent frame ``start -
+            kv_recompute``) encoded alone by the VAE encoder (``vae.encode``, the posterior mean, normalized as
+            ``(mu - latents_mean) * (1 / latents_std)``: their ``VAEEncoderWrapper``); one call of one frame, one
+            shape. It needs the ``vae`` (a session decodes every chunk, ``output_type="latent"`` too), and the
+            decoded frames are their server's decoder's (``WanStreamingDecoder(krea_time_cache=True)``).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
@@ -822,12 +918,13 @@ class CausalWanPipeline(DiffusionPipeline):
                  denoising_timesteps: Sequence[float] = DEFAULT_TIMESTEPS, context_timestep: float = 0.0,
                  rope_positions: str = "absolute", expand_timesteps: bool = False, prompt_switch: str = "recache",
                  shot_sink_frames: int = 0, shot_rope_offset: int = 0, kv_recompute: Optional[int] = None,
-                 kv_cache_attention_bias: float = 1.0):
+                 kv_cache_attention_bias: float = 1.0, keep_first_frame: Optional[bool] = None):
         super().__init__()
         _check_shots(prompt_switch, shot_sink_frames, shot_rope_offset, sink_frames, window_frames, num_frame_per_block)
         if not isinstance(num_frame_per_block, int) or num_frame_per_block < 1:
             raise ValueError(f"num_frame_per_block={num_frame_per_block!r} must be an int >= 1")
         window_frames = _check_krea(kv_recompute, kv_cache_attention_bias, num_frame_per_block, window_frames)
+        keep_first_frame = _check_keep_first_frame(keep_first_frame, kv_recompute)
         if window_frames is not None and (not isinstance(window_frames, int) or window_frames <= num_frame_per_block):
             raise ValueError(f"window_frames={window_frames!r} must be None or an int > num_frame_per_block="
                              f"{num_frame_per_block} (the window counts the current chunk)")
@@ -846,7 +943,8 @@ class CausalWanPipeline(DiffusionPipeline):
                                 context_timestep=float(context_timestep), rope_positions=rope_positions)
         self.register_to_config(expand_timesteps=bool(expand_timesteps), prompt_switch=prompt_switch,
                                 shot_sink_frames=shot_sink_frames, shot_rope_offset=shot_rope_offset,
-                                kv_recompute=kv_recompute, kv_cache_attention_bias=float(kv_cache_attention_bias))
+                                kv_recompute=kv_recompute, kv_cache_attention_bias=float(kv_cache_attention_bias),
+                                keep_first_frame=keep_first_frame)
         self.vae_scale_factor_temporal = vae.config.scale_factor_temporal if vae is not None else 4
         self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -1058,7 +1156,8 @@ class CausalWanPipeline(DiffusionPipeline):
                              f"num_frame_per_block={self.config.num_frame_per_block}")
         inp = _Inputs(block=block, timesteps=ts, sigmas=sg, own_sampler=own, ctx=ctx, frames=F, shape=shape,
                       latents=None, positions=positions, scheduler_sigmas=raw, recompute=recompute,
-                      bias=float(self.config.get("kv_cache_attention_bias", 1.0)))
+                      bias=float(self.config.get("kv_cache_attention_bias", 1.0)),
+                      keep_first=self.config.get("keep_first_frame") is not False)
         if latents is not None:
             inp.latents = self._check_latents(latents, inp)
         return inp
@@ -1208,7 +1307,11 @@ class CausalWanPipeline(DiffusionPipeline):
         elif output_type != "latent":
             if self.vae is None:
                 raise ValueError("CausalWanPipeline: no vae loaded; use output_type='latent'")
-            video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
+            if inp.recompute:  # Krea: their server's decode (WanStreamingDecoder, krea_time_cache), as a session's
+                with torch.no_grad():
+                    video = WanStreamingDecoder(self.vae, krea_time_cache=True).decode(out)
+            else:
+                video = self.vae.decode(denormalize_latents(self.vae, out), return_dict=False)[0]
             out = self._postprocess(video, output_type)
             self.maybe_free_model_hooks()
         del inp
@@ -1269,6 +1372,24 @@ def _check_krea(kv_recompute, bias, block: int, window_frames):
         raise ValueError(f"kv_recompute={kv_recompute!r} must be None or an int >= 1 (the context frames re-computed "
                          f"before every chunk: Krea's kv_cache_num_frames, 3)")
     return kv_recompute + block
+
+
+def _check_keep_first_frame(keep, kv_recompute) -> Optional[bool]:
+    """Krea's ``keep_first_frame`` (validated): ``None`` is their default (``False``) with ``kv_recompute``, and
+    stays ``None`` without it (the option exists only for Krea's re-computed context)."""
+    if keep is None:
+        if kv_recompute is None:
+            return None
+        keep = False
+    if not isinstance(keep, bool):
+        raise ValueError(f"keep_first_frame={keep!r} must be None, True or False")
+    if kv_recompute is None:
+        raise ValueError(f"keep_first_frame={keep!r} needs kv_recompute (Krea Realtime's re-computed context)")
+    if not keep and kv_recompute < 2:
+        raise ValueError(f"keep_first_frame=False (the default with kv_recompute) needs kv_recompute >= 2, got "
+                         f"{kv_recompute} (their server's re-encoding branch keeps kv_recompute - 1 latest frames "
+                         f"after the re-encoded one); pass keep_first_frame=True")
+    return keep
 
 
 def _check_positions(value) -> None:

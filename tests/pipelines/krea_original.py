@@ -26,8 +26,18 @@ What the harness changes, and why (everything else is their code as published):
   float32 ``attention()``; their ``flex_attention`` (the re-computation
   pass) is compiled with max-autotune for CUDA at import: the eager ``flex_attention`` runs here (same math);
 * the text encoder is a stand-in returning the prompt embeddings (zero-padded to 512 tokens as their encoder pads;
-  set as the session's condition before the first block, which skips their bfloat16 cast of it) and the VAE decoder a
-  stand-in returning zero pixels (the latents are compared; ``keep_first_frame=True``, so no pixel is re-encoded).
+  set as the session's condition before the first block, which skips their bfloat16 cast of it);
+* the VAE: with ``keep_first_frame=True`` (nothing re-encoded) the decoder is a stand-in returning zero pixels (the
+  latents are compared). With ``keep_first_frame=False`` (their default: once the window rolls, the oldest kept
+  decoded frame is re-encoded) their own VAE classes run (``wan/modules/vae.py`` ``WanVAE_`` under their
+  ``demo_utils/vae_block3.py`` ``VAEEncoderWrapper``, and ``VAEDecoderWrapper`` / ``VAEDecoder3d``) at a tiny width
+  (``TINY_VAE``: Wan2.1's layout, ``dim`` 2; their ``load_vae`` hard-codes the 1.3B checkpoint path and width 96),
+  random weights saved in the original key layout (ours load them through diffusers' own
+  ``convert_wan_vae_to_diffusers``). Their VAE runs in float16: ``Tensor.half`` answers the tensor unchanged while
+  their loop runs (the decoder's input ``denoised_pred.half()`` and the re-encoded ``frame_context_cache[0][0]
+  .half()``), their ``encode_video_latent`` is bound with ``dtype=float32`` (its default float16) and its
+  ``frames.cuda()`` answers the CPU tensor; ``einops.rearrange`` (their VAE's only einops use) is a stand-in for the
+  two patterns it is called with (``b c t h w <-> (b t) c h w``), raising on any other.
 """
 from __future__ import annotations
 
@@ -38,6 +48,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import Optional
 
 import torch
 import yaml
@@ -66,6 +77,35 @@ def _module(name, **attrs):
     m = types.ModuleType(name)
     m.__dict__.update(attrs)
     return m
+
+
+TINY_VAE = dict(dim=2, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                temperal_downsample=[False, True, True], dropout=0.0)
+
+
+def _rearrange(x, pattern, **sizes):
+    """The two ``einops.rearrange`` patterns their VAE calls (``wan/modules/vae.py``, ``demo_utils/vae_block3.py``)."""
+    p = pattern.replace(" ", "")
+    if p == "bcthw->(bt)chw":
+        b, c, t, h, w = x.shape
+        return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+    if p == "(bt)chw->bcthw" and set(sizes) == {"t"}:
+        bt, c, h, w = x.shape
+        return x.reshape(bt // sizes["t"], sizes["t"], c, h, w).permute(0, 2, 1, 3, 4)
+    raise RuntimeError(f"the harness's einops stand-in: rearrange({pattern!r}) is not one their VAE calls")
+
+
+@contextlib.contextmanager
+def float32_vae():
+    """Their VAE path kept in float32 for the block: ``Tensor.half`` answers the tensor unchanged and
+    ``Tensor.cuda`` the CPU tensor (see the module docstring)."""
+    saved = (torch.Tensor.half, torch.Tensor.cuda)
+    torch.Tensor.half = lambda self, *a, **k: self
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.half, torch.Tensor.cuda = saved
 
 
 def _stand_ins():
@@ -108,7 +148,7 @@ def _stand_ins():
         "torchvision": tv, "torchvision.transforms": tvt, "torchvision.transforms.functional": _module(
             "torchvision.transforms.functional"),
         "cv2": _module("cv2"), "requests": _module("requests"), "dotenv": _module("dotenv", load_dotenv=inert),
-        "einops": _module("einops", repeat=cfo._raising("repeat"), rearrange=cfo._raising("rearrange")),
+        "einops": _module("einops", repeat=cfo._raising("repeat"), rearrange=_rearrange),
     }
     mods["fastapi"].__path__ = []
     mods["fastapi.middleware"].__path__ = []
@@ -207,10 +247,59 @@ class Original:
                     p.data.copy_(p.data.bfloat16().float())
         save_file({f"model.{k}": v.contiguous() for k, v in base.state_dict().items()}, str(checkpoint))
 
-    def rollout(self, config, params: dict, prompt_embeds: torch.Tensor, blocks: int):
-        """Their streaming loop for ``blocks`` blocks: (their initial noise [B, F, C, h, w] as float32, the latents
-        ``all_latents`` [B, F, C, h, w]). ``params``: ``GenerateParams`` fields."""
+    def save_tiny_vae(self, seed: int) -> dict:
+        """Their ``WanVAE_`` at ``TINY_VAE``, random weights (in their key layout, float32): the state dict."""
         with their_modules(self.root, self.models_dir):
+            import wan.modules.vae as wan_vae
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                vae = wan_vae.WanVAE_(**TINY_VAE)
+                for p in vae.parameters():
+                    p.data.normal_(0.0, 0.3)
+        return {k: v.clone() for k, v in vae.state_dict().items()}
+
+    def _vae(self, vae_state: Optional[dict]):
+        """(encoder, decoder) for their session: their wrappers over ``vae_state`` (see the module docstring), or
+        (None, the zero-pixel stand-in)."""
+        if vae_state is None:
+            def vae_decoder(latents, *cache):
+                B, f = latents.shape[:2]
+                return torch.zeros(B, 4 * f, 3, 8, 8), list(cache)
+            return None, vae_decoder
+        import demo_utils.vae_block3 as vae_block3
+        import wan.modules.vae as wan_vae
+
+        model = wan_vae.WanVAE_(**TINY_VAE)
+        model.load_state_dict(vae_state)
+        encoder = vae_block3.VAEEncoderWrapper(types.SimpleNamespace(model=model)).eval()
+        decoder = vae_block3.VAEDecoderWrapper()
+        cfg = {k: v for k, v in TINY_VAE.items() if k != "temperal_downsample"}
+        decoder.decoder = vae_block3.VAEDecoder3d(**cfg, temperal_upsample=TINY_VAE["temperal_downsample"][::-1])
+        # their load_vae's filter: the decoder's keys and conv2 (the post-quant conv)
+        missing, unexpected = decoder.load_state_dict(
+            {k: v for k, v in vae_state.items() if "decoder." in k or "conv2" in k}, strict=False)
+        assert not unexpected and set(missing) <= {"mean", "std"}, (missing, unexpected)
+        return encoder, decoder.eval()
+
+    def decode(self, vae_state: dict, latents: torch.Tensor) -> torch.Tensor:
+        """``latents`` [B, C, F, h, w] through their server's decoder (``VAEDecoderWrapper``) block by block (3
+        latent frames), as their ``generate_block_internal`` calls it: the pixels [B, T, 3, H, W]."""
+        with their_modules(self.root, self.models_dir), float32_vae(), torch.no_grad():
+            _, decoder = self._vae(vae_state)
+            cache, out = [None] * 55, []
+            for i in range(0, latents.shape[2], 3):
+                px, cache = decoder(latents[:, :, i:i + 3].permute(0, 2, 1, 3, 4), *cache)
+                out.append(px)
+        return torch.cat(out, dim=1)
+
+    def rollout(self, config, params: dict, prompt_embeds: torch.Tensor, blocks: int,
+                vae_state: Optional[dict] = None):
+        """Their streaming loop for ``blocks`` blocks: (their initial noise [B, F, C, h, w] as float32, the latents
+        ``all_latents`` [B, F, C, h, w], the denoising timesteps, the pixels their frame callback received
+        [B, T, 3, H, W]). ``params``: ``GenerateParams`` fields. ``vae_state``: their VAE's weights (see
+        ``save_tiny_vae``): their encoder and decoder run (needed by ``keep_first_frame=False``)."""
+        with their_modules(self.root, self.models_dir), float32_vae():
             import pipeline.causal_inference as causal_inference
             import release_server as rs
             import wan.modules.attention as attention
@@ -230,18 +319,18 @@ class Original:
                 def forward(self, text_prompts):
                     return {"prompt_embeds": prompt_embeds}
 
-            def vae_decoder(latents, *cache):
-                B, f = latents.shape[:2]
-                return torch.zeros(B, 4 * f, 3, 8, 8), list(cache)
+            vae_encoder, vae_decoder = self._vae(vae_state)
+            rs.encode_video_latent = functools.partial(rs.encode_video_latent, dtype=torch.float32)
+            shown = []
 
             transformer = rs.load_transformer(config).float()
             pipe = rs.load_pipeline(config, "cpu", transformer, TextEncoder(), vae_decoder)
             for name in ("_initialize_kv_cache", "_initialize_crossattn_cache"):
                 init = getattr(pipe, name)
                 setattr(pipe, name, lambda batch_size, dtype, device, init=init: init(batch_size, torch.float32, device))
-            models = rs.Models(pipe.text_encoder, transformer, pipe, None, vae_decoder)
-            session = rs.GenerationSession(rs.GenerateParams(**params), config, frame_callback=lambda *a: None,
-                                           models=models)
+            models = rs.Models(pipe.text_encoder, transformer, pipe, vae_encoder, vae_decoder)
+            session = rs.GenerationSession(rs.GenerateParams(**params), config,
+                                           frame_callback=lambda px, *a: shown.append(px.clone()), models=models)
             add_noise = pipe.scheduler.add_noise  # (their init_models installed this scheduler)
             pipe.scheduler.add_noise = lambda x0, n, t: add_noise(x0, n.float(), t)
             noise = session.noise.float()
@@ -253,4 +342,4 @@ class Original:
                 for _ in range(blocks):
                     session.generate_block_internal(models)
             steps = [float(t) for t in session.denoising_step_list]
-            return noise, session.all_latents.clone(), steps
+            return noise, session.all_latents.clone(), steps, torch.cat(shown, dim=1)

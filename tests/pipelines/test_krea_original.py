@@ -4,7 +4,11 @@ re-noising noise from their generator; config ``self_forcing_server_14b.yaml``),
 own loader (``load_transformer`` from a flat ``model.*`` safetensors file, as their published 14B file; ours through
 ``convert_krea_realtime_checkpoint`` from the same file), fp32, block by block, both computed in this run. Their time
 embedding's sinusoid is float64, diffusers' stock one float32 (error up to 4e-5 at t ~ 1000): measured both ways, the
-float64 one within 1e-5 per chunk (the rollout's fidelity), the stock one within 5e-5. The harness
+float64 one within 1e-5 per chunk (the rollout's fidelity), the stock one within 5e-5. Their DEFAULT
+``keep_first_frame=False`` (once the window rolls, the context's first latent frame is their VAE encoder's latent of
+the oldest kept decoded frame) against their loop with their own VAE classes at a tiny width, 5 blocks (3 past the
+roll), within 1e-5 per chunk; their server's decoder (which the re-encoded frames come from) against
+``WanStreamingDecoder(krea_time_cache=True)``. The harness
 and what it changes: ``krea_original.py``. Their frame length is hard-coded (1560 tokens: 480x832), so the tiny model
 runs at that resolution. Skips with the reason when the mirror is absent.
 
@@ -63,14 +67,14 @@ def test_causal_wan_pipeline_equals_krea_realtime_original_loop(original):
     pe = cfo.pad_text(torch.randn(1, 9, CAUSAL_WAN_ORIGINAL["text_dim"], generator=g)).bfloat16().float()
     config = original.config(original.ckpt)
     assert config.do_kv_recomp and config.num_frame_per_block == BLOCK
-    noise, theirs, ts = original.rollout(config, params, pe, blocks)  # [B, F, C, h, w]
+    noise, theirs, ts, _ = original.rollout(config, params, pe, blocks)  # [B, F, C, h, w]
     theirs = theirs.permute(0, 2, 1, 3, 4)
 
     # Wan's RoPE tables span 1024 positions (theirs: rope_params(1024, ...)); 480x832 needs 52 along the width
     transformer = WanTransformer3DModel(**dict(causal_wan_diffusers_config(), rope_max_seq_len=1024)).eval()
     convert_krea_realtime_checkpoint(original.ckpt, transformer=transformer)
     pipe = CausalWanPipeline(None, None, transformer, None, FlowMatchLCMScheduler(shift=config.timestep_shift),
-                             num_frame_per_block=BLOCK, kv_recompute=ctx_frames)
+                             num_frame_per_block=BLOCK, kv_recompute=ctx_frames, keep_first_frame=True)
     pipe.set_progress_bar_config(disable=True)
 
     def run(seed, n_blocks=blocks):
@@ -91,6 +95,97 @@ def test_causal_wan_pipeline_equals_krea_realtime_original_loop(original):
     assert max(stock) <= STOCK_TOL, (original.commit, stock)
     # the comparison can fail: other re-noising noise is another video
     assert _chunk_errors(run(params["seed"] + 1, n_blocks=1), theirs[:, :, :BLOCK])[0] > 1e-2
+
+
+def _tiny_vae(state: dict):
+    """Our ``AutoencoderKLWan`` at the harness's tiny width, their weights through diffusers' own converter."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    cfg = ko.TINY_VAE
+    vae = AutoencoderKLWan(base_dim=cfg["dim"], z_dim=cfg["z_dim"], dim_mult=cfg["dim_mult"],
+                           num_res_blocks=cfg["num_res_blocks"], temperal_downsample=cfg["temperal_downsample"])
+    vae.load_state_dict(convert_wan_vae_to_diffusers(state), strict=True)
+    return vae.eval()
+
+
+def _decoded(vae, latents, krea_time_cache, static=False):
+    """``latents`` [B, C, F, h, w] decoded chunk by chunk by ``WanStreamingDecoder``: [B, T, 3, H, W]."""
+    from diffusers_nki.caching.wan_vae import apply_wan_vae_cache, remove_wan_vae_cache
+    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
+
+    if static:
+        apply_wan_vae_cache(vae)
+    try:
+        dec = WanStreamingDecoder(vae, krea_time_cache=krea_time_cache)
+        with torch.no_grad():
+            px = torch.cat([dec.decode(latents[:, :, i:i + BLOCK]) for i in range(0, latents.shape[2], BLOCK)], 2)
+    finally:
+        if static:
+            remove_wan_vae_cache(vae)
+    return px.permute(0, 2, 1, 3, 4)
+
+
+def test_keep_first_frame_false_equals_krea_realtime_original_loop(original):
+    # their DEFAULT (keep_first_frame=False): from block 2 on (kv_cache_num_frames 3, blocks of 3) the context's
+    # first latent frame is their VAE encoder's latent of the oldest of the last 9 decoded frames, decoded by THEIR
+    # server's decoder (demo_utils/vae_block3.py); their VAE classes at a tiny width (krea_original.py), ours
+    # (AutoencoderKLWan) with the same weights; 5 blocks: 3 past the roll, fp32, float64 time sinusoid as theirs
+    blocks, ctx_frames = 5, 3
+    params = dict(prompt="tiny", width=832, height=480, seed=5, num_blocks=blocks, kv_cache_num_frames=ctx_frames,
+                  num_denoising_steps=2)
+    assert "keep_first_frame" not in params  # their default, False
+    g = torch.Generator().manual_seed(7)
+    pe = cfo.pad_text(torch.randn(1, 9, CAUSAL_WAN_ORIGINAL["text_dim"], generator=g)).bfloat16().float()
+    config = original.config(original.ckpt)
+    state = original.save_tiny_vae(seed=3)
+    with _float64_sinusoid():  # their time embedding (and nothing in their VAE reads it)
+        noise, theirs, ts, shown = original.rollout(config, params, pe, blocks, vae_state=state)
+    theirs = theirs.permute(0, 2, 1, 3, 4)
+    vae = _tiny_vae(state)
+
+    vae = _tiny_vae(state)
+    transformer = WanTransformer3DModel(**dict(causal_wan_diffusers_config(), rope_max_seq_len=1024)).eval()
+    convert_krea_realtime_checkpoint(original.ckpt, transformer=transformer)
+
+    def run(n_blocks, vae=vae, **options):
+        pipe = CausalWanPipeline(None, None, transformer, vae, FlowMatchLCMScheduler(shift=config.timestep_shift),
+                                 num_frame_per_block=BLOCK, kv_recompute=ctx_frames, **options)
+        pipe.set_progress_bar_config(disable=True)
+        rnd = torch.Generator().manual_seed(params["seed"])
+        torch.randn(tuple(noise.shape), generator=rnd, dtype=torch.bfloat16)
+        with torch.no_grad(), _float64_sinusoid():
+            return pipe(prompt_embeds=pe, latents=noise.permute(0, 2, 1, 3, 4)[:, :, :n_blocks * BLOCK], height=480,
+                        width=832, num_frames=4 * (n_blocks * BLOCK - 1) + 1, timesteps=ts,
+                        sigmas=lookup_sigmas(ts, shift=5.0), step_noise=original_step_noise(rnd, dtype=torch.bfloat16),
+                        output_type="latent").frames
+
+    errs = _chunk_errors(run(blocks), theirs)
+    print(f"krea realtime keep_first_frame=False (kv_recompute={ctx_frames}, timesteps {ts}): max rel err per chunk "
+          f"{errs}")
+    assert len(errs) == blocks and max(errs) <= TOL, (original.commit, errs)
+    # the comparison can fail: keeping the first latent frame (their keep_first_frame=True; no VAE needed) leaves
+    # blocks 0-1 as they are and moves block 2, the first whose context starts with a re-encoded frame
+    kept = _chunk_errors(run(3, keep_first_frame=True, vae=None), theirs[:, :, :3 * BLOCK])
+    print(f"control, keep_first_frame=True: {kept}")
+    assert max(kept[:2]) <= TOL and kept[2] > 1e-3, kept
+
+
+def test_krea_time_cache_decodes_as_their_server_decoder(original):
+    # the frames their server re-encodes come from ITS decoder (demo_utils/vae_block3.py), which differs from the
+    # stock Wan decode from the 4th latent frame on; WanStreamingDecoder(krea_time_cache=True) equals it, on the
+    # stock list cache and on the static cache (diffusers_nki.caching.wan_vae), chunk by chunk (blocks of 3)
+    state = original.save_tiny_vae(seed=3)
+    latents = torch.randn(1, 16, 4 * BLOCK, 4, 6, generator=torch.Generator().manual_seed(0))
+    theirs = original.decode(state, latents)  # [B, T, 3, H, W], their VAEDecoderWrapper, block by block
+    vae = _tiny_vae(state)
+    for static in (False, True):
+        px = _decoded(vae, latents, krea_time_cache=True, static=static)
+        err = float((px - theirs).abs().max())
+        assert px.shape == theirs.shape and err <= 1e-5, (static, err)
+    stock = _decoded(vae, latents, krea_time_cache=False)
+    assert float((stock[:, :9] - theirs[:, :9]).abs().max()) <= 1e-5  # latent frames 0-2 (9 pixel frames)
+    assert float((stock - theirs).abs().max()) > 1e-2
 
 
 @contextlib.contextmanager
@@ -152,26 +247,35 @@ def test_kv_cache_attention_bias_through_the_kernel_equals_the_biased_softmax(ba
         assert float((_dense_biased(q, k, v, kc, vc, held, tpf, 1.0) - want).abs().max()) > 1e-2
 
 
-def test_krea_session_compiles_one_graph_per_call_site_after_warmup():
+@pytest.mark.parametrize("keep_first_frame", [True, False])
+def test_krea_session_compiles_one_graph_per_call_site_after_warmup(keep_first_frame):
     # kv_recompute=3 with the attention bias: after warmup() neither the re-computation call (the context growing
-    # from 3 frames, then the first frame + the latest) nor a denoising call compiles a graph (counting backend)
+    # from 3 frames, then the first frame + the latest) nor a denoising call compiles a graph (counting backend);
+    # keep_first_frame=False (their default): nor the VAE encoder's call on the re-encoded frame (chunks 2-4), the
+    # transformer's calls keeping their shapes with it
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
     from diffusers_nki.testing import tiny
 
     base = tiny.tiny_pipeline("causal_wan")
-    pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=BLOCK,
-                             kv_recompute=3, kv_cache_attention_bias=0.3)
+    vae = None if keep_first_frame else base.vae
+    pipe = CausalWanPipeline(None, None, base.transformer, vae, base.scheduler, num_frame_per_block=BLOCK,
+                             kv_recompute=3, kv_cache_attention_bias=0.3, keep_first_frame=keep_first_frame)
     counter = CompileCounter()
+    encodes = []
     try:
         pipe.transformer.compile_repeated_blocks(backend=counter, dynamic=False)
+        if vae is not None:
+            vae.encoder.compile(backend=counter, dynamic=False)
+            encode = vae.encode
+            vae.encode = lambda x, *a, **k: (encodes.append(tuple(x.shape)), encode(x, *a, **k))[1]
         with torch.no_grad():
             pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
             s = pipe.session(prompt_embeds=pe, height=32, width=32, num_frames=None,
                              generator=torch.Generator().manual_seed(0), output_type="latent", progress=False)
             s.warmup()
-            warm = counter.frame_count
+            warm, warm_encodes = counter.frame_count, len(encodes)
             for _ in range(5):
                 s.next_chunk()
             stats = s.handle.state.stats
@@ -179,9 +283,14 @@ def test_krea_session_compiles_one_graph_per_call_site_after_warmup():
     finally:
         for block in pipe.transformer.blocks:
             block._compiled_call_impl = None
+        if vae is not None:
+            vae.encoder._compiled_call_impl = None
+            del vae.encode
         torch._dynamo.reset()
     assert stats["recompute_calls"] == 4 and stats["commit_calls"] == 0, stats
     assert warm >= 1 and counter.frame_count == warm, (warm, counter.frame_count)
+    if vae is not None:  # warmup's encode, then one per chunk past the roll (chunks 2, 3, 4), one shape
+        assert warm_encodes == 1 and len(encodes) == 4 and len(set(encodes)) == 1, encodes
 
 
 def test_krea_checkpoint_converter_reads_their_flat_file_and_fused_projections(tmp_path):
@@ -215,7 +324,7 @@ def test_kv_cache_attention_bias_leaves_the_first_chunk_and_moves_the_next():
     outs = []
     for bias in (1.0, 0.3):
         pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=BLOCK,
-                                 kv_recompute=3, kv_cache_attention_bias=bias)
+                                 kv_recompute=3, kv_cache_attention_bias=bias, keep_first_frame=True)
         pipe.set_progress_bar_config(disable=True)
         with torch.no_grad():
             outs.append(pipe(prompt_embeds=pe, height=32, width=32, num_frames=4 * (3 * BLOCK - 1) + 1,
@@ -227,6 +336,15 @@ def test_kv_cache_attention_bias_leaves_the_first_chunk_and_moves_the_next():
     with pytest.raises(ValueError, match="kv_cache_attention_bias"):
         CausalWanPipeline(None, None, base.transformer, None, base.scheduler, kv_recompute=3,
                           kv_cache_attention_bias=0.0)
+    # keep_first_frame: Krea only; their default (False) needs the VAE and kv_recompute >= 2
+    with pytest.raises(ValueError, match="keep_first_frame=True needs kv_recompute"):
+        CausalWanPipeline(None, None, base.transformer, None, base.scheduler, keep_first_frame=True)
+    with pytest.raises(ValueError, match=r"keep_first_frame=False \(the default.*needs kv_recompute >= 2, got 1"):
+        CausalWanPipeline(None, None, base.transformer, base.vae, base.scheduler, kv_recompute=1)
+    pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, kv_recompute=3)
+    assert pipe.config.keep_first_frame is False
+    with pytest.raises(ValueError, match="keep_first_frame=False.*vae=None"):
+        pipe.session(prompt_embeds=pe, height=32, width=32, num_frames=None, output_type="latent")
 
 
 def test_krea_rollout_on_the_emulated_kernels_equals_the_torch_twins(kernel_counts):
@@ -239,7 +357,7 @@ def test_krea_rollout_on_the_emulated_kernels_equals_the_torch_twins(kernel_coun
 
     base = tiny.tiny_pipeline("causal_wan")
     pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=1,
-                             kv_recompute=2, kv_cache_attention_bias=0.3)
+                             kv_recompute=2, kv_cache_attention_bias=0.3, keep_first_frame=True)
     pipe.set_progress_bar_config(disable=True)
     pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
     outs, calls = {}, None
@@ -261,3 +379,27 @@ def test_krea_rollout_on_the_emulated_kernels_equals_the_torch_twins(kernel_coun
     assert calls["attention"]["sim"] == layers * 2 and calls["cache_write"]["sim"] == layers * 2, calls
     err = float((outs["sim"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
     assert err <= 1e-5, err
+
+
+def test_krea_call_decodes_as_its_session():
+    # keep_first_frame=False (the default): __call__ (latents, then one decode) returns the frames a session returns
+    # chunk by chunk (their server's decode, krea_time_cache), the re-encoded chunk 2 included; the stock Wan decode
+    # of the same latents differs from the 4th latent frame on
+    from diffusers_nki.pipelines.causal_wan import WanStreamingDecoder
+    from diffusers_nki.testing import tiny
+
+    base = tiny.tiny_pipeline("causal_wan")
+    pipe = CausalWanPipeline(None, None, base.transformer, base.vae, base.scheduler, num_frame_per_block=BLOCK,
+                             kv_recompute=3)
+    pipe.set_progress_bar_config(disable=True)
+    pe = torch.randn(1, 7, tiny.TEXT_DIM, generator=torch.Generator().manual_seed(0))
+    kw = dict(prompt_embeds=pe, height=32, width=32, num_frames=4 * (3 * BLOCK - 1) + 1)
+    with torch.no_grad():
+        called = pipe(**kw, generator=torch.Generator().manual_seed(1), output_type="pt").frames
+        s = pipe.session(**kw, generator=torch.Generator().manual_seed(1), output_type="pt", progress=False)
+        chunks = [s.next_chunk() for _ in range(3)]
+        latents = torch.cat([c.latents for c in chunks], 2)
+        stock = WanStreamingDecoder(base.vae).decode(latents)
+    assert torch.equal(called, torch.cat([c.frames for c in chunks], 1))
+    stock = pipe._postprocess(stock, "pt")
+    assert torch.equal(stock[:, :9], called[:, :9]) and float((stock - called).abs().max()) > 1e-3
