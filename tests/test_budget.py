@@ -514,6 +514,13 @@ def test_taehv_budget_terms_and_layouts(probe, taehv):
     doc = budget.doc_table([wan, res])
     assert "| Self-Forcing (21-frame window), decoder taehv | trn2 |" in doc
     assert "| Self-Forcing (21-frame window) | trn2 |" in doc
+    # the README's brief table: the faithful default path, then the fastest labelled variant beside it
+    brief = budget.doc_table([res, wan], "brief").splitlines()[2:]
+    assert [line.split(" | ")[2] for line in brief] == ["faithful default", "decoder taehv"]
+    faster = dict(res, precision="fp8")
+    faster["targets"] = {"trn2": dict(t2, fps=t2["fps"] + 1.0)}
+    brief = budget.doc_table([wan, res, faster], "brief").splitlines()[2:]
+    assert [line.split(" | ")[2] for line in brief] == ["faithful default", "decoder taehv, fp8"]
 
 
 def test_decoder_option_records_each_decoder(tmp_path, capsys, monkeypatch, probe, vae, taehv):
