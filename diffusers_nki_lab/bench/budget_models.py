@@ -9,12 +9,15 @@ The models (``MODELS``; geometries read in the originals' configs, cited per mod
 - ``krea14b``: Krea Realtime 14B, Wan2.1-14B geometry through ``CausalWanPipeline`` (krea-ai/realtime-video:
   ``GenerateParams`` 480x832, ``kv_cache_num_frames=3`` + ``num_frame_per_block=3`` = a 6-frame attention window,
   4 steps "for performance" (the README's 11 fps on a B200 is with 4 steps); Wan2.1 ``wan_t2v_14B.py``: dim 5120,
-  40 heads, 40 layers, FFN 13824). Its KV re-computation (``do_kv_recomp``) is NOT in the recorded path: the row says
-  so; ``KREA_PIPELINE_OPTIONS`` is the one line that turns it on once ``CausalWanPipeline`` has the option.
+  40 heads, 40 layers, FFN 13824), with its KV re-computation and attention bias (``KREA_PIPELINE_OPTIONS``:
+  ``kv_recompute=3, kv_cache_attention_bias=0.3``): per chunk one re-computation call of 3 frames, then 4 denoising
+  calls whose self-attention is two ``attention_lse`` kernel calls each, no cache pass. That path raises under
+  context parallelism: every multi-rank Krea DiT is labelled MODELED, NOT IMPLEMENTED (``_cp_not_implemented``).
 - ``longlive2_5b``: LongLive 2.0, Wan2.2-TI2V-5B geometry (NVlabs/LongLive ``wan_5b/configs/wan_ti2v_5B.py``: dim
   3072, 24 heads, 30 layers, FFN 14336, VAE stride (4, 16, 16); ``configs/inference.yaml``: latents [48, 44, 80] =
   704x1280, blocks of 8 latent frames, a 32-frame local window, an 8-frame sink, 4 steps) through
-  ``CausalWanPipeline`` as this repo runs it (the plain per-chunk timestep: per-token timesteps are not in it), the
+  ``CausalWanPipeline`` in its LongLive 2.0 configuration (the class docstring: per-token timesteps, prompt switch
+  without re-cache, multi-shot sink and RoPE offset 8, ``LONGLIVE2_TIMESTEPS`` through a per-chunk UniPC), the
   Wan2.2 VAE (48 latent channels, 16x spatial) decoded by ``WanStreamingDecoder`` with the static cache.
 - ``helios14b``: Helios, stock diffusers ``HeliosPipeline`` / ``HeliosTransformer3DModel`` at its default (Helios-14B)
   config, streamed by ``diffusers_nki.pipelines.HeliosSession``: 9 latent frames = 33 video frames per chunk at
@@ -69,9 +72,9 @@ LAYERS_RECORDED = 2
 DEFAULT_CHIPS = (1, 2, 4, 8, 16, 32, 64)
 CORES = 8
 E = budget.E
-# the one line to switch Krea's KV re-computation on once CausalWanPipeline takes it (branch krea's options:
-# {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}); empty = the plain path, and the row says it is not in it
-KREA_PIPELINE_OPTIONS: Dict[str, object] = {}
+# Krea's KV re-computation and attention bias (CausalWanPipeline's options; krea-ai/realtime-video
+# kv_cache_num_frames=3, the Hub modular pipeline's kv_cache_attention_bias 0.3); empty = the plain path, labelled
+KREA_PIPELINE_OPTIONS: Dict[str, object] = {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,14 @@ class ModelSpec:
     notes: Tuple[str, ...] = ()
     head_dim: int = 128
     text_len: int = 512
+    scheduler: str = "lcm"        # "lcm" (FlowMatchLCMScheduler, shift 5) | "unipc" (LongLive 2.0's per-chunk UniPC)
 
 
 def _krea_notes() -> Tuple[str, ...]:
     if KREA_PIPELINE_OPTIONS:
         return (f"pipeline options {KREA_PIPELINE_OPTIONS} (KV re-computation recorded)",)
-    return ("KV re-computation not in the recorded path (CausalWanPipeline has no such option yet; the original "
-            "re-encodes the context frames into the cache every block: do_kv_recomp)",)
+    return ("KV re-computation not in the recorded path (KREA_PIPELINE_OPTIONS empty; the original re-encodes the "
+            "context frames into the cache every block: do_kv_recomp)",)
 
 
 MODELS: Dict[str, ModelSpec] = {
@@ -125,8 +129,11 @@ MODELS: Dict[str, ModelSpec] = {
         "NVlabs/LongLive wan_5b/configs/wan_ti2v_5B.py (dim 3072, 24 heads, 30 layers, FFN 14336) + "
         "configs/inference.yaml (latents 48 x 44 x 80, num_frame_per_block 8, local_attn_size 32, sink_size 8, "
         "4 steps)", window=32, sink=8, vae="wan2.2",
-        notes=("per-token timesteps and the multi-shot sink are not in CausalWanPipeline (the plain chunk "
-               "timestep is recorded)",)),
+        pipeline_options={"expand_timesteps": True, "prompt_switch": "none", "shot_sink_frames": 8,
+                          "shot_rope_offset": 8, "denoising_timesteps": (999.0, 749.25, 499.5, 249.75)},
+        scheduler="unipc",
+        notes=("per-token timesteps, the multi-shot sink and RoPE offset and the per-chunk UniPC solver recorded "
+               "(CausalWanPipeline's LongLive 2.0 configuration)",)),
     "helios14b": ModelSpec(
         "helios14b", "Helios 14B", "helios", 40, 40, 13824, 16, 384, 640, 9, 3, 33, 19.5,
         "19.5 fps end to end on one H100 (PKU-YuanGroup/Helios README; diffusers' Helios guide)",
@@ -168,6 +175,20 @@ def _meta_autocast():
         torch.autocast = real
 
 
+def _meta_unipc():
+    """diffusers' ``UniPCMultistepScheduler`` whose first step index is 0 without reading the timestep's value
+    (its ``index_for_timestep`` calls ``nonzero`` / ``item``, which meta tensors refuse): the pipeline re-sets the
+    solver every chunk and steps it from its first timestep, so 0 is the index it would find. Its step runs
+    outside the transformer (no term of the DiT); the override only lets the meta recording run the loop."""
+    from diffusers import UniPCMultistepScheduler
+
+    class MetaUniPC(UniPCMultistepScheduler):
+        def index_for_timestep(self, timestep, schedule_timesteps=None):
+            return 0
+
+    return MetaUniPC
+
+
 def _wan_vae(kind: str):
     import torch
     from diffusers import AutoencoderKLWan
@@ -198,6 +219,25 @@ def _attn_calls(rec_calls, spec: ModelSpec, keep) -> List[AttnCall]:
     return calls
 
 
+def _lse_calls(ops: dict, spec: ModelSpec, tpf: int) -> List[AttnCall]:
+    """Krea's biased self-attention (``caching.causal_wan._biased_attention``): per layer and denoising pass two
+    ``attention_lse`` kernel calls (the attention kernel with ``return_lse``), read from the op records (the
+    attention recorder wraps ``run_attention`` only). Their fills: call (1) sees the first context frame of the
+    cache (``anchor_len`` = one frame) + the chunk (block-causal); call (2) the other context frames (its whole
+    buffer, full at a steady chunk) and no chunk key (``kv_len`` 0: modeled as computed, an upper bound)."""
+    out: Counter = Counter()
+    for r, n in ops.items():
+        if r.kind != "kernel" or r.name != "attention_lse":
+            continue
+        q, k, kc = r.ins[0], r.ins[1], r.ins[3]
+        first = r.ins[6] is None  # call (2) passes kv_len
+        cb = int(r.args[-2]) if r.args[-2] not in ("None", "0") else 0
+        out[(q[1], k[1], kc[1], tpf if first else kc[1], cb, first)] += n
+    return [AttnCall("self, biased: first frame + chunk (attention_lse)" if first else
+                     "self, biased: other context frames (attention_lse)", sq, skv, spec.heads, spec.head_dim, n,
+                     spec.heads, 1, cap, cl, cb) for (sq, skv, cap, cl, cb, first), n in out.items()]
+
+
 def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
     import torch
     from diffusers import FlowMatchLCMScheduler, WanTransformer3DModel
@@ -215,21 +255,30 @@ def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
                                    eps=1e-6, rope_max_seq_len=1024)
     cf, steps = spec.chunk_frames, spec.steps
     vae = _wan_vae(spec.vae) if spec.vae != "wan2.1" else None  # the pipeline's spatial factor (16) from its VAE
-    pipe = CausalWanPipeline(None, None, tr, vae, FlowMatchLCMScheduler(shift=5.0), num_frame_per_block=cf,
-                             window_frames=spec.window, sink_frames=spec.sink,
-                             denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)],
-                             **spec.pipeline_options)
+    if spec.scheduler == "unipc":  # LongLive 2.0 (the CausalWanPipeline docstring's configuration)
+        sched = _meta_unipc()(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    else:
+        sched = FlowMatchLCMScheduler(shift=5.0)
+    kw = dict(num_frame_per_block=cf, window_frames=spec.window, sink_frames=spec.sink,
+              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
+    pipe = CausalWanPipeline(None, None, tr, vae, sched, **{**kw, **spec.pipeline_options})
     pipe.set_progress_bar_config(disable=True)
     diffusers_nki.patch(pipe, backend=budget.RECORD_BACKEND)
     starts: List[int] = []
-    h = tr.register_forward_pre_hook(
-        lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
+    rec = AttentionRecorder(scope=tr)
+    first: List[int] = []  # the index of each pass's first attention call (passes differ: Krea's re-computation)
+
+    def pre(m, a, kw):
+        starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame)
+        first.append(len(rec.calls))
+
+    h = tr.register_forward_pre_hook(pre, with_kwargs=True)
     chunks = spec.window // cf + 1  # the window full, then a steady chunk with its cache pass
     latent = chunks * cf
     sf = 16 if spec.vae == "wan2.2" else 8
     ops = _record.OpRecorder(tr, tag=lambda: starts[-1] // cf if starts else -1)
     try:
-        with torch.no_grad(), AttentionRecorder(scope=tr) as rec, ops:
+        with torch.no_grad(), rec, ops:
             pipe(prompt_embeds=torch.zeros(1, spec.text_len, 4096, device="meta"),
                  latents=torch.zeros(1, spec.in_channels, latent, spec.height // sf, spec.width // sf, device="meta"),
                  height=spec.height, width=spec.width, num_frames=4 * (latent - 1) + 1, output_type="latent")
@@ -237,13 +286,14 @@ def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
         h.remove()
         ops.close()
         diffusers_nki.unpatch(pipe)
-    per_pass = len(rec.calls) // len(starts)
     passes = Counter(s // cf for s in starts)
     # the steady chunk: the last one with the most transformer passes (the window full, its cache pass, and any
     # re-computation pass; the rollout's last chunk has no cache pass)
     steady = max(i for i, p in passes.items() if p == max(passes.values()))
-    calls = _attn_calls(rec.calls, spec, lambda i: starts[i // per_pass] // cf == steady)
     tpf = (spec.height // sf // 2) * (spec.width // sf // 2)
+    lo = first[[s // cf for s in starts].index(steady)]
+    hi = next((first[j] for j, s in enumerate(starts) if s // cf > steady), len(rec.calls))
+    calls = _attn_calls(rec.calls, spec, lambda i: lo <= i < hi) + _lse_calls(ops.records(tag=steady), spec, tpf)
     return {"ops": ops.records(tag=steady), "calls": calls, "tokens_per_frame": tpf, "tokens": cf * tpf,
             "passes": passes[steady], "decode": _record_wan_decode(spec, sf)}
 
@@ -461,13 +511,15 @@ def dit_terms(spec: ModelSpec, rec: dict, W: int, target: str, chips: int, model
     kinds: Dict[str, list] = {}
     for r, n in rec["ops"].items():
         kinds.setdefault(r.name if r.kind == "kernel" else r.kind, []).append((r, n))
-    unknown = set(kinds) - {"attention", "qk_norm_rope", "cache_write", "gemm", "matmul", "elementwise", "copy",
-                            "view"}
+    unknown = set(kinds) - {"attention", "attention_lse", "qk_norm_rope", "cache_write", "gemm", "matmul",
+                            "elementwise", "copy", "view"}
     if unknown:
         raise ValueError(f"dit_terms: recorded kernels {sorted(unknown)} have no model here (add one)")
-    att = kinds.get("attention", [])
+    att = kinds.get("attention", []) + kinds.get("attention_lse", [])
+    lse = ("; attention_lse: Krea's biased self-attention, two calls per layer and denoising pass, each traced as "
+           "the attention kernel at its shapes and fills" if "attention_lse" in kinds else "")
     terms = [budget._term("attention (self over the history / cache + chunk, text cross-attention)", best["compute_s"],
-                          "scheduled: attention (bench/_modeled, the rank's calls of this layout)" + lab,
+                          "scheduled: attention (bench/_modeled, the rank's calls of this layout" + lse + ")" + lab,
                           layout=f"{U} x {R}", calls=sum(n for _, n in att), sites=budget._sites(att))]
     if W > 1:
         terms.append(budget._term(
@@ -595,6 +647,15 @@ def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
     return list(range(CORES * chips, 0, -1))
 
 
+def _cp_not_implemented(spec: ModelSpec) -> Optional[str]:
+    """Why the recorded path cannot run over several ranks (None: it can): Krea's KV re-computation and its
+    biased attention raise under context parallelism (``diffusers_nki.caching.causal_wan``)."""
+    if spec.pipeline_options.get("kv_recompute"):
+        return ("KV re-computation (kv_recompute) and the biased attention raise under context parallelism "
+                "(diffusers_nki/caching/causal_wan.py): every multi-rank DiT is MODELED, NOT IMPLEMENTED")
+    return None
+
+
 def _decodes(spec: ModelSpec, rec: dict, target: str, model, implemented) -> List[dict]:
     out = [dict(decode_terms(spec, rec, 1, target, model), layout="decode on one core (after the DiT)",
                 status="implemented: " + implemented.get("serial_one_core", "one process decodes the chunk"))]
@@ -637,6 +698,8 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
            "kernels_called": {"dit": budget._kernel_counts(rec["ops"]),
                               "decode": budget._kernel_counts(rec["decode"]["ops"])},
            "pipeline_options": rec.get("pipeline_options", {}), "targets": {}}
+    if _cp_not_implemented(spec):
+        out["notes"].append(_cp_not_implemented(spec))
     for t in targets:
         decs = _decodes(spec, rec, t, model, impl)
         dec = min(decs, key=lambda d: d["seconds"])
@@ -660,7 +723,8 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
                          "dit_s": dit["seconds"],
                          "decode_s": dec["seconds"], "decode_layout": dec["layout"], "chunk_s": chunk, "fps": fps,
                          "fps_per_chip": fps / n, "dit_only_fps": spec.video_frames / dit["seconds"],
-                         "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit})
+                         "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit,
+                         "dit_implemented": dit["W"] == 1 or _cp_not_implemented(spec) is None})
         rows = _envelope(rows)
         reach = [r for r in rows if r["fps"] is not None and r["fps"] >= spec.published_fps]
         reach_dit = [r for r in rows if r["fps"] is not None and r["dit_only_fps"] >= spec.published_fps]
@@ -669,7 +733,9 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
                              "fps_per_chip_there": reach[0]["fps_per_chip"] if reach else None,
                              "fewest_chips_to_published_dit_only": reach_dit[0]["chips"] if reach_dit else None,
                              "dit_only_fps_per_chip_there": (reach_dit[0]["dit_only_fps"] / reach_dit[0]["chips"]
-                                                             if reach_dit else None)}
+                                                             if reach_dit else None),
+                             "fewest_chips_implemented": bool(reach and reach[0]["dit_implemented"]),
+                             "not_implemented": _cp_not_implemented(spec)}
     return out
 
 
@@ -688,21 +754,29 @@ def doc_table(results: List[dict]) -> str:
              + " | published GPU fps | fewest chips to reach it: end to end (fps per chip) | the same, DiT only |",
              "|---|---|" + "---|" * len(chips) + "---|---|---|"]
 
-    def few(n, per):
-        return f"{n} ({_f(per, 2)})" if n else "not within these chip counts"
+    def few(n, per, impl=True):
+        return ("" if impl else "modeled, not implemented: ") + (f"{n} ({_f(per, 2)})" if n else
+                                                                  "not within these chip counts")
 
+    ni = False
     for res in results:
         for t, v in res["targets"].items():
             by = {r["chips"]: r for r in v["rows"]}
-            cells = [(f"{_f(by[n]['fps'])} ({_f(by[n]['dit_only_fps'])})" if by[n]["fps"] is not None else "-")
-                     if n in by else "" for n in chips]
+            mark = lambda r: "" if r.get("dit_implemented", True) else "*"  # noqa: E731
+            ni = ni or any(mark(r) for r in v["rows"] if r["fps"] is not None)
+            cells = [(f"{_f(by[n]['fps'])} ({_f(by[n]['dit_only_fps'])}){mark(by[n])}" if by[n]["fps"] is not None
+                      else "-") if n in by else "" for n in chips]
+            impl = v.get("not_implemented") is None
             lines.append(f"| {res['label']} | {t} | " + " | ".join(cells) + f" | {res['published_fps']:g} | "
-                         + few(v["fewest_chips_to_published"], v["fps_per_chip_there"]) + " | "
-                         + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"))
-                         + " |")
+                         + few(v["fewest_chips_to_published"], v["fps_per_chip_there"],
+                               impl or v.get("fewest_chips_implemented", True)) + " | "
+                         + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"),
+                               impl) + " |")
     lines.append("")
     lines.append("Each cell: fps end to end (the decode after the DiT, in its implemented layout) and, in "
-                 "parentheses, the DiT alone. MODELED.")
+                 "parentheses, the DiT alone. MODELED." + (" *: the DiT over several ranks is modeled, not "
+                                                           "implemented (the path raises under context "
+                                                           "parallelism; see the JSON's notes)." if ni else ""))
     return "\n".join(lines)
 
 
