@@ -308,7 +308,11 @@ def _record_wan_decode(spec: ModelSpec, sf: int) -> dict:
 
     if spec.vae == "wan2.1" and (spec.height, spec.width, spec.chunk_frames) == (budget.HEIGHT, budget.WIDTH, 3):
         return dict(budget.vae_decode_calls(), streaming_wan21=True)
-    vae = _wan_vae(spec.vae)
+    # the Wan2.2 VAE in bfloat16, as LongLive 2.0 runs it (NVlabs/LongLive inference.py: pipeline.vae.to(dtype=
+    # torch.bfloat16)) and as the terms price every byte: in float32 its 1024-channel 3x3x3 convolutions exceed the
+    # kernel's weight budget (causal_conv3d_ref.MAX_CIN: 640 in float32, 1280 in bfloat16) and fell back to XLA
+    dt = torch.bfloat16 if spec.vae == "wan2.2" else torch.float32
+    vae = _wan_vae(spec.vae).to(dt)
     apply_wan_vae_cache(vae, WanVAECacheConfig(backend=budget.RECORD_BACKEND))
     h, w = spec.height // sf, spec.width // sf
     phase = [0]
@@ -316,16 +320,16 @@ def _record_wan_decode(spec: ModelSpec, sf: int) -> dict:
     try:
         dec = WanStreamingDecoder(vae)
         with torch.no_grad(), rec, _quiet():
-            dec.decode(torch.zeros(1, vae.config.z_dim, 1, h, w, device="meta"))
+            dec.decode(torch.zeros(1, vae.config.z_dim, 1, h, w, device="meta", dtype=dt))
             phase[0] = 1
             calls0 = dec.stream.calls
-            out = dec.decode(torch.zeros(1, vae.config.z_dim, spec.chunk_frames, h, w, device="meta"))
+            out = dec.decode(torch.zeros(1, vae.config.z_dim, spec.chunk_frames, h, w, device="meta", dtype=dt))
             calls = dec.stream.calls - calls0
     finally:
         rec.close()
         remove_wan_vae_cache(vae)
     return {"ops": rec.records(tag=1), "video_frames": int(out.shape[2]), "decoder_calls": calls,
-            "latent_frames": spec.chunk_frames, "streaming_wan21": False}
+            "latent_frames": spec.chunk_frames, "streaming_wan21": False, "dtype": str(dt).replace("torch.", "")}
 
 
 @contextlib.contextmanager
