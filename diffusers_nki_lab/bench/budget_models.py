@@ -44,10 +44,15 @@ bandwidths per chip, by the outermost level a collective spans (AWS docs, about-
   Gbps per UltraServer = 25 GB/s per chip. (The same page's spec table gives NeuronLink-v4 2,048 GiB/s per device;
   the per-level figures are the conservative reading.)
 Inside a chip the existing figures (``bench/scaling.FABRICS``). Latency: 2 us per collective plus 2 us per hop
-(ASSUMPTION, as bench/scaling). Nothing overlaps (ASSUMPTION, as bench/budget). The decode runs after the DiT on
-one core (always implemented), or height-sharded over the 8 cores of one chip where ``vae_parallel`` implements it
-(the Wan2.1 VAE's streaming decode). Multi-chip layouts are MODELED only: the same code over a process group that
-spans chips, never run across chips here.
+(ASSUMPTION, as bench/scaling). Nothing overlaps (ASSUMPTION, as bench/budget), except the disaggregated layout.
+The decode runs after the DiT on one core (always implemented), or height-sharded over the 8 cores of one chip
+where ``vae_parallel`` implements it (the streaming decode of the Wan2.1 and Wan2.2 VAEs: the causal Wan models;
+Helios decodes each chunk with the stock ``vae.decode``), or, at N >= 2 chips, disaggregated
+(``vae_parallel.Disaggregation``, causal Wan models): the DiT on M <= N - 1 chips and the sharded decode on another
+chip, pipelined (ASSUMPTION: full overlap), where that is faster. A model whose recorded path raises under context
+parallelism (``_cp_not_implemented``: Krea's KV re-computation, LongLive 2.0's per-token timesteps) has every
+multi-rank DiT labelled MODELED, NOT IMPLEMENTED (the doc table marks the cells and the fewest-chips figures).
+Multi-chip layouts are MODELED only: the same code over a process group that spans chips, never run across chips.
 """
 from __future__ import annotations
 
@@ -312,7 +317,7 @@ def _record_wan_decode(spec: ModelSpec, sf: int) -> dict:
     # torch.bfloat16)) and as the terms price every byte: in float32 its 1024-channel 3x3x3 convolutions exceed the
     # kernel's weight budget (causal_conv3d_ref.MAX_CIN: 640 in float32, 1280 in bfloat16) and fell back to XLA
     dt = torch.bfloat16 if spec.vae == "wan2.2" else torch.float32
-    vae = _wan_vae(spec.vae).to(dt)
+    vae = torch.nn.Module.to(_wan_vae(spec.vae), dt)  # (ModelMixin.to warns about fp32 modules: it has none)
     apply_wan_vae_cache(vae, WanVAECacheConfig(backend=budget.RECORD_BACKEND))
     h, w = spec.height // sf, spec.width // sf
     phase = [0]
@@ -610,36 +615,56 @@ def decode_terms(spec: ModelSpec, rec: dict, V: int, target: str, model: Optiona
     dec = rec["decode"]
     if dec.get("streaming_wan21"):
         return budget.vae_terms(dec, V, target, model)
-    if V != 1:
+    if V != 1 and spec.kind != "causal_wan":
         raise ValueError(f"decode_terms: {spec.key}'s decode is implemented on one core only (V={V})")
     conv_only = {r: n for r, n in dec["ops"].items() if r.name == "causal_conv3d"}
-    base = budget.vae_terms(dict(dec, ops=conv_only, latent_frames=dec["latent_frames"]), 1, target, model)
-    terms = [t for t in base["terms"] if t["label"].startswith("scheduled")]
+    base = budget.vae_terms(dict(dec, ops=conv_only, latent_frames=dec["latent_frames"]), V, target, model)
+    terms = [t for t in base["terms"] if t["label"].startswith("scheduled")]  # the kernel's, at V ranks' rows
     roles: Dict[str, dict] = {}
     for r, n in dec["ops"].items():
         if r.kind != "matmul":
             continue
         g = roles.setdefault(f"{r.name} {budget._role(r.site)}", {"seconds": 0.0, "calls": 0, "sites": {},
                                                                    "flops": 0.0})
-        g["seconds"] += n * budget._xla_matmul(_record.flops(r), _record.io_elements(r), target)
+        g["seconds"] += n * budget._xla_matmul(_record.flops(r) / V, _record.io_elements(r) / V, target)
         g["calls"] += n
-        g["flops"] += n * _record.flops(r)
+        g["flops"] += n * _record.flops(r) / V
         g["sites"][r.site] = g["sites"].get(r.site, 0) + n
     for role, g in sorted(roles.items(), key=lambda kv: -kv[1]["seconds"]):
         terms.append(budget._term(f"decode {role}", g["seconds"], budget._xla_label(target), calls=g["calls"],
                                   sites=g["sites"], flops=g["flops"]))
     hbm = budget._spec(target).hbm_per_core * 1e9
+    split = "" if V == 1 else f", split evenly over the {V} ranks' rows"
     for kind in ("elementwise", "copy"):
         recs = [(r, n) for r, n in dec["ops"].items() if r.kind == kind]
-        el = sum(n * _record.io_elements(r) for r, n in recs)
+        el = sum(n * _record.io_elements(r) for r, n in recs) / V
         terms.append(budget._term(f"decode {kind} ops", el * E / hbm, "XLA-compiled: ASSUMPTION every op reads its "
-                                  "inputs and writes its output once in bf16 at the core's HBM share, unfused",
+                                  "inputs and writes its output once in bf16 at the core's HBM share, unfused" + split,
                                   calls=sum(n for _, n in recs), bytes=el * E, sites=budget._sites(recs)))
+    if V > 1:
+        terms.append(_sharded_decode_collectives(spec, dec, V, target))
     kcalls = sum(n for r, n in dec["ops"].items() if r.kind == "kernel") + dec["decoder_calls"]
     terms.append(budget._term("decode launches: every kernel call of ours + one compiled graph per decoder call",
                               kcalls * budget.launch_seconds(target),
                               f"ASSUMPTION: {1e6 * budget.launch_seconds(target):.1f} us per launch", calls=kcalls))
-    return {"V": 1, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
+    return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
+
+
+def _sharded_decode_collectives(spec: ModelSpec, dec: dict, V: int, target: str) -> dict:
+    """The height-sharded decode's all-gathers over V cores of one chip (``caching.wan_vae.decode_collectives`` of
+    this model's VAE at its latent grid, per decoder call), costed as ``bench/budget.vae_terms`` costs Wan2.1's."""
+    from diffusers_nki.caching.wan_vae import decode_collectives
+
+    sf = 16 if spec.vae == "wan2.2" else 8
+    per_call = decode_collectives(_wan_vae(spec.vae), 1, spec.height // sf, spec.width // sf, V, frames=1)
+    comm = scaling._Comm()
+    for _ in range(dec["decoder_calls"]):
+        for c in per_call:
+            scaling._collective(scaling.FABRICS[target], V, 1, V, c["elements_per_rank"] * E, "all_gather", comm)
+    return budget._term("sharded-decode all-gathers (edge rows before every 3-row conv, mid-attention K/V, the "
+                        "decoded rows)", comm.seconds, "ASSUMPTION: bench/scaling collective model inside one chip, "
+                        "not overlapped; the collectives are caching.wan_vae.decode_collectives'",
+                        collectives=comm.collectives)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -653,20 +678,64 @@ def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
 
 def _cp_not_implemented(spec: ModelSpec) -> Optional[str]:
     """Why the recorded path cannot run over several ranks (None: it can): Krea's KV re-computation and its
-    biased attention raise under context parallelism (``diffusers_nki.caching.causal_wan``)."""
-    if spec.pipeline_options.get("kv_recompute"):
-        return ("KV re-computation (kv_recompute) and the biased attention raise under context parallelism "
-                "(diffusers_nki/caching/causal_wan.py): every multi-rank DiT is MODELED, NOT IMPLEMENTED")
+    biased attention, and LongLive 2.0's per-token timesteps, raise under context parallelism
+    (``diffusers_nki.caching.causal_wan``)."""
+    why = [w for k, w in (("kv_recompute", "KV re-computation (kv_recompute) and the biased attention"),
+                          ("expand_timesteps", "per-token timesteps (expand_timesteps)"))
+           if spec.pipeline_options.get(k)]
+    if why:
+        return (" and ".join(why) + " raise under context parallelism (diffusers_nki/caching/causal_wan.py): every "
+                "multi-rank DiT is MODELED, NOT IMPLEMENTED")
     return None
 
 
 def _decodes(spec: ModelSpec, rec: dict, target: str, model, implemented) -> List[dict]:
     out = [dict(decode_terms(spec, rec, 1, target, model), layout="decode on one core (after the DiT)",
                 status="implemented: " + implemented.get("serial_one_core", "one process decodes the chunk"))]
-    if rec["decode"].get("streaming_wan21") and "shared" in implemented:
+    if spec.kind == "causal_wan" and "shared" in implemented:  # the streaming decode, Wan2.1 or Wan2.2 VAE
         out.append(dict(decode_terms(spec, rec, CORES, target, model), layout=f"decode height-sharded over the "
-                        f"{CORES} cores of one chip (after the DiT)", status="implemented: " + implemented["shared"]))
+                        f"{CORES} cores of one chip (after the DiT)", status="implemented: " + implemented["shared"]
+                        + ("" if rec["decode"].get("streaming_wan21") else "; the Wan2.2 VAE's height-sharded "
+                           "decode: tests/parallel/test_vae_parallel.py (a Wan2.2-style VAE)")))
     return out
+
+
+def _disaggregated(spec: ModelSpec, rows: List[dict], dec: dict, implemented: Dict[str, str],
+                   target: str) -> None:
+    """The DiT and the decode pipelined on their own chips (``diffusers_nki.vae_parallel.Disaggregation`` +
+    ``pipelines.disaggregated``: W_dit ranks denoise chunk i + 1 while W_vae ranks decode chunk i, any split of the
+    world; the Wan VAE's streaming decode only, so causal Wan models only): at N chips, the DiT of the largest
+    chip count M <= N - 1 already budgeted and the decode ``dec`` (height-sharded over one chip's cores) on
+    another chip; the chunk time is the slower of the two plus the latents' send (ASSUMPTION: perfect overlap).
+    A row takes it where it is faster than the serial one (the fields say which layout)."""
+    if spec.kind != "causal_wan" or not any(k.startswith("disaggregated") for k in implemented):
+        return
+    link = LEVELS[target][0][1] / CORES
+    send = spec.in_channels * spec.chunk_frames * _latent_hw(spec) * 4 / link + 2e-6  # fp32 latents, one rank's link
+    serial = [dict(r) for r in rows]
+    for r in rows:
+        prev = [p for p in serial if p.get("fps") is not None and p["chips"] <= r["chips"] - 1]
+        if r.get("fps") is None or not prev:
+            continue
+        p = max(prev, key=lambda q: q["chips"])
+        chunk = max(p["dit_s"], dec["seconds"]) + send
+        if chunk >= r["chunk_s"]:
+            continue
+        r.update(ranks=p["ranks"], chips_used=p["chips_used"] + 1, layout=p["layout"], dit_s=p["dit_s"],
+                 dit=p["dit"], dit_implemented=p["dit_implemented"], bytes_inter_chip=p["bytes_inter_chip"],
+                 decode_s=dec["seconds"], chunk_s=chunk, fps=spec.video_frames / chunk,
+                 fps_per_chip=spec.video_frames / chunk / r["chips"], dit_only_fps=spec.video_frames / p["dit_s"],
+                 decode_layout=f"disaggregated: the DiT on {p['chips']} chip(s) ({p['ranks']} ranks), the decode "
+                 f"on another chip ({dec['layout']}), pipelined", latent_send_s=send,
+                 decode_status=f"implemented: diffusers_nki.vae_parallel.Disaggregation (tests/parallel: 1 + 1 and "
+                 f"2 + 2 ranks); across chips MODELED (the same code over a process group spanning chips); "
+                 f"ASSUMPTION: DiT and decode overlap fully, the latents sent at {link / 1e9:.0f} GB/s")
+
+
+def _latent_hw(spec: ModelSpec) -> int:
+    """Latent tokens of one chunk frame before patching (the latents' h x w)."""
+    sf = 16 if spec.vae == "wan2.2" else 8
+    return (spec.height // sf) * (spec.width // sf)
 
 
 def _envelope(rows: List[dict]) -> List[dict]:
@@ -729,6 +798,9 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
                          "fps_per_chip": fps / n, "dit_only_fps": spec.video_frames / dit["seconds"],
                          "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit,
                          "dit_implemented": dit["W"] == 1 or _cp_not_implemented(spec) is None})
+        dec_chip = next((d for d in decs if d.get("V", 1) == CORES), None)
+        if dec_chip is not None:
+            _disaggregated(spec, rows, dec_chip, impl, t)
         rows = _envelope(rows)
         reach = [r for r in rows if r["fps"] is not None and r["fps"] >= spec.published_fps]
         reach_dit = [r for r in rows if r["fps"] is not None and r["dit_only_fps"] >= spec.published_fps]
@@ -777,8 +849,8 @@ def doc_table(results: List[dict]) -> str:
                          + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"),
                                impl) + " |")
     lines.append("")
-    lines.append("Each cell: fps end to end (the decode after the DiT, in its implemented layout) and, in "
-                 "parentheses, the DiT alone. MODELED." + (" *: the DiT over several ranks is modeled, not "
+    lines.append("Each cell: fps end to end (the decode after the DiT, or pipelined on a chip of its own where "
+                 "that is faster: the JSON's decode_layout) and, in parentheses, the DiT alone. MODELED." + (" *: the DiT over several ranks is modeled, not "
                                                            "implemented (the path raises under context "
                                                            "parallelism; see the JSON's notes)." if ni else ""))
     return "\n".join(lines)
@@ -810,6 +882,10 @@ def render(results: List[dict]) -> str:
                 lay = (f"{r['layout'][0]} x {r['layout'][1]}" if "layout_of_chips" not in r else
                        f"{r['layout'][0]} x {r['layout'][1]}, the {r['layout_of_chips']}-chip layout (the largest "
                        f"split, {r['largest_split']['ranks']} ranks, {r['largest_split']['fps']:.1f} fps)")
+                if r["decode_layout"].startswith("disaggregated"):
+                    lay += f"; {r['decode_layout']}"
+                if not r.get("dit_implemented", True):
+                    lay += "; DiT modeled, not implemented"
                 L.append(f"| {r['chips']} | {r['ranks']} ({r['chips_used']}) | {lay} | "
                          f"{1e3 * r['dit_s']:.1f} | {1e3 * r['decode_s']:.1f} | {1e3 * r['chunk_s']:.1f} | "
                          f"{r['fps']:.1f} | {r['fps_per_chip']:.2f} | {r['dit_only_fps']:.1f} | "

@@ -107,6 +107,31 @@ def test_longlive2_geometry_and_its_wan22_decode():
     assert r["decode"]["video_frames"] == 32 and "causal_conv3d" in bm.budget._kernel_counts(r["decode"]["ops"])
 
 
+def test_longlive2_decode_sharded_and_disaggregated():
+    """LongLive 2.0's per-token timesteps raise under context parallelism (every multi-rank DiT labelled); its
+    Wan2.2 decode height-sharded over one chip's 8 cores (the kernel at the per-rank rows, the all-gathers of
+    caching.wan_vae.decode_collectives), and pipelined on a chip of its own where that is faster."""
+    spec, r = bm.MODELS["longlive2_5b"], bm.record("longlive2_5b", 2)
+    assert "per-token timesteps" in bm._cp_not_implemented(spec)
+    one, eight = (bm.decode_terms(spec, r, v, "trn2", FakeModel(24)) for v in (1, 8))
+    assert eight["V"] == 8 and eight["seconds"] < one["seconds"] / 3
+    _labelled(eight["terms"], False)
+    gathers = [t for t in eight["terms"] if t["name"].startswith("sharded-decode all-gathers")]
+    assert len(gathers) == 1 and gathers[0]["seconds"] > 0 and gathers[0]["collectives"] > 0
+    impl = {"serial_one_core": "x", "shared": "y", "disaggregated 7/1": "z"}
+    res = bm.model_budget("longlive2_5b", ("trn2",), (1, 2, 4), r, FakeModel(24), impl)
+    v = res["targets"]["trn2"]
+    assert v["decode"]["V"] == 8 and any("MODELED, NOT IMPLEMENTED" in n for n in res["notes"])
+    rows = {x["chips"]: x for x in v["rows"]}
+    assert all(not x["dit_implemented"] for x in rows.values()) and not v["fewest_chips_implemented"]
+    two = rows[2]  # the 1-chip DiT and the decode on the second chip, overlapped
+    assert two["decode_layout"].startswith("disaggregated: the DiT on 1 chip(s)")
+    assert two["chunk_s"] == pytest.approx(max(rows[1]["dit_s"], v["decode"]["seconds"]) + two["latent_send_s"])
+    assert two["chunk_s"] < rows[1]["dit_s"] + v["decode"]["seconds"] and "Disaggregation" in two["decode_status"]
+    helios = bm.model_budget("helios14b", ("trn2",), (1, 2), bm.record("helios14b", 2), FakeModel(40), impl)
+    assert not any("disaggregated" in x["decode_layout"] for x in helios["targets"]["trn2"]["rows"])
+
+
 @pytest.mark.parametrize("which", ["krea", "helios"])
 def test_per_layer_ops_are_identical_and_scaled_by_layer_count(which, request):
     rec = request.getfixturevalue(which)
