@@ -21,8 +21,8 @@ The models (``MODELS``; geometries read in the originals' configs, cited per mod
   Wan2.2 VAE (48 latent channels, 16x spatial) decoded by ``WanStreamingDecoder`` with the static cache.
 - ``helios14b``: Helios, stock diffusers ``HeliosPipeline`` / ``HeliosTransformer3DModel`` at its default (Helios-14B)
   config, streamed by ``diffusers_nki.pipelines.HeliosSession``: 9 latent frames = 33 video frames per chunk at
-  384x640, 3 steps, history (16, 2, 1), no guidance; each chunk decoded on its own by the stock ``vae.decode`` (as
-  the session does). The distilled checkpoint's pyramid (lower-resolution early stages, ``HeliosPyramidPipeline``)
+  384x640, 3 steps, history (16, 2, 1), no guidance; each chunk decoded on its own as stock does, through the static
+  Wan VAE cache ``patch(pipe)`` installs (a fresh ``WanStreamingDecoder`` per chunk: the causal conv3d kernel). The distilled checkpoint's pyramid (lower-resolution early stages, ``HeliosPyramidPipeline``)
   is NOT in the recorded path (the session runs ``HeliosPipeline``): 3 full-resolution steps, an upper bound.
 
 Recording: the default patched pipeline (``diffusers_nki.patch(pipe, backend="sim")``) at full geometry on the meta
@@ -47,7 +47,7 @@ Inside a chip the existing figures (``bench/scaling.FABRICS``). Latency: 2 us pe
 (ASSUMPTION, as bench/scaling). Nothing overlaps (ASSUMPTION, as bench/budget), except the disaggregated layout.
 The decode runs after the DiT on one core (always implemented), or height-sharded over the 8 cores of one chip
 where ``vae_parallel`` implements it (the streaming decode of the Wan2.1 and Wan2.2 VAEs: the causal Wan models;
-Helios decodes each chunk with the stock ``vae.decode``), or, at N >= 2 chips, disaggregated
+Helios decodes each chunk on one core: ``HeliosSession`` takes no process group), or, at N >= 2 chips, disaggregated
 (``vae_parallel.Disaggregation``, causal Wan models): the DiT on M <= N - 1 chips and the sharded decode on another
 chip, pipelined (ASSUMPTION: full overlap), where that is faster. A model whose recorded path raises under context
 parallelism (``_cp_not_implemented``: Krea's KV re-computation, LongLive 2.0's per-token timesteps) has every
