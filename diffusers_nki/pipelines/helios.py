@@ -55,6 +55,8 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusers_nki import compat
+from diffusers_nki.caching.wan_vae import find_wan_vae_cache
+from .causal_wan import WanStreamingDecoder
 
 __all__ = ["HeliosSession", "HeliosStreamChunk"]
 
@@ -416,12 +418,8 @@ class HeliosSession:
         ``WanStreamingDecoder`` per chunk: one latent frame per decoder call from zeroed buffers IS stock
         ``vae.decode`` of the chunk (its cleared cache, the first frame's ``"Rep"``), its convolutions on the
         causal conv3d kernel; without it, stock ``vae.decode``."""
-        from diffusers_nki.caching.wan_vae import find_wan_vae_cache
-
         vae = self.pipe.vae
         if find_wan_vae_cache(vae) is not None and not getattr(vae, "use_tiling", False):
-            from .causal_wan import WanStreamingDecoder
-
             return WanStreamingDecoder(vae).decode(x)
         z = x.to(vae.dtype) / self.latents_std + self.latents_mean
         return vae.decode(z, return_dict=False)[0]
