@@ -128,6 +128,8 @@ def test_longlive2_decode_sharded_and_disaggregated():
     assert two["decode_layout"].startswith("disaggregated: the DiT on 1 chip(s)")
     assert two["chunk_s"] == pytest.approx(max(rows[1]["dit_s"], v["decode"]["seconds"]) + two["latent_send_s"])
     assert two["chunk_s"] < rows[1]["dit_s"] + v["decode"]["seconds"] and "Disaggregation" in two["decode_status"]
+    # the DiT-only column stays the DiT over all N chips (what a free decode would give), not the 1-chip DiT's
+    assert two["dit_only_fps"] > rows[1]["dit_only_fps"] * 1.5
     helios = bm.model_budget("helios14b", ("trn2",), (1, 2), bm.record("helios14b", 2), FakeModel(40), impl)
     assert not any("disaggregated" in x["decode_layout"] for x in helios["targets"]["trn2"]["rows"])
 
