@@ -728,8 +728,8 @@ def _disaggregated(spec: ModelSpec, rows: List[dict], dec: dict, implemented: Di
         r.update(ranks=p["ranks"], chips_used=p["chips_used"] + 1, layout=p["layout"], dit_s=p["dit_s"],
                  dit=p["dit"], dit_implemented=p["dit_implemented"], bytes_inter_chip=p["bytes_inter_chip"],
                  decode_s=dec["seconds"], chunk_s=chunk, fps=spec.video_frames / chunk,
-                 fps_per_chip=spec.video_frames / chunk / r["chips"],  # dit_only_fps stays the N-chip DiT's
-                 decode_layout=f"disaggregated: the DiT on {p['chips']} chip(s) ({p['ranks']} ranks), the decode "
+                 fps_per_chip=spec.video_frames / chunk / r["chips"],  # DiT only: the faster of the two DiTs
+                 dit_only_fps=max(r["dit_only_fps"], spec.video_frames / p["dit_s"]), decode_layout=f"disaggregated: the DiT on {p['chips']} chip(s) ({p['ranks']} ranks), the decode "
                  f"on another chip ({dec['layout']}), pipelined", latent_send_s=send,
                  decode_status=f"implemented: diffusers_nki.vae_parallel.Disaggregation (tests/parallel: 1 + 1 and "
                  f"2 + 2 ranks); across chips MODELED (the same code over a process group spanning chips); "
