@@ -101,7 +101,9 @@ HOOK_NAME = "diffusers_nki.wan_vae_cache"
 
 # pipelines whose decode streams chunk by chunk through WanStreamingDecoder (dotted paths: matched by exact class,
 # resolved lazily like the family records' classes)
-STREAMING_PIPELINES = ("diffusers_nki.pipelines.causal_wan.CausalWanPipeline",)
+# the pipelines whose decode goes through WanStreamingDecoder: CausalWanPipeline (chunk after chunk, one stream)
+# and HeliosPipeline (HeliosSession: each chunk decoded on its own, a fresh stream per chunk)
+STREAMING_PIPELINES = ("diffusers_nki.pipelines.causal_wan.CausalWanPipeline", "diffusers.HeliosPipeline")
 
 
 # ----------------------------------------------------------------------------------------------------------

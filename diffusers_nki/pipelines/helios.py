@@ -55,6 +55,8 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusers_nki import compat
+from diffusers_nki.caching.wan_vae import find_wan_vae_cache
+from .causal_wan import WanStreamingDecoder
 
 __all__ = ["HeliosSession", "HeliosStreamChunk"]
 
@@ -406,10 +408,21 @@ class HeliosSession:
         self.history.copy_(torch.cat([self.history, x.to(torch.float32)], dim=2)[:, :, -N:])
         out = HeliosStreamChunk(index=self.index, latents=x, prompt=self.prompt)
         if self.output_type != "latent":
-            z = x.to(pipe.vae.dtype) / self.latents_std + self.latents_mean
-            video = pipe.vae.decode(z, return_dict=False)[0]
+            video = self._decode(x)
             out.frames = pipe.video_processor.postprocess_video(video, output_type=self.output_type)
         return out
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunk's pixels, decoded on its own as stock does. With the static Wan VAE cache on the VAE
+        (``diffusers_nki.patch(pipe)`` installs it: ``caching.wan_vae.STREAMING_PIPELINES``) through a fresh
+        ``WanStreamingDecoder`` per chunk: one latent frame per decoder call from zeroed buffers IS stock
+        ``vae.decode`` of the chunk (its cleared cache, the first frame's ``"Rep"``), its convolutions on the
+        causal conv3d kernel; without it, stock ``vae.decode``."""
+        vae = self.pipe.vae
+        if find_wan_vae_cache(vae) is not None and not getattr(vae, "use_tiling", False):
+            return WanStreamingDecoder(vae).decode(x)
+        z = x.to(vae.dtype) / self.latents_std + self.latents_mean
+        return vae.decode(z, return_dict=False)[0]
 
     def __iter__(self):
         return self

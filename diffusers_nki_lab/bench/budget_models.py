@@ -9,17 +9,20 @@ The models (``MODELS``; geometries read in the originals' configs, cited per mod
 - ``krea14b``: Krea Realtime 14B, Wan2.1-14B geometry through ``CausalWanPipeline`` (krea-ai/realtime-video:
   ``GenerateParams`` 480x832, ``kv_cache_num_frames=3`` + ``num_frame_per_block=3`` = a 6-frame attention window,
   4 steps "for performance" (the README's 11 fps on a B200 is with 4 steps); Wan2.1 ``wan_t2v_14B.py``: dim 5120,
-  40 heads, 40 layers, FFN 13824). Its KV re-computation (``do_kv_recomp``) is NOT in the recorded path: the row says
-  so; ``KREA_PIPELINE_OPTIONS`` is the one line that turns it on once ``CausalWanPipeline`` has the option.
+  40 heads, 40 layers, FFN 13824), with its KV re-computation and attention bias (``KREA_PIPELINE_OPTIONS``:
+  ``kv_recompute=3, kv_cache_attention_bias=0.3``): per chunk one re-computation call of 3 frames, then 4 denoising
+  calls whose self-attention is two ``attention_lse`` kernel calls each, no cache pass. That path raises under
+  context parallelism: every multi-rank Krea DiT is labelled MODELED, NOT IMPLEMENTED (``_cp_not_implemented``).
 - ``longlive2_5b``: LongLive 2.0, Wan2.2-TI2V-5B geometry (NVlabs/LongLive ``wan_5b/configs/wan_ti2v_5B.py``: dim
   3072, 24 heads, 30 layers, FFN 14336, VAE stride (4, 16, 16); ``configs/inference.yaml``: latents [48, 44, 80] =
   704x1280, blocks of 8 latent frames, a 32-frame local window, an 8-frame sink, 4 steps) through
-  ``CausalWanPipeline`` as this repo runs it (the plain per-chunk timestep: per-token timesteps are not in it), the
+  ``CausalWanPipeline`` in its LongLive 2.0 configuration (the class docstring: per-token timesteps, prompt switch
+  without re-cache, multi-shot sink and RoPE offset 8, ``LONGLIVE2_TIMESTEPS`` through a per-chunk UniPC), the
   Wan2.2 VAE (48 latent channels, 16x spatial) decoded by ``WanStreamingDecoder`` with the static cache.
 - ``helios14b``: Helios, stock diffusers ``HeliosPipeline`` / ``HeliosTransformer3DModel`` at its default (Helios-14B)
   config, streamed by ``diffusers_nki.pipelines.HeliosSession``: 9 latent frames = 33 video frames per chunk at
-  384x640, 3 steps, history (16, 2, 1), no guidance; each chunk decoded on its own by the stock ``vae.decode`` (as
-  the session does). The distilled checkpoint's pyramid (lower-resolution early stages, ``HeliosPyramidPipeline``)
+  384x640, 3 steps, history (16, 2, 1), no guidance; each chunk decoded on its own as stock does, through the static
+  Wan VAE cache ``patch(pipe)`` installs (a fresh ``WanStreamingDecoder`` per chunk: the causal conv3d kernel). The distilled checkpoint's pyramid (lower-resolution early stages, ``HeliosPyramidPipeline``)
   is NOT in the recorded path (the session runs ``HeliosPipeline``): 3 full-resolution steps, an upper bound.
 
 Recording: the default patched pipeline (``diffusers_nki.patch(pipe, backend="sim")``) at full geometry on the meta
@@ -41,10 +44,15 @@ bandwidths per chip, by the outermost level a collective spans (AWS docs, about-
   Gbps per UltraServer = 25 GB/s per chip. (The same page's spec table gives NeuronLink-v4 2,048 GiB/s per device;
   the per-level figures are the conservative reading.)
 Inside a chip the existing figures (``bench/scaling.FABRICS``). Latency: 2 us per collective plus 2 us per hop
-(ASSUMPTION, as bench/scaling). Nothing overlaps (ASSUMPTION, as bench/budget). The decode runs after the DiT on
-one core (always implemented), or height-sharded over the 8 cores of one chip where ``vae_parallel`` implements it
-(the Wan2.1 VAE's streaming decode). Multi-chip layouts are MODELED only: the same code over a process group that
-spans chips, never run across chips here.
+(ASSUMPTION, as bench/scaling). Nothing overlaps (ASSUMPTION, as bench/budget), except the disaggregated layout.
+The decode runs after the DiT on one core (always implemented), or height-sharded over the 8 cores of one chip
+where ``vae_parallel`` implements it (the streaming decode of the Wan2.1 and Wan2.2 VAEs: the causal Wan models;
+Helios decodes each chunk on one core: ``HeliosSession`` takes no process group), or, at N >= 2 chips, disaggregated
+(``vae_parallel.Disaggregation``, causal Wan models): the DiT on M <= N - 1 chips and the sharded decode on another
+chip, pipelined (ASSUMPTION: full overlap), where that is faster. A model whose recorded path raises under context
+parallelism (``_cp_not_implemented``: Krea's KV re-computation, LongLive 2.0's per-token timesteps) has every
+multi-rank DiT labelled MODELED, NOT IMPLEMENTED (the doc table marks the cells and the fewest-chips figures).
+Multi-chip layouts are MODELED only: the same code over a process group that spans chips, never run across chips.
 """
 from __future__ import annotations
 
@@ -69,9 +77,9 @@ LAYERS_RECORDED = 2
 DEFAULT_CHIPS = (1, 2, 4, 8, 16, 32, 64)
 CORES = 8
 E = budget.E
-# the one line to switch Krea's KV re-computation on once CausalWanPipeline takes it (branch krea's options:
-# {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}); empty = the plain path, and the row says it is not in it
-KREA_PIPELINE_OPTIONS: Dict[str, object] = {}
+# Krea's KV re-computation and attention bias (CausalWanPipeline's options; krea-ai/realtime-video
+# kv_cache_num_frames=3, the Hub modular pipeline's kv_cache_attention_bias 0.3); empty = the plain path, labelled
+KREA_PIPELINE_OPTIONS: Dict[str, object] = {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}
 
 
 @dataclass(frozen=True)
@@ -98,13 +106,14 @@ class ModelSpec:
     notes: Tuple[str, ...] = ()
     head_dim: int = 128
     text_len: int = 512
+    scheduler: str = "lcm"        # "lcm" (FlowMatchLCMScheduler, shift 5) | "unipc" (LongLive 2.0's per-chunk UniPC)
 
 
 def _krea_notes() -> Tuple[str, ...]:
     if KREA_PIPELINE_OPTIONS:
         return (f"pipeline options {KREA_PIPELINE_OPTIONS} (KV re-computation recorded)",)
-    return ("KV re-computation not in the recorded path (CausalWanPipeline has no such option yet; the original "
-            "re-encodes the context frames into the cache every block: do_kv_recomp)",)
+    return ("KV re-computation not in the recorded path (KREA_PIPELINE_OPTIONS empty; the original re-encodes the "
+            "context frames into the cache every block: do_kv_recomp)",)
 
 
 MODELS: Dict[str, ModelSpec] = {
@@ -125,8 +134,11 @@ MODELS: Dict[str, ModelSpec] = {
         "NVlabs/LongLive wan_5b/configs/wan_ti2v_5B.py (dim 3072, 24 heads, 30 layers, FFN 14336) + "
         "configs/inference.yaml (latents 48 x 44 x 80, num_frame_per_block 8, local_attn_size 32, sink_size 8, "
         "4 steps)", window=32, sink=8, vae="wan2.2",
-        notes=("per-token timesteps and the multi-shot sink are not in CausalWanPipeline (the plain chunk "
-               "timestep is recorded)",)),
+        pipeline_options={"expand_timesteps": True, "prompt_switch": "none", "shot_sink_frames": 8,
+                          "shot_rope_offset": 8, "denoising_timesteps": (999.0, 749.25, 499.5, 249.75)},
+        scheduler="unipc",
+        notes=("per-token timesteps, the multi-shot sink and RoPE offset and the per-chunk UniPC solver recorded "
+               "(CausalWanPipeline's LongLive 2.0 configuration)",)),
     "helios14b": ModelSpec(
         "helios14b", "Helios 14B", "helios", 40, 40, 13824, 16, 384, 640, 9, 3, 33, 19.5,
         "19.5 fps end to end on one H100 (PKU-YuanGroup/Helios README; diffusers' Helios guide)",
@@ -168,6 +180,20 @@ def _meta_autocast():
         torch.autocast = real
 
 
+def _meta_unipc():
+    """diffusers' ``UniPCMultistepScheduler`` whose first step index is 0 without reading the timestep's value
+    (its ``index_for_timestep`` calls ``nonzero`` / ``item``, which meta tensors refuse): the pipeline re-sets the
+    solver every chunk and steps it from its first timestep, so 0 is the index it would find. Its step runs
+    outside the transformer (no term of the DiT); the override only lets the meta recording run the loop."""
+    from diffusers import UniPCMultistepScheduler
+
+    class MetaUniPC(UniPCMultistepScheduler):
+        def index_for_timestep(self, timestep, schedule_timesteps=None):
+            return 0
+
+    return MetaUniPC
+
+
 def _wan_vae(kind: str):
     import torch
     from diffusers import AutoencoderKLWan
@@ -198,6 +224,25 @@ def _attn_calls(rec_calls, spec: ModelSpec, keep) -> List[AttnCall]:
     return calls
 
 
+def _lse_calls(ops: dict, spec: ModelSpec, tpf: int) -> List[AttnCall]:
+    """Krea's biased self-attention (``caching.causal_wan._biased_attention``): per layer and denoising pass two
+    ``attention_lse`` kernel calls (the attention kernel with ``return_lse``), read from the op records (the
+    attention recorder wraps ``run_attention`` only). Their fills: call (1) sees the first context frame of the
+    cache (``anchor_len`` = one frame) + the chunk (block-causal); call (2) the other context frames (its whole
+    buffer, full at a steady chunk) and no chunk key (``kv_len`` 0: modeled as computed, an upper bound)."""
+    out: Counter = Counter()
+    for r, n in ops.items():
+        if r.kind != "kernel" or r.name != "attention_lse":
+            continue
+        q, k, kc = r.ins[0], r.ins[1], r.ins[3]
+        first = r.ins[6] is None  # call (2) passes kv_len
+        cb = int(r.args[-2]) if r.args[-2] not in ("None", "0") else 0
+        out[(q[1], k[1], kc[1], tpf if first else kc[1], cb, first)] += n
+    return [AttnCall("self, biased: first frame + chunk (attention_lse)" if first else
+                     "self, biased: other context frames (attention_lse)", sq, skv, spec.heads, spec.head_dim, n,
+                     spec.heads, 1, cap, cl, cb) for (sq, skv, cap, cl, cb, first), n in out.items()]
+
+
 def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
     import torch
     from diffusers import FlowMatchLCMScheduler, WanTransformer3DModel
@@ -215,21 +260,30 @@ def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
                                    eps=1e-6, rope_max_seq_len=1024)
     cf, steps = spec.chunk_frames, spec.steps
     vae = _wan_vae(spec.vae) if spec.vae != "wan2.1" else None  # the pipeline's spatial factor (16) from its VAE
-    pipe = CausalWanPipeline(None, None, tr, vae, FlowMatchLCMScheduler(shift=5.0), num_frame_per_block=cf,
-                             window_frames=spec.window, sink_frames=spec.sink,
-                             denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)],
-                             **spec.pipeline_options)
+    if spec.scheduler == "unipc":  # LongLive 2.0 (the CausalWanPipeline docstring's configuration)
+        sched = _meta_unipc()(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    else:
+        sched = FlowMatchLCMScheduler(shift=5.0)
+    kw = dict(num_frame_per_block=cf, window_frames=spec.window, sink_frames=spec.sink,
+              denoising_timesteps=[1000.0 * (1 - i / steps) for i in range(steps)])
+    pipe = CausalWanPipeline(None, None, tr, vae, sched, **{**kw, **spec.pipeline_options})
     pipe.set_progress_bar_config(disable=True)
     diffusers_nki.patch(pipe, backend=budget.RECORD_BACKEND)
     starts: List[int] = []
-    h = tr.register_forward_pre_hook(
-        lambda m, a, kw: starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame), with_kwargs=True)
+    rec = AttentionRecorder(scope=tr)
+    first: List[int] = []  # the index of each pass's first attention call (passes differ: Krea's re-computation)
+
+    def pre(m, a, kw):
+        starts.append(kw["attention_kwargs"][CHUNK_KEY].start_frame)
+        first.append(len(rec.calls))
+
+    h = tr.register_forward_pre_hook(pre, with_kwargs=True)
     chunks = spec.window // cf + 1  # the window full, then a steady chunk with its cache pass
     latent = chunks * cf
     sf = 16 if spec.vae == "wan2.2" else 8
     ops = _record.OpRecorder(tr, tag=lambda: starts[-1] // cf if starts else -1)
     try:
-        with torch.no_grad(), AttentionRecorder(scope=tr) as rec, ops:
+        with torch.no_grad(), rec, ops:
             pipe(prompt_embeds=torch.zeros(1, spec.text_len, 4096, device="meta"),
                  latents=torch.zeros(1, spec.in_channels, latent, spec.height // sf, spec.width // sf, device="meta"),
                  height=spec.height, width=spec.width, num_frames=4 * (latent - 1) + 1, output_type="latent")
@@ -237,13 +291,14 @@ def _record_causal_wan(spec: ModelSpec, layers: int) -> dict:
         h.remove()
         ops.close()
         diffusers_nki.unpatch(pipe)
-    per_pass = len(rec.calls) // len(starts)
     passes = Counter(s // cf for s in starts)
     # the steady chunk: the last one with the most transformer passes (the window full, its cache pass, and any
     # re-computation pass; the rollout's last chunk has no cache pass)
     steady = max(i for i, p in passes.items() if p == max(passes.values()))
-    calls = _attn_calls(rec.calls, spec, lambda i: starts[i // per_pass] // cf == steady)
     tpf = (spec.height // sf // 2) * (spec.width // sf // 2)
+    lo = first[[s // cf for s in starts].index(steady)]
+    hi = next((first[j] for j, s in enumerate(starts) if s // cf > steady), len(rec.calls))
+    calls = _attn_calls(rec.calls, spec, lambda i: lo <= i < hi) + _lse_calls(ops.records(tag=steady), spec, tpf)
     return {"ops": ops.records(tag=steady), "calls": calls, "tokens_per_frame": tpf, "tokens": cf * tpf,
             "passes": passes[steady], "decode": _record_wan_decode(spec, sf)}
 
@@ -258,7 +313,11 @@ def _record_wan_decode(spec: ModelSpec, sf: int) -> dict:
 
     if spec.vae == "wan2.1" and (spec.height, spec.width, spec.chunk_frames) == (budget.HEIGHT, budget.WIDTH, 3):
         return dict(budget.vae_decode_calls(), streaming_wan21=True)
-    vae = _wan_vae(spec.vae)
+    # the Wan2.2 VAE in bfloat16, as LongLive 2.0 runs it (NVlabs/LongLive inference.py: pipeline.vae.to(dtype=
+    # torch.bfloat16)) and as the terms price every byte: in float32 its 1024-channel 3x3x3 convolutions exceed the
+    # kernel's weight budget (causal_conv3d_ref.MAX_CIN: 640 in float32, 1280 in bfloat16) and fell back to XLA
+    dt = torch.bfloat16 if spec.vae == "wan2.2" else torch.float32
+    vae = torch.nn.Module.to(_wan_vae(spec.vae), dt)  # (ModelMixin.to warns about fp32 modules: it has none)
     apply_wan_vae_cache(vae, WanVAECacheConfig(backend=budget.RECORD_BACKEND))
     h, w = spec.height // sf, spec.width // sf
     phase = [0]
@@ -266,16 +325,16 @@ def _record_wan_decode(spec: ModelSpec, sf: int) -> dict:
     try:
         dec = WanStreamingDecoder(vae)
         with torch.no_grad(), rec, _quiet():
-            dec.decode(torch.zeros(1, vae.config.z_dim, 1, h, w, device="meta"))
+            dec.decode(torch.zeros(1, vae.config.z_dim, 1, h, w, device="meta", dtype=dt))
             phase[0] = 1
             calls0 = dec.stream.calls
-            out = dec.decode(torch.zeros(1, vae.config.z_dim, spec.chunk_frames, h, w, device="meta"))
+            out = dec.decode(torch.zeros(1, vae.config.z_dim, spec.chunk_frames, h, w, device="meta", dtype=dt))
             calls = dec.stream.calls - calls0
     finally:
         rec.close()
         remove_wan_vae_cache(vae)
     return {"ops": rec.records(tag=1), "video_frames": int(out.shape[2]), "decoder_calls": calls,
-            "latent_frames": spec.chunk_frames, "streaming_wan21": False}
+            "latent_frames": spec.chunk_frames, "streaming_wan21": False, "dtype": str(dt).replace("torch.", "")}
 
 
 @contextlib.contextmanager
@@ -292,6 +351,7 @@ def _record_helios(spec: ModelSpec, layers: int) -> dict:
     from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
 
     import diffusers_nki
+    from diffusers_nki.caching.wan_vae import find_wan_vae_cache
     from diffusers_nki.pipelines import HeliosSession
     from diffusers_nki_lab.bench._measure import AttentionRecorder
 
@@ -307,8 +367,11 @@ def _record_helios(spec: ModelSpec, layers: int) -> dict:
         with torch.no_grad(), _meta_autocast():
             s.next_chunk()  # chunk 0 (every chunk has the same shapes: the history is a fixed-size buffer)
             ops, vops = _record.OpRecorder(tr), _record.OpRecorder(pipe.vae)
-            with AttentionRecorder(scope=tr) as rec, ops, vops:
+            hook = find_wan_vae_cache(pipe.vae)  # patch(pipe) installs the static decode cache (HeliosSession)
+            calls0 = hook.stats["calls"] if hook is not None else 0
+            with AttentionRecorder(scope=tr) as rec, ops, vops, _quiet():
                 out = s.next_chunk()
+            dcalls = hook.stats["calls"] - calls0 if hook is not None else 1
     finally:
         ops.close()
         vops.close()
@@ -316,7 +379,7 @@ def _record_helios(spec: ModelSpec, layers: int) -> dict:
     calls = _attn_calls(rec.calls, spec, lambda i: True)
     seq = max(c.sq for c in calls)
     return {"ops": ops.records(), "calls": calls, "tokens_per_frame": seq, "tokens": seq, "passes": spec.steps,
-            "decode": {"ops": vops.records(), "video_frames": int(out.frames.shape[1]), "decoder_calls": 1,
+            "decode": {"ops": vops.records(), "video_frames": int(out.frames.shape[1]), "decoder_calls": dcalls,
                        "latent_frames": spec.chunk_frames, "streaming_wan21": False}}
 
 
@@ -461,13 +524,15 @@ def dit_terms(spec: ModelSpec, rec: dict, W: int, target: str, chips: int, model
     kinds: Dict[str, list] = {}
     for r, n in rec["ops"].items():
         kinds.setdefault(r.name if r.kind == "kernel" else r.kind, []).append((r, n))
-    unknown = set(kinds) - {"attention", "qk_norm_rope", "cache_write", "gemm", "matmul", "elementwise", "copy",
-                            "view"}
+    unknown = set(kinds) - {"attention", "attention_lse", "qk_norm_rope", "cache_write", "gemm", "matmul",
+                            "elementwise", "copy", "view"}
     if unknown:
         raise ValueError(f"dit_terms: recorded kernels {sorted(unknown)} have no model here (add one)")
-    att = kinds.get("attention", [])
+    att = kinds.get("attention", []) + kinds.get("attention_lse", [])
+    lse = ("; attention_lse: Krea's biased self-attention, two calls per layer and denoising pass, each traced as "
+           "the attention kernel at its shapes and fills" if "attention_lse" in kinds else "")
     terms = [budget._term("attention (self over the history / cache + chunk, text cross-attention)", best["compute_s"],
-                          "scheduled: attention (bench/_modeled, the rank's calls of this layout)" + lab,
+                          "scheduled: attention (bench/_modeled, the rank's calls of this layout" + lse + ")" + lab,
                           layout=f"{U} x {R}", calls=sum(n for _, n in att), sites=budget._sites(att))]
     if W > 1:
         terms.append(budget._term(
@@ -554,36 +619,56 @@ def decode_terms(spec: ModelSpec, rec: dict, V: int, target: str, model: Optiona
     dec = rec["decode"]
     if dec.get("streaming_wan21"):
         return budget.vae_terms(dec, V, target, model)
-    if V != 1:
+    if V != 1 and spec.kind != "causal_wan":
         raise ValueError(f"decode_terms: {spec.key}'s decode is implemented on one core only (V={V})")
     conv_only = {r: n for r, n in dec["ops"].items() if r.name == "causal_conv3d"}
-    base = budget.vae_terms(dict(dec, ops=conv_only, latent_frames=dec["latent_frames"]), 1, target, model)
-    terms = [t for t in base["terms"] if t["label"].startswith("scheduled")]
+    base = budget.vae_terms(dict(dec, ops=conv_only, latent_frames=dec["latent_frames"]), V, target, model)
+    terms = [t for t in base["terms"] if t["label"].startswith("scheduled")]  # the kernel's, at V ranks' rows
     roles: Dict[str, dict] = {}
     for r, n in dec["ops"].items():
         if r.kind != "matmul":
             continue
         g = roles.setdefault(f"{r.name} {budget._role(r.site)}", {"seconds": 0.0, "calls": 0, "sites": {},
                                                                    "flops": 0.0})
-        g["seconds"] += n * budget._xla_matmul(_record.flops(r), _record.io_elements(r), target)
+        g["seconds"] += n * budget._xla_matmul(_record.flops(r) / V, _record.io_elements(r) / V, target)
         g["calls"] += n
-        g["flops"] += n * _record.flops(r)
+        g["flops"] += n * _record.flops(r) / V
         g["sites"][r.site] = g["sites"].get(r.site, 0) + n
     for role, g in sorted(roles.items(), key=lambda kv: -kv[1]["seconds"]):
         terms.append(budget._term(f"decode {role}", g["seconds"], budget._xla_label(target), calls=g["calls"],
                                   sites=g["sites"], flops=g["flops"]))
     hbm = budget._spec(target).hbm_per_core * 1e9
+    split = "" if V == 1 else f", split evenly over the {V} ranks' rows"
     for kind in ("elementwise", "copy"):
         recs = [(r, n) for r, n in dec["ops"].items() if r.kind == kind]
-        el = sum(n * _record.io_elements(r) for r, n in recs)
+        el = sum(n * _record.io_elements(r) for r, n in recs) / V
         terms.append(budget._term(f"decode {kind} ops", el * E / hbm, "XLA-compiled: ASSUMPTION every op reads its "
-                                  "inputs and writes its output once in bf16 at the core's HBM share, unfused",
+                                  "inputs and writes its output once in bf16 at the core's HBM share, unfused" + split,
                                   calls=sum(n for _, n in recs), bytes=el * E, sites=budget._sites(recs)))
+    if V > 1:
+        terms.append(_sharded_decode_collectives(spec, dec, V, target))
     kcalls = sum(n for r, n in dec["ops"].items() if r.kind == "kernel") + dec["decoder_calls"]
     terms.append(budget._term("decode launches: every kernel call of ours + one compiled graph per decoder call",
                               kcalls * budget.launch_seconds(target),
                               f"ASSUMPTION: {1e6 * budget.launch_seconds(target):.1f} us per launch", calls=kcalls))
-    return {"V": 1, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
+    return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms)}
+
+
+def _sharded_decode_collectives(spec: ModelSpec, dec: dict, V: int, target: str) -> dict:
+    """The height-sharded decode's all-gathers over V cores of one chip (``caching.wan_vae.decode_collectives`` of
+    this model's VAE at its latent grid, per decoder call), costed as ``bench/budget.vae_terms`` costs Wan2.1's."""
+    from diffusers_nki.caching.wan_vae import decode_collectives
+
+    sf = 16 if spec.vae == "wan2.2" else 8
+    per_call = decode_collectives(_wan_vae(spec.vae), 1, spec.height // sf, spec.width // sf, V, frames=1)
+    comm = scaling._Comm()
+    for _ in range(dec["decoder_calls"]):
+        for c in per_call:
+            scaling._collective(scaling.FABRICS[target], V, 1, V, c["elements_per_rank"] * E, "all_gather", comm)
+    return budget._term("sharded-decode all-gathers (edge rows before every 3-row conv, mid-attention K/V, the "
+                        "decoded rows)", comm.seconds, "ASSUMPTION: bench/scaling collective model inside one chip, "
+                        "not overlapped; the collectives are caching.wan_vae.decode_collectives'",
+                        collectives=comm.collectives)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -595,13 +680,66 @@ def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
     return list(range(CORES * chips, 0, -1))
 
 
+def _cp_not_implemented(spec: ModelSpec) -> Optional[str]:
+    """Why the recorded path cannot run over several ranks (None: it can): Krea's KV re-computation and its
+    biased attention, and LongLive 2.0's per-token timesteps, raise under context parallelism
+    (``diffusers_nki.caching.causal_wan``)."""
+    why = [w for k, w in (("kv_recompute", "KV re-computation (kv_recompute) and the biased attention"),
+                          ("expand_timesteps", "per-token timesteps (expand_timesteps)"))
+           if spec.pipeline_options.get(k)]
+    if why:
+        return (" and ".join(why) + " raise under context parallelism (diffusers_nki/caching/causal_wan.py): every "
+                "multi-rank DiT is MODELED, NOT IMPLEMENTED")
+    return None
+
+
 def _decodes(spec: ModelSpec, rec: dict, target: str, model, implemented) -> List[dict]:
     out = [dict(decode_terms(spec, rec, 1, target, model), layout="decode on one core (after the DiT)",
                 status="implemented: " + implemented.get("serial_one_core", "one process decodes the chunk"))]
-    if rec["decode"].get("streaming_wan21") and "shared" in implemented:
+    if spec.kind == "causal_wan" and "shared" in implemented:  # the streaming decode, Wan2.1 or Wan2.2 VAE
         out.append(dict(decode_terms(spec, rec, CORES, target, model), layout=f"decode height-sharded over the "
-                        f"{CORES} cores of one chip (after the DiT)", status="implemented: " + implemented["shared"]))
+                        f"{CORES} cores of one chip (after the DiT)", status="implemented: " + implemented["shared"]
+                        + ("" if rec["decode"].get("streaming_wan21") else "; the Wan2.2 VAE's height-sharded "
+                           "decode: tests/parallel/test_vae_parallel.py (a Wan2.2-style VAE)")))
     return out
+
+
+def _disaggregated(spec: ModelSpec, rows: List[dict], dec: dict, implemented: Dict[str, str],
+                   target: str) -> None:
+    """The DiT and the decode pipelined on their own chips (``diffusers_nki.vae_parallel.Disaggregation`` +
+    ``pipelines.disaggregated``: W_dit ranks denoise chunk i + 1 while W_vae ranks decode chunk i, any split of the
+    world; the Wan VAE's streaming decode only, so causal Wan models only): at N chips, the DiT of the largest
+    chip count M <= N - 1 already budgeted and the decode ``dec`` (height-sharded over one chip's cores) on
+    another chip; the chunk time is the slower of the two plus the latents' send (ASSUMPTION: perfect overlap).
+    A row takes it where it is faster than the serial one (the fields say which layout)."""
+    if spec.kind != "causal_wan" or not any(k.startswith("disaggregated") for k in implemented):
+        return
+    link = LEVELS[target][0][1] / CORES
+    send = spec.in_channels * spec.chunk_frames * _latent_hw(spec) * 4 / link + 2e-6  # fp32 latents, one rank's link
+    serial = [dict(r) for r in rows]
+    for r in rows:
+        prev = [p for p in serial if p.get("fps") is not None and p["chips"] <= r["chips"] - 1]
+        if r.get("fps") is None or not prev:
+            continue
+        p = max(prev, key=lambda q: q["chips"])
+        chunk = max(p["dit_s"], dec["seconds"]) + send
+        if chunk >= r["chunk_s"]:
+            continue
+        r.update(ranks=p["ranks"], chips_used=p["chips_used"] + 1, layout=p["layout"], dit_s=p["dit_s"],
+                 dit=p["dit"], dit_implemented=p["dit_implemented"], bytes_inter_chip=p["bytes_inter_chip"],
+                 decode_s=dec["seconds"], chunk_s=chunk, fps=spec.video_frames / chunk,
+                 fps_per_chip=spec.video_frames / chunk / r["chips"],  # DiT only: the faster of the two DiTs
+                 dit_only_fps=max(r["dit_only_fps"], spec.video_frames / p["dit_s"]), decode_layout=f"disaggregated: the DiT on {p['chips']} chip(s) ({p['ranks']} ranks), the decode "
+                 f"on another chip ({dec['layout']}), pipelined", latent_send_s=send,
+                 decode_status=f"implemented: diffusers_nki.vae_parallel.Disaggregation (tests/parallel: 1 + 1 and "
+                 f"2 + 2 ranks); across chips MODELED (the same code over a process group spanning chips); "
+                 f"ASSUMPTION: DiT and decode overlap fully, the latents sent at {link / 1e9:.0f} GB/s")
+
+
+def _latent_hw(spec: ModelSpec) -> int:
+    """Latent tokens of one chunk frame before patching (the latents' h x w)."""
+    sf = 16 if spec.vae == "wan2.2" else 8
+    return (spec.height // sf) * (spec.width // sf)
 
 
 def _envelope(rows: List[dict]) -> List[dict]:
@@ -637,6 +775,8 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
            "kernels_called": {"dit": budget._kernel_counts(rec["ops"]),
                               "decode": budget._kernel_counts(rec["decode"]["ops"])},
            "pipeline_options": rec.get("pipeline_options", {}), "targets": {}}
+    if _cp_not_implemented(spec):
+        out["notes"].append(_cp_not_implemented(spec))
     for t in targets:
         decs = _decodes(spec, rec, t, model, impl)
         dec = min(decs, key=lambda d: d["seconds"])
@@ -660,7 +800,11 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
                          "dit_s": dit["seconds"],
                          "decode_s": dec["seconds"], "decode_layout": dec["layout"], "chunk_s": chunk, "fps": fps,
                          "fps_per_chip": fps / n, "dit_only_fps": spec.video_frames / dit["seconds"],
-                         "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit})
+                         "bytes_inter_chip": dit["bytes_inter_chip"], "dit": dit,
+                         "dit_implemented": dit["W"] == 1 or _cp_not_implemented(spec) is None})
+        dec_chip = next((d for d in decs if d.get("V", 1) == CORES), None)
+        if dec_chip is not None:
+            _disaggregated(spec, rows, dec_chip, impl, t)
         rows = _envelope(rows)
         reach = [r for r in rows if r["fps"] is not None and r["fps"] >= spec.published_fps]
         reach_dit = [r for r in rows if r["fps"] is not None and r["dit_only_fps"] >= spec.published_fps]
@@ -669,7 +813,9 @@ def model_budget(key: str, targets: Sequence[str] = budget.TARGETS, chips: Seque
                              "fps_per_chip_there": reach[0]["fps_per_chip"] if reach else None,
                              "fewest_chips_to_published_dit_only": reach_dit[0]["chips"] if reach_dit else None,
                              "dit_only_fps_per_chip_there": (reach_dit[0]["dit_only_fps"] / reach_dit[0]["chips"]
-                                                             if reach_dit else None)}
+                                                             if reach_dit else None),
+                             "fewest_chips_implemented": bool(reach and reach[0]["dit_implemented"]),
+                             "not_implemented": _cp_not_implemented(spec)}
     return out
 
 
@@ -688,21 +834,29 @@ def doc_table(results: List[dict]) -> str:
              + " | published GPU fps | fewest chips to reach it: end to end (fps per chip) | the same, DiT only |",
              "|---|---|" + "---|" * len(chips) + "---|---|---|"]
 
-    def few(n, per):
-        return f"{n} ({_f(per, 2)})" if n else "not within these chip counts"
+    def few(n, per, impl=True):
+        return ("" if impl else "modeled, not implemented: ") + (f"{n} ({_f(per, 2)})" if n else
+                                                                  "not within these chip counts")
 
+    ni = False
     for res in results:
         for t, v in res["targets"].items():
             by = {r["chips"]: r for r in v["rows"]}
-            cells = [(f"{_f(by[n]['fps'])} ({_f(by[n]['dit_only_fps'])})" if by[n]["fps"] is not None else "-")
-                     if n in by else "" for n in chips]
+            mark = lambda r: "" if r.get("dit_implemented", True) else "*"  # noqa: E731
+            ni = ni or any(mark(r) for r in v["rows"] if r["fps"] is not None)
+            cells = [(f"{_f(by[n]['fps'])} ({_f(by[n]['dit_only_fps'])}){mark(by[n])}" if by[n]["fps"] is not None
+                      else "-") if n in by else "" for n in chips]
+            impl = v.get("not_implemented") is None
             lines.append(f"| {res['label']} | {t} | " + " | ".join(cells) + f" | {res['published_fps']:g} | "
-                         + few(v["fewest_chips_to_published"], v["fps_per_chip_there"]) + " | "
-                         + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"))
-                         + " |")
+                         + few(v["fewest_chips_to_published"], v["fps_per_chip_there"],
+                               impl or v.get("fewest_chips_implemented", True)) + " | "
+                         + few(v.get("fewest_chips_to_published_dit_only"), v.get("dit_only_fps_per_chip_there"),
+                               impl) + " |")
     lines.append("")
-    lines.append("Each cell: fps end to end (the decode after the DiT, in its implemented layout) and, in "
-                 "parentheses, the DiT alone. MODELED.")
+    lines.append("Each cell: fps end to end (the decode after the DiT, or pipelined on a chip of its own where "
+                 "that is faster: the JSON's decode_layout) and, in parentheses, the DiT alone. MODELED." + (" *: the DiT over several ranks is modeled, not "
+                                                           "implemented (the path raises under context "
+                                                           "parallelism; see the JSON's notes)." if ni else ""))
     return "\n".join(lines)
 
 
@@ -732,6 +886,10 @@ def render(results: List[dict]) -> str:
                 lay = (f"{r['layout'][0]} x {r['layout'][1]}" if "layout_of_chips" not in r else
                        f"{r['layout'][0]} x {r['layout'][1]}, the {r['layout_of_chips']}-chip layout (the largest "
                        f"split, {r['largest_split']['ranks']} ranks, {r['largest_split']['fps']:.1f} fps)")
+                if r["decode_layout"].startswith("disaggregated"):
+                    lay += f"; {r['decode_layout']}"
+                if not r.get("dit_implemented", True):
+                    lay += "; DiT modeled, not implemented"
                 L.append(f"| {r['chips']} | {r['ranks']} ({r['chips_used']}) | {lay} | "
                          f"{1e3 * r['dit_s']:.1f} | {1e3 * r['decode_s']:.1f} | {1e3 * r['chunk_s']:.1f} | "
                          f"{r['fps']:.1f} | {r['fps_per_chip']:.2f} | {r['dit_only_fps']:.1f} | "

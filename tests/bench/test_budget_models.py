@@ -9,7 +9,8 @@ Checked here (fast: 2 recorded layers, stand-in kernel models; the command trace
   the scaled counts are exactly the recorded ones x that factor;
 - the inter-chip fabric takes the documented per-chip figure of the level a collective spans;
 - the budget per chip count: every term labelled with its calls, fps = frames / chunk, fps per chip, the fewest
-  chips reaching the published rate; the Krea row says its KV re-computation is not in the recorded path;
+  chips reaching the published rate; Krea's KV re-computation and attention bias recorded (two attention_lse calls
+  per biased self-attention, modeled), its multi-rank rows labelled modeled, not implemented;
 - the command writes the JSON, the table and the marked doc region.
 """
 import json
@@ -61,11 +62,20 @@ def test_recorded_geometry_follows_the_originals_configs(krea, helios):
     calls = {c.name: c for c in krea["calls"]}
     tpf = 30 * 52
     cached, cross = calls["self (cache + chunk)"], calls["cross (text)"]
-    # Krea: kv_cache_num_frames 3 + blocks of 3 -> 3 cached frames; 40 heads; 40 layers x (4 steps + cache pass)
-    assert (cached.sq, cached.cache, cached.heads, cached.count) == (3 * tpf, 3 * tpf, 40, 40 * 5)
-    assert (cross.sq, cross.skv) == (3 * tpf, 512) and krea["passes"] == 5
-    assert bm.budget._kernel_counts(krea["ops"]) == {"attention": 40 * 5 * 2, "qk_norm_rope": 40 * 5 * 2,
-                                                     "cache_write": 40 * 3}  # as bench/budget records for 1.3B
+    # Krea with its KV re-computation (kv_cache_num_frames 3) and attention bias 0.3: per chunk one
+    # re-computation call of 3 frames (its self-attention the plain kernel, its K/V one cache_write) + 4 denoising
+    # calls, each self-attention two attention_lse calls (first frame + chunk; the other context frames); no cache
+    # pass; 40 heads, 40 layers
+    assert krea["pipeline_options"] == {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}
+    assert (cached.sq, cached.cache, cached.heads, cached.count) == (3 * tpf, 3 * tpf, 40, 40 * 1)
+    assert (cross.sq, cross.skv, cross.count) == (3 * tpf, 512, 40 * 5) and krea["passes"] == 5
+    assert bm.budget._kernel_counts(krea["ops"]) == {"attention": 40 * 5 + 40, "attention_lse": 40 * 4 * 2,
+                                                     "qk_norm_rope": 40 * 5 * 2, "cache_write": 40}
+    first = calls["self, biased: first frame + chunk (attention_lse)"]
+    rest = calls["self, biased: other context frames (attention_lse)"]
+    assert (first.sq, first.skv, first.cache, first.cache_len, first.causal_block, first.count) == \
+        (3 * tpf, 3 * tpf, 3 * tpf, tpf, 3 * tpf, 40 * 4)  # the anchor frame of the cache + the chunk, causal
+    assert (rest.cache, rest.cache_len, rest.causal_block, rest.count) == (2 * tpf, 2 * tpf, 0, 40 * 4)
     h = {c.name: c for c in helios["calls"]}
     # Helios at 384x640: 9 chunk frames x 960 tokens + short (2 x 960) + mid (2 frames at 2x patch: 240)
     # + long (16 frames at 4x patch: 240); cross-attention over the chunk's tokens only; 3 steps, no cache
@@ -75,10 +85,53 @@ def test_recorded_geometry_follows_the_originals_configs(krea, helios):
 
 
 def test_longlive2_geometry_and_its_wan22_decode():
+    from diffusers_nki.pipelines.causal_wan import LONGLIVE2_TIMESTEPS
+
     r = bm.record("longlive2_5b", 2)
     c = {c.name: c for c in r["calls"]}["self (cache + chunk)"]
     assert r["tokens_per_frame"] == 22 * 40 and c.sq == 8 * 880 and c.cache == 24 * 880 and c.heads == 24
+    # LongLive 2.0's configuration (CausalWanPipeline's docstring): per-token timesteps reach the time embedder
+    opts = r["pipeline_options"]
+    assert opts["expand_timesteps"] and opts["prompt_switch"] == "none" and opts["shot_sink_frames"] == 8
+    assert opts["shot_rope_offset"] == 8 and tuple(opts["denoising_timesteps"]) == LONGLIVE2_TIMESTEPS
+    assert any(op.site == "condition_embedder.time_embedder.linear_1" and op.outs[0][0] == 8 * 880
+               for op in r["ops"]) and r["passes"] == 5
+    assert not any("not in CausalWanPipeline" in n for n in bm.MODELS["longlive2_5b"].notes)
+    # its VAE in bfloat16 as LongLive runs it: every causal 3-D convolution through the kernel (in float32 the
+    # 1024-channel 3x3x3 ones exceed its weight budget and fell back to XLA); only the mid block's 1x1 Conv2d
+    # projections (stock modules) stay XLA
+    dec = r["decode"]
+    assert dec["dtype"] == "bfloat16"
+    xla_convs = {op.site for op in dec["ops"] if op.kind == "matmul" and op.name == "convolution"}
+    assert xla_convs == {"decoder.mid_block.attentions.0.to_qkv", "decoder.mid_block.attentions.0.proj"}
     assert r["decode"]["video_frames"] == 32 and "causal_conv3d" in bm.budget._kernel_counts(r["decode"]["ops"])
+
+
+def test_longlive2_decode_sharded_and_disaggregated():
+    """LongLive 2.0's per-token timesteps raise under context parallelism (every multi-rank DiT labelled); its
+    Wan2.2 decode height-sharded over one chip's 8 cores (the kernel at the per-rank rows, the all-gathers of
+    caching.wan_vae.decode_collectives), and pipelined on a chip of its own where that is faster."""
+    spec, r = bm.MODELS["longlive2_5b"], bm.record("longlive2_5b", 2)
+    assert "per-token timesteps" in bm._cp_not_implemented(spec)
+    one, eight = (bm.decode_terms(spec, r, v, "trn2", FakeModel(24)) for v in (1, 8))
+    assert eight["V"] == 8 and eight["seconds"] < one["seconds"] / 3
+    _labelled(eight["terms"], False)
+    gathers = [t for t in eight["terms"] if t["name"].startswith("sharded-decode all-gathers")]
+    assert len(gathers) == 1 and gathers[0]["seconds"] > 0 and gathers[0]["collectives"] > 0
+    impl = {"serial_one_core": "x", "shared": "y", "disaggregated 7/1": "z"}
+    res = bm.model_budget("longlive2_5b", ("trn2",), (1, 2, 4), r, FakeModel(24), impl)
+    v = res["targets"]["trn2"]
+    assert v["decode"]["V"] == 8 and any("MODELED, NOT IMPLEMENTED" in n for n in res["notes"])
+    rows = {x["chips"]: x for x in v["rows"]}
+    assert all(not x["dit_implemented"] for x in rows.values()) and not v["fewest_chips_implemented"]
+    two = rows[2]  # the 1-chip DiT and the decode on the second chip, overlapped
+    assert two["decode_layout"].startswith("disaggregated: the DiT on 1 chip(s)")
+    assert two["chunk_s"] == pytest.approx(max(rows[1]["dit_s"], v["decode"]["seconds"]) + two["latent_send_s"])
+    assert two["chunk_s"] < rows[1]["dit_s"] + v["decode"]["seconds"] and "Disaggregation" in two["decode_status"]
+    # the DiT-only column stays the DiT over all N chips (what a free decode would give), not the 1-chip DiT's
+    assert two["dit_only_fps"] > rows[1]["dit_only_fps"] * 1.5
+    helios = bm.model_budget("helios14b", ("trn2",), (1, 2), bm.record("helios14b", 2), FakeModel(40), impl)
+    assert not any("disaggregated" in x["decode_layout"] for x in helios["targets"]["trn2"]["rows"])
 
 
 @pytest.mark.parametrize("which", ["krea", "helios"])
@@ -145,7 +198,12 @@ def test_budget_rows_per_chip_count(which, key, request):
         reach = [r["chips"] for r in rows if r["dit_only_fps"] >= spec.published_fps]
         assert v["fewest_chips_to_published_dit_only"] == (reach[0] if reach else None)
     if key == "krea14b":
-        assert any("KV re-computation not in the recorded path" in n for n in res["notes"])
+        # its re-computation raises under context parallelism: every multi-rank row says modeled, not implemented
+        assert any("MODELED, NOT IMPLEMENTED" in n for n in res["notes"])
+        assert all(not r["dit_implemented"] for r in res["targets"]["trn2"]["rows"])
+        assert res["targets"]["trn2"]["not_implemented"] and not res["targets"]["trn2"]["fewest_chips_implemented"]
+        att = res["targets"]["trn2"]["rows"][0]["dit"]["terms"][0]
+        assert att["calls"] == 40 * 5 + 40 + 40 * 4 * 2 and "attention_lse" in att["label"]
         # 480x832: 1560 tokens per frame split over 15 ranks on 2 chips (16 does not divide them), 30 on 4
         assert [r["ranks"] for r in res["targets"]["trn2"]["rows"]] == [8, 15, 30]
     else:  # diffusers' plan: the ops between attn1 / attn2 / ffn replicated, the output gathers counted
@@ -154,11 +212,25 @@ def test_budget_rows_per_chip_count(which, key, request):
         assert any("pyramid" in n for n in res["notes"])
 
 
-def test_krea_kv_recompute_is_one_switch(monkeypatch):
-    monkeypatch.setattr(bm, "KREA_PIPELINE_OPTIONS", {"kv_recompute": 3})
+def test_krea_kv_recompute_is_on_and_one_switch(monkeypatch):
     s = bm._spec("krea14b")
-    assert s.pipeline_options == {"kv_recompute": 3} and "KV re-computation recorded" in s.notes[0]
+    assert s.pipeline_options == {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}
+    assert "KV re-computation recorded" in s.notes[0] and bm._cp_not_implemented(s)
+    monkeypatch.setattr(bm, "KREA_PIPELINE_OPTIONS", {})
+    s = bm._spec("krea14b")
+    assert s.pipeline_options == {} and "not in the recorded path" in s.notes[0] and not bm._cp_not_implemented(s)
     assert bm._spec("helios14b").pipeline_options == {}
+
+
+def test_an_unmodeled_kernel_raises(krea):
+    """Every recorded kernel has a model: one without is an error, not a silently missing term."""
+    from collections import Counter
+
+    op = next(r for r in krea["ops"] if r.kind == "kernel" and r.name == "attention_lse")
+    odd = bm._record.OpRecord("diffusers_nki.no_such_kernel", op.site, op.ins, op.outs, op.args, op.tag)
+    with pytest.raises(ValueError, match="no_such_kernel"):
+        bm.dit_terms(bm.MODELS["krea14b"], dict(krea, ops=Counter({**krea["ops"], odd: 1})), 8, "trn2", 1,
+                     FakeModel(40))
 
 
 def test_command_writes_json_table_and_doc(tmp_path, capsys, monkeypatch, krea):

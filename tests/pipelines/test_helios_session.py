@@ -283,3 +283,29 @@ def test_session_through_the_emulated_kernel_matches_stock(pipe):
     for c in range(2):
         err = float((out[c] - ref[c]).abs().max() / ref[c].abs().max())
         assert err <= 1e-5, (c, err)
+
+
+@pytest.mark.parametrize("backend", ["torch", "sim"])
+def test_patched_session_decodes_through_the_static_vae_cache_equal_to_stock(pipe, backend):
+    """patch(pipe) installs the static Wan VAE cache on Helios' VAE: each chunk decoded by a fresh stream (every
+    convolution on the causal conv3d kernel: its torch twin, or the emulated kernel) equals stock vae.decode."""
+    from diffusers_nki.caching.wan_vae import find_wan_vae_cache
+
+    ref = _session(pipe, output_type="pt")
+    ref_frames = [ref.next_chunk().frames for _ in range(2)]
+    assert find_wan_vae_cache(pipe.vae) is None
+    diffusers_nki.patch(pipe, backend=backend, strict=True)
+    try:
+        hook = find_wan_vae_cache(pipe.vae)
+        assert hook is not None and hook.origin == "patch"
+        s = _session(pipe, output_type="pt")
+        frames = [s.next_chunk().frames for _ in range(2)]
+        stats = dict(hook.stats)
+    finally:
+        diffusers_nki.unpatch(pipe)
+    assert find_wan_vae_cache(pipe.vae) is None
+    assert stats["streams"] == 2 and stats["kernel_convs"] > 0 and stats["fallback_convs"] == 0, stats
+    for c in range(2):
+        assert frames[c].shape == ref_frames[c].shape
+        err = float((frames[c] - ref_frames[c]).abs().max())
+        assert err <= 1e-5, (c, err)
