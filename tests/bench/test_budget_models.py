@@ -214,8 +214,9 @@ def test_budget_rows_per_chip_count(which, key, request):
 
 def test_krea_kv_recompute_is_on_and_one_switch(monkeypatch):
     s = bm._spec("krea14b")
-    assert s.pipeline_options == {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}
+    assert s.pipeline_options == {"kv_recompute": 3, "kv_cache_attention_bias": 0.3, "keep_first_frame": True}
     assert "KV re-computation recorded" in s.notes[0] and bm._cp_not_implemented(s)
+    assert "keep_first_frame=False" in s.notes[1]  # their default's VAE re-encode: said not recorded
     monkeypatch.setattr(bm, "KREA_PIPELINE_OPTIONS", {})
     s = bm._spec("krea14b")
     assert s.pipeline_options == {} and "not in the recorded path" in s.notes[0] and not bm._cp_not_implemented(s)
