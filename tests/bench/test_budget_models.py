@@ -66,7 +66,7 @@ def test_recorded_geometry_follows_the_originals_configs(krea, helios):
     # re-computation call of 3 frames (its self-attention the plain kernel, its K/V one cache_write) + 4 denoising
     # calls, each self-attention two attention_lse calls (first frame + chunk; the other context frames); no cache
     # pass; 40 heads, 40 layers
-    assert krea["pipeline_options"] == {"kv_recompute": 3, "kv_cache_attention_bias": 0.3}
+    assert krea["pipeline_options"] == {"kv_recompute": 3, "kv_cache_attention_bias": 0.3, "keep_first_frame": True}
     assert (cached.sq, cached.cache, cached.heads, cached.count) == (3 * tpf, 3 * tpf, 40, 40 * 1)
     assert (cross.sq, cross.skv, cross.count) == (3 * tpf, 512, 40 * 5) and krea["passes"] == 5
     assert bm.budget._kernel_counts(krea["ops"]) == {"attention": 40 * 5 + 40, "attention_lse": 40 * 4 * 2,
