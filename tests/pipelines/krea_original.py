@@ -295,6 +295,16 @@ class Original:
 
     def rollout(self, config, params: dict, prompt_embeds: torch.Tensor, blocks: int,
                 vae_state: Optional[dict] = None):
+        """``_rollout`` with the caller's grad mode restored after it: their server turns gradients off process-wide
+        when it is imported, which would leak into every test that follows in this process."""
+        grad = torch.is_grad_enabled()
+        try:
+            return self._rollout(config, params, prompt_embeds, blocks, vae_state)
+        finally:
+            torch.set_grad_enabled(grad)
+
+    def _rollout(self, config, params: dict, prompt_embeds: torch.Tensor, blocks: int,
+                 vae_state: Optional[dict] = None):
         """Their streaming loop for ``blocks`` blocks: (their initial noise [B, F, C, h, w] as float32, the latents
         ``all_latents`` [B, F, C, h, w], the denoising timesteps, the pixels their frame callback received
         [B, T, 3, H, W]). ``params``: ``GenerateParams`` fields. ``vae_state``: their VAE's weights (see
