@@ -59,7 +59,8 @@ from diffusers_nki.nki import nki, nl, nisa
 from diffusers_nki.kernels.sbuf import sbuf_alloc as _sb, sbuf_ring as _ring
 from diffusers_nki.kernels.gemm_ref import MAX_K, XT_BUDGET, not_supported_reasons  # noqa: F401  (the twin's)
 
-__all__ = ["gemm_kernel", "not_supported_reasons", "plan", "XT_BUDGET", "MAX_K", "N_WRING", "X_CHUNK"]
+__all__ = ["gemm_kernel", "not_supported_reasons", "plan", "plan_work", "psum_accumulators", "XT_BUDGET", "MAX_K", "N_WRING",
+           "X_CHUNK"]
 
 P = 128            # partitions: K rows per matmul, tokens per output tile
 NT = 512           # fp32 columns per PSUM bank
@@ -201,6 +202,41 @@ def _flush_stores(ctx):
     ctx["pending"] = []
 
 
+def psum_accumulators():
+    """The two sets of ``ACC_BANKS`` fp32 PSUM accumulator banks (banks 0-5; one set's epilogue overlaps the other's
+    matmuls). Trace-time helper, shared by the fp8 and MX GEMMs (``gemm_fp8.py``, ``gemm_mx.py``)."""
+    sets = []
+    for s in range(2):
+        banks = []
+        for b in range(ACC_BANKS):
+            banks.append(nl.ndarray((P, NT), dtype=nl.float32, buffer=nl.psum,
+                                    address=(0, (s * ACC_BANKS + b) * PSUM_BANK)))
+        sets.append(banks)
+    return sets
+
+
+def plan_work(M, MB, G, N, NW, KT, WK, nprg, prg):
+    """This core's work in order (trace time): ``jobs`` = (M block start, its rows, first and end token tile of the
+    group, N offset, N width) for the N tiles dealt to logical core ``prg`` of ``nprg``, and ``slabs`` = (job, first
+    K tile, K tiles) of ``WK`` K tiles each. Shared by the bf16, fp8 and MX GEMMs."""
+    n_tiles = (N + NW - 1) // NW
+    jobs = []
+    for m_blk in range(0, M, MB):
+        blk_rows = min(MB, M - m_blk)
+        mt = (blk_rows + P - 1) // P
+        ngroups = (mt + G - 1) // G
+        gsz = (mt + ngroups - 1) // ngroups
+        for g0 in range(0, mt, gsz):
+            for j in range(n_tiles):
+                if j % nprg == prg:
+                    jobs.append((m_blk, blk_rows, g0, min(mt, g0 + gsz), j * NW, min(NW, N - j * NW)))
+    slabs = []
+    for jb in range(len(jobs)):
+        for k0 in range(0, KT, WK):
+            slabs.append((jb, k0, min(WK, KT - k0)))
+    return jobs, slabs
+
+
 def _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, upto, K, N):
     """Emit the DMAs of every w slab (and a job's bias row, with its first slab) up to slab ``upto``
     (prefetch: the ring holds N_WRING slabs, so at most N_WRING - 1 ahead of the one being consumed)."""
@@ -260,31 +296,10 @@ def gemm_kernel(x, w, bias=None, activation=None):
     for b in range(2):
         ctx["t_ps"].append(nl.ndarray((P, ctx["tslots"], P), dtype=dt, buffer=nl.psum,
                                       address=(0, (T_BANK0 + b) * PSUM_BANK)))
-    acc_sets = []
-    for s in range(2):
-        banks = []
-        for b in range(ACC_BANKS):
-            banks.append(nl.ndarray((P, NT), dtype=nl.float32, buffer=nl.psum,
-                                    address=(0, (s * ACC_BANKS + b) * PSUM_BANK)))
-        acc_sets.append(banks)
+    acc_sets = psum_accumulators()
     per_bank = NT // NW
 
-    # the work of this core in order: jobs (M block, token-tile group, N tile) and their w slabs
-    n_tiles = (N + NW - 1) // NW
-    jobs = []
-    for m_blk in range(0, M, MB):
-        blk_rows = min(MB, M - m_blk)
-        mt = (blk_rows + P - 1) // P
-        ngroups = (mt + G - 1) // G
-        gsz = (mt + ngroups - 1) // ngroups
-        for g0 in range(0, mt, gsz):
-            for j in range(n_tiles):
-                if j % nprg == prg:
-                    jobs.append((m_blk, blk_rows, g0, min(mt, g0 + gsz), j * NW, min(NW, N - j * NW)))
-    slabs = []   # (job, first K tile, K tiles)
-    for jb in range(len(jobs)):
-        for k0 in range(0, KT, WK):
-            slabs.append((jb, k0, min(WK, KT - k0)))
+    jobs, slabs = plan_work(M, MB, G, N, NW, KT, WK, nprg, prg)
     ctx["issued"] = 0
     ctx["pending"] = []   # output stores, emitted after the next slabs' loads (no queue waits behind them)
     blk_now = -1

@@ -63,6 +63,7 @@ time with the roofline ceiling beside; never measured). This docstring quotes no
 from __future__ import annotations
 
 from diffusers_nki.nki import nki, nl, nisa
+from diffusers_nki.kernels.gemm import plan_work, psum_accumulators  # shared with the bf16 GEMM
 from diffusers_nki.kernels.sbuf import sbuf_alloc as _sb, sbuf_ring as _ring
 from diffusers_nki.kernels.gemm_fp8_ref import FP8_MAX, TINY, XROW_BUDGET, not_supported_reasons  # noqa: F401
 
@@ -309,30 +310,10 @@ def gemm_fp8_kernel(x, wq, w_scale, bias=None, activation=None):
     for b in range(2):
         ctx["t_ps"].append(nl.ndarray((P, T_SLOTS, P), dtype=nl.float8_e4m3, buffer=nl.psum,
                                       address=(0, (T_BANK0 + b) * PSUM_BANK)))
-    acc_sets = []
-    for s in range(2):
-        banks = []
-        for b in range(ACC_BANKS):
-            banks.append(nl.ndarray((P, NT), dtype=nl.float32, buffer=nl.psum,
-                                    address=(0, (s * ACC_BANKS + b) * PSUM_BANK)))
-        acc_sets.append(banks)
+    acc_sets = psum_accumulators()
     per_bank = NT // NW
 
-    n_tiles = (N + NW - 1) // NW
-    jobs = []
-    for m_blk in range(0, M, MB):
-        blk_rows = min(MB, M - m_blk)
-        mt = (blk_rows + P - 1) // P
-        ngroups = (mt + G - 1) // G
-        gsz = (mt + ngroups - 1) // ngroups
-        for g0 in range(0, mt, gsz):
-            for j in range(n_tiles):
-                if j % nprg == prg:
-                    jobs.append((m_blk, blk_rows, g0, min(mt, g0 + gsz), j * NW, min(NW, N - j * NW)))
-    slabs = []
-    for jb in range(len(jobs)):
-        for k0 in range(0, KT, WK):
-            slabs.append((jb, k0, min(WK, KT - k0)))
+    jobs, slabs = plan_work(M, MB, G, N, NW, KT, WK, nprg, prg)
     ctx["issued"] = 0
     ctx["pending"] = []
     blk_now = -1
