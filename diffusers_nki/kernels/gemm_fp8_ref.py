@@ -37,6 +37,8 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
+from diffusers_nki.kernels import gemm_ref as _gemm_ref
+
 __all__ = ["PRECISIONS", "FP8_MAX", "MX_FP8_MAX", "MX_BLOCK", "TINY", "MAX_K", "Prepared", "prepare",
            "quantize_rows", "quantize_mx_blocks", "gemm_fp8_ref", "gemm_fp8_oracle", "gemm_mx_ref", "gemm_mx_oracle",
            "not_supported_reasons", "check_inputs", "check_precision", "prepared_ref"]
@@ -48,7 +50,7 @@ MX_BLOCK = 32              # values per MX scale (OCP MX block size)
 MX_EMAX = 8                # float8_e4m3fn's largest unbiased exponent
 TINY = 1e-30               # amax floor: an all-zero row / column quantizes to zeros, never 0 / 0
 FP8 = torch.float8_e4m3fn  # storage of the fp8 values (|v| <= 240: the same bits as float8_e4m3)
-ACTIVATIONS = (None, "gelu_tanh")
+ACTIVATIONS = _gemm_ref.ACTIVATIONS  # the same epilogue as the bf16 GEMM
 XROW_BUDGET = 36 * 1024    # bytes per partition of one 128-token tile of x rows in SBUF (kernel constant)
 # the longest contraction whose rows fit XROW_BUDGET: 18432 (16-bit x), 9216 (fp32 x; Wan's 8960 fits)
 MAX_K = {torch.float32: XROW_BUDGET // 4, torch.bfloat16: XROW_BUDGET // 2, torch.float16: XROW_BUDGET // 2}
@@ -151,15 +153,7 @@ def not_supported_reasons(x, wq, w_scale, bias=None, activation=None) -> List[st
     if x.dtype in MAX_K and K > MAX_K[x.dtype]:
         r.append(f"K={K} exceeds the limit {MAX_K[x.dtype]} for {x.dtype} (one 128-token tile of x rows must fit {XROW_BUDGET // 1024} KiB "
                  "of SBUF per partition)")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
-            r.append(f"bias must be a 1-D tensor of N={N} elements, got "
-                     f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-        elif bias.dtype not in (torch.float32, x.dtype):
-            r.append(f"bias dtype {bias.dtype} must be float32 or x's dtype {x.dtype}")
-    if activation not in ACTIVATIONS:
-        r.append(f"activation={activation!r} is not one of {ACTIVATIONS}")
-    return r
+    return r + _gemm_ref.epilogue_reasons(x, N, bias, activation)
 
 
 def check_inputs(x, wq, w_scale, bias=None, activation=None) -> None:

@@ -26,6 +26,21 @@ MAX_K = {torch.float32: (XT_BUDGET // (128 * 4)) * 128, torch.bfloat16: (XT_BUDG
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def epilogue_reasons(x, N: int, bias, activation) -> List[str]:
+    """Why the GEMM epilogue cannot take ``bias`` / ``activation`` for an output of N columns in x's dtype (shared
+    by the bf16, fp8 and MX GEMMs' ``not_supported_reasons``)."""
+    r = []
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
+            r.append(f"bias must be a 1-D tensor of N={N} elements, got "
+                     f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        elif bias.dtype not in (torch.float32, x.dtype):
+            r.append(f"bias dtype {bias.dtype} must be float32 or x's dtype {x.dtype}")
+    if activation not in ACTIVATIONS:
+        r.append(f"activation={activation!r} is not one of {ACTIVATIONS}")
+    return r
+
+
 def not_supported_reasons(x, w, bias=None, activation=None) -> List[str]:
     """Why the GEMM kernel cannot serve these inputs (empty: it can). Every reason names the argument, the
     value and the limit."""
@@ -47,15 +62,7 @@ def not_supported_reasons(x, w, bias=None, activation=None) -> List[str]:
     if x.dtype in MAX_K and K > MAX_K[x.dtype]:
         r.append(f"K={K} exceeds the limit {MAX_K[x.dtype]} for {x.dtype} (one 128-row block of x^T must fit "
                  f"{XT_BUDGET // 1024} KiB of SBUF per partition)")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
-            r.append(f"bias must be a 1-D tensor of N={N} elements, got "
-                     f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-        elif bias.dtype not in (torch.float32, x.dtype):
-            r.append(f"bias dtype {bias.dtype} must be float32 or x's dtype {x.dtype}")
-    if activation not in ACTIVATIONS:
-        r.append(f"activation={activation!r} is not one of {ACTIVATIONS}")
-    return r
+    return r + epilogue_reasons(x, N, bias, activation)
 
 
 def check_inputs(x, w, bias=None, activation=None) -> None:
