@@ -1292,6 +1292,17 @@ def _decoders(args) -> List[str]:
     return decs
 
 
+def doc_args_problem(args) -> Optional[str]:
+    """What is wrong with ``--doc`` / ``--from-json`` (None: nothing): a --doc file that does not exist, or
+    --from-json without --doc. Shared with ``bench budget --model`` (``budget_models.run``)."""
+    for doc in args.doc:
+        if not os.path.isfile(doc):
+            return f"--doc {doc}: no such file"
+    if getattr(args, "from_json", None) is not None and not args.doc:
+        return "--from-json needs --doc (it only rewrites the tables)"
+    return None
+
+
 def run(args) -> int:
     try:
         setups, targets = _parse(args)
@@ -1299,14 +1310,11 @@ def run(args) -> int:
         print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
         return 2
 
-    for doc in args.doc:
-        if not os.path.isfile(doc):
-            print(f"diffusers-nki bench budget: --doc {doc}: no such file", file=sys.stderr)
-            return 2
+    why = doc_args_problem(args)
+    if why:
+        print(f"diffusers-nki bench budget: {why}", file=sys.stderr)
+        return 2
     if args.from_json is not None:
-        if not args.doc:
-            print("diffusers-nki bench budget: --from-json needs --doc (it only rewrites the tables)", file=sys.stderr)
-            return 2
         try:
             with open(args.from_json) as f:
                 results = json.load(f)["results"]

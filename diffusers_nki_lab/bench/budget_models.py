@@ -969,14 +969,11 @@ def run(args) -> int:
     except ValueError as e:
         print(f"diffusers-nki bench budget: {e}", file=sys.stderr)
         return 2
-    for doc in args.doc:
-        if not os.path.isfile(doc):
-            print(f"diffusers-nki bench budget: --doc {doc}: no such file", file=sys.stderr)
-            return 2
+    why = budget.doc_args_problem(args)
+    if why:
+        print(f"diffusers-nki bench budget: {why}", file=sys.stderr)
+        return 2
     if getattr(args, "from_json", None) is not None:  # rewrite the marked tables from an earlier run's JSON
-        if not args.doc:
-            print("diffusers-nki bench budget: --from-json needs --doc (it only rewrites the tables)", file=sys.stderr)
-            return 2
         try:
             with open(args.from_json) as f:
                 results = [r for r in json.load(f)["results"] if r["model"] in keys]
