@@ -364,6 +364,7 @@ def test_command_prints_the_tables_and_writes_json(tmp_path, capsys, monkeypatch
     assert "MODELED" in out and "fps counts ONLY layouts the code implements" in out
     assert "| serial, decode on one core | 8 | 1 |" in out and "not counted" in out and "17 fps" in out
     assert "| DiT | matmul blocks.*.ffn.net.* ([585, 1536] x [1536, 8960] + GELU-tanh) |" in out
+    assert "BOUND: every FLOP at the PE peak of 8 cores" in out
     assert "Calibration row" in out and "recorded with patch(target='trn2'): DiT kernels" in out
     assert "| Self-Forcing (21-frame window) | trn2 |" in out and "scope UNSETTLED" in out  # like for like
     assert "guandeh17/Self-Forcing#67" in out and "kernels the default path calls per chunk" in out
@@ -576,3 +577,31 @@ def test_opt_in_fused_chains_are_recorded_and_scheduled_at_the_per_rank_shapes(f
                              ("gated_residual", S, 1536, True, False, False, False)}     # the FFN
     launch = [t for t in d["terms"] if t["name"].startswith("launches")][0]
     assert launch["calls"] == LAYERS * (10 + 10 + 3 + 40 + 15) + 5 + 5
+
+
+def test_pe_bound_counts_every_recorded_flop_at_the_peak(probe, vae):
+    """The bound: the recorded attention calls' FLOPs (every visible key), the transformer's matmuls and the
+    decode's FLOPs at the chip's PE peak; the blocks' matmuls at the precision's rate; never below the modeled
+    chunk time (it is a ceiling, not a layout)."""
+    from diffusers_nki_lab.bench.published.calls import AttnCall
+    from nkisim import cost
+
+    res = budget.budget("self_forcing", ("trn2",), probe, vae, FakeModel(), {"serial_one_core": "x"})
+    b = res["targets"]["trn2"]["pe_bound"]
+    att = sum(c["count"] * 4.0 * c["heads"] * c["sq"] * (c["cache_len"] + c["skv"]) * c["head_dim"]
+              for c in res["attention_calls"])
+    assert b["flops"]["attention"] == pytest.approx(att) and att > 0
+    assert AttnCall(**res["attention_calls"][0]).flops() > 0
+    peak = budget.CORES * cost.get_spec("trn2").pe_peak_flops
+    want = (att + sum(res["matmul_flops_check"].values()) + res["vae_flops"]) / peak
+    assert b["seconds"] == pytest.approx(want)
+    assert b["fps"] == pytest.approx(4 * budget.CHUNK_FRAMES / want)
+    assert b["fps"] > res["targets"]["trn2"]["fps"]  # a bound above what the modeled path reaches
+    fp8 = dict(res, precision="fp8")
+    b8 = budget.pe_bound(fp8, "trn2")
+    assert b8["seconds"] == pytest.approx(want - sum(res["matmul_flops_check"].values()) / (2 * peak))
+    doc = budget.doc_table([res])
+    assert f"| {b['fps']:.1f} | 17 |" in doc
+    old = json.loads(json.dumps(res))
+    del old["targets"]["trn2"]["pe_bound"]  # an older JSON (--from-json) gets the bound computed
+    assert f"{b['fps']:.1f}" in budget.doc_table([old], "brief")

@@ -995,7 +995,35 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
             "kernels_called": {"dit": _kernel_counts(probes[t]["ops"]), "vae": _kernel_counts(vae["ops"])},
             "route_target": probes[t].get("target"),
         }
+        out["targets"][t]["pe_bound"] = pe_bound(out, t)
     return out
+
+
+# the PE's rate in each precision's matmul mode, as multiples of the bf16 peak (nkisim.cost: fp8 double-row 2x,
+# MX 4x); only the DiT's blocks' matmuls run in the precision, attention and decode stay bf16
+_PRECISION_PE_FACTOR = {"bf16": 1.0, "fp8": 2.0, "mxfp8": 4.0}
+
+
+def pe_bound(result: dict, target: str) -> dict:
+    """The chunk if every FLOP of it ran at the PE peak of one chip (``CORES`` NeuronCores) and nothing else cost
+    time: no memory traffic, no elementwise work, no collectives, no launches. A BOUND, not a layout: no kernel
+    reaches it. The FLOPs are the recorded attention calls (``AttnCall.flops``, every visible key), the
+    transformer's matmuls (``transformer_flops``) and the recorded decode's FLOPs; the blocks' matmuls run at the
+    precision's rate (``_PRECISION_PE_FACTOR``), the rest at the bf16 peak."""
+    from .published.calls import AttnCall
+
+    att = sum(AttnCall(**{k: v for k, v in c.items()}).flops() * c["count"] for c in result["attention_calls"])
+    mm = sum(result["matmul_flops_check"].values())
+    dec = result["vae_flops"]
+    peak = CORES * _spec(target).pe_peak_flops
+    factor = _PRECISION_PE_FACTOR[result.get("precision", "bf16")]
+    dit_s = att / peak + mm / (peak * factor)
+    seconds = dit_s + dec / peak
+    frames = 4 * CHUNK_FRAMES
+    return {"flops": {"attention": att, "matmul": mm, "decode": dec}, "seconds": seconds, "fps": frames / seconds,
+            "dit_only_fps": frames / dit_s, "pe_factor_matmul": factor,
+            "label": f"BOUND: every FLOP at the PE peak of {CORES} cores (matmuls x{factor:g} in {result.get('precision', 'bf16')}), "
+                     "nothing else counted"}
 
 
 def _probes(probe, targets, s, fuse_elementwise: bool = False, precision: str = "bf16") -> Dict[str, dict]:
@@ -1087,6 +1115,10 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
                   + f"; DiT only {v['dit_only_fps']:.1f} fps; published {r['published_fps']} fps on one H100 (scope: see "
                   "below)" + (f"; target {r['targets_fps'][0]}, moonshot {r['targets_fps'][1]}"
                               if r.get("targets_fps") else "")]
+            pb = v.get("pe_bound") or pe_bound(r, t)
+            L.append(f"{pb['label']}: {1e3 * pb['seconds']:.1f} ms per chunk, {pb['fps']:.1f} fps (DiT only "
+                     f"{pb['dit_only_fps']:.1f}); FLOPs: attention {pb['flops']['attention']:.3g}, matmuls "
+                     f"{pb['flops']['matmul']:.3g}, decode {pb['flops']['decode']:.3g}")
             if v.get("kernels_called"):
                 L.append(f"recorded with patch(target={v.get('route_target')!r}): DiT kernels " + ", ".join(
                     f"{k} {n}" for k, n in sorted(v["kernels_called"]["dit"].items())))
@@ -1200,11 +1232,12 @@ def doc_table(results: List[dict], style: str = "table") -> str:
         raise ValueError(f"style={style!r}: choose 'table' or 'brief'")
     if style == "table":
         lines = ["| setup | target | best implemented layout | DiT ms | VAE ms | per chunk ms | fps (modeled) | "
-                 "DiT only fps | decode on one core: fps | published (one H100) |", "|---|---|---|---|---|---|---|---|---|---|"]
+                 "DiT only fps | decode on one core: fps | bound: all FLOPs at the PE peak, fps | published (one H100) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = [(r, target, t) for r in results for target, t in r["targets"].items()]
     else:
-        lines = ["| setup | target | path | chunk | fps end to end (modeled) | DiT only fps (modeled) | published, one H100 |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| setup | target | path | chunk | fps end to end (modeled) | DiT only fps (modeled) | bound: all FLOPs at "
+                 "the PE peak, fps | published, one H100 |", "|---|---|---|---|---|---|---|---|"]
         rows = list(_brief_rows(results))
     for r, target, t in rows:
         pub = r["published_fps"]
@@ -1215,12 +1248,14 @@ def doc_table(results: List[dict], style: str = "table") -> str:
             one = [lay for lay in t["layouts"] if lay.get("W_vae") == 1 and lay.get("implemented")]
             lines.append(f"| {label} | {target} | {_layout_label(head)} | {head['dit_s'] * 1e3:.1f} | "
                          f"{head['vae_s'] * 1e3:.1f} | {head['chunk_s'] * 1e3:.1f} | **{t['fps']:.1f}** | "
-                         f"{_fmt(t.get('dit_only_fps'))} | {_fmt(one[0]['fps'] if one else None)} | {pub_s} |")
+                         f"{_fmt(t.get('dit_only_fps'))} | {_fmt(one[0]['fps'] if one else None)} | "
+                         f"{_fmt((t.get('pe_bound') or pe_bound(r, target))['fps'])} | {pub_s} |")
         else:
             label = r["label"].split(" [")[0]
             path = _variant(r) or "faithful default"
             lines.append(f"| {label} | {target} | {path} | {head['chunk_s'] * 1e3:.0f} ms | **{t['fps']:.1f}** | "
-                         f"{_fmt(t.get('dit_only_fps'))} | {pub_s} (scope unsettled) |")
+                         f"{_fmt(t.get('dit_only_fps'))} | {_fmt((t.get('pe_bound') or pe_bound(r, target))['fps'])} | "
+                         f"{pub_s} (scope unsettled) |")
     return "\n".join(lines)
 
 
