@@ -3,8 +3,9 @@
 - ``CausalWanPipeline``: chunk-causal Wan (Self-Forcing / CausVid / LongLive class) on the stock
   ``WanTransformer3DModel``, ``AutoencoderKLWan`` and a UMT5 text encoder; ``stream()`` yields decoded frames
   chunk by chunk; ``session()`` is the interactive rollout (prompt switch with LongLive's KV re-cache, reset).
-- ``HeliosSession``: diffusers' stock ``HeliosPipeline`` streamed chunk by chunk with a hosted Helios' commands
-  (prompt now or at a chunk index, reference image and strength, seed, pause / resume / reset).
+- ``HeliosSession``: diffusers' stock ``HeliosPipeline`` or ``HeliosPyramidPipeline`` (Helios-Mid, the real-time
+  Helios-Distilled) streamed chunk by chunk with a hosted Helios' commands (prompt now or at a chunk index,
+  reference image and strength, seed, pause / resume / reset).
 - ``TAEHV``: the light video decoder of Self-Forcing's real-time demo (TAEHV for Wan 2.1) as a diffusers model, its
   convolutions through our conv kernel op, a static streaming memory; opt-in as ``decoder=`` of the pipeline.
 - ``convert_causal_wan_checkpoint``: the published causal checkpoints (original Wan key names inside

@@ -41,17 +41,31 @@ the first chunk, then the first generated frame, exactly stock text-to-video). A
 replaces the anchor from the next chunk on (the history is real by then; no still video is encoded).
 
 Not supported (raises): ``keep_first_frame=False`` (stock 0.42.1 grows ``history_sizes[-1]`` after sizing the
-history and then fails to split it), video-to-video, ``num_videos_per_prompt > 1``, the pyramid pipeline.
+history and then fails to split it), video-to-video, ``num_videos_per_prompt > 1``, ``is_skip_first_chunk``.
+
+The pyramid pipeline (``HeliosPyramidPipeline``: Helios-Mid and the real-time Helios-Distilled; diffusers' Helios
+guide runs Helios-Distilled with ``pyramid_num_inference_steps_list=[2, 2, 2]``, ``guidance_scale=1.0``,
+``is_amplify_first_chunk=True``): the same session over it, with the same commands, history and decode; only the
+denoising of a chunk differs and is stock's (``pipeline_helios_pyramid.HeliosPyramidPipeline.__call__``, diffusers
+0.42.1), one chunk per call: the chunk's noise is downsampled ``S - 1`` times (bilinear, x2), stage ``s`` runs
+``pyramid_num_inference_steps_list[s]`` steps at latent size ``(h, w) / 2^(S - 1 - s)`` (each stage after the first
+upsamples the latents (nearest, x2) and mixes in the scheduler's block noise, ``sample_block_noise``), the
+distilled checkpoint's DMD scheduler steps toward each stage's start point, CFG-Zero* where the pipeline's config
+asks for it, and the first chunk of a video takes twice the steps with ``is_amplify_first_chunk``. The transformer
+sees ``S`` hidden-state shapes, one per stage, the same at every chunk (the history is the fixed-size buffer at
+full resolution): one compiled graph per call site and stage after ``warmup()``.
 """
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusers_nki import compat
@@ -85,11 +99,25 @@ def _check_strength(strength) -> float:
     return float(strength)
 
 
+def _check_steps_list(steps, stages: int) -> List[int]:
+    if (not isinstance(steps, (list, tuple)) or not steps
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in steps)):
+        raise ValueError(f"pyramid_num_inference_steps_list={steps!r} must be a non-empty list of ints >= 1")
+    if len(steps) != stages and stages != 1:
+        raise ValueError(f"pyramid_num_inference_steps_list={list(steps)!r} has {len(steps)} stages; the "
+                         f"pipeline's scheduler has stages={stages} (stock indexes its per-stage timesteps)")
+    return list(steps)
+
+
 class HeliosSession:
-    """An interactive chunk-by-chunk rollout of a stock ``HeliosPipeline`` (see the module docstring).
+    """An interactive chunk-by-chunk rollout of a stock ``HeliosPipeline`` or ``HeliosPyramidPipeline`` (see the
+    module docstring).
 
     Args (the stock call's, with its defaults, except where said):
-        pipe: a ``diffusers.HeliosPipeline`` (patched or not).
+        pipe: a ``diffusers.HeliosPipeline`` or ``diffusers.HeliosPyramidPipeline`` (patched or not).
+        num_inference_steps, sigmas: ``HeliosPipeline`` only (default 50 steps, stock's).
+        pyramid_num_inference_steps_list (default stock's ``[10, 10, 10]``), is_amplify_first_chunk, use_zero_init,
+            zero_steps: ``HeliosPyramidPipeline`` only.
         prompt / prompt_embeds, negative_prompt / negative_prompt_embeds: as stock (the negative one is used only
             with ``guidance_scale > 1``).
         num_chunks: ``None`` (default): endless; an int: ``done`` after that many chunks.
@@ -100,7 +128,7 @@ class HeliosSession:
 
     def __init__(self, pipe, prompt: Union[str, List[str], None] = None, *, prompt_embeds=None,
                  negative_prompt=None, negative_prompt_embeds=None, height: int = 384, width: int = 640,
-                 num_latent_frames_per_chunk: int = 9, num_inference_steps: int = 50,
+                 num_latent_frames_per_chunk: int = 9, num_inference_steps: Optional[int] = None,
                  sigmas: Optional[Sequence[float]] = None, guidance_scale: float = 5.0,
                  history_sizes: Sequence[int] = (16, 2, 1), keep_first_frame: bool = True,
                  num_chunks: Optional[int] = None, seed: Optional[int] = None,
@@ -108,11 +136,32 @@ class HeliosSession:
                  add_noise_to_image_latents: bool = True, image_noise_sigma_min: float = 0.111,
                  image_noise_sigma_max: float = 0.135, video_noise_sigma_min: float = 0.111,
                  video_noise_sigma_max: float = 0.135, output_type: str = "np", max_sequence_length: int = 512,
-                 attention_kwargs: Optional[dict] = None):
-        from diffusers import HeliosPipeline
+                 attention_kwargs: Optional[dict] = None,
+                 pyramid_num_inference_steps_list: Optional[Sequence[int]] = None,
+                 is_amplify_first_chunk: bool = False, use_zero_init: bool = True, zero_steps: int = 1):
+        from diffusers import HeliosPipeline, HeliosPyramidPipeline
 
-        if type(pipe) is not HeliosPipeline:
-            raise TypeError(f"HeliosSession: pipe is a {type(pipe).__name__}; expected diffusers.HeliosPipeline")
+        if type(pipe) not in (HeliosPipeline, HeliosPyramidPipeline):
+            raise TypeError(f"HeliosSession: pipe is a {type(pipe).__name__}; expected diffusers.HeliosPipeline or "
+                            "diffusers.HeliosPyramidPipeline")
+        self.pyramid = type(pipe) is HeliosPyramidPipeline
+        if self.pyramid:
+            if num_inference_steps is not None or sigmas is not None:
+                raise ValueError("HeliosSession: num_inference_steps / sigmas are HeliosPipeline's; a "
+                                 "HeliosPyramidPipeline takes pyramid_num_inference_steps_list")
+            num_inference_steps = 1  # (unused: the stages' steps)
+            self.stage_steps = _check_steps_list([10, 10, 10] if pyramid_num_inference_steps_list is None
+                                                 else pyramid_num_inference_steps_list,
+                                                 pipe.scheduler.config.get("stages", 1))
+        elif pyramid_num_inference_steps_list is not None or is_amplify_first_chunk:
+            raise ValueError("HeliosSession: pyramid_num_inference_steps_list / is_amplify_first_chunk are "
+                             "HeliosPyramidPipeline's; this pipe is a HeliosPipeline")
+        else:
+            num_inference_steps = 50 if num_inference_steps is None else num_inference_steps
+        self.amplify_first = bool(is_amplify_first_chunk)
+        self.cfg_zero_star = bool(self.pyramid and pipe.config.get("is_cfg_zero_star", False))
+        self.distilled = bool(self.pyramid and pipe.config.get("is_distilled", False))
+        self.zero_init = (bool(use_zero_init), int(zero_steps))
         if not keep_first_frame:
             raise ValueError("keep_first_frame=False is not supported: stock HeliosPipeline (diffusers 0.42.1) "
                              "grows history_sizes[-1] after sizing the history and cannot split it")
@@ -167,6 +216,13 @@ class HeliosSession:
         self.window = (self.K - 1) * pipe.vae_scale_factor_temporal + 1
         self.latent_hw = (height // pipe.vae_scale_factor_spatial, width // pipe.vae_scale_factor_spatial)
         self.chunk_shape = (self.batch, C, self.K, *self.latent_hw)
+        if self.pyramid:  # stage 0 at (h, w) / 2^(S - 1), in whole patches (stock's halving floors otherwise)
+            f = 2 ** (len(self.stage_steps) - 1)
+            p = pipe.transformer.config.patch_size
+            if self.latent_hw[0] % (f * p[1]) or self.latent_hw[1] % (f * p[2]):
+                raise ValueError(f"height={height!r}, width={width!r}: the latent {self.latent_hw} must be divisible "
+                                 f"by 2^(stages - 1) x patch = {f * p[1]} x {f * p[2]} for a "
+                                 f"{len(self.stage_steps)}-stage pyramid")
         p = pipe.transformer.config.patch_size
         seq = self.K * self.latent_hw[0] * self.latent_hw[1] // (p[0] * p[1] * p[2])
         sc = self.scheduler.config
@@ -341,21 +397,92 @@ class HeliosSession:
         s = self.image_strength
         return image_part if s == 1.0 else s * image_part + (1.0 - s) * base
 
-    def _call(self, x, t, embeds, hist):
+    def _call(self, x, timestep, embeds, hist):
+        # contiguous: the same values as stock's; one layout for every call of a stage (the pyramid's resized and
+        # stepped latents come in several: a stride guard would recompile the compiled transformer)
         long_, mid, short = hist
-        B = x.shape[0]
         return self.pipe.transformer(
-            hidden_states=x.to(self.dtype), timestep=t.expand(B), encoder_hidden_states=embeds,
+            hidden_states=x.to(self.dtype).contiguous(), timestep=timestep, encoder_hidden_states=embeds,
             latents_history_short=short.to(self.dtype), latents_history_mid=mid.to(self.dtype),
             latents_history_long=long_.to(self.dtype), attention_kwargs=self.attention_kwargs, return_dict=False,
             **self.indices)[0]
 
-    def _denoise_step(self, x, t, hist):
-        flow = self._call(x, t, self.prompt_embeds, hist)
+    def _timestep(self, t, B: int):
+        # stock: HeliosPipeline passes t.expand(B); HeliosPyramidPipeline t.expand(B).to(torch.int64)
+        return t.expand(B).to(torch.int64) if self.pyramid else t.expand(B)
+
+    def _denoise_step(self, x, t, hist, zero: bool = False):
+        """The guided flow at ``t`` (``zero``: CFG-Zero*'s zero-init step of the pyramid's first stage)."""
+        timestep = self._timestep(t, x.shape[0])
+        flow = self._call(x, timestep, self.prompt_embeds, hist)
         if self.negative_embeds is not None:
-            uncond = self._call(x, t, self.negative_embeds, hist)
-            flow = uncond + self.guidance_scale * (flow - uncond)
+            uncond = self._call(x, timestep, self.negative_embeds, hist)
+            if self.cfg_zero_star:  # stock pyramid's CFG-Zero* (its optimized_scale); reshape, not stock's view:
+                # the transformer's output is a permuted, non-contiguous tensor and stock 0.42.1's .view raises
+                from diffusers.pipelines.helios.pipeline_helios_pyramid import optimized_scale
+
+                B = x.shape[0]
+                a = optimized_scale(flow.reshape(B, -1), uncond.reshape(B, -1)).view(B, 1, 1, 1, 1).to(flow.dtype)
+                flow = flow * 0.0 if zero else uncond * a + self.guidance_scale * (flow - uncond * a)
+            else:
+                flow = uncond + self.guidance_scale * (flow - uncond)
         return flow
+
+    def _stage_hw(self, stage: int):
+        f = 2 ** (len(self.stage_steps) - 1 - stage)
+        return self.latent_hw[0] // f, self.latent_hw[1] // f
+
+    def _stage_timesteps(self, sched, stage: int, x_shape, first: bool):
+        """Stock's per-stage ``set_timesteps``; ``mu`` from ``x_shape``, the latents as they enter the stage
+        (before its upsampling, as stock computes it)."""
+        p = self.pipe.transformer.config.patch_size
+        sc = sched.config
+        seq = x_shape[-1] * x_shape[-2] * x_shape[-3] // (p[0] * p[1] * p[2])
+        mu = _calculate_shift(seq, sc.get("base_image_seq_len", 256), sc.get("max_image_seq_len", 4096),
+                              sc.get("base_shift", 0.5), sc.get("max_shift", 1.15))
+        sched.set_timesteps(self.stage_steps[stage], stage, device=self.device, mu=mu,
+                            is_amplify_first_chunk=self.amplify_first and first)
+        return sched.timesteps
+
+    def _resize(self, x, hw, mode: str, scale: float = 1.0):
+        B, C, K = x.shape[:3]
+        y = F.interpolate(x.permute(0, 2, 1, 3, 4).reshape(B * K, C, *x.shape[-2:]), size=hw, mode=mode)
+        return (y * scale if scale != 1.0 else y).reshape(B, K, C, *hw).permute(0, 2, 1, 3, 4)
+
+    def _denoise(self, x, hist):
+        """One chunk's denoising from its noise ``x``: stock ``HeliosPipeline``'s loop, or the pyramid's."""
+        sched = self.scheduler
+        if not self.pyramid:
+            sched.set_timesteps(self.steps, device=self.device, sigmas=self.sigmas, mu=self.mu)
+            for t in sched.timesteps:
+                flow = self._denoise_step(x, t, hist)
+                x = sched.step(flow, t, x, generator=self.generator, return_dict=False)[0]
+            return x
+        S, first = len(self.stage_steps), self.index == 0
+        for s in range(S - 1):  # stock: down to stage 0's size, bilinear, x2 each time
+            x = self._resize(x, self._stage_hw(S - 2 - s), "bilinear", 2.0)
+        starts = [x] if self.distilled else None
+        for stage in range(S):
+            timesteps = self._stage_timesteps(sched, stage, x.shape, first)
+            if stage > 0:  # stock: up x2 (nearest), then the block noise against the block artifact
+                x = self._resize(x, self._stage_hw(stage), "nearest")
+                ori = 1 - sched.ori_start_sigmas[stage]
+                gamma = sched.config.gamma
+                alpha = 1 / (math.sqrt(1 + (1 / gamma)) * (1 - ori) + ori)
+                beta = alpha * (1 - ori) / math.sqrt(gamma)
+                B, C, K, h, w = x.shape
+                noise = self.pipe.sample_block_noise(B, C, K, h, w, self.pipe.transformer.config.patch_size,
+                                                     self.device, self.generator)
+                x = alpha * x + beta * noise.to(device=self.device, dtype=self.dtype)
+                if starts is not None:
+                    starts.append(x)
+            zero_init, zero_steps = self.zero_init
+            for i, t in enumerate(timesteps):
+                flow = self._denoise_step(x, t, hist, zero=stage == 0 and i <= zero_steps and zero_init)
+                extra = dict(cur_sampling_step=i, dmd_noisy_tensor=starts[stage], dmd_sigmas=sched.sigmas,
+                             dmd_timesteps=sched.timesteps, all_timesteps=timesteps) if self.distilled else {}
+                x = sched.step(flow, t, x, generator=self.generator, return_dict=False, **extra)[0]
+        return x
 
     @torch.no_grad()
     def next_chunk(self) -> Optional[HeliosStreamChunk]:
@@ -394,11 +521,7 @@ class HeliosSession:
 
         x = pipe.prepare_latents(self.batch, self.chunk_shape[1], self.height, self.width, self.window,
                                  dtype=torch.float32, device=dev, generator=self.generator, latents=None)
-        sched = self.scheduler
-        sched.set_timesteps(self.steps, device=dev, sigmas=self.sigmas, mu=self.mu)
-        for t in sched.timesteps:
-            flow = self._denoise_step(x, t, hist)
-            x = sched.step(flow, t, x, generator=self.generator, return_dict=False)[0]
+        x = self._denoise(x, hist)
 
         if self.first_frame is None:
             self.first_frame = x[:, :, 0:1]
@@ -435,11 +558,17 @@ class HeliosSession:
     @torch.no_grad()
     def warmup(self) -> None:
         """Run every transformer call site once on zeros (the conditional pass, and the unconditional one with
-        guidance), leaving the session's state untouched: compiled, the first real chunk compiles nothing."""
+        guidance; with the pyramid, once per stage: its shape), leaving the session's state untouched: compiled,
+        the first real chunk compiles nothing."""
         self._check_open()
-        z = torch.zeros(self.chunk_shape, dtype=torch.float32, device=self.device)
         long_, mid, one = self.history.split(self.history_sizes, dim=2)
         hist = (long_, mid, torch.cat([torch.zeros_like(one[:, :, :1]), one], dim=2))
         sched = copy.deepcopy(self.scheduler)
-        sched.set_timesteps(self.steps, device=self.device, sigmas=self.sigmas, mu=self.mu)
-        self._denoise_step(z, sched.timesteps[0], hist)
+        if not self.pyramid:
+            sched.set_timesteps(self.steps, device=self.device, sigmas=self.sigmas, mu=self.mu)
+            z = torch.zeros(self.chunk_shape, dtype=torch.float32, device=self.device)
+            self._denoise_step(z, sched.timesteps[0], hist)
+            return
+        for stage in range(len(self.stage_steps)):
+            z = torch.zeros((*self.chunk_shape[:3], *self._stage_hw(stage)), dtype=torch.float32, device=self.device)
+            self._denoise_step(z, self._stage_timesteps(sched, stage, z.shape, False)[0], hist)

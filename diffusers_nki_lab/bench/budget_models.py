@@ -19,11 +19,17 @@ The models (``MODELS``; geometries read in the originals' configs, cited per mod
   ``CausalWanPipeline`` in its LongLive 2.0 configuration (the class docstring: per-token timesteps, prompt switch
   without re-cache, multi-shot sink and RoPE offset 8, ``LONGLIVE2_TIMESTEPS`` through a per-chunk UniPC), the
   Wan2.2 VAE (48 latent channels, 16x spatial) decoded by ``WanStreamingDecoder`` with the static cache.
-- ``helios14b``: Helios, stock diffusers ``HeliosPipeline`` / ``HeliosTransformer3DModel`` at its default (Helios-14B)
-  config, streamed by ``diffusers_nki.pipelines.HeliosSession``: 9 latent frames = 33 video frames per chunk at
-  384x640, 3 steps, history (16, 2, 1), no guidance; each chunk decoded on its own as stock does, through the static
-  Wan VAE cache ``patch(pipe)`` installs (a fresh ``WanStreamingDecoder`` per chunk: the causal conv3d kernel). The distilled checkpoint's pyramid (lower-resolution early stages, ``HeliosPyramidPipeline``)
-  is NOT in the recorded path (the session runs ``HeliosPipeline``): 3 full-resolution steps, an upper bound.
+- ``helios14b``: Helios-Distilled, the real-time checkpoint, as diffusers' Helios guide runs it ("Generation with
+  Helios-Distilled": ``HeliosPyramidPipeline``, ``pyramid_num_inference_steps_list=[2, 2, 2]``,
+  ``guidance_scale=1.0``, ``is_amplify_first_chunk=True``; the pipeline's example names BestWishYsh/Helios-Distilled
+  among its models) on the stock ``HeliosTransformer3DModel`` at its default (Helios-14B) config, streamed by
+  ``diffusers_nki.pipelines.HeliosSession``: 9 latent frames = 33 video frames per chunk at 384x640, history
+  (16, 2, 1), no guidance; a steady chunk is 3 pyramid stages of 2 steps (the DMD scheduler, ``is_distilled``) on
+  the chunk's latents at 96x160, 192x320 and 384x640 pixels' worth (latent 12x20, 24x40, 48x80), the history at
+  full resolution in every pass (the amplified first chunk, twice the steps, is not the steady chunk); each chunk
+  decoded on its own as stock does, through the static Wan VAE cache ``patch(pipe)`` installs (a fresh
+  ``WanStreamingDecoder`` per chunk: the causal conv3d kernel). ``HELIOS_PIPELINE_OPTIONS`` empty records the
+  non-pyramid ``HeliosPipeline`` path instead (3 full-resolution steps), labelled.
 
 Recording: the default patched pipeline (``diffusers_nki.patch(pipe, backend="sim")``) at full geometry on the meta
 device, every op logged with its call site (``bench/_record``), ``LAYERS_RECORDED`` of the model's layers: a
@@ -83,6 +89,11 @@ E = budget.E
 # chunk once the window rolls; the recording has no VAE encoder (meta, decode recorded apart), so that one encode is
 # NOT in the recorded path and every Krea row says so (_krea_notes)
 KREA_PIPELINE_OPTIONS: Dict[str, object] = {"kv_recompute": 3, "kv_cache_attention_bias": 0.3, "keep_first_frame": True}
+# Helios-Distilled's published real-time configuration (diffusers' Helios guide, "Generation with Helios-Distilled":
+# HeliosPyramidPipeline, pyramid_num_inference_steps_list=[2, 2, 2], guidance_scale=1.0, is_amplify_first_chunk=True):
+# 3 pyramid stages of 2 steps; empty = HeliosPipeline at HELIOS_FLAT_STEPS full-resolution steps, labelled
+HELIOS_PIPELINE_OPTIONS: Dict[str, object] = {"pyramid_num_inference_steps_list": (2, 2, 2)}
+HELIOS_FLAT_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,22 @@ def _krea_notes() -> Tuple[str, ...]:
             "context frames into the cache every block: do_kv_recomp)",)
 
 
+def _helios_steps() -> int:
+    """Transformer passes of a steady Helios chunk: the pyramid's steps summed, or the flat path's steps."""
+    return sum(HELIOS_PIPELINE_OPTIONS.get("pyramid_num_inference_steps_list", ())) or HELIOS_FLAT_STEPS
+
+
+def _helios_notes() -> Tuple[str, ...]:
+    steps = HELIOS_PIPELINE_OPTIONS.get("pyramid_num_inference_steps_list")
+    if steps:
+        return (f"Helios-Distilled's pyramid recorded (HeliosSession over HeliosPyramidPipeline, DMD scheduler): "
+                f"{len(steps)} stages of {list(steps)} steps at 1/{2 ** (len(steps) - 1)} .. 1x the latent size, "
+                "the history at full size in every pass; the first chunk's amplified steps (twice) are not the "
+                "steady chunk",)
+    return (f"NOT the published configuration: HeliosPipeline at {HELIOS_FLAT_STEPS} full-resolution steps "
+            "(HELIOS_PIPELINE_OPTIONS empty); Helios-Distilled runs a 3-stage pyramid (HeliosPyramidPipeline)",)
+
+
 MODELS: Dict[str, ModelSpec] = {
     "wan13b": ModelSpec(
         "wan13b", "Self-Forcing (Wan2.1-1.3B)", "causal_wan", 30, 12, 8960, 16, 480, 832, 3, 4, 12, 17.0,
@@ -145,13 +172,13 @@ MODELS: Dict[str, ModelSpec] = {
         notes=("per-token timesteps, the multi-shot sink and RoPE offset and the per-chunk UniPC solver recorded "
                "(CausalWanPipeline's LongLive 2.0 configuration)",)),
     "helios14b": ModelSpec(
-        "helios14b", "Helios 14B", "helios", 40, 40, 13824, 16, 384, 640, 9, 3, 33, 19.5,
+        "helios14b", "Helios 14B", "helios", 40, 40, 13824, 16, 384, 640, 9, _helios_steps(), 33, 19.5,
         "19.5 fps end to end on one H100 (PKU-YuanGroup/Helios README; diffusers' Helios guide)",
         "diffusers 0.42.1 HeliosTransformer3DModel defaults (Helios-14B: 40 heads x 128, 40 layers, FFN 13824; "
-        "Helios-Base's model card: fine-tuned from Wan2.1-T2V-14B) and HeliosPipeline defaults (384x640, 33-frame "
-        "chunks, history 16/2/1); 3 steps (the distilled model's)",
-        notes=("the distilled checkpoint's pyramid stages are not in the recorded path (HeliosSession runs "
-               "HeliosPipeline): 3 full-resolution steps, an upper bound",)),
+        "Helios-Base's model card: fine-tuned from Wan2.1-T2V-14B) and HeliosPyramidPipeline defaults (384x640, "
+        "33-frame chunks, history 16/2/1); diffusers' Helios guide for Helios-Distilled: "
+        "pyramid_num_inference_steps_list=[2, 2, 2], guidance_scale=1.0, is_amplify_first_chunk=True",
+        pipeline_options=dict(HELIOS_PIPELINE_OPTIONS), notes=_helios_notes()),
 }
 
 
@@ -161,6 +188,9 @@ def _spec(key: str) -> ModelSpec:
     s = MODELS[key]
     if key == "krea14b" and s.pipeline_options != KREA_PIPELINE_OPTIONS:  # the switch, read at call time
         s = ModelSpec(**{**s.__dict__, "pipeline_options": dict(KREA_PIPELINE_OPTIONS), "notes": _krea_notes()})
+    if key == "helios14b" and s.pipeline_options != HELIOS_PIPELINE_OPTIONS:  # likewise
+        s = ModelSpec(**{**s.__dict__, "pipeline_options": dict(HELIOS_PIPELINE_OPTIONS), "steps": _helios_steps(),
+                         "notes": _helios_notes()})
     return s
 
 
@@ -197,6 +227,29 @@ def _meta_unipc():
             return 0
 
     return MetaUniPC
+
+
+def _meta_dmd():
+    """diffusers' ``HeliosDMDScheduler`` whose step reads its sigmas by index, not by value: stock builds
+    ``torch.full(..., timestep)`` (an ``item``, which meta tensors refuse) and takes the argmin over the stage's
+    timesteps, which for the step's own timestep (``all_timesteps[cur_sampling_step]``, the pyramid loop's) and the
+    next one are the indices ``cur_sampling_step`` and ``cur_sampling_step + 1``. Same arithmetic otherwise (x0 from
+    the flow, then re-noised toward the stage's start point). Its step runs outside the transformer (no term of the
+    DiT); the override only lets the meta recording run the loop."""
+    from diffusers import HeliosDMDScheduler
+
+    class MetaDMD(HeliosDMDScheduler):
+        def step(self, model_output, timestep=None, sample=None, generator=None, return_dict=True,
+                 cur_sampling_step=0, dmd_noisy_tensor=None, dmd_sigmas=None, dmd_timesteps=None,
+                 all_timesteps=None):
+            sigma = dmd_sigmas[cur_sampling_step].double()
+            x0 = (sample.double() - sigma * model_output.double()).to(model_output.dtype)
+            if cur_sampling_step < len(all_timesteps) - 1:
+                nxt = dmd_sigmas[cur_sampling_step + 1]
+                x0 = ((1 - nxt) * x0 + nxt * dmd_noisy_tensor).type_as(dmd_noisy_tensor)
+            return (x0,)
+
+    return MetaDMD
 
 
 def _wan_vae(kind: str):
@@ -353,7 +406,7 @@ def _quiet():
 
 def _record_helios(spec: ModelSpec, layers: int) -> dict:
     import torch
-    from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+    from diffusers import HeliosPipeline, HeliosPyramidPipeline, HeliosScheduler, HeliosTransformer3DModel
 
     import diffusers_nki
     from diffusers_nki.caching.wan_vae import find_wan_vae_cache
@@ -362,15 +415,22 @@ def _record_helios(spec: ModelSpec, layers: int) -> dict:
 
     with torch.device("meta"):
         tr = HeliosTransformer3DModel(num_layers=layers)  # the defaults are Helios-14B's
-    pipe = HeliosPipeline(None, None, _wan_vae("wan2.1"), HeliosScheduler(stage_range=[0, 1], stages=1,
-                                                                          use_dynamic_shifting=True), tr)
+    pyramid = spec.pipeline_options.get("pyramid_num_inference_steps_list")
+    if pyramid:  # Helios-Distilled (module doc): the DMD scheduler's 3 stages (its defaults; the cost is the shapes)
+        pipe = HeliosPyramidPipeline(None, None, _wan_vae("wan2.1"), _meta_dmd()(stages=len(pyramid)), tr,
+                                     is_distilled=True)
+        steps = dict(pyramid_num_inference_steps_list=list(pyramid), is_amplify_first_chunk=True)
+    else:
+        pipe = HeliosPipeline(None, None, _wan_vae("wan2.1"), HeliosScheduler(stage_range=[0, 1], stages=1,
+                                                                              use_dynamic_shifting=True), tr)
+        steps = dict(num_inference_steps=spec.steps)
     diffusers_nki.patch(pipe, backend=budget.RECORD_BACKEND)
     s = HeliosSession(pipe, prompt_embeds=torch.zeros(1, spec.text_len, 4096, device="meta"), height=spec.height,
-                      width=spec.width, num_latent_frames_per_chunk=spec.chunk_frames, num_inference_steps=spec.steps,
-                      guidance_scale=1.0, seed=0, output_type="pt")
+                      width=spec.width, num_latent_frames_per_chunk=spec.chunk_frames, guidance_scale=1.0, seed=0,
+                      output_type="pt", **steps)
     try:
         with torch.no_grad(), _meta_autocast():
-            s.next_chunk()  # chunk 0 (every chunk has the same shapes: the history is a fixed-size buffer)
+            s.next_chunk()  # chunk 0 (every later chunk has the same shapes: the history is a fixed-size buffer)
             ops, vops = _record.OpRecorder(tr), _record.OpRecorder(pipe.vae)
             hook = find_wan_vae_cache(pipe.vae)  # patch(pipe) installs the static decode cache (HeliosSession)
             calls0 = hook.stats["calls"] if hook is not None else 0
@@ -383,7 +443,9 @@ def _record_helios(spec: ModelSpec, layers: int) -> dict:
         diffusers_nki.unpatch(pipe)
     calls = _attn_calls(rec.calls, spec, lambda i: True)
     seq = max(c.sq for c in calls)
+    # the pyramid's stages: one sequence length per stage (self-attention over history + chunk at its size)
     return {"ops": ops.records(), "calls": calls, "tokens_per_frame": seq, "tokens": seq, "passes": spec.steps,
+            "token_counts": sorted({c.sq for c in calls if c.name == "self"}),
             "decode": {"ops": vops.records(), "video_frames": int(out.frames.shape[1]), "decoder_calls": dcalls,
                        "latent_frames": spec.chunk_frames, "streaming_wan21": False}}
 
@@ -596,17 +658,35 @@ def dit_terms(spec: ModelSpec, rec: dict, W: int, target: str, chips: int, model
             "bytes_inter_chip": best["bytes_inter_chip"]}
 
 
+def _module_lengths(rec: dict, mod: str) -> Dict[int, int]:
+    """``{output length: layer-passes}`` of Helios' ``mod`` (attn1 / attn2 / ffn) in a steady chunk, read at one
+    projection of layer 0 that runs once per pass at the module's output length (the site whose outputs reach the
+    longest length; the pyramid's stages give it one length per stage). Its counts are scaled to the model's layers
+    (``record``): x ``layers_recorded`` = every layer. They must add up to layers x passes (else: raise)."""
+    ops = [(r, n) for r, n in rec["ops"].items() if r.kind == "matmul" and r.site.startswith(f"blocks.0.{mod}.")]
+    length = {id(r): max(o[-2] for o in r.outs if len(o) >= 2) for r, _ in ops}
+    top = max(length.values())
+    site = min(r.site for r, _ in ops if length[id(r)] == top)
+    out: Dict[int, int] = Counter()
+    for r, n in ops:
+        if r.site == site:
+            out[length[id(r)]] += n * rec["layers_recorded"]
+    if sum(out.values()) != rec["layers"] * rec["passes"]:
+        raise ValueError(f"_module_lengths: {site} ran {sum(out.values())} layer-passes; the chunk has "
+                         f"{rec['layers']} x {rec['passes']}")
+    return dict(out)
+
+
 def _gather_term(spec: ModelSpec, rec: dict, W: int, fab) -> dict:
     """The output gathers of the plan: the cached Wan path gathers the output per pass (``CacheParallel.gather``);
     Helios' plan all-gathers the output of every attn1, attn2 and ffn (``_cp_plan``'s ContextParallelOutput)."""
     comm = scaling._Comm()
     if spec.kind == "helios":
         dim = spec.heads * spec.head_dim
-        for mod in ("attn1", "attn2", "ffn"):  # each module's output length, as recorded (layer 0)
-            S = max(o[-2] for r in rec["ops"] if r.kind == "matmul" and r.site.startswith(f"blocks.0.{mod}.")
-                    for o in r.outs if len(o) >= 2)
-            for _ in range(spec.layers * rec["passes"]):
-                scaling._collective(fab, W, 1, W, -(-S // W) * dim * E, "all_gather", comm)
+        for mod in ("attn1", "attn2", "ffn"):  # each module's output length per pass, as recorded (layer 0)
+            for S, n in _module_lengths(rec, mod).items():
+                for _ in range(n):
+                    scaling._collective(fab, W, 1, W, -(-S // W) * dim * E, "all_gather", comm)
         what = "the plan's output all-gathers (every attn1, attn2, ffn of every layer and pass)"
     else:
         for _ in range(rec["passes"]):

@@ -4,7 +4,8 @@ default patched path (bench/budget_models).
 Checked here (fast: 2 recorded layers, stand-in kernel models; the command traces the real kernels):
 - each model's default path recorded at full geometry on the meta device gives the attention shapes of its
   original's config (Krea: a 6-frame window of 480x832; LongLive 2.0: 704x1280 over the 16x Wan2.2 VAE, an 8-frame
-  chunk against 24 cached frames; Helios: 9 chunk frames + its compressed history, text cross-attention on the chunk);
+  chunk against 24 cached frames; Helios-Distilled: 3 pyramid stages of 2 steps, each stage's chunk tokens + its
+  full-size compressed history, text cross-attention on the chunk; the non-pyramid HeliosPipeline path on request);
 - the per-layer ops are identical across the recorded layers (what counting them x layers / recorded assumes), and
   the scaled counts are exactly the recorded ones x that factor;
 - the inter-chip fabric takes the documented per-chip figure of the level a collective spans;
@@ -76,12 +77,33 @@ def test_recorded_geometry_follows_the_originals_configs(krea, helios):
     assert (first.sq, first.skv, first.cache, first.cache_len, first.causal_block, first.count) == \
         (3 * tpf, 3 * tpf, 3 * tpf, tpf, 3 * tpf, 40 * 4)  # the anchor frame of the cache + the chunk, causal
     assert (rest.cache, rest.cache_len, rest.causal_block, rest.count) == (2 * tpf, 2 * tpf, 0, 40 * 4)
-    h = {c.name: c for c in helios["calls"]}
-    # Helios at 384x640: 9 chunk frames x 960 tokens + short (2 x 960) + mid (2 frames at 2x patch: 240)
-    # + long (16 frames at 4x patch: 240); cross-attention over the chunk's tokens only; 3 steps, no cache
+    # Helios-Distilled at 384x640 (HeliosPyramidPipeline, [2, 2, 2]): stage s has 9 chunk frames of 960 / 4^(2 - s)
+    # tokens (60, 240, 960: latent 12x20, 24x40, 48x80 in 2x2 patches) + the history at full size in every pass:
+    # short (2 x 960) + mid (2 frames at 2x patch: 240) + long (16 frames at 4x patch: 240); cross-attention over the
+    # chunk's tokens only; 2 steps per stage, no cache
+    hist = 2 * 960 + 240 + 240
+    own = {(c.name, c.sq, c.skv, c.cache, c.count) for c in helios["calls"]}
+    assert own == {("self", 9 * t + hist, 9 * t + hist, 0, 40 * 2) for t in (60, 240, 960)} | \
+        {("cross (text)", 9 * t, 512, 0, 40 * 2) for t in (60, 240, 960)}
+    assert helios["passes"] == 6 and helios["pipeline_options"] == {"pyramid_num_inference_steps_list": (2, 2, 2)}
+    # the plan's output gathers follow the stages: each module's output length per pass
+    assert bm._module_lengths(helios, "attn1") == {9 * t + hist: 40 * 2 for t in (60, 240, 960)}
+    assert bm._module_lengths(helios, "attn2") == {9 * t: 40 * 2 for t in (60, 240, 960)}
+    assert helios["decode"]["video_frames"] == 33
+
+
+def test_helios_flat_path_stays_available(monkeypatch):
+    """HELIOS_PIPELINE_OPTIONS empty: stock HeliosPipeline at 3 full-resolution steps, labelled as not the
+    published configuration."""
+    monkeypatch.setattr(bm, "HELIOS_PIPELINE_OPTIONS", {})
+    spec = bm._spec("helios14b")
+    assert spec.steps == 3 and spec.pipeline_options == {} and "NOT the published configuration" in spec.notes[0]
+    flat = bm.record("helios14b", 2)
+    h = {c.name: c for c in flat["calls"]}
+    assert len(flat["calls"]) == 2 and flat["passes"] == 3
     assert h["self"].sq == h["self"].skv == 9 * 960 + 2 * 960 + 240 + 240 and h["self"].count == 40 * 3
     assert (h["cross (text)"].sq, h["cross (text)"].skv, h["cross (text)"].cache) == (9 * 960, 512, 0)
-    assert helios["decode"]["video_frames"] == 33
+    assert bm._module_lengths(flat, "ffn") == {9 * 960 + 2 * 960 + 240 + 240: 40 * 3}
 
 
 def test_longlive2_geometry_and_its_wan22_decode():
@@ -220,7 +242,7 @@ def test_krea_kv_recompute_is_on_and_one_switch(monkeypatch):
     monkeypatch.setattr(bm, "KREA_PIPELINE_OPTIONS", {})
     s = bm._spec("krea14b")
     assert s.pipeline_options == {} and "not in the recorded path" in s.notes[0] and not bm._cp_not_implemented(s)
-    assert bm._spec("helios14b").pipeline_options == {}
+    assert bm._spec("helios14b").pipeline_options == {"pyramid_num_inference_steps_list": (2, 2, 2)}
 
 
 def test_an_unmodeled_kernel_raises(krea):
