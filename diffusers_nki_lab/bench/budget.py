@@ -50,7 +50,9 @@ A layout COUNTS (its fps is printed as a result) only when the code implements i
 ``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the gloo tests in tests/parallel/ run each); a layout
 it does not list says "not implemented" and is left out of the headline fps. The sharded decode's collectives are
 those ``caching.wan_vae.decode_collectives`` lists (all-gathers of the edge rows before every 3-row convolution,
-of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model.
+of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model. With
+``--decoder taehv`` the shared layout is TAEHV's own height-sharded decode (``pipelines.taehv``, ``process_group=``):
+its slowest rank's calls recorded through that path and the all-gathers it makes (``taehv.decode_collectives``).
 """
 from __future__ import annotations
 

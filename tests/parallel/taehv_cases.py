@@ -26,3 +26,21 @@ def streamed(decoder, z):
     """Every chunk of ``CHUNKS`` through ``decoder.decode``, in order."""
     with torch.no_grad():
         return [decoder.decode(z[:, :, a:b]) for a, b in CHUNKS]
+
+
+def pipe():
+    """The tiny causal Wan pipeline, patched (the static caches), as tests/parallel/vae_cases builds it."""
+    import diffusers_nki
+    from diffusers_nki.testing.tiny import tiny_pipeline
+
+    from vae_cases import pipe_cache
+
+    p = tiny_pipeline("causal_wan")
+    diffusers_nki.patch(p, backend="torch", cache=pipe_cache())
+    return p
+
+
+def pipe_kwargs():
+    from vae_cases import pipe_kwargs as kw
+
+    return kw()

@@ -9,7 +9,9 @@ Joins a gloo process group over 127.0.0.1 (file rendezvous) and saves to OUT_DIR
   test to compare with ``taehv.decode_collectives``;
 - "no_halo": a control that must break the decode (every halo replaced by zero rows);
 - "errors": a latent height below the number of ranks, and ranks that disagree on a chunk's frames (each rank
-  must raise a ValueError, never hang).
+  must raise a ValueError, never hang);
+- "shared" (2 ranks): the causal Wan pipeline's DiT context-parallel (Ulysses 2), then TAEHV height-sharded over
+  the same ranks (``TAEHV.process_group``: the pipeline builds its decoder itself), ``stream()``'s frames.
 The one-process references are computed by the test itself, in the same run.
 """
 import datetime
@@ -79,7 +81,26 @@ def run(rank: int, world: int) -> dict:
     except ValueError as e:
         errors["frames"] = str(e)
     res["errors"] = errors
+    if world == 2:  # the shared layout: the tiny pipeline's DiT context-parallel (Ulysses 2), TAEHV sharded after it
+        res["shared"] = shared(m)
     return res
+
+
+def shared(m) -> list:
+    from diffusers import ContextParallelConfig
+
+    from diffusers_nki import parallel
+
+    import taehv_cases as cases
+
+    pipe = cases.pipe()
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=dist.get_world_size()),
+                                        cp_plan=parallel.cp_plan(pipe.transformer))
+    m.process_group = parallel.layout(pipe.transformer._parallel_config).flat_group
+    try:
+        return [c.frames for c in pipe.stream(**cases.pipe_kwargs(), decoder=m)]
+    finally:
+        m.process_group = None
 
 
 def main():
@@ -88,6 +109,7 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    torch.accelerator.device_count = lambda: 1  # diffusers: device = rank % torch.accelerator.device_count()
     torch.save(run(rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -3,7 +3,8 @@ in time): every rank's frames, chunk by chunk (the stream's first frame, then ch
 odd latent height: uneven shards), equal the one-process streamed decode computed in this run within 1e-5
 relative (fp32); the decode breaks without the halo rows (the test can fail); the all-gathers the real path makes
 are the ones ``taehv.decode_collectives`` lists (what ``bench budget`` costs); a height below the rank count and
-ranks that disagree on a chunk fail with a ValueError on every rank."""
+ranks that disagree on a chunk fail with a ValueError on every rank; over 2 ranks, the shared layout (the causal
+Wan pipeline's DiT context-parallel, then TAEHV sharded over the same ranks) streams the one-process frames."""
 from __future__ import annotations
 
 import os
@@ -38,7 +39,9 @@ def reference():
     with torch.no_grad():
         whole = m.decode(z).sample
     assert _rel(torch.cat(chunks, dim=2), whole) <= TOL and whole.std() > 0.1  # a live network, streamed exactly
-    return chunks
+    pipe = cases.pipe()
+    frames = [c.frames for c in pipe.stream(**cases.pipe_kwargs(), decoder=m)]
+    return chunks, frames
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -49,6 +52,7 @@ def test_sharded_stream_equals_one_process(tmp_path, reference, world):
     spawn(os.path.join(HERE, "taehv_worker.py"), world, lambda r: (r, world, tmp_path / "store", tmp_path),
           TIMEOUT_S, "TAEHV workers")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    reference, frames = reference
     rows = split_rows(cases.HEIGHT, world)
     assert max(rows) > min(rows)  # uneven shards
     worst = 0.0
@@ -71,6 +75,11 @@ def test_sharded_stream_equals_one_process(tmp_path, reference, world):
         err = res["errors"]
         assert f"a latent height of {world - 1} rows cannot be split over {world} ranks" in err["height"], err
         assert f"the {world} ranks of the sharded decode disagree on latent frames" in err["frames"], err
+        if world == 2:  # the shared layout: DiT Ulysses 2, then TAEHV sharded over the same ranks, in stream()
+            assert len(res["shared"]) == len(frames) > 1
+            for got, want in zip(res["shared"], frames):
+                worst = max(worst, _rel(got, want))
+                assert _rel(got, want) <= TOL, (rank, "shared")
     print(f"TAEHV sharded over {world} ranks (rows {rows}) vs one process: max rel err {worst:.2e}")
 
 
