@@ -310,6 +310,7 @@ def test_implemented_layouts_are_what_vae_parallel_lists(monkeypatch):
     monkeypatch.setattr(vae_parallel, "implemented_layouts", lambda cores: [
         vae_parallel.DecodeLayout("shared", cores, cores, False, implemented=False)])
     assert set(budget.implemented_layouts()) == {"serial_one_core"}
+    assert set(budget.implemented_layouts(decoder="taehv")) == {"serial_one_core"}
 
 
 def test_sharded_decode_collectives_are_caching_wan_vaes(vae):
@@ -490,8 +491,9 @@ def test_taehv_recorded_calls_match_a_held_out_count_with_real_tensors():
 
 
 def test_taehv_budget_terms_and_layouts(probe, taehv):
-    """Each term labelled and named for TAEHV (no Wan VAE term names), no sharded layout (the light decoder runs on
-    one core), the result labelled with its decoder, the rendered tables too."""
+    """Each term labelled and named for TAEHV (no Wan VAE term names); its layouts: one core, and height-sharded over
+    the DiT's 8 ranks (the shared layout, costed from the slowest rank's own recorded calls and collectives; no
+    disaggregated split); the result labelled with its decoder, the rendered tables too."""
     m = FakeModel()
     v = budget.vae_terms(taehv, 1, "trn2", m)
     _labelled(v["terms"])
@@ -501,11 +503,25 @@ def test_taehv_budget_terms_and_layouts(probe, taehv):
     conv = [t for t in v["terms"] if t["label"].startswith("scheduled: causal_conv3d")]
     assert sum(t["calls"] for t in conv) == 35
     impl = budget.implemented_layouts(decoder="taehv")
-    assert set(impl) == {"serial_one_core"} and "TAEHVStreamingDecoder" in impl["serial_one_core"]
+    assert set(impl) == {"serial_one_core", "shared"} and "TAEHVStreamingDecoder" in impl["serial_one_core"]
+    assert "process_group" in impl["shared"] and "test_taehv_parallel.py" in impl["shared"]
+    # the sharded decode on its slowest rank: 8 of the 60 latent rows (x 8 per stage) in every conv, halo rows
+    # exchanged before each 3x3 conv and the decoded rows gathered (what pipelines.taehv.decode_collectives lists)
+    v8 = budget.vae_terms(taehv, 8, "trn2", m)
+    _labelled(v8["terms"])
+    conv8 = [t for t in v8["terms"] if t["label"].startswith("scheduled: causal_conv3d")]
+    assert sum(t["calls"] for t in conv8) == 35
+    assert sum(t["seconds"] for t in conv8) == pytest.approx(sum(t["seconds"] for t in conv) * 8 / 60, rel=1e-6)
+    comm = [t for t in v8["terms"] if t["name"].startswith("sharded-decode all-gathers")]
+    assert len(comm) == 1 and comm[0]["collectives"] == 33 and comm[0]["seconds"] > 0
+    assert not any("split evenly" in t["label"] for t in v8["terms"])
     res = budget.budget("self_forcing", ("trn2",), probe, taehv, FakeModel(), impl)
     t2 = res["targets"]["trn2"]
-    assert res["decoder"] == "taehv" and t2["headline"]["name"] == "serial, decode on one core"
-    assert all(r["W_vae"] == 1 for r in t2["layouts"]) and set(t2["vae"]) == {"1"}
+    rows = {r["name"]: r for r in t2["layouts"]}
+    assert set(rows) == {"serial, decode on one core", "shared: DiT then decode, both over 8 cores (height-sharded)"}
+    assert all(r["implemented"] for r in rows.values()) and set(t2["vae"]) == {"1", "8"}
+    assert res["decoder"] == "taehv" and t2["headline"]["name"].startswith("shared")
+    assert t2["headline"]["vae_s"] < rows["serial, decode on one core"]["vae_s"] / 4
     wan = budget.budget("self_forcing", ("trn2",), probe, budget.vae_decode_calls(), FakeModel(),
                         {"serial_one_core": "x"})
     assert wan["decoder"] == "wan" and t2["headline"]["vae_s"] < wan["targets"]["trn2"]["headline"]["vae_s"]

@@ -34,6 +34,19 @@ encoder's keys are ignored and listed), including its trimming of the grow layer
 disabled (the last-timestep output channels kept). Tested with random weights against the original module built
 from Self-Forcing's source (fp32, <= 1e-5).
 
+Height-sharded decode (``TAEHVStreamingDecoder(model, process_group=group)``, or ``model.process_group``;
+``diffusers_nki.vae_parallel.HeightShards``, as the Wan VAE's ``caching/wan_vae.py``): each rank of the group holds
+contiguous latent rows (uneven shards: the first ``h % W`` ranks one row more; ``h >= W``), those rows times 2, 4,
+8 after each upsampling stage. Every op is per pixel except the 3x3 convolutions: before each one the rank takes
+one halo row from each neighbour (one all-gather of every rank's edge rows; zeros at the picture's edges) and runs
+the kernel with no row padding of its own. A memory block's one-frame memory holds its rank's rows WITH the halo
+rows (the kernel's cache contract: the cache has the input's rows), so a cached frame's halo is never exchanged
+again. The 1x1 grow (the temporal "TGrow") and the memory are per rank. The clamped output rows are all-gathered at
+the end: every rank returns the whole frames, equal to one process's within fp32 rounding.
+``decode_plan(model, b, h, w, frames, ranks)``: the per-rank convolution calls and the collectives of one steady
+chunk (the slowest rank: rank 0), counted by driving that same stream code on the meta device (what ``bench
+budget`` costs).
+
 Limits: latents ``[B, 16, f, h, w]`` (``latent_channels``); float32 / bfloat16 / float16 (the conv kernel's);
 inference only (a stream refuses gradients).
 """
@@ -49,8 +62,10 @@ from diffusers.models.modeling_utils import ModelMixin
 
 from diffusers_nki import dense_ops
 from diffusers_nki.kernels import causal_conv3d_ref as _conv_ref
+from diffusers_nki.vae_parallel import HeightShards, agree, split_rows
 
-__all__ = ["TAEHV", "TAEHVStream", "TAEHVStreamingDecoder", "decode_conv_calls"]
+__all__ = ["TAEHV", "TAEHVStream", "TAEHVStreamingDecoder", "decode_conv_calls", "decode_plan", "decode_collectives",
+           "plan_stream"]
 
 _W = "_diffusers_nki_taehv_w"
 
@@ -105,6 +120,8 @@ class TAEHV(ModelMixin, ConfigMixin):
                  space_upscale: Tuple[bool, bool, bool] = (True, True, True)):
         super().__init__()
         self.backend = "torch"  # where the convolutions run (not part of the saved config)
+        # the torch.distributed group new streams height-shard over by default (None: one process; not saved)
+        self.process_group = None
         c = list(channels)
         if len(c) != 4 or len(time_upscale) != 2 or len(space_upscale) != 3:
             raise ValueError(f"TAEHV: channels={channels!r} (4 widths), time_upscale={time_upscale!r} (2 flags), "
@@ -162,15 +179,25 @@ class TAEHV(ModelMixin, ConfigMixin):
         return cached[1]
 
     def _conv(self, conv: torch.nn.Conv2d, x: torch.Tensor, cache: Optional[torch.Tensor] = None,
-              memory: bool = False) -> torch.Tensor:
+              memory: bool = False, pad_top: int = -1, pad_bottom: int = -1) -> torch.Tensor:
         w = self._weight(conv, memory)
-        return dense_ops.causal_conv3d(x, w, conv.bias, cache, -1, -1, self.backend)
+        return dense_ops.causal_conv3d(x, w, conv.bias, cache, pad_top, pad_bottom, self.backend)
 
-    def _run(self, x: torch.Tensor, memories: Optional[List[torch.Tensor]], conv=None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, memories: Optional[List[torch.Tensor]], conv=None, shards=None) -> torch.Tensor:
         """The decoder over ``x`` [B, C, f, h, w]; ``memories``: one [B, C, 1, H, W] per memory block (read, then
         overwritten in place with the block's input at its last frame); None: zero memory, nothing kept. ``conv``:
-        the convolution call (default ``self._conv``; ``decode_conv_calls`` passes a recorder)."""
-        conv = conv or self._conv
+        the convolution call (default ``self._conv``; ``decode_conv_calls`` passes a recorder). ``shards``: a
+        ``HeightShards`` (x holds this rank's rows; each 3x3 conv's rows come from ``shards.halo`` instead of the
+        kernel's zero padding, and the memories hold the haloed rows) or None (one process)."""
+        base = conv or self._conv
+
+        def conv(layer, x, mem=None, memory=False):
+            p = (layer.kernel_size[0] - 1) // 2
+            if shards is None or p == 0:
+                return base(layer, x, mem, memory), x
+            xp = shards.halo(x, p)  # the neighbours' rows (zeros at the picture's edges): no padding in the kernel
+            return base(layer, xp, mem, memory, 0, 0), xp
+
         m, up = 0, False
         for layer in self.decoder:
             if up and not isinstance(layer, TimeGrow):  # an upsample deferred past a grow: apply it now
@@ -178,15 +205,15 @@ class TAEHV(ModelMixin, ConfigMixin):
             if isinstance(layer, MemoryBlock):
                 mem = None if memories is None else memories[m]
                 c0, _, c1, _, c2 = layer.conv
-                h = F.relu(conv(c0, x, mem, memory=True))
-                h = F.relu(conv(c1, h))
-                h = conv(c2, h)
+                h, xp = conv(c0, x, mem, memory=True)
+                h = F.relu(conv(c1, F.relu(h))[0])
+                h = conv(c2, h)[0]
                 if mem is not None:
-                    mem.copy_(x[:, :, -1:])
+                    mem.copy_(xp[:, :, -1:])  # the block's input at its last frame (halo rows included if sharded)
                 x = F.relu(h + x)
                 m += 1
             elif isinstance(layer, TimeGrow):
-                x = conv(layer.conv, x)
+                x = conv(layer.conv, x)[0]
                 B, SC, T, H, W = x.shape
                 s = layer.stride
                 x = x.view(B, s, SC // s, T, H, W).permute(0, 2, 3, 1, 4, 5).reshape(B, SC // s, T * s, H, W)
@@ -197,7 +224,7 @@ class TAEHV(ModelMixin, ConfigMixin):
                 # grow runs on a quarter of the pixels (the same values: each output pixel is its source's)
                 up = layer.scale_factor != 1
             elif isinstance(layer, torch.nn.Conv2d):
-                x = conv(layer, x)
+                x = conv(layer, x)[0]
             else:
                 x = layer(x)
         return _upsample(x) if up else x
@@ -219,18 +246,22 @@ class TAEHV(ModelMixin, ConfigMixin):
     def forward(self, z: torch.Tensor, return_dict: bool = True):
         return self.decode(z, return_dict)
 
-    def memory_shapes(self, batch: int, height: int, width: int) -> List[Tuple[int, ...]]:
-        """The static memory of a stream: per memory block [B, C, 1, H, W] at its stage's resolution."""
+    def memory_shapes(self, batch: int, height: int, width: int, halo: int = 0) -> List[Tuple[int, ...]]:
+        """The static memory of a stream: per memory block [B, C, 1, H, W] at its stage's resolution (``height``:
+        the latent rows this process holds; ``halo``: the halo rows kept above and below them, 1 when sharded)."""
         shapes, H, W = [], height, width
         for layer in self.decoder:
             if isinstance(layer, MemoryBlock):
-                shapes.append((batch, layer.channels, 1, H, W))
+                shapes.append((batch, layer.channels, 1, H + 2 * halo, W))
             elif isinstance(layer, torch.nn.Upsample) and layer.scale_factor != 1:
                 H, W = 2 * H, 2 * W
         return shapes
 
-    def new_stream(self, batch: int, height: int, width: int) -> "TAEHVStream":
-        return TAEHVStream(self, batch, height, width)
+    def new_stream(self, batch: int, height: int, width: int, process_group="model") -> "TAEHVStream":
+        """A stream; ``process_group``: the group to height-shard over (default ``self.process_group``; None: one
+        process). Sharded, this is a collective: every rank of the group calls it with the same geometry."""
+        group = self.process_group if isinstance(process_group, str) and process_group == "model" else process_group
+        return TAEHVStream(self, batch, height, width, process_group=group)
 
 
 class TAEHVStream:
@@ -238,16 +269,26 @@ class TAEHVStream:
     zeroed at creation, overwritten in place by every call. ``decode(z)`` takes the NEXT latent frames and returns
     their frames in [-1, 1] (the stream's first ``frames_to_trim`` dropped)."""
 
-    def __init__(self, model: TAEHV, batch: int, height: int, width: int):
+    def __init__(self, model: TAEHV, batch: int, height: int, width: int, process_group=None, _shards=None):
+        if process_group is not None and _shards is None:
+            # a collective: ranks given different geometries fail together here, before any one fails alone below
+            agree("TAEHVStream", {n: v if isinstance(v, int) and not isinstance(v, bool) else -1
+                                  for n, v in (("batch", batch), ("latent height", height), ("latent width", width))},
+                  process_group)
         for name, v in (("batch", batch), ("height", height), ("width", width)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"TAEHVStream: {name}={v!r} must be an int >= 1")
         self.model = model
         self.geometry = (batch, height, width)
         self.dtype, self.device = model.dtype, model.device
+        # the height split (None: one process): HeightShards over the group (raises on every rank when height <
+        # ranks), or a planning stand-in (``_PlannedShards``, ``decode_plan`` on the meta device)
+        self.shards = _shards if _shards is not None else (
+            HeightShards(height, process_group) if process_group is not None else None)
+        rows, halo = (height, 0) if self.shards is None else (self.shards.local_rows, 1)
         with torch.inference_mode(False):
             self.buffers = [torch.zeros(s, dtype=self.dtype, device=self.device)
-                            for s in model.memory_shapes(batch, height, width)]
+                            for s in model.memory_shapes(batch, rows, width, halo)]
         self.frames_in = 0
         self.calls = 0
 
@@ -262,6 +303,12 @@ class TAEHVStream:
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         m = self.model
+        if self.shards is not None:  # before any check that could fail on one rank alone, and any collective
+            dims = list(z.shape) if isinstance(z, torch.Tensor) and z.dim() == 5 else [-1] * 5
+            self.shards.agree("TAEHVStream.decode", {
+                "latent rank": z.dim() if isinstance(z, torch.Tensor) else -1, "batch": dims[0],
+                "latent channels": dims[1], "latent frames": dims[2], "latent height": dims[3],
+                "latent width": dims[4], "frames decoded": self.frames_in}, device=self.device)
         m._check(z, "TAEHVStream.decode")
         B, _, f, h, w = z.shape
         if (B, h, w) != self.geometry:
@@ -273,25 +320,33 @@ class TAEHVStream:
         if torch.is_grad_enabled():
             raise RuntimeError("TAEHVStream: gradients are enabled; the streaming decode serves inference only "
                                "(wrap the call in torch.no_grad())")
-        out = m._run(z.to(self.dtype), self.buffers)
+        z = z.to(self.dtype)
+        if self.shards is not None:
+            z = self.shards.local(z)
+        out = m._run(z, self.buffers, shards=self.shards)
         if self.frames_in == 0:
             out = out[:, :, m.frames_to_trim:]
         self.frames_in += f
         self.calls += 1
-        return (out * 2.0 - 1.0).clamp(-1.0, 1.0)
+        out = (out * 2.0 - 1.0).clamp(-1.0, 1.0)
+        return out if self.shards is None else self.shards.gather(out)
 
     def describe(self) -> str:
         B, h, w = self.geometry
-        return (f"TAEHV stream: batch {B}, latent {h}x{w}, {len(self.buffers)} memory blocks, buffers "
+        text = (f"TAEHV stream: batch {B}, latent {h}x{w}, {len(self.buffers)} memory blocks, buffers "
                 f"{self.nbytes / 2**20:.2f} MiB, {self.frames_in} latent frames decoded in {self.calls} calls")
+        return text if self.shards is None else f"{text}; {self.shards.describe()}"
 
 
 class TAEHVStreamingDecoder:
     """``WanStreamingDecoder``'s interface over TAEHV (``CausalWanPipeline(..., decoder=...)``): ``decode(latents)``
-    takes the DiT's latents of the next chunk and returns pixels in [-1, 1]."""
+    takes the DiT's latents of the next chunk and returns pixels in [-1, 1]. ``process_group``: the
+    ``torch.distributed`` group whose ranks decode each chunk height-sharded (every rank passes the whole latents
+    and gets the whole frames; module doc); default ``model.process_group`` (None: one process)."""
 
-    def __init__(self, model: TAEHV):
+    def __init__(self, model: TAEHV, process_group="model"):
         self.model = model
+        self.process_group = process_group
         self.stream: Optional[TAEHVStream] = None
 
     @property
@@ -317,27 +372,107 @@ class TAEHVStreamingDecoder:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
-            B, _, _, h, w = latents.shape
-            self.stream = self.model.new_stream(B, h, w)
+            B, _, _, h, w = list(latents.shape) if latents.dim() == 5 else [-1] * 5
+            self.stream = self.model.new_stream(B, h, w, self.process_group)
         return self.stream.decode(latents)
 
 
-def decode_conv_calls(model: TAEHV, batch: int, height: int, width: int, frames: int) -> List[dict]:
-    """The ``causal_conv3d`` calls ONE streamed chunk of ``frames`` latent frames makes (the shapes the budget
-    models with the kernel): ``[{"Cin", "Cout", "k": (kt, kh, kw), "T", "H", "W", "cache", "count"}]``, counted by
-    running the decode on the meta device through the same code path."""
+class _PlannedShards:
+    """One rank's view of a height split WITHOUT a process group, for planning on the meta device (``decode_plan``):
+    the same rows as ``HeightShards`` (``vae_parallel.split_rows``), ``halo`` pads zero rows of the neighbours'
+    shape, ``gather`` returns the whole rows' shape; every collective the sharded path would make is recorded in
+    ``collectives`` as ``{"what", "kind": "all_gather", "elements_per_rank"}`` (HeightShards' sizes: 2 p edge rows
+    per halo, the longest shard's rows per gather). Meta tensors only: it never makes values."""
+
+    def __init__(self, height: int, ranks: int, rank: int = 0):
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"decode_plan: ranks={ranks!r} must be an int >= 1")
+        if not isinstance(height, int) or height < ranks:
+            raise ValueError(f"decode_plan: a latent height of {height!r} rows cannot be split over {ranks} ranks "
+                             f"(each rank needs at least one row; height >= ranks)")
+        self.world, self.rank, self.height = ranks, rank, height
+        self.rows = split_rows(height, ranks)
+        self.local_rows, self.start = self.rows[rank], sum(self.rows[:rank])
+        self.collectives: List[dict] = []
+
+    def _meta(self, x: torch.Tensor) -> None:
+        if x.device.type != "meta":
+            raise RuntimeError("TAEHV decode_plan: the planning split serves meta tensors only (it makes no values)")
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(-2, self.start, self.local_rows)
+
+    def halo(self, x: torch.Tensor, p: int) -> torch.Tensor:
+        self._meta(x)
+        B, C, T, R, W = x.shape
+        self.collectives.append({"what": f"halo rows before a 3x3 conv ({C} ch, {T} frames, {R} rows x {W})",
+                                 "kind": "all_gather", "elements_per_rank": B * C * T * 2 * p * W})
+        return F.pad(x, (0, 0, p, p))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        self._meta(x)
+        B, C, T, R, W = x.shape
+        s = R // self.local_rows
+        self.collectives.append({"what": f"decoded rows ({C} ch, {T} frames, x{s} rows)", "kind": "all_gather",
+                                 "elements_per_rank": B * C * T * max(self.rows) * s * W})
+        return x.new_empty((B, C, T, self.height * s, W))
+
+    def agree(self, what, fields, device=None) -> None:  # one process: nothing to compare
+        return None
+
+    def describe(self) -> str:
+        return f"planned height split over {self.world} ranks (rows {self.rows}); rank {self.rank}"
+
+
+def plan_stream(model: TAEHV, batch: int, height: int, width: int, ranks: int) -> "TAEHVStream":
+    """A stream of ``model`` (on the meta device) as rank 0 of a ``ranks``-way height split sees it (the slowest
+    rank: uneven shards give the first ranks the extra row), for recording the sharded path's calls without a
+    process group (``bench budget``). ``stream.shards.collectives``: what it would exchange."""
+    if model.device.type != "meta":
+        raise ValueError(f"plan_stream: the model is on {model.device}; planning runs on the meta device")
+    return TAEHVStream(model, batch, height, width, _shards=_PlannedShards(height, ranks, 0))
+
+
+def decode_plan(model: TAEHV, batch: int, height: int, width: int, frames: int, ranks: int = 1) -> dict:
+    """ONE steady streamed chunk of ``frames`` latent frames (after a first 1-frame call, not counted) on the slowest
+    rank of a ``ranks``-way height split (1: one process), recorded by driving ``TAEHVStream.decode`` on the meta
+    device: ``{"convs": [{"Cin", "Cout", "k": (kt, kh, kw), "T", "H", "W", "pads", "cache", "count"}],
+    "collectives": [...]}``. ``H``: the call's input rows (halo rows included when sharded); ``pads``: the kernel's
+    own row padding ((-1, -1): the image's; (0, 0): haloed)."""
     calls: Dict[tuple, int] = {}
 
-    def record(conv, x, cache=None, memory=False):
+    def record(conv, x, cache=None, memory=False, pad_top=-1, pad_bottom=-1):
         cout, cin = conv.out_channels, conv.in_channels // (2 if memory else 1)
         kh, kw = conv.kernel_size
-        key = (cin, cout, (2 if memory else 1, kh, kw), x.shape[2], x.shape[3], x.shape[4], cache is not None)
+        pt, pb = ((kh - 1) // 2 if p < 0 else p for p in (pad_top, pad_bottom))
+        key = (cin, cout, (2 if memory else 1, kh, kw), x.shape[2], x.shape[3], x.shape[4], cache is not None,
+               (pad_top, pad_bottom))
         calls[key] = calls.get(key, 0) + 1
-        return x.new_empty((x.shape[0], cout, x.shape[2], x.shape[3], x.shape[4]))
+        return x.new_empty((x.shape[0], cout, x.shape[2], x.shape[3] + pt + pb - kh + 1, x.shape[4]))
 
     meta = TAEHV.from_config(model.config).to("meta")
-    mems = [torch.empty(s, device="meta") for s in meta.memory_shapes(batch, height, width)]
+    meta._conv = record  # this local model only
+    stream = plan_stream(meta, batch, height, width, ranks) if ranks > 1 else meta.new_stream(batch, height, width,
+                                                                                               None)
+    C = meta.config.latent_channels
     with torch.no_grad():
-        meta._run(torch.empty((batch, meta.config.latent_channels, frames, height, width), device="meta"), mems,
-                  conv=record)
-    return [dict(Cin=k[0], Cout=k[1], k=k[2], T=k[3], H=k[4], W=k[5], cache=k[6], count=n) for k, n in calls.items()]
+        stream.decode(torch.empty((batch, C, 1, height, width), device="meta"))
+        calls.clear()
+        if stream.shards is not None:
+            stream.shards.collectives.clear()
+        stream.decode(torch.empty((batch, C, frames, height, width), device="meta"))
+    convs = [dict(Cin=k[0], Cout=k[1], k=k[2], T=k[3], H=k[4], W=k[5], cache=k[6], pads=k[7], count=n)
+             for k, n in calls.items()]
+    return {"convs": convs, "collectives": [] if stream.shards is None else list(stream.shards.collectives)}
+
+
+def decode_conv_calls(model: TAEHV, batch: int, height: int, width: int, frames: int, ranks: int = 1) -> List[dict]:
+    """The ``causal_conv3d`` calls ONE streamed chunk of ``frames`` latent frames makes on one rank (the slowest
+    of ``ranks``), the shapes the budget models with the kernel (``decode_plan``'s "convs")."""
+    return decode_plan(model, batch, height, width, frames, ranks)["convs"]
+
+
+def decode_collectives(model: TAEHV, batch: int, height: int, width: int, ranks: int, frames: int = 1) -> List[dict]:
+    """The collectives of ONE steady chunk of the height-sharded decode over ``ranks`` ranks, in order: a halo
+    all-gather before every 3x3 conv, the decoded rows at the end (``decode_plan``'s "collectives")."""
+    return decode_plan(model, batch, height, width, frames, ranks)["collectives"]

@@ -50,7 +50,9 @@ A layout COUNTS (its fps is printed as a result) only when the code implements i
 ``diffusers_nki.vae_parallel.implemented_layouts(8)`` lists it (the gloo tests in tests/parallel/ run each); a layout
 it does not list says "not implemented" and is left out of the headline fps. The sharded decode's collectives are
 those ``caching.wan_vae.decode_collectives`` lists (all-gathers of the edge rows before every 3-row convolution,
-of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model.
+of the mid attention's keys and values, and of the decoded rows), costed by the bench/scaling model. With
+``--decoder taehv`` the shared layout is TAEHV's own height-sharded decode (``pipelines.taehv``, ``process_group=``):
+its slowest rank's calls recorded through that path and the all-gathers it makes (``taehv.decode_collectives``).
 """
 from __future__ import annotations
 
@@ -290,15 +292,17 @@ def vae_decode_calls(latent_frames: int = CHUNK_FRAMES, height: int = HEIGHT, wi
             "backend": backend, "decoder": decoder}
 
 
-def _taehv_decode_calls(latent_frames: int, height: int, width: int, backend: str) -> dict:
+def _taehv_decode_calls(latent_frames: int, height: int, width: int, backend: str, ranks: int = 1) -> dict:
     """``vae_decode_calls`` for TAEHV (``diffusers_nki.pipelines.TAEHV`` at its published config: Wan 2.1's 16 latent
     channels, widths 256 / 128 / 64 / 64, 4x in time, 8x in space; random weights on the meta device), streamed by
     ``TAEHVStreamingDecoder`` -- what ``CausalWanPipeline(..., decoder=TAEHV)`` runs -- with its convolutions on
     ``backend``'s kernel (``dense_ops.causal_conv3d``). A first 1-frame call starts the stream (not counted). TAEHV
     runs its layers' weights through our op itself (no module forward), so the decode is recorded at the root site
-    and each convolution at its layer's path (``decoder.<i>...``)."""
+    and each convolution at its layer's path (``decoder.<i>...``). ``ranks`` > 1: the height-sharded decode as its
+    slowest rank runs it (``taehv.plan_stream``: that rank's rows and halo rows, every collective listed in
+    ``"collectives"``)."""
     import torch
-    from diffusers_nki.pipelines.taehv import TAEHV, TAEHVStreamingDecoder
+    from diffusers_nki.pipelines.taehv import TAEHV, TAEHVStreamingDecoder, plan_stream
 
     with torch.device("meta"):
         model = TAEHV()
@@ -308,18 +312,22 @@ def _taehv_decode_calls(latent_frames: int, height: int, width: int, backend: st
     rec = _record.OpRecorder(model, tag=lambda: phase[0])
     conv = model._conv
 
-    def site_conv(layer, x, cache=None, memory=False):  # this local model only: each conv recorded at its site
+    def site_conv(layer, x, *args):  # this local model only: each conv recorded at its site
         with rec.site(names[id(layer)]):
-            return conv(layer, x, cache, memory)
+            return conv(layer, x, *args)
 
     model._conv = site_conv
     h, w = height // 8, width // 8
     try:
         dec = TAEHVStreamingDecoder(model)
+        if ranks > 1:
+            dec.stream = plan_stream(model, 1, h, w, ranks)
         with torch.no_grad(), rec, rec.site(""):
             dec.decode(torch.zeros(1, 16, 1, h, w, device="meta"))  # the stream's first frame (not counted)
             phase[0] = 1
             calls0 = dec.stream.calls
+            if ranks > 1:
+                dec.stream.shards.collectives.clear()
             out = dec.decode(torch.zeros(1, 16, latent_frames, h, w, device="meta"))
             calls = dec.stream.calls - calls0
     finally:
@@ -327,7 +335,8 @@ def _taehv_decode_calls(latent_frames: int, height: int, width: int, backend: st
     recs = rec.records(tag=1)
     return {"ops": recs, "flops": recorded_flops(recs), "latent_frames": latent_frames,
             "video_frames": int(out.shape[2]), "dispatches": sum(recs.values()), "decoder_calls": calls,
-            "backend": backend, "decoder": "taehv"}
+            "backend": backend, "decoder": "taehv", "ranks": ranks,
+            "collectives": list(dec.stream.shards.collectives) if ranks > 1 else []}
 
 
 def recorded_flops(ops: dict) -> float:
@@ -756,6 +765,8 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
     rows, every other op an XLA row. ``{"terms", "seconds"}``."""
 
     model = model or _Model()
+    if vae.get("decoder") == "taehv" and V > 1:
+        return _taehv_sharded_terms(vae, V, target, model)
     ops = vae["ops"]
     decoder = vae.get("decoder", "wan")
     conv_kind, names = (_taehv_conv_kind if decoder == "taehv" else _conv_kind), _VAE_OTHER_NAMES[decoder]
@@ -825,6 +836,32 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
     return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms), "kernels": _kernel_counts(ops)}
 
 
+_TAEHV_RANKS: Dict[tuple, dict] = {}
+
+
+def _taehv_sharded_terms(vae: dict, V: int, target: str, model: _Model) -> dict:
+    """TAEHV's decode height-sharded over V ranks: the SLOWEST rank's own recorded calls (``_taehv_decode_calls(...,
+    ranks=V)``: its rows with halo rows, every op it dispatches) costed as one rank's decode, plus the all-gathers
+    that run lists (a halo before every 3x3 conv, the decoded rows), costed by the bench/scaling model."""
+    key = (V, vae["latent_frames"], vae.get("backend", RECORD_BACKEND))
+    if key not in _TAEHV_RANKS:
+        _TAEHV_RANKS[key] = _taehv_decode_calls(vae["latent_frames"], HEIGHT, WIDTH, key[2], ranks=V)
+    rank = _TAEHV_RANKS[key]
+    out = vae_terms(rank, 1, target, model)  # this rank's calls: nothing further to split
+    for t in out["terms"]:
+        t["label"] = t["label"].replace("split evenly over the ranks", f"the slowest of {V} ranks' recorded ops")
+        t["name"] = t["name"].replace("copies: ", "copies: halo-row pads, ")
+    fab, comm = scaling.FABRICS[target], scaling._Comm()
+    for c in rank["collectives"]:
+        scaling._collective(fab, V, 1, V, c["elements_per_rank"] * E, "all_gather", comm)
+    out["terms"].append(_term("sharded-decode all-gathers (halo rows before every 3x3 conv, the decoded rows)",
+                              comm.seconds, "ASSUMPTION: bench/scaling collective model (bandwidth share + 2 us each), "
+                              "not overlapped; the collectives are those the sharded TAEHV decode makes "
+                              "(pipelines.taehv.decode_collectives)", collectives=comm.collectives))
+    out.update(V=V, seconds=sum(t["seconds"] for t in out["terms"]))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------
 # layouts
 # ------------------------------------------------------------------------------------------------------
@@ -833,11 +870,16 @@ def implemented_layouts(cores: int = CORES, decoder: str = "wan") -> Dict[str, s
     "disaggregated W_dit/W_vae": why, ...}``. The one-core decode is ``WanStreamingDecoder`` in one process (always);
     the sharded and disaggregated layouts are the ones ``diffusers_nki.vae_parallel.implemented_layouts(cores)``
     lists with ``implemented=True`` (each is run by the gloo tests in tests/parallel/). ``decoder="taehv"``: the
-    light decoder runs on one core only (``TAEHVStreamingDecoder``; the sharded and disaggregated decodes are the Wan
-    VAE's)."""
+    light decoder on one core, and height-sharded over the DiT's ranks (``TAEHVStreamingDecoder(process_group=)``,
+    tests/parallel/test_taehv_parallel.py); the disaggregated decodes are the Wan VAE's."""
     if decoder == "taehv":
-        return {"serial_one_core": "diffusers_nki.pipelines.taehv.TAEHVStreamingDecoder (CausalWanPipeline(decoder="
-                                   "TAEHV): one process decodes the chunk)"}
+        out = {"serial_one_core": "diffusers_nki.pipelines.taehv.TAEHVStreamingDecoder (CausalWanPipeline(decoder="
+                                  "TAEHV): one process decodes the chunk)"}
+        if any(lay.name == "shared" and lay.implemented for lay in vae_parallel.implemented_layouts(cores)):
+            out["shared"] = ("diffusers_nki.pipelines.taehv.TAEHVStreamingDecoder(process_group=<the DiT's group>) "
+                             "(or TAEHV.process_group): the DiT's ranks then decode height-sharded "
+                             "(vae_parallel.HeightShards; tests/parallel/test_taehv_parallel.py)")
+        return out
     out = {"serial_one_core": "diffusers_nki.pipelines.causal_wan.WanStreamingDecoder (one process decodes the chunk)"}
     for lay in vae_parallel.implemented_layouts(cores):
         if not getattr(lay, "implemented", False):
@@ -895,12 +937,12 @@ def layouts(calls, vae: dict, target: str, model: Optional[_Model] = None, tpf: 
                                (f"; {extra}" if extra else "")})
 
     d8 = D(CORES)["seconds"]
-    # a height-sharded decode exists for the Wan VAE only (its collectives: caching.wan_vae.decode_collectives);
-    # another decoder's layouts keep its decode on one core
+    # a height-sharded decode exists for the Wan VAE (its collectives: caching.wan_vae.decode_collectives) and for
+    # TAEHV in the shared layout (pipelines.taehv.decode_collectives); the disaggregated splits are the Wan VAE's
     shardable = vae.get("decoder", "wan") == "wan"
     add("serial, decode on one core", "serial", CORES, 1, ["serial_one_core"], d8 + V(1)["seconds"],
         d8 + V(1)["seconds"])
-    if shardable:
+    if shardable or vae.get("decoder") == "taehv":  # TAEHV: height-sharded too (pipelines.taehv, process_group=)
         add(f"shared: DiT then decode, both over {CORES} cores (height-sharded)", "serial", CORES, CORES, ["shared"],
             d8 + V(CORES)["seconds"], d8 + V(CORES)["seconds"])
     pruned = []
