@@ -47,7 +47,8 @@ not split anything: ``cp_plan(model)`` is ``{}`` for such a model and a diffuser
 - ring: the cache never moves. The chunk's queries are all-gathered over the ring (they are the small
   part), each rank attends them to ITS cache shard + its chunk keys in place (``attention_lse``), and the
   partial (out, lse) go back to the owners (one all-to-all) and are merged exactly with the log-sum-exp
-  ("pass-Q" ring: bytes moved ~ the chunk, not the cache);
+  ("pass-Q" ring: bytes moved ~ the chunk, not the cache; ``ring`` takes any local partial returning (out, lse):
+  the causal Wan cache's biased attention (Krea) merges its two kernel calls into one such partial per rank);
 - runtime lengths: every cache length, write slot and key-padding length is the single-process value / R
   (``tokens``); counts that are not whole frames (AnyFlow-FAR's stock zero keys) are spread over the ring
   rows (``share``). Shapes never depend on them: one compiled shape per call site on every rank.

@@ -72,7 +72,7 @@ the context (theirs: ``current_start = min(start, kv_cache_num_frames)``). Their
 (``CausalChunk.kv_bias``: their Hub modular pipeline's ``kv_cache_attention_bias``; semantics as in
 daydreamlive/scope's port, ``modules/causal_model.py``: ``log(bias)`` on the logits of the keys in
 [one frame, cache length - one chunk)) runs as two ``attention_lse`` kernel calls merged exactly
-(``_biased_attention``). Not under context parallelism (raises).
+(``_biased_attention``). Under context parallelism: see below.
 
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
@@ -92,11 +92,17 @@ in place (ring: pass-Q, partials merged with the log-sum-exp), and the output he
 before unpatchify: every rank returns the full sample. Every runtime length (``cache_len``, the write slots) is
 the single-process value / R, exact because the FrameRing hands out whole frames (sinks and the rolling window
 unchanged); shapes never depend on them. A call holding several causal blocks: ``causal_block`` under Ulysses
-only, one pass-Q call per block (``kv_len``) under ring. Calls without a ``CausalChunk`` run the stock forward
+only, one pass-Q call per block (``kv_len``) under ring. KV re-computation (Krea): the re-computation call is
+such a call (its blocks' key lengths capped at the valid context under ring) and writes its head-sharded K/V into
+this rank's shard from slot 0, so each rank holds its ring row's part of the context; the biased attention runs
+its two ``attention_lse`` calls on this rank's heads (Ulysses) or, under ring, on the ring's gathered queries over
+this rank's shard (slot 0: its part of the first frame), merged into one (out, lse) per rank that the pass-Q ring
+merges like any partial (``CacheParallel.ring``). Calls without a ``CausalChunk`` run the stock forward
 in full on every rank (no split hooks: the same result, replicated work). Limits: heads % ulysses_degree == 0,
 tokens per frame % (ulysses_degree x ring_degree) == 0 (clear errors).
 Tested (tests/parallel, gloo, 2 and 4 processes): ulysses 2, ring 2 and both, LongLive-style sink + rolling
-window with evictions, equal to the single-process patched rollout within 1e-5 (fp32).
+window with evictions, and Krea rollouts (KV re-computation + bias, 3-frame and frame-wise chunks), equal to the
+single-process patched rollout within 1e-5 (fp32).
 
 Limits: temporal patch size 1; 1-D timesteps (one per batch row, as every chunk of these models uses); a call
 holding several blocks must fit the window without evicting (split it otherwise; raises); the LoRA ``scale``

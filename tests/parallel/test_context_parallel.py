@@ -1,6 +1,7 @@
 """Context parallelism over torch.distributed (gloo on 127.0.0.1, 2 and 4 processes spawned here, bounded in time):
 tiny Wan, the AnyFlow-FAR pipeline and the causal Wan pipeline (LongLive-style sink + rolling window that evicts
-frames; static caches sharded per rank) with ulysses_degree 2, ring_degree 2 and both, equal to the single-process
+frames; static caches sharded per rank; Krea Realtime's KV re-computation + attention bias) with ulysses_degree 2,
+ring_degree 2 and both, equal to the single-process
 patched run within 1e-5 (fp32), every attention call through our ops on every rank (kernel-op counters; no stock
 SDPA or flex call anywhere); diffusers' own Ulysses/ring templates around our forward/backward ops (forward with
 the emulated NKI kernel's lse too, exact gradients)."""
