@@ -10,7 +10,8 @@ Checked here (fast: 2 recorded layers, stand-in kernel models; the command trace
 - the inter-chip fabric takes the documented per-chip figure of the level a collective spans;
 - the budget per chip count: every term labelled with its calls, fps = frames / chunk, fps per chip, the fewest
   chips reaching the published rate; Krea's KV re-computation and attention bias recorded (two attention_lse calls
-  per biased self-attention, modeled), its multi-rank rows labelled modeled, not implemented;
+  per biased self-attention, modeled, one set of collectives per layer around both), its multi-rank rows
+  implemented layouts (it runs under context parallelism: tests/parallel);
 - the command writes the JSON, the table and the marked doc region.
 """
 import json
