@@ -47,7 +47,8 @@ not split anything: ``cp_plan(model)`` is ``{}`` for such a model and a diffuser
 - ring: the cache never moves. The chunk's queries are all-gathered over the ring (they are the small
   part), each rank attends them to ITS cache shard + its chunk keys in place (``attention_lse``), and the
   partial (out, lse) go back to the owners (one all-to-all) and are merged exactly with the log-sum-exp
-  ("pass-Q" ring: bytes moved ~ the chunk, not the cache);
+  ("pass-Q" ring: bytes moved ~ the chunk, not the cache; ``ring`` takes any local partial returning (out, lse):
+  the causal Wan cache's biased attention (Krea) merges its two kernel calls into one such partial per rank);
 - runtime lengths: every cache length, write slot and key-padding length is the single-process value / R
   (``tokens``); counts that are not whole frames (AnyFlow-FAR's stock zero keys) are spread over the ring
   rows (``share``). Shapes never depend on them: one compiled shape per call site on every rank.
@@ -416,10 +417,20 @@ class CacheParallel:
         if causal_block:
             raise ValueError(f"diffusers_nki context parallelism: causal_block={causal_block} with ring_degree="
                              f"{self.R} (pass-Q ring); attend block by block with kv_len")
+        return self.ring(q, lambda q_all: ops.attention_lse(q_all, k, v, k_cache, v_cache, cache_len, kv_len, scale,
+                                                            0, self.backend))
+
+    def ring(self, q, partial) -> torch.Tensor:
+        """The pass-Q ring around any local partial attention (R > 1): ``q`` [B, Sq, Hl, D] (this rank's queries,
+        ``to_heads``) all-gathered over the ring; ``partial(q_all)`` -> (out [B, R Sq, Hl, D], lse [B, Hl, R Sq]
+        fp32, -inf where no key) attends them to THIS rank's keys; the partials go back to their owners (one
+        all-to-all each for out and lse) and are merged exactly with the log-sum-exp (``merge_partials``). A
+        partial that itself merges several kernel calls (the causal Wan cache's biased attention) returns its
+        merged out and log-sum-exp: the ring's merge is then the same identity one level up."""
         R, g = self.R, self.layout.ring_group
         B, Sq, Hl, D = q.shape
         q_all = all_gather(q, R, g).permute(1, 0, 2, 3, 4).reshape(B, R * Sq, Hl, D)
-        out, lse = ops.attention_lse(q_all, k, v, k_cache, v_cache, cache_len, kv_len, scale, 0, self.backend)
+        out, lse = partial(q_all)
         o_parts = _all_to_all(out.view(B, R, Sq, Hl, D).permute(1, 0, 2, 3, 4), g)  # [R (key owner), B, Sq, Hl, D]
         l_parts = _all_to_all(lse.view(B, Hl, R, Sq).permute(2, 0, 1, 3), g)  # [R, B, Hl, Sq]
         return merge_partials(o_parts, l_parts, q.dtype)

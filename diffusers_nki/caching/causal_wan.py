@@ -72,7 +72,7 @@ the context (theirs: ``current_start = min(start, kv_cache_num_frames)``). Their
 (``CausalChunk.kv_bias``: their Hub modular pipeline's ``kv_cache_attention_bias``; semantics as in
 daydreamlive/scope's port, ``modules/causal_model.py``: ``log(bias)`` on the logits of the keys in
 [one frame, cache length - one chunk)) runs as two ``attention_lse`` kernel calls merged exactly
-(``_biased_attention``). Not under context parallelism (raises).
+(``_biased_attention``). Under context parallelism: see below.
 
 Capacity (``StaticCacheConfig``, ``unit="frames"``): ``capacity`` = the attention window in latent frames,
 the current chunk included, as the published configs count it; ``sink`` frames are never evicted;
@@ -92,11 +92,17 @@ in place (ring: pass-Q, partials merged with the log-sum-exp), and the output he
 before unpatchify: every rank returns the full sample. Every runtime length (``cache_len``, the write slots) is
 the single-process value / R, exact because the FrameRing hands out whole frames (sinks and the rolling window
 unchanged); shapes never depend on them. A call holding several causal blocks: ``causal_block`` under Ulysses
-only, one pass-Q call per block (``kv_len``) under ring. Calls without a ``CausalChunk`` run the stock forward
+only, one pass-Q call per block (``kv_len``) under ring. KV re-computation (Krea): the re-computation call is
+such a call (its blocks' key lengths capped at the valid context under ring) and writes its head-sharded K/V into
+this rank's shard from slot 0, so each rank holds its ring row's part of the context; the biased attention runs
+its two ``attention_lse`` calls on this rank's heads (Ulysses) or, under ring, on the ring's gathered queries over
+this rank's shard (slot 0: its part of the first frame), merged into one (out, lse) per rank that the pass-Q ring
+merges like any partial (``CacheParallel.ring``). Calls without a ``CausalChunk`` run the stock forward
 in full on every rank (no split hooks: the same result, replicated work). Limits: heads % ulysses_degree == 0,
 tokens per frame % (ulysses_degree x ring_degree) == 0 (clear errors).
 Tested (tests/parallel, gloo, 2 and 4 processes): ulysses 2, ring 2 and both, LongLive-style sink + rolling
-window with evictions, equal to the single-process patched rollout within 1e-5 (fp32).
+window with evictions, and Krea rollouts (KV re-computation + bias, 3-frame and frame-wise chunks), equal to the
+single-process patched rollout within 1e-5 (fp32).
 
 Limits: temporal patch size 1; 1-D timesteps (one per batch row, as every chunk of these models uses); a call
 holding several blocks must fit the window without evicting (split it otherwise; raises); the LoRA ``scale``
@@ -423,12 +429,14 @@ class _LayerStep:
             n = self.sink0.shape[1]
             kv.k[:, :n].copy_(wan_rope(self.sink0, rot.cos, rot.sin))
         kv_len = p.per_batch("kv_len") if self.kv_len else None
-        if cp is None and self.log_bias is not None:
+        if self.log_bias is not None and (cp is None or cp.R == 1):  # Ulysses: this rank's heads of every token
             out = _biased_attention(q, k, v, kv, p, self.causal_block, self.log_bias, tpf, be)
+        elif self.log_bias is not None:  # ring: both calls per rank over its shard, merged, then the ring's merge
+            out = cp.ring(q, lambda q_all: _biased_lse(q_all, k, v, kv, p, 0, self.log_bias, tpf, be))
         elif cp is None:
             out = attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), kv_len, None, self.causal_block, be)
         else:
-            blocks = self.frames * self.tpf // self.causal_block if self.causal_block else 1
+            blocks = -(-self.frames * self.tpf // self.causal_block) if self.causal_block else 1  # last may be partial
             if cp.R == 1:  # the ring row is every token: the single-process descriptor holds
                 out = cp.attention(q, k, v, kv.k, kv.v, p.scalar("cache_len"), kv_len, causal_block=self.causal_block)
             elif blocks == 1:  # one block sees all of itself: no descriptor
@@ -462,6 +470,11 @@ class _LayerStep:
 
 
 def _biased_attention(q, k, v, kv: LayerKV, plan: Plan, causal_block: int, log_bias: float, tpf: int, backend):
+    """Krea's biased attention (``_biased_lse``), its output in ``q``'s dtype."""
+    return _biased_lse(q, k, v, kv, plan, causal_block, log_bias, tpf, backend)[0].to(q.dtype)
+
+
+def _biased_lse(q, k, v, kv: LayerKV, plan: Plan, causal_block: int, log_bias: float, tpf: int, backend):
     """Krea's KV-cache attention bias through the attention kernel, exactly: softmax over [the first context frame
     | the other context frames, their logits + ``log_bias`` | the chunk] as TWO kernel calls with their
     log-sum-exp (``ops.attention_lse``), merged: (1) the chunk's queries over the first frame (the cache prefix of
@@ -469,16 +482,22 @@ def _biased_attention(q, k, v, kv: LayerKV, plan: Plan, causal_block: int, log_b
     keys (``causal_block``); (2) over the cache slots after it (``ctx_len`` tokens; the chunk's keys masked with
     ``kv_len`` 0). With w_i = exp(lse_i - m) (lse_2 + log_bias; m the larger): out = (w_1 out_1 + w_2 out_2) /
     (w_1 + w_2), which IS the biased softmax (the same identity ring attention merges with). Call (2) sees no key
-    in the first chunks (lse -inf, weight 0). The kernel needs no bias operand; both calls have fixed shapes."""
+    in the first chunks (lse -inf, weight 0). The kernel needs no bias operand; both calls have fixed shapes.
+    Returns (out fp32 [B, Sq, H, D], lse [B, H, Sq] = m + log(w_1 + w_2), the biased softmax's log-normalizer).
+    Under ring context parallelism (``_LayerStep.attend``) each rank runs it on the ring's gathered queries over
+    ITS shard (slot 0..tpf/R: its part of the first frame; ``tpf`` is the rank's tokens per frame, the plan's
+    lengths / R), and the pass-Q ring merges the ranks' (out, lse) with the same identity: the bias lands on
+    exactly the single-process key frames (frames 1..c-1 of the context, every ring row's part of them)."""
     o1, l1 = ops.attention_lse(q, k, v, kv.k, kv.v, plan.scalar("anchor_len"), None, None, causal_block, backend)
     k2, v2 = kv.k[:, tpf:], kv.v[:, tpf:]
     o2, l2 = ops.attention_lse(q, k, v, k2, v2, plan.scalar("ctx_len"), plan.per_batch("no_keys"), None, 0, backend)
     l2 = l2 + log_bias
     m = torch.maximum(l1, l2)  # l1 is finite: every query sees its own block
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)  # [B, H, Sq]
+    lse = m + torch.log(w1 + w2)
     w1, w2 = w1.transpose(1, 2).unsqueeze(-1), w2.transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
     out = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
-    return out.to(q.dtype)
+    return out, lse
 
 
 class CausalWanCacheProcessor:
@@ -580,9 +599,6 @@ class _Rollout:
         # context parallelism (enable_parallelism): this rank's shard of every buffer, see diffusers_nki.parallel
         self.cp = cp = parallel.cache_parallel(module, hook.backend, "causal Wan static cache")
         hook.parallel = cp
-        if cp is not None and self.recompute:
-            raise NotImplementedError("causal Wan static cache: KV re-computation (kv_recompute, Krea Realtime) under "
-                                      "context parallelism is not supported")
         if cp is not None:
             cp.check(heads, (tpf,), "causal Wan static cache")
             shape = cp.cache_shape(B, self.history * tpf, heads, head_dim)
@@ -852,7 +868,7 @@ class _Rollout:
         chunk re-computes the context from the clean latents)."""
         hs = a["hidden_states"]
         B, _, F, _, _ = hs.shape
-        tpf, n, N = self.tpf, self.n, self.recompute
+        tpf, n, N, t = self.tpf, self.n, self.recompute, self._t  # t: this rank's share of whole frames (CP)
         _check_timestep(a["timestep"], F * tpf, self.cp)
         if chunk.commit or chunk.recache_frames:
             raise ValueError("causal Wan static cache: a rollout with kv_recompute takes re-computation and denoising "
@@ -866,7 +882,11 @@ class _Rollout:
             self.slot_frames = [-1] * self.history
             for s, f in enumerate(self.ring.place(c)):
                 self.slot_frames[s] = f  # slot order = context order: slot 0 holds the first frame
-            values = {"cache_len": 0, "kv_len": c * tpf, "slot0": 0}
+            values = {"cache_len": 0, "kv_len": t(c * tpf), "slot0": 0}
+            blocks = -(-N // n)  # chunk-sized causal blocks from the first frame (the last may be partial)
+            if self.cp is not None and self.cp.R > 1 and blocks > 1:  # pass-Q ring: one call per block
+                for i in range(blocks):  # the keys of the blocks up to it, the padding masked
+                    values[f"kv_len{i}"] = t(min((i + 1) * n, c) * tpf)
             positions = torch.arange(0, F, device=self.device)
             kw = dict(kv_len=True, rewrite=True)
             key = "recompute_calls"
@@ -875,7 +895,7 @@ class _Rollout:
                 raise ValueError(f"causal Wan static cache: a denoising call of a kv_recompute rollout holds one chunk "
                                  f"of {n} frames, got {F}")
             c = self.ring.valid
-            values = {"cache_len": c * tpf, "anchor_len": min(c, 1) * tpf, "ctx_len": max(c - 1, 0) * tpf,
+            values = {"cache_len": t(c * tpf), "anchor_len": t(min(c, 1) * tpf), "ctx_len": t(max(c - 1, 0) * tpf),
                       "no_keys": 0}
             positions = torch.arange(c, c + F, device=self.device)
             bias = float(chunk.kv_bias)
@@ -884,9 +904,12 @@ class _Rollout:
         plan = Plan(values, B, self.device)
         self.rope.ensure(F + self.recompute)
         cos, sin = self.rope.freqs(positions)
-        steps = [_LayerStep(cos, sin, kv, plan, n * tpf, F, tpf, False, hook.backend, None, **kw)
+        cp, groups = self.cp, ((F, tpf),)
+        if cp is not None:  # this rank's tokens of every frame (its cache shard holds its ring row's, its heads)
+            cos, sin = cp.shard(cos, groups), cp.shard(sin, groups)
+        steps = [_LayerStep(cos, sin, kv, plan, n * tpf, F, tpf, False, hook.backend, cp, **kw)
                  for kv in self.layers]
-        out = _forward(module, a, steps, self.hp, self.wp, None, ((F, tpf),), self.text)
+        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats[key] += 1
         return out
 

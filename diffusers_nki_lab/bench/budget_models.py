@@ -11,8 +11,9 @@ The models (``MODELS``; geometries read in the originals' configs, cited per mod
   4 steps "for performance" (the README's 11 fps on a B200 is with 4 steps); Wan2.1 ``wan_t2v_14B.py``: dim 5120,
   40 heads, 40 layers, FFN 13824), with its KV re-computation and attention bias (``KREA_PIPELINE_OPTIONS``:
   ``kv_recompute=3, kv_cache_attention_bias=0.3``): per chunk one re-computation call of 3 frames, then 4 denoising
-  calls whose self-attention is two ``attention_lse`` kernel calls each, no cache pass. That path raises under
-  context parallelism: every multi-rank Krea DiT is labelled MODELED, NOT IMPLEMENTED (``_cp_not_implemented``).
+  calls whose self-attention is two ``attention_lse`` kernel calls each, no cache pass. That path runs under
+  context parallelism (Ulysses, ring and both: each rank re-computes its shard of the context; tests/parallel,
+  gloo), so its multi-rank DiT rows are implemented layouts (modeled times, never run across chips).
 - ``longlive2_5b``: LongLive 2.0, Wan2.2-TI2V-5B geometry (NVlabs/LongLive ``wan_5b/configs/wan_ti2v_5B.py``: dim
   3072, 24 heads, 30 layers, FFN 14336, VAE stride (4, 16, 16); ``configs/inference.yaml``: latents [48, 44, 80] =
   704x1280, blocks of 8 latent frames, a 32-frame local window, an 8-frame sink, 4 steps) through
@@ -56,7 +57,7 @@ where ``vae_parallel`` implements it (the streaming decode of the Wan2.1 and Wan
 Helios decodes each chunk on one core: ``HeliosSession`` takes no process group), or, at N >= 2 chips, disaggregated
 (``vae_parallel.Disaggregation``, causal Wan models): the DiT on M <= N - 1 chips and the sharded decode on another
 chip, pipelined (ASSUMPTION: full overlap), where that is faster. A model whose recorded path raises under context
-parallelism (``_cp_not_implemented``: Krea's KV re-computation, LongLive 2.0's per-token timesteps) has every
+parallelism (``_cp_not_implemented``: LongLive 2.0's per-token timesteps) has every
 multi-rank DiT labelled MODELED, NOT IMPLEMENTED (the doc table marks the cells and the fewest-chips figures).
 Multi-chip layouts are MODELED only: the same code over a process group that spans chips, never run across chips.
 """
@@ -565,12 +566,36 @@ def _best_layout(spec, rec, W, fab, target, model):
         if spec.kind == "causal_wan" and rec["tokens_per_frame"] % W:
             continue
         try:
-            r = scaling.model_layout(work, fab, U, R, lambda c: model.attention_kernel_time(c, target))
+            r = _one_ring_per_biased_layer(
+                scaling.model_layout(work, fab, U, R, lambda c: model.attention_kernel_time(c, target)))
         except ValueError:
             continue
         if not r["uneven"] and (best is None or r["serial_s"] < best["serial_s"]):
             best = r
     return best
+
+
+_BIASED_SECOND = "self, biased: other context frames (attention_lse)"  # _lse_calls' name of call (2)
+
+
+def _one_ring_per_biased_layer(r: dict) -> dict:
+    """Krea's biased self-attention makes its two ``attention_lse`` calls inside ONE set of collectives per layer
+    (``caching.causal_wan._LayerStep.attend``: q/k/v to heads once, one pass-Q ring around both calls); bench/scaling
+    models each call with its own set. The second call's set (the same queries and chunk keys as the first's) is
+    taken out of the layout's collective figures; its kernel time stays."""
+    for c in r["calls"]:
+        if c["name"] != _BIASED_SECOND or not c["collectives"]:
+            continue
+        n = c["count"]
+        r["collective_s"] -= n * c["collective_s"]
+        r["serial_s"] -= n * c["collective_s"]
+        r["overlap_s"] -= n * (max(c["kernel_s"], c["collective_s"]) - c["kernel_s"])
+        r["collectives"] -= n * c["collectives"]
+        r["bytes_intra_chip"] -= n * c["bytes_intra_chip"]
+        r["bytes_inter_chip"] -= n * c["bytes_inter_chip"]
+        c.update(collective_s=0.0, collectives=0, bytes_intra_chip=0, bytes_inter_chip=0,
+                 shares_collectives_with="self, biased: first frame + chunk (attention_lse)")
+    return r
 
 
 def _lab(spec: ModelSpec, rec: dict) -> str:
@@ -605,7 +630,9 @@ def dit_terms(spec: ModelSpec, rec: dict, W: int, target: str, chips: int, model
         terms.append(budget._term(
             "attention collectives (Ulysses all-to-alls, ring)", best["collective_s"],
             f"ASSUMPTION: bench/scaling collective model over {fab.name} (inside a chip as bench/budget; between "
-            f"chips {LEVEL_SOURCE[target]}), not overlapped", bytes_inter_chip=best["bytes_inter_chip"],
+            f"chips {LEVEL_SOURCE[target]}), not overlapped" + (
+                "; Krea's biased self-attention: one set per layer around its two attention_lse calls, as the path "
+                "makes them" if "attention_lse" in kinds else ""), bytes_inter_chip=best["bytes_inter_chip"],
             collectives=best["collectives"]))
     tokens = rec["tokens"]
     for name, what in (("qk_norm_rope", "self-attention q/k RMSNorm + RoPE"), ("cache_write", "KV cache write")):
@@ -766,11 +793,11 @@ def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
 
 
 def _cp_not_implemented(spec: ModelSpec) -> Optional[str]:
-    """Why the recorded path cannot run over several ranks (None: it can): Krea's KV re-computation and its
-    biased attention, and LongLive 2.0's per-token timesteps, raise under context parallelism
-    (``diffusers_nki.caching.causal_wan``)."""
-    why = [w for k, w in (("kv_recompute", "KV re-computation (kv_recompute) and the biased attention"),
-                          ("expand_timesteps", "per-token timesteps (expand_timesteps)"))
+    """Why the recorded path cannot run over several ranks (None: it can): LongLive 2.0's per-token timesteps raise
+    under context parallelism (``diffusers_nki.caching.causal_wan``). Krea's KV re-computation and its biased
+    attention run under every Ulysses x ring layout the plain causal Wan path does (tests/parallel), so
+    ``kv_recompute`` is no reason."""
+    why = [w for k, w in (("expand_timesteps", "per-token timesteps (expand_timesteps)"),)
            if spec.pipeline_options.get(k)]
     if why:
         return (" and ".join(why) + " raise under context parallelism (diffusers_nki/caching/causal_wan.py): every "

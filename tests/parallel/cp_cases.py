@@ -88,3 +88,36 @@ def causal_wan_session(pipe):
         out.append(s.next_chunk().latents)
     s.close()
     return torch.cat(out, dim=2)
+
+
+# Krea Realtime (CausalWanPipeline kv_recompute): before every chunk after the first, ONE call re-computes the context
+# (the first frame + the latest, kv_recompute frames, padding masked) and its K/V become each rank's cache shard; the
+# denoising calls attend with the KV-cache attention bias (two attention_lse calls merged). Two rollouts, fp32,
+# batch 2, 32x32 px (4 tokens per frame), 2 denoising steps: chunks of 3 frames with 3 context frames (one block
+# per call), and frame-wise chunks with 3 context frames (the re-computation call holds three 1-frame causal blocks:
+# one pass-Q call per block under ring). Bias 0.3 and 0.5 (log-bias != 0), every chunk after the first biased.
+KREA_ROLLOUTS = (dict(block=3, frames=12, recompute=3, bias=0.3), dict(block=1, frames=6, recompute=3, bias=0.5))
+KREA_STEPS = 2
+
+
+def krea_pipeline(base, block: int, recompute: int, bias: float):
+    """A Krea-style CausalWanPipeline on ``base``'s transformer (no VAE: keep_first_frame=True)."""
+    from diffusers_nki.pipelines import CausalWanPipeline
+
+    pipe = CausalWanPipeline(None, None, base.transformer, None, base.scheduler, num_frame_per_block=block,
+                             kv_recompute=recompute, kv_cache_attention_bias=bias, keep_first_frame=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def krea_kwargs(block: int, frames: int, height: int = 32, width: int = 32, **_):
+    import torch
+
+    from diffusers_nki.testing.tiny import TEXT_DIM
+
+    g = torch.Generator().manual_seed(21)
+    latents = torch.randn(2, 16, frames, height // 8, width // 8, generator=g)
+    pe = torch.randn(2, 7, TEXT_DIM, generator=g)
+    return dict(prompt_embeds=pe, latents=latents, height=height, width=width, num_frames=4 * (frames - 1) + 1,
+                denoising_timesteps=[1000.0, 500.0], generator=torch.Generator().manual_seed(23),
+                output_type="latent")

@@ -137,10 +137,48 @@ def run_case(case, cfg, spy):
         from cp_cases import causal_wan_session
 
         res["session"] = causal_wan_session(pipe)  # prompt switches (re-cache calls) and a reset, sharded
+    elif case == "krea":
+        res.update(krea_case(cfg))
     elif case == "templates":
         res.update(templates_case(cfg))
     else:
         raise ValueError(case)
+    return res
+
+
+def krea_case(cfg):
+    """Krea Realtime's rollouts (cp_cases.KREA_ROLLOUTS: KV re-computation + the attention bias) on the patched
+    causal Wan pipeline with the cache sharded per rank; then a geometry the layout cannot split (3 tokens per
+    frame), which must raise the clear error."""
+    import diffusers_nki
+    from diffusers_nki import ops, parallel
+    from diffusers_nki.testing.tiny import tiny_pipeline
+
+    from cp_cases import KREA_ROLLOUTS, krea_kwargs, krea_pipeline
+
+    base = tiny_pipeline("causal_wan")
+    res = {"outs": [], "counters": [], "stats": [], "buffers": []}
+    for i, ro in enumerate(KREA_ROLLOUTS):
+        pipe = krea_pipeline(base, ro["block"], ro["recompute"], ro["bias"])
+        if i == 0:  # the cache FIRST, then the parallel config (its plan is {}: the cache shards its own tokens)
+            diffusers_nki.patch(pipe, backend="torch")
+            res["plan"] = parallel.cp_plan(pipe.transformer)
+            pipe.transformer.enable_parallelism(config=cfg, cp_plan=res["plan"])
+        c0 = ops.counters()
+        with torch.no_grad():
+            res["outs"].append(pipe(**krea_kwargs(**ro)).frames)
+        res["counters"].append(_delta(c0, ops.counters()))
+        hook = pipe.transformer._diffusers_hook.get_hook("diffusers_nki.static_cache")
+        res["stats"].append(dict(hook.last.stats))
+        res["buffers"].append(tuple(hook.last.buffers.shape))
+    res["explain"] = str(diffusers_nki.explain(pipe))
+    try:  # 48x16 px: 3 tokens per frame, not a multiple of the ranks
+        with torch.no_grad():
+            pipe(**krea_kwargs(**dict(KREA_ROLLOUTS[0], frames=6), height=48, width=16))
+        res["odd_error"] = None
+    except ValueError as e:
+        res["odd_error"] = str(e)
+    res["layers"] = len(base.transformer.blocks)
     return res
 
 

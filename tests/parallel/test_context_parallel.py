@@ -1,6 +1,7 @@
 """Context parallelism over torch.distributed (gloo on 127.0.0.1, 2 and 4 processes spawned here, bounded in time):
 tiny Wan, the AnyFlow-FAR pipeline and the causal Wan pipeline (LongLive-style sink + rolling window that evicts
-frames; static caches sharded per rank) with ulysses_degree 2, ring_degree 2 and both, equal to the single-process
+frames; static caches sharded per rank; Krea Realtime's KV re-computation + attention bias) with ulysses_degree 2,
+ring_degree 2 and both, equal to the single-process
 patched run within 1e-5 (fp32), every attention call through our ops on every rank (kernel-op counters; no stock
 SDPA or flex call anywhere); diffusers' own Ulysses/ring templates around our forward/backward ops (forward with
 the emulated NKI kernel's lse too, exact gradients)."""
@@ -17,7 +18,8 @@ sys.path.insert(0, HERE)
 
 from gloo_spawn import spawn  # noqa: E402
 from cp_cases import (ANYFLOW_FAR_CACHE, CAUSAL_WAN_CACHE, CAUSAL_WAN_BLOCK, CAUSAL_WAN_CHUNKS,  # noqa: E402
-                      anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs, causal_wan_session, wan_inputs)
+                      KREA_ROLLOUTS, KREA_STEPS, anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs,
+                      causal_wan_session, krea_kwargs, krea_pipeline, wan_inputs)
 
 TIMEOUT_S = 600  # per spawn (all ranks); a hung collective fails the test instead of the suite
 CASES = "wan,anyflow_far,causal_wan,templates"
@@ -176,3 +178,71 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
     F0 = (CAUSAL_WAN_CHUNKS - 1) * CAUSAL_WAN_BLOCK
     assert _rel(references["causal_wan"][:, :, :F0], references["causal_wan_full_window"][:, :, :F0]) <= 1e-5
     assert _rel(references["causal_wan"][:, :, F0:], references["causal_wan_full_window"][:, :, F0:]) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def krea_references():
+    """Krea Realtime's rollouts in one process (same inputs, same seeds), computed in this run; and the first with
+    no bias (kv_cache_attention_bias=1), to show the bias moves the output."""
+    import diffusers_nki
+    from diffusers_nki import ops
+    from diffusers_nki.testing.tiny import tiny_pipeline
+
+    base = tiny_pipeline("causal_wan")
+    outs, calls = [], []
+    for i, ro in enumerate(KREA_ROLLOUTS):
+        pipe = krea_pipeline(base, ro["block"], ro["recompute"], ro["bias"])
+        if i == 0:
+            diffusers_nki.patch(pipe, backend="torch")
+        c0 = ops.counters()
+        with torch.no_grad():
+            outs.append(pipe(**krea_kwargs(**ro)).frames)
+        calls.append({op: ops.counters()[op]["torch"] - c0[op]["torch"] for op in ("attention", "attention_lse")})
+    with torch.no_grad():
+        unbiased = krea_pipeline(base, KREA_ROLLOUTS[0]["block"], KREA_ROLLOUTS[0]["recompute"], 1.0)(
+            **krea_kwargs(**KREA_ROLLOUTS[0])).frames
+    return {"outs": outs, "calls": calls, "unbiased": unbiased}
+
+
+@pytest.mark.parametrize("U,R", LAYOUTS)
+def test_krea_kv_recompute_and_bias_under_context_parallelism(U, R, tmp_path, krea_references):
+    # Krea Realtime's path (KV re-computation of the context before every chunk, the KV-cache attention bias as two
+    # attention_lse calls merged): each rank's cache shard holds its part of the re-computed context; under ring
+    # the two calls run per rank on the gathered queries and the ring merges their (out, lse). Equal to the
+    # single-process patched rollout within 1e-5 (fp32), every attention through our ops.
+    ranks = _spawn(U, R, tmp_path, "krea")
+    refs = krea_references
+    b0 = KREA_ROLLOUTS[0]["block"]
+    assert _rel(refs["unbiased"][:, :, b0:], refs["outs"][0][:, :, b0:]) > 1e-3  # the bias is not a no-op here
+    for r, res in enumerate(ranks):
+        res = res["krea"]
+        assert res["plan"] == {}
+        layers = res["layers"]
+        for i, ro in enumerate(KREA_ROLLOUTS):
+            err = _rel(res["outs"][i], refs["outs"][i])
+            assert err <= 1e-5, (r, i, err)
+            chunks = ro["frames"] // ro["block"]
+            assert res["stats"][i]["recompute_calls"] == chunks - 1 and res["stats"][i]["commit_calls"] == 0
+            assert res["stats"][i]["denoise_calls"] == chunks * KREA_STEPS
+            # this rank's shard of the context: [B, kv_recompute frames x 4 tokens / R, H / U, D]
+            assert res["buffers"][i] == (2, ro["recompute"] * 4 // R, 2 // U, 12), res["buffers"][i]
+            c = res["counters"][i]
+            for op in ("attention", "attention_lse", "cache_write"):
+                assert c[op]["stock"] == 0 and c[op]["sim"] == 0 and c[op]["nki"] == 0, (op, c[op])
+            denoise, recompute = chunks * KREA_STEPS, chunks - 1
+            blocks = -(-ro["recompute"] // ro["block"])  # causal blocks of the re-computation call
+            # single process: per layer, a denoising call's self-attention is 2 lse calls (the bias), the
+            # re-computation call's one plain call; every call's text cross-attention one plain call
+            assert refs["calls"][i] == {"attention": layers * (recompute + denoise + recompute),
+                                        "attention_lse": layers * 2 * denoise}, refs["calls"][i]
+            # on every rank: the same two lse calls per denoising layer (ring: on the gathered queries); the
+            # re-computation's self-attention as one plain call (Ulysses) or one pass-Q lse call per block (ring)
+            assert c["attention_lse"]["torch"] == layers * (2 * denoise + (blocks * recompute if R > 1 else 0))
+            assert c["attention"]["torch"] == layers * (denoise + recompute + (0 if R > 1 else recompute))
+            assert c["cache_write"]["torch"] == layers * recompute  # the context's K/V, once per re-computation
+        assert f"cache shard of rank {r}" in res["explain"]
+        # what the layout cannot split raises the clear error (3 tokens per frame over U x R ranks)
+        assert res["odd_error"] is not None and "3 tokens per frame is not a multiple of" in res["odd_error"], \
+            res["odd_error"]
+    for i in range(len(KREA_ROLLOUTS)):
+        assert all(torch.equal(res["krea"]["outs"][i], ranks[0]["krea"]["outs"][i]) for res in ranks)
