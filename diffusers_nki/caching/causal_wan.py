@@ -965,7 +965,8 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
     """``WanTransformer3DModel.forward``'s math (a timestep per row, or per token), with our per-layer steps as
     ``rotary_emb``.
     Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
-    gathered before unpatchify (every op outside the self-attention is per token). ``text``: the rollout's text
+    gathered before unpatchify (every op outside the self-attention is per token; per-token timesteps are split
+    the same way, so the time embedding and every modulation run on the rank's tokens). ``text``: the rollout's text
     K/V cache (``caching.text_kv``): where it serves the call, each block's ``attn2`` gets its cached K/V in place
     of the text and the text embedder does not run (the time half of the condition embedder runs alone)."""
     hs = a["hidden_states"]

@@ -50,8 +50,9 @@ where ``vae_parallel`` implements it (the streaming decode of the Wan2.1 and Wan
 Helios decodes each chunk on one core: ``HeliosSession`` takes no process group), or, at N >= 2 chips, disaggregated
 (``vae_parallel.Disaggregation``, causal Wan models): the DiT on M <= N - 1 chips and the sharded decode on another
 chip, pipelined (ASSUMPTION: full overlap), where that is faster. A model whose recorded path raises under context
-parallelism (``_cp_not_implemented``: Krea's KV re-computation, LongLive 2.0's per-token timesteps) has every
-multi-rank DiT labelled MODELED, NOT IMPLEMENTED (the doc table marks the cells and the fewest-chips figures).
+parallelism (``_cp_not_implemented``: Krea's KV re-computation) has every multi-rank DiT labelled MODELED, NOT
+IMPLEMENTED (the doc table marks the cells and the fewest-chips figures); LongLive 2.0's per-token timesteps, shot
+sink and RoPE offset run under every Ulysses x ring layout (sharded like the tokens), so nothing labels it.
 Multi-chip layouts are MODELED only: the same code over a process group that spans chips, never run across chips.
 """
 from __future__ import annotations
@@ -687,10 +688,11 @@ def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
 
 def _cp_not_implemented(spec: ModelSpec) -> Optional[str]:
     """Why the recorded path cannot run over several ranks (None: it can): Krea's KV re-computation and its
-    biased attention, and LongLive 2.0's per-token timesteps, raise under context parallelism
-    (``diffusers_nki.caching.causal_wan``)."""
+    biased attention raise under context parallelism (``diffusers_nki.caching.causal_wan``). LongLive 2.0's
+    per-token timesteps, shot sink and RoPE offset run under every Ulysses x ring layout (the per-token timesteps
+    sharded like the rank's tokens: tests/parallel/test_context_parallel.py), so they label nothing."""
     why = [w for k, w in (("kv_recompute", "KV re-computation (kv_recompute) and the biased attention"),
-                          ("expand_timesteps", "per-token timesteps (expand_timesteps)"))
+                          )
            if spec.pipeline_options.get(k)]
     if why:
         return (" and ".join(why) + " raise under context parallelism (diffusers_nki/caching/causal_wan.py): every "
