@@ -86,7 +86,9 @@ Context parallelism (``enable_parallelism`` with ``cp_plan=diffusers_nki.paralle
 once this cache is installed: install it FIRST, e.g. ``diffusers_nki.patch(pipe)``): the hook shards its own
 tokens with ``diffusers_nki.parallel.CacheParallel``. The patch-embedded tokens and the RoPE tables of the call
 are split per frame (rank f of W = U x R holds part f of every frame's tokens), the blocks run on that shard
-(the timestep conditioning is per batch row, the text is whole on every rank), the self-attention goes to H/U
+(the timestep conditioning is per batch row, or per token: LongLive 2.0's ``[B, tokens]`` timesteps are split
+like the tokens before the time embedding, so each rank embeds and modulates its own tokens; the text is whole on
+every rank), the self-attention goes to H/U
 heads of the ring row's tokens (Ulysses all-to-all), attends over THIS rank's cache shard ``[B, C/R, H/U, D]``
 in place (ring: pass-Q, partials merged with the log-sum-exp), and the output head's tokens are all-gathered
 before unpatchify: every rank returns the full sample. Every runtime length (``cache_len``, the write slots) is
@@ -101,10 +103,11 @@ merges like any partial (``CacheParallel.ring``). Calls without a ``CausalChunk`
 in full on every rank (no split hooks: the same result, replicated work). Limits: heads % ulysses_degree == 0,
 tokens per frame % (ulysses_degree x ring_degree) == 0 (clear errors).
 Tested (tests/parallel, gloo, 2 and 4 processes): ulysses 2, ring 2 and both, LongLive-style sink + rolling
-window with evictions, and Krea rollouts (KV re-computation + bias, 3-frame and frame-wise chunks), equal to the
-single-process patched rollout within 1e-5 (fp32).
+window with evictions, Krea rollouts (KV re-computation + bias, 3-frame and frame-wise chunks), and LongLive 2.0
+(per-token timesteps with image-to-video, the shot sink pinned at two scene cuts, the per-shot RoPE offset,
+48-channel latents); each equal to the single-process patched rollout within 1e-5 (fp32).
 
-Limits: temporal patch size 1; 1-D timesteps (one per batch row, as every chunk of these models uses); a call
+Limits: temporal patch size 1; timesteps [B] or [B, tokens of the call]; a call
 holding several blocks must fit the window without evicting (split it otherwise; raises); the LoRA ``scale``
 attention kwarg raises; calls with gradients are refused (inference cache).
 
@@ -779,7 +782,7 @@ class _Rollout:
             raise ValueError(f"causal Wan static cache: a call of {F} frames does not fit the window of "
                              f"{self.window} frames")
         tpf, ts = self.tpf, a["timestep"]
-        _check_timestep(ts, F * tpf, self.cp)
+        _check_timestep(ts, F * tpf)
         cache_len = self.ring.valid * tpf
         slots = []
         if chunk.commit:
@@ -869,7 +872,7 @@ class _Rollout:
         hs = a["hidden_states"]
         B, _, F, _, _ = hs.shape
         tpf, n, N, t = self.tpf, self.n, self.recompute, self._t  # t: this rank's share of whole frames (CP)
-        _check_timestep(a["timestep"], F * tpf, self.cp)
+        _check_timestep(a["timestep"], F * tpf)
         if chunk.commit or chunk.recache_frames:
             raise ValueError("causal Wan static cache: a rollout with kv_recompute takes re-computation and denoising "
                              "calls only (no cache pass, no re-cache): the context is re-computed before every chunk")
@@ -928,7 +931,7 @@ class _Rollout:
             raise ValueError(f"causal Wan static cache: a re-cache call with start_frame={got[0]}, recache_frames="
                              f"{got[1]} in a call of {got[2]} frames, but this window re-caches {want} "
                              f"(RolloutHandle.recache_span())")
-        _check_timestep(a["timestep"], F * self.tpf, self.cp)
+        _check_timestep(a["timestep"], F * self.tpf)
         tpf, R, t = self.tpf, span.frames, self._t
         sink = self.sink if span.keep_sinks else 0
         values = {"cache_len": t(sink * tpf), "kv_len": t(R * tpf), "slot0": 0}
@@ -963,17 +966,15 @@ def _cp_key(cp) -> Optional[tuple]:
     return None if cp is None else (cp.layout, cp.backend)
 
 
-def _check_timestep(ts: torch.Tensor, tokens: int, cp=None) -> None:
+def _check_timestep(ts: torch.Tensor, tokens: int) -> None:
     """One timestep per batch row ([B]), or one per token of the call ([B, tokens]: Wan2.2-TI2V's expanded
-    timesteps, LongLive 2.0's per-frame timesteps; not under context parallelism)."""
+    timesteps, LongLive 2.0's per-frame timesteps; under context parallelism ``_forward`` shards them per frame
+    like the tokens, so each rank embeds and modulates its own tokens only)."""
     if ts.dim() == 1:
         return
     if ts.dim() != 2 or ts.shape[1] != tokens:
         raise NotImplementedError(f"causal Wan static cache: timestep of shape {tuple(ts.shape)}; one timestep per "
                                   f"batch row ([B]) or one per token of the call ([B, {tokens}]) is supported")
-    if cp is not None and cp.R > 1:
-        raise NotImplementedError("causal Wan static cache: per-token timesteps ([B, tokens]) under context "
-                                  "parallelism are not supported (the modulation is not sharded); use one per row")
 
 
 def _geometry(hs: torch.Tensor):
@@ -986,7 +987,8 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
     """``WanTransformer3DModel.forward``'s math (a timestep per row, or per token), with our per-layer steps as
     ``rotary_emb``.
     Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
-    gathered before unpatchify (every op outside the self-attention is per token). ``text``: the rollout's text
+    gathered before unpatchify (every op outside the self-attention is per token; per-token timesteps are split
+    the same way, so the time embedding and every modulation run on the rank's tokens). ``text``: the rollout's text
     K/V cache (``caching.text_kv``): where it serves the call, each block's ``attn2`` gets its cached K/V in place
     of the text and the text embedder does not run (the time half of the condition embedder runs alone)."""
     hs = a["hidden_states"]
@@ -996,6 +998,8 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
         x = cp.shard(x, groups)
     ts = a["timestep"]
     per_token = ts.dim() == 2  # [B, tokens] (checked by _check_timestep): diffusers' Wan2.2-TI2V path
+    if per_token and cp is not None:  # this rank's tokens' timesteps: the modulation is sharded as x is
+        ts = cp.shard(ts, groups)
     t_in, seq_len = (ts.flatten(), ts.shape[1]) if per_token else (ts, None)
     reason = None if text is None else not_cached_reason(module, a["encoder_hidden_states_image"])
     if text is not None and reason is None:

@@ -57,8 +57,9 @@ where ``vae_parallel`` implements it (the streaming decode of the Wan2.1 and Wan
 Helios decodes each chunk on one core: ``HeliosSession`` takes no process group), or, at N >= 2 chips, disaggregated
 (``vae_parallel.Disaggregation``, causal Wan models): the DiT on M <= N - 1 chips and the sharded decode on another
 chip, pipelined (ASSUMPTION: full overlap), where that is faster. A model whose recorded path raises under context
-parallelism (``_cp_not_implemented``: LongLive 2.0's per-token timesteps) has every
-multi-rank DiT labelled MODELED, NOT IMPLEMENTED (the doc table marks the cells and the fewest-chips figures).
+parallelism (``_cp_not_implemented``; none today: Krea's KV re-computation and biased attention, and LongLive 2.0's
+per-token timesteps, shot sink and RoPE offset, run under every Ulysses x ring layout, tests/parallel) would have
+every multi-rank DiT labelled MODELED, NOT IMPLEMENTED (the doc table marks the cells and the fewest-chips figures).
 Multi-chip layouts are MODELED only: the same code over a process group that spans chips, never run across chips.
 """
 from __future__ import annotations
@@ -792,12 +793,17 @@ def _worlds(spec: ModelSpec, rec: dict, chips: int) -> List[int]:
     return list(range(CORES * chips, 0, -1))
 
 
+# (pipeline option, what raises under context parallelism when the recorded path sets it): empty, nothing raises
+_RAISES_UNDER_CP: Tuple[Tuple[str, str], ...] = ()
+
+
 def _cp_not_implemented(spec: ModelSpec) -> Optional[str]:
-    """Why the recorded path cannot run over several ranks (None: it can): LongLive 2.0's per-token timesteps raise
-    under context parallelism (``diffusers_nki.caching.causal_wan``). Krea's KV re-computation and its biased
-    attention run under every Ulysses x ring layout the plain causal Wan path does (tests/parallel), so
-    ``kv_recompute`` is no reason."""
-    why = [w for k, w in (("expand_timesteps", "per-token timesteps (expand_timesteps)"),)
+    """Why the recorded path cannot run over several ranks (None: it can). No recorded option raises under context
+    parallelism today: Krea's KV re-computation and its biased attention, and LongLive 2.0's per-token timesteps,
+    shot sink and RoPE offset, run under every Ulysses x ring layout the plain causal Wan path does
+    (tests/parallel/test_context_parallel.py). An option added to ``_RAISES_UNDER_CP`` labels its model's multi-rank
+    rows MODELED, NOT IMPLEMENTED."""
+    why = [w for k, w in _RAISES_UNDER_CP
            if spec.pipeline_options.get(k)]
     if why:
         return (" and ".join(why) + " raise under context parallelism (diffusers_nki/caching/causal_wan.py): every "

@@ -121,3 +121,57 @@ def krea_kwargs(block: int, frames: int, height: int = 32, width: int = 32, **_)
     return dict(prompt_embeds=pe, latents=latents, height=height, width=width, num_frames=4 * (frames - 1) + 1,
                 denoising_timesteps=[1000.0, 500.0], generator=torch.Generator().manual_seed(23),
                 output_type="latent")
+
+
+# LongLive 2.0 (CausalWanPipeline in its LongLive 2.0 configuration, the Wan2.2-TI2V-5B geometry: 48 latent
+# channels, patch 1x2x2): per-token timesteps (expand_timesteps; image-to-video holds the first frame at t = 0, so
+# chunk 0's timesteps differ inside every frame's rank split), the multi-shot sink pinned at the scene cuts and the
+# per-shot RoPE offset, UniPC per chunk. 8 chunks of 2 frames at 32x32 px (4 tokens per frame), a window of 8
+# frames with a 2-frame sink: the window rolls and the cut at chunk 6 releases the first shot sink. Batch 2.
+LONGLIVE2 = dict(num_frame_per_block=2, window_frames=8, sink_frames=2, expand_timesteps=True, prompt_switch="none",
+                 shot_sink_frames=2, shot_rope_offset=3)
+LONGLIVE2_CHUNKS, LONGLIVE2_CUTS = 8, (3, 6)
+
+
+def longlive2_pipeline():
+    """The tiny LongLive 2.0 pipeline (no text encoder, no VAE: prompt embeddings in, latents out), unpatched."""
+    from diffusers import UniPCMultistepScheduler
+
+    from diffusers_nki.pipelines.causal_wan import LONGLIVE2_TIMESTEPS, CausalWanPipeline
+    from diffusers_nki.testing.tiny import TEXT_DIM, tiny_transformer
+
+    transformer, _ = tiny_transformer("wan", seed=2, in_channels=48, out_channels=48, text_dim=TEXT_DIM)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = CausalWanPipeline(None, None, transformer, None, scheduler, denoising_timesteps=LONGLIVE2_TIMESTEPS,
+                             **LONGLIVE2)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def longlive2_cache(pipe):
+    """The pipeline's own cache (its window and sinks), installed BEFORE enable_parallelism."""
+    return pipe.default_cache_config(chunk_frames=LONGLIVE2["num_frame_per_block"])
+
+
+def longlive2_session(pipe):
+    """A LongLive 2.0 session (image-to-video) with scene cuts (``new_shot=True``) at LONGLIVE2_CUTS. Returns the
+    latents of every chunk concatenated, and the absolute frame each cache slot holds at the end."""
+    import torch
+
+    from diffusers_nki.testing.tiny import TEXT_DIM
+
+    g = torch.Generator().manual_seed(21)
+    F = LONGLIVE2_CHUNKS * LONGLIVE2["num_frame_per_block"]
+    noise = torch.randn(2, 48, F, 4, 4, generator=g)
+    image = torch.randn(2, 48, 1, 4, 4, generator=g)
+    shots = [torch.randn(2, 7, TEXT_DIM, generator=g) for _ in range(len(LONGLIVE2_CUTS) + 1)]
+    out = []
+    with torch.no_grad(), pipe.session(prompt_embeds=shots[0], height=32, width=32, num_frames=4 * (F - 1) + 1,
+                                       latents=noise, output_type="latent", progress=False,
+                                       first_frame_latents=image) as s:
+        for c in range(LONGLIVE2_CHUNKS):
+            if c in LONGLIVE2_CUTS:
+                s.set_prompt(prompt_embeds=shots[LONGLIVE2_CUTS.index(c) + 1], new_shot=True)
+            out.append(s.next_chunk().latents)
+        slots = list(s.handle.state.slot_frames)
+    return torch.cat(out, dim=2), slots

@@ -139,6 +139,18 @@ def run_case(case, cfg, spy):
         res["session"] = causal_wan_session(pipe)  # prompt switches (re-cache calls) and a reset, sharded
     elif case == "krea":
         res.update(krea_case(cfg))
+    elif case == "longlive2":  # per-token timesteps, shot sinks and RoPE offsets, 48-channel latents, sharded
+        from cp_cases import longlive2_cache, longlive2_pipeline, longlive2_session
+
+        pipe = longlive2_pipeline()
+        diffusers_nki.patch(pipe, backend="torch", cache=longlive2_cache(pipe))  # cache FIRST
+        pipe.transformer.enable_parallelism(config=cfg, cp_plan=parallel.cp_plan(pipe.transformer))
+        spy.watch(pipe.transformer)
+        c0, s0 = ops.counters(), spy.snapshot()
+        res["out"], res["slots"] = longlive2_session(pipe)
+        res["counters"], res["spy"] = _delta(c0, ops.counters()), _spy_delta(s0, spy.snapshot())
+        hook = pipe.transformer._diffusers_hook.get_hook("diffusers_nki.static_cache")
+        res["buffers"] = tuple(hook.last.buffers.shape)
     elif case == "templates":
         res.update(templates_case(cfg))
     else:

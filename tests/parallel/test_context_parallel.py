@@ -1,10 +1,10 @@
 """Context parallelism over torch.distributed (gloo on 127.0.0.1, 2 and 4 processes spawned here, bounded in time):
 tiny Wan, the AnyFlow-FAR pipeline and the causal Wan pipeline (LongLive-style sink + rolling window that evicts
-frames; static caches sharded per rank; Krea Realtime's KV re-computation + attention bias) with ulysses_degree 2,
-ring_degree 2 and both, equal to the single-process
+frames; static caches sharded per rank) with ulysses_degree 2, ring_degree 2 and both, equal to the single-process
 patched run within 1e-5 (fp32), every attention call through our ops on every rank (kernel-op counters; no stock
 SDPA or flex call anywhere); diffusers' own Ulysses/ring templates around our forward/backward ops (forward with
-the emulated NKI kernel's lse too, exact gradients)."""
+the emulated NKI kernel's lse too, exact gradients); LongLive 2.0 (per-token timesteps, multi-shot sink and RoPE
+offset, 48-channel latents) and Krea Realtime (KV re-computation + attention bias) likewise. One spawn per layout serves every test (``_layout_run``)."""
 from __future__ import annotations
 
 import os
@@ -18,11 +18,12 @@ sys.path.insert(0, HERE)
 
 from gloo_spawn import spawn  # noqa: E402
 from cp_cases import (ANYFLOW_FAR_CACHE, CAUSAL_WAN_CACHE, CAUSAL_WAN_BLOCK, CAUSAL_WAN_CHUNKS,  # noqa: E402
-                      KREA_ROLLOUTS, KREA_STEPS, anyflow_far_kwargs, causal_wan_direct, causal_wan_kwargs,
-                      causal_wan_session, krea_kwargs, krea_pipeline, wan_inputs)
+                      KREA_ROLLOUTS, KREA_STEPS, LONGLIVE2_CHUNKS, anyflow_far_kwargs, causal_wan_direct,
+                      causal_wan_kwargs, causal_wan_session, krea_kwargs, krea_pipeline, longlive2_cache,
+                      longlive2_pipeline, longlive2_session, wan_inputs)
 
 TIMEOUT_S = 600  # per spawn (all ranks); a hung collective fails the test instead of the suite
-CASES = "wan,anyflow_far,causal_wan,templates"
+CASES = "wan,anyflow_far,causal_wan,templates,longlive2,krea"
 LAYOUTS = [pytest.param(2, 1, id="ulysses2"), pytest.param(1, 2, id="ring2"), pytest.param(2, 2, id="ulysses2-ring2")]
 COMPILED = {(1, 2)}  # also run the pipeline with torch.compile'd blocks (regional), and with the sim backend
 
@@ -33,6 +34,18 @@ def _spawn(U: int, R: int, tmp_path, cases: str = CASES):
     spawn(os.path.join(HERE, "cp_worker.py"), world, lambda r: (r, world, store, U, R, tmp_path, cases), TIMEOUT_S,
           what="context-parallel workers")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+_RUNS = {}
+
+
+def _layout_run(U: int, R: int, tmp_path_factory):
+    """The workers' results for one layout, spawned once for every test of this module (the workers run every case
+    in one go: one process start per layout)."""
+    if (U, R) not in _RUNS:
+        extra = ",anyflow_far_compiled,anyflow_far_sim,causal_wan_compiled" if (U, R) in COMPILED else ""
+        _RUNS[(U, R)] = _spawn(U, R, tmp_path_factory.mktemp(f"cp_u{U}_r{R}"), CASES + extra)
+    return _RUNS[(U, R)]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +86,8 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("U,R", LAYOUTS)
-def test_context_parallel_matches_single_process(U, R, tmp_path, references):
-    ranks = _spawn(U, R, tmp_path, CASES + (",anyflow_far_compiled,anyflow_far_sim,causal_wan_compiled"
-                                            if (U, R) in COMPILED else ""))
+def test_context_parallel_matches_single_process(U, R, tmp_path_factory, references):
+    ranks = _layout_run(U, R, tmp_path_factory)
     world = U * R
     for r, res in enumerate(ranks):
         # --- tiny Wan (diffusers' _cp_plan splits the sequence; our ops inside diffusers' templates)
@@ -181,6 +193,49 @@ def test_context_parallel_matches_single_process(U, R, tmp_path, references):
 
 
 @pytest.fixture(scope="module")
+def longlive2_reference():
+    """The single-process patched LongLive 2.0 session (same inputs), computed in this run."""
+    import diffusers_nki
+    from diffusers_nki import ops
+
+    pipe = longlive2_pipeline()
+    diffusers_nki.patch(pipe, backend="torch", cache=longlive2_cache(pipe))
+    c0 = ops.counters()
+    out, slots = longlive2_session(pipe)
+    calls = {op: ops.counters()[op]["torch"] - c0[op]["torch"] for op in ("attention", "cache_write")}
+    return {"out": out, "slots": slots, "calls": calls}
+
+
+@pytest.mark.parametrize("U,R", LAYOUTS)
+def test_longlive2_per_token_timesteps_and_shots_under_context_parallelism(U, R, tmp_path_factory,
+                                                                          longlive2_reference):
+    # LongLive 2.0 (per-token timesteps with image-to-video, multi-shot sink pinned at two scene cuts, per-shot RoPE
+    # offset, 48-channel latents) on 2 / 4 ranks: the per-token timesteps and modulation are sharded like the rank's
+    # tokens; equal to the single-process patched session within 1e-5 (before: ring raised NotImplementedError and
+    # Ulysses failed on the unsharded modulation)
+    ranks = _layout_run(U, R, tmp_path_factory)
+    ref = longlive2_reference
+    for r, res in enumerate(ranks):
+        ll = res["longlive2"]
+        print(f"longlive 2.0 under ulysses {U} x ring {R}, rank {r}: max rel err {_rel(ll['out'], ref['out']):.2e}")
+        assert _rel(ll["out"], ref["out"]) <= 1e-5, (r, _rel(ll["out"], ref["out"]))
+        assert ll["slots"] == ref["slots"]  # the same shot sinks pinned, the same frames evicted
+        assert 0 in ll["slots"] and 12 in ll["slots"] and 6 not in ll["slots"], ll["slots"]
+        c = ll["counters"]
+        for op in ("attention", "attention_lse", "cache_write"):
+            assert c[op]["stock"] == 0, (op, c[op])
+        assert ll["spy"]["stock"] == 0 and ll["spy"]["flex"] == 0
+        assert c["cache_write"]["torch"] == ref["calls"]["cache_write"]
+        # per layer: the self-attention over [cache shard | chunk] (R > 1: one pass-Q lse call), the text locally
+        assert c["attention"]["torch"] + c["attention_lse"]["torch"] == ref["calls"]["attention"]
+        assert c["attention_lse"]["torch"] == (ref["calls"]["attention"] // 2 if R > 1 else 0)
+        # each rank: [B, 6 history frames x 4 tokens / R, 2 heads / U, 12]
+        assert ll["buffers"] == (2, 6 * 4 // R, 2 // U, 12), ll["buffers"]
+    assert all(torch.equal(res["longlive2"]["out"], ranks[0]["longlive2"]["out"]) for res in ranks)
+    assert ref["out"].shape[2] == LONGLIVE2_CHUNKS * 2
+
+
+@pytest.fixture(scope="module")
 def krea_references():
     """Krea Realtime's rollouts in one process (same inputs, same seeds), computed in this run; and the first with
     no bias (kv_cache_attention_bias=1), to show the bias moves the output."""
@@ -205,12 +260,12 @@ def krea_references():
 
 
 @pytest.mark.parametrize("U,R", LAYOUTS)
-def test_krea_kv_recompute_and_bias_under_context_parallelism(U, R, tmp_path, krea_references):
+def test_krea_kv_recompute_and_bias_under_context_parallelism(U, R, tmp_path_factory, krea_references):
     # Krea Realtime's path (KV re-computation of the context before every chunk, the KV-cache attention bias as two
     # attention_lse calls merged): each rank's cache shard holds its part of the re-computed context; under ring
     # the two calls run per rank on the gathered queries and the ring merges their (out, lse). Equal to the
     # single-process patched rollout within 1e-5 (fp32), every attention through our ops.
-    ranks = _spawn(U, R, tmp_path, "krea")
+    ranks = _layout_run(U, R, tmp_path_factory)
     refs = krea_references
     b0 = KREA_ROLLOUTS[0]["block"]
     assert _rel(refs["unbiased"][:, :, b0:], refs["outs"][0][:, :, b0:]) > 1e-3  # the bias is not a no-op here
