@@ -192,6 +192,12 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
             module.forward = fwd
             st.gemm[path] = hook
             st.undo.append(ForwardSwap(path, fwd, had, old))
+        # self-attention's q, k, v as ONE GEMM where the model says the kernel wins at the fused shape (per call)
+        for path, module, hook in (dense_ops.qkv_hooks(model, route) if gemm_hooks else []):
+            had, old = dense_ops.QKV_ATTR in vars(module), vars(module).get(dense_ops.QKV_ATTR)
+            module.__dict__[dense_ops.QKV_ATTR] = hook
+            st.undo.append(InstanceAttr(path, dense_ops.QKV_ATTR, hook, had, old))
+            st.qkv[path] = hook
         st.undo.append(Hook("", model.register_forward_pre_hook(_model_pre_hook).id))
         st.undo.append(Hook("", model.register_forward_hook(_model_post_hook, always_call=True).id))
         if unknown:
