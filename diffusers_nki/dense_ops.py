@@ -838,10 +838,12 @@ def _qkv_refused(st, x, why, decision=None):
 
 
 def _fused_quant(st, attn, x, mods):
-    """precision "fp8" / "mxfp8": one quantized GEMM (refusals: the three layers' own quantized forwards run)."""
+    """precision "fp8" / "mxfp8": one quantized GEMM. Its limits are x's (dtype, K), the same for the three layers:
+    a refusal returns None and each layer's own quantized forward meets the same limit and falls back visibly
+    (counted and warned there, once per layer, not twice)."""
     x2 = x.reshape(-1, mods[0].in_features)
     if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return _qkv_refused(st, x, f"q/k/v fusion: x dtype {x2.dtype} is not supported (float32, bfloat16, float16)")
+        return None
     prep, b = _qkv_weight(st, attn, st.precision,
                           lambda w: _q_ref.prepare(_gemm_ref.linear_weight(w), st.precision))
     if st.precision == "fp8":
@@ -849,7 +851,7 @@ def _fused_quant(st, attn, x, mods):
     else:
         reasons = _mx_kernel_reasons(x2) if backends.resolve(st.route.backend) == "sim" else []
     if reasons:
-        return _qkv_refused(st, x, "q/k/v fusion: " + "; ".join(reasons))
+        return None
     if not accounting.compiling():
         st.calls += 1
     return _split_qkv(gemm_quant(x2, prep, b, None, st.route.backend), x, mods)
