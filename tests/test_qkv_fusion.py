@@ -365,3 +365,44 @@ def test_fp8_fused_on_the_emulator_runs_the_kernel_at_the_fused_shape(monkeypatc
     dim = m.blocks[0].attn1.to_q.in_features
     assert sum(s[1] == (dim, 3 * dim) and s[2] == "sim" for s in seen) == len(m.blocks)
     assert ((out.float() - twin.float()).abs().max() / twin.float().abs().max()).item() < 2e-2
+
+
+# ------------------------------------------------------------------------------------------------------
+# the Self-Forcing path: CausalWanPipeline's cached self-attention (caching/causal_wan.py) takes the fused call
+# ------------------------------------------------------------------------------------------------------
+def test_the_causal_wan_cache_processor_takes_the_fused_call(monkeypatch):
+    """The chunk-causal pipeline (the budget's path) at the tests' width: 192 x 192 pixels = 144 tokens per latent
+    frame, 432 per chunk of 3, where the model says the fused kernel wins (fp32, trn2): the cached self-attention
+    makes one fused call per layer and pass, and the rollout equals the unfused route's (same patch, the fusion
+    answered None) within fp32 rounding."""
+    from diffusers import FlowMatchLCMScheduler
+
+    from diffusers_nki.pipelines import CausalWanPipeline
+    from diffusers_nki.testing.tiny import pipelines as tp
+
+    assert _fused_wins(432, torch.float32)
+    transformer, _ = tiny.tiny_transformer("wan", seed=0, in_channels=16, out_channels=16, text_dim=tp.TEXT_DIM,
+                                           num_attention_heads=4, attention_head_dim=128, ffn_dim=2048)
+    pipe = CausalWanPipeline(tokenizer=tp.tiny_tokenizer(), text_encoder=tp.tiny_umt5_encoder(0),
+                             transformer=transformer, vae=tp.tiny_wan_vae(0), scheduler=FlowMatchLCMScheduler(shift=5.0),
+                             num_frame_per_block=3, window_frames=21, sink_frames=0)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run():
+        kw = tiny.tiny_call_kwargs("causal_wan", chunks=2, steps=2, height=192, width=192, output_type="latent")
+        with torch.no_grad():
+            return pipe(**kw).frames
+
+    diffusers_nki.patch(pipe, backend="torch")
+    try:
+        hooks = diffusers_nki.lifecycle.installed(pipe.transformer).qkv
+        assert set(hooks) == {f"blocks.{i}.attn1" for i in range(len(transformer.blocks))}
+        fused = run()
+        rows = [r for h in hooks.values() for r in h.rows()]
+        assert rows and all(r["M"] == 432 and r["kernel_calls"] > 0 and r["stock_calls"] == 0 for r in rows)
+        with monkeypatch.context() as mp:
+            mp.setattr(dense_ops, "fused_qkv", lambda attn, x: None)  # the same route, q/k/v as three calls
+            unfused = run()
+    finally:
+        diffusers_nki.unpatch(pipe)
+    assert (fused - unfused).abs().max().item() <= 1e-5 * max(1.0, unfused.abs().max().item())
