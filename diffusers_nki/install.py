@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 from diffusers_nki import accounting, bridge, caching, compat, dense_ops, errors
 from diffusers_nki import cache as cache_api
+from diffusers_nki import precision as precision_api
 from diffusers_nki.accounting import RECORD_ATTR, ModuleRecord
 from diffusers_nki.family import FamilyPatch
 from diffusers_nki.lifecycle import (
@@ -182,6 +183,8 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
                 setattr(model, name, value)
                 st.undo.append(InstanceAttr("", name, value, had, old))
         # the GEMMs where the model wins (bf16); a reduced precision hands these layers to diffusers_nki.precision
+        if route.precision == "bf16":  # a reduced precision installed before (patch(precision="fp8") then "bf16")
+            precision_api.release(model)  # hands its layers back first, else the route would skip them as hooked
         gemm_hooks = dense_ops.default_gemm_hooks(model, route) if route.precision == "bf16" else []
         for path, module, hook in gemm_hooks:
             had, old = dense_ops.GEMM_ATTR in vars(module), vars(module).get(dense_ops.GEMM_ATTR)

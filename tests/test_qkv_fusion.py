@@ -406,3 +406,19 @@ def test_the_causal_wan_cache_processor_takes_the_fused_call(monkeypatch):
     finally:
         diffusers_nki.unpatch(pipe)
     assert (fused - unfused).abs().max().item() <= 1e-5 * max(1.0, unfused.abs().max().item())
+
+
+def test_back_from_fp8_to_bf16_the_route_and_its_fusion_are_installed():
+    """patch(precision="fp8") then patch() (bf16): the quantized hooks are released BEFORE the bf16 route is
+    installed, so the route hooks every layer and fuses q/k/v (it used to skip the layers still carrying them)."""
+    m = small_wan()
+    diffusers_nki.patch(m, backend="torch", precision="fp8")
+    diffusers_nki.patch(m, backend="torch")
+    try:
+        st = diffusers_nki.lifecycle.installed(m)
+        assert len(st.gemm) == 10 and set(st.qkv) == {"blocks.0.attn1"}
+        assert diffusers_nki.explain(m).models[0].precision_layers == {}
+        assert all(h.precision == "bf16" for h in st.qkv.values())
+    finally:
+        diffusers_nki.unpatch(m)
+    assert not _leftovers(m)
