@@ -384,8 +384,9 @@ def test_the_causal_wan_cache_processor_takes_the_fused_call(monkeypatch):
     transformer, _ = tiny.tiny_transformer("wan", seed=0, in_channels=16, out_channels=16, text_dim=tp.TEXT_DIM,
                                            num_attention_heads=4, attention_head_dim=128, ffn_dim=2048)
     pipe = CausalWanPipeline(tokenizer=tp.tiny_tokenizer(), text_encoder=tp.tiny_umt5_encoder(0),
-                             transformer=transformer, vae=tp.tiny_wan_vae(0), scheduler=FlowMatchLCMScheduler(shift=5.0),
-                             num_frame_per_block=3, window_frames=21, sink_frames=0)
+                             transformer=transformer, vae=tp.tiny_wan_vae(0),
+                             scheduler=FlowMatchLCMScheduler(shift=5.0), num_frame_per_block=3, window_frames=21,
+                             sink_frames=0)
     pipe.set_progress_bar_config(disable=True)
 
     def run():
