@@ -162,8 +162,10 @@ class Explanation:
             for note in m.notes:
                 lines.append(f"  note: {note}")
             if m.precision_layers:
-                lines.append(f"  precision {m.precision}: {len(m.precision_layers)} nn.Linear layer(s) through the "
-                             "quantized GEMM (attention itself and the layers outside the blocks stay bf16):")
+                nf = sum(1 for d in m.precision_layers.values() if d.get("fused"))
+                lines.append(f"  precision {m.precision}: {len(m.precision_layers) - nf} nn.Linear layer(s) through the "
+                             "quantized GEMM" + (f", self-attention q/k/v as one call in {nf}" if nf else "")
+                             + " (attention itself and the layers outside the blocks stay bf16):")
                 for path, d in m.precision_layers.items():
                     lines.append(f"    {path}  {d['precision']}  op {d['op']}  calls={d['calls']}"
                                  + (f"  (one GEMM for {', '.join(d['fused'])})" if d.get("fused") else ""))
@@ -362,8 +364,12 @@ def _explain_model(name, model) -> ModelReport:
     gemm = []
     for path, hook in (st.gemm.items() if st is not None else ()):
         rows = hook.rows()
-        gemm += [dict(r, path=path) for r in rows] or [dict(path=path, why="installed; not called yet",
-                                                            kernel_calls=0, stock_calls=0, M=None)]
+        parent = path.rpartition(".")[0]
+        idle = (f"installed; not called yet (served by {parent}.to_qkv where it fuses q/k/v)"
+                if st.qkv.get(parent) is not None and path.rpartition(".")[2] in ("to_q", "to_k", "to_v")
+                else "installed; not called yet")
+        gemm += [dict(r, path=path) for r in rows] or [dict(path=path, why=idle, kernel_calls=0, stock_calls=0,
+                                                            M=None)]
     for path, hook in (st.qkv.items() if st is not None else ()):  # q/k/v as one GEMM: diffusers' name to_qkv
         gemm += [dict(r, path=f"{path}.to_qkv", fused=True) for r in hook.rows()] or [dict(
             path=f"{path}.to_qkv", fused=True, why="one GEMM for to_q, to_k, to_v: installed; not called yet",

@@ -123,7 +123,8 @@ def test_one_fused_gemm_parity_explain_and_exact_unpatch(shapes):
         assert fused["why"].startswith("one GEMM for to_q, to_k, to_v: gemm kernel") and "x [512, 1536]" in \
             fused["why"]
         for n in ("to_q", "to_k", "to_v"):
-            assert rows[f"blocks.0.attn1.{n}"]["why"] == "installed; not called yet"
+            assert rows[f"blocks.0.attn1.{n}"]["why"] == ("installed; not called yet (served by blocks.0.attn1.to_qkv "
+                                                          "where it fuses q/k/v)")
         text = str(diffusers_nki.explain(m))
         assert "1 self-attention q/k/v fused as to_qkv" in text and "blocks.*.attn1.to_qkv (1 layers): one GEMM" in text
         assert attn.__dict__[dense_ops.QKV_ATTR].cache is not None
