@@ -162,10 +162,13 @@ class Explanation:
             for note in m.notes:
                 lines.append(f"  note: {note}")
             if m.precision_layers:
-                lines.append(f"  precision {m.precision}: {len(m.precision_layers)} nn.Linear layer(s) through the "
-                             "quantized GEMM (attention itself and the layers outside the blocks stay bf16):")
+                nf = sum(1 for d in m.precision_layers.values() if d.get("fused"))
+                lines.append(f"  precision {m.precision}: {len(m.precision_layers) - nf} nn.Linear layer(s) through the "
+                             "quantized GEMM" + (f", self-attention q/k/v as one call in {nf}" if nf else "")
+                             + " (attention itself and the layers outside the blocks stay bf16):")
                 for path, d in m.precision_layers.items():
-                    lines.append(f"    {path}  {d['precision']}  op {d['op']}  calls={d['calls']}")
+                    lines.append(f"    {path}  {d['precision']}  op {d['op']}  calls={d['calls']}"
+                                 + (f"  (one GEMM for {', '.join(d['fused'])})" if d.get("fused") else ""))
             s = m.summary()
             unv = f", {s['unverified_modules']} unverified" if s["unverified_modules"] else ""
             lines.append(f"  routed: {s['routed_modules']}/{s['softmax_modules']} softmax attention modules "
@@ -190,7 +193,8 @@ def _gemm_lines(rows) -> List[str]:
     if not rows:
         return []
     groups: Dict[tuple, dict] = {}
-    layers = {r["path"] for r in rows}
+    layers = {r["path"] for r in rows if not r.get("fused")}
+    fused = {r["path"] for r in rows if r.get("fused")}
     for r in rows:
         parts = r["path"].split(".")
         first = next((i for i, p in enumerate(parts) if p.isdigit()), None)  # the block index, folded
@@ -199,7 +203,9 @@ def _gemm_lines(rows) -> List[str]:
         g["layers"].add(r["path"])
         g["kernel"] += r.get("kernel_calls", 0)
         g["stock"] += r.get("stock_calls", 0)
-    out = [f"  gemm route ({len(layers)} linear layers hooked; MODELED kernel vs XLA time per call shape seen):"]
+    out = [f"  gemm route ({len(layers)} linear layers hooked"
+           + (f", {len(fused)} self-attention q/k/v fused as to_qkv" if fused else "")
+           + "; MODELED kernel vs XLA time per call shape seen):"]
     for (role, why), g in sorted(groups.items()):
         out.append(f"    {role} ({len(g['layers'])} layers): {why}; calls: {g['kernel']} kernel, {g['stock']} stock")
     if not any(r.get("M") is not None for r in rows if r.get("kernel_calls") or r.get("stock_calls")):
@@ -358,8 +364,16 @@ def _explain_model(name, model) -> ModelReport:
     gemm = []
     for path, hook in (st.gemm.items() if st is not None else ()):
         rows = hook.rows()
-        gemm += [dict(r, path=path) for r in rows] or [dict(path=path, why="installed; not called yet",
-                                                            kernel_calls=0, stock_calls=0, M=None)]
+        parent = path.rpartition(".")[0]
+        idle = (f"installed; not called yet (served by {parent}.to_qkv where it fuses q/k/v)"
+                if st.qkv.get(parent) is not None and path.rpartition(".")[2] in ("to_q", "to_k", "to_v")
+                else "installed; not called yet")
+        gemm += [dict(r, path=path) for r in rows] or [dict(path=path, why=idle, kernel_calls=0, stock_calls=0,
+                                                            M=None)]
+    for path, hook in (st.qkv.items() if st is not None else ()):  # q/k/v as one GEMM: diffusers' name to_qkv
+        gemm += [dict(r, path=f"{path}.to_qkv", fused=True) for r in hook.rows()] or [dict(
+            path=f"{path}.to_qkv", fused=True, why="one GEMM for to_q, to_k, to_v: installed; not called yet",
+            kernel_calls=0, stock_calls=0, M=None)]
     return ModelReport(name, type(model).__name__, fam.name, st is not None, st.backend if st else None,
                        st.strict if st else None, reports, notes, cache_be, compiled, owners,
                        st.route.target if st is not None else None, gemm,

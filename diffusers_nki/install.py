@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 from diffusers_nki import accounting, bridge, caching, compat, dense_ops, errors
 from diffusers_nki import cache as cache_api
+from diffusers_nki import precision as precision_api
 from diffusers_nki.accounting import RECORD_ATTR, ModuleRecord
 from diffusers_nki.family import FamilyPatch
 from diffusers_nki.lifecycle import (
@@ -182,6 +183,8 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
                 setattr(model, name, value)
                 st.undo.append(InstanceAttr("", name, value, had, old))
         # the GEMMs where the model wins (bf16); a reduced precision hands these layers to diffusers_nki.precision
+        if route.precision == "bf16":  # a reduced precision installed before (patch(precision="fp8") then "bf16")
+            precision_api.release(model)  # hands its layers back first, else the route would skip them as hooked
         gemm_hooks = dense_ops.default_gemm_hooks(model, route) if route.precision == "bf16" else []
         for path, module, hook in gemm_hooks:
             had, old = dense_ops.GEMM_ATTR in vars(module), vars(module).get(dense_ops.GEMM_ATTR)
@@ -192,6 +195,12 @@ def install_model(model, family: FamilyPatch, req: Request) -> ModelState:
             module.forward = fwd
             st.gemm[path] = hook
             st.undo.append(ForwardSwap(path, fwd, had, old))
+        # self-attention's q, k, v as ONE GEMM where the model says the kernel wins at the fused shape (per call)
+        for path, module, hook in (dense_ops.qkv_hooks(model, route) if gemm_hooks else []):
+            had, old = dense_ops.QKV_ATTR in vars(module), vars(module).get(dense_ops.QKV_ATTR)
+            module.__dict__[dense_ops.QKV_ATTR] = hook
+            st.undo.append(InstanceAttr(path, dense_ops.QKV_ATTR, hook, had, old))
+            st.qkv[path] = hook
         st.undo.append(Hook("", model.register_forward_pre_hook(_model_pre_hook).id))
         st.undo.append(Hook("", model.register_forward_hook(_model_post_hook, always_call=True).id))
         if unknown:

@@ -128,6 +128,7 @@ class ModelState:
     member: Any = None  # the AttentionBackendName member installed
     unattributed: ModuleRecord = None  # the model's calls no module could be named for (compiled code)
     gemm: Dict[str, Any] = field(default_factory=dict)  # module path -> its dense_ops.GemmHook (the default GEMMs)
+    qkv: Dict[str, Any] = field(default_factory=dict)  # self-attention path -> its dense_ops.QkvHook (q/k/v fused)
 
     @property
     def backend(self) -> str:

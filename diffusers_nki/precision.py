@@ -9,6 +9,9 @@ the layers outside the blocks (patch embedding, condition / time embedders, the 
 outputs drive every block's modulation). Never silent: ``explain()`` lists each routed layer with its precision
 and the calls it made; ``unpatch()`` removes it and restores the layers' own forwards exactly.
 
+Self-attention's q, k and v are ONE quantized GEMM of N = 3 x dim (``dense_ops.QkvHook``: the concatenated weight
+quantized once, remade when any of the three layers' parameters change; explain() lists it as ``<attn>.to_qkv``).
+
 The weights are quantized once (on the first call, again only if a parameter changes); the activations per call.
 """
 from __future__ import annotations
@@ -58,6 +61,8 @@ def install(model, precision: str, backend: str) -> int:
         return 0
     cfg = dense_ops.DenseKernelsConfig(ops=("gemm",), backend=backend, precision=precision)
     n = sum(dense_ops.apply_dense_kernels(blk, cfg) for _, blk in _blocks(model))
+    for _, blk in _blocks(model):  # self-attention's q, k, v as ONE quantized GEMM (dense_ops.QkvHook)
+        dense_ops.apply_qkv_fusion(blk, precision, backend)
     model.__dict__[ATTR] = (precision, backend)
     return n
 
@@ -66,6 +71,8 @@ def release(model) -> int:
     """Remove what ``install`` put on ``model`` (its blocks' hooks), restoring their forwards."""
     if model.__dict__.pop(ATTR, None) is None:
         return 0
+    for _, blk in _blocks(model):
+        dense_ops.remove_qkv_fusion(blk)
     return sum(dense_ops.remove_dense_kernels(blk) for _, blk in _blocks(model))
 
 

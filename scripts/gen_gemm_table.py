@@ -11,7 +11,9 @@ peak, never faster than the HBM traffic), stored as its constants so the plugin 
 lab. Never measured: every figure is the emulator's model.
 
 Usage: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/gen_gemm_table.py`` (minutes on 2 cores); then run
-``tests/test_gemm_route.py`` (it regenerates a sample entry and compares).
+``tests/test_gemm_route.py`` (it regenerates a sample entry and compares). ``--only K,N[,activation]`` (repeatable)
+regenerates those shapes of ``SHAPES`` only and keeps every other entry of the committed table (a new shape without
+tracing everything again; the XLA constants are rewritten from the budget, as in a full run).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ SHAPES = {
     (1536, 1536, None): 40, (1536, 8960, "gelu_tanh"): 40, (8960, 1536, None): 40,
     # the small Wan width the tests run (dim 512 = 4 heads x 128, FFN 2048)
     (512, 512, None): 8, (512, 2048, "gelu_tanh"): 8, (2048, 512, None): 8,
+    # self-attention's q, k, v as ONE GEMM (dense_ops.QkvHook: the three weights concatenated, N = 3 x dim)
+    (1536, 4608, None): 40, (512, 1536, None): 8,
 }
 TARGETS = ("trn2", "trn3")
 DTYPES = ("bfloat16", "float32")
@@ -58,10 +62,28 @@ def xla_constants() -> dict:
     return out
 
 
-def build() -> dict:
-    kernel = {}
+def parse_only(specs) -> list:
+    """``["K,N[,activation]", ...]`` -> the ``SHAPES`` keys named (ValueError naming a spec not in ``SHAPES``)."""
+    out = []
+    for spec in specs:
+        parts = spec.split(",")
+        try:
+            shape = (int(parts[0]), int(parts[1]), (parts[2] if len(parts) > 2 and parts[2] != "none" else None))
+        except (IndexError, ValueError):
+            raise ValueError(f"--only {spec!r}: expected K,N[,activation]") from None
+        if len(parts) > 3 or shape not in SHAPES:
+            raise ValueError(f"--only {spec!r}: not a shape of SHAPES ({sorted(SHAPES, key=str)})")
+        out.append(shape)
+    return out
+
+
+def build(only=None, base=None) -> dict:
+    """The table: every shape of ``SHAPES``, or only the shapes ``only`` names with the other entries of ``base``."""
+    kernel = dict(base["kernel"]) if only else {}
     t0 = time.perf_counter()
     for (K, N, act), tiles in SHAPES.items():
+        if only and (K, N, act) not in only:
+            continue
         for target in TARGETS:
             for dtype in DTYPES:
                 kernel[key(target, dtype, K, N, act)] = kernel_seconds(target, dtype, K, N, act, tiles)
@@ -80,7 +102,16 @@ def write(table: dict, path: str = OUT) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", default=[], metavar="K,N[,ACT]",
+                    help="regenerate only this shape of SHAPES (repeatable); keep the other committed entries")
+    only = parse_only(ap.parse_args().only)
     if not os.path.exists(OUT):  # the plugin reads the table at import: start from an empty one
         write({"tile": 128, "xla": {}, "kernel": {}})
-    write(build())
+    base = None
+    if only:
+        from diffusers_nki.gemm_table import TABLE as base
+    write(build(only, base))
     print(f"wrote {OUT}", file=sys.stderr)

@@ -154,7 +154,9 @@ def test_table_entry_regenerates_and_holds_out_an_off_tile_shape():
 # the default path
 # ------------------------------------------------------------------------------------------------------
 def _expected(model, M, target, dtype=torch.float32):
-    """{hooked module path: kernel?} from the decision function at this call's shapes."""
+    """{hooked module path: kernel?} from the decision function at this call's shapes; self-attention's q/k/v
+    (``<attn>.to_qkv``, tests/test_qkv_fusion.py) decided at the fused shape: where it wins, one fused call and its
+    three layers not called (None)."""
     out = {}
     mods = dict(model.named_modules())
     for path, hook in _routed(model).items():
@@ -162,7 +164,19 @@ def _expected(model, M, target, dtype=torch.float32):
         m = M if "attn2.to_k" not in path and "attn2.to_v" not in path else 8  # the text tokens
         out[path] = dense_ops.gemm_decision(m, lin.in_features, lin.out_features,
                                             "gelu_tanh" if hook.fuse_gelu else None, dtype, target)["kernel"]
+    for path in diffusers_nki.lifecycle.installed(model).qkv:
+        q = mods[path].to_q
+        fused = out[f"{path}.to_qkv"] = dense_ops.gemm_decision(M, q.in_features, 3 * q.out_features, None, dtype,
+                                                                target)["kernel"]
+        if fused:
+            out.update({f"{path}.{n}": None for n in ("to_q", "to_k", "to_v")})
     return out
+
+
+def _ran(rows, exp):
+    """{path: kernel?} as explain() saw the calls (None: not called)."""
+    return {p: (rows[p]["kernel_calls"] > 0 if rows[p]["kernel_calls"] + rows[p]["stock_calls"] else None)
+            for p in exp}
 
 
 def test_default_path_routes_where_the_model_says_parity_counters_explain_unpatch():
@@ -178,17 +192,19 @@ def test_default_path_routes_where_the_model_says_parity_counters_explain_unpatc
                          "blocks.0.attn2.to_q", "blocks.0.attn2.to_k", "blocks.0.attn2.to_v", "blocks.0.attn2.to_out.0",
                          "blocks.0.ffn.net.0", "blocks.0.ffn.net.2"}  # the FFN's first Linear through its GELU, fused
         exp = _expected(m, 256, "trn2")
-        assert exp["blocks.0.ffn.net.0"] and not exp["blocks.0.attn1.to_q"]  # the model says both ways here
+        assert exp["blocks.0.ffn.net.0"] and not exp["blocks.0.attn2.to_q"]  # the model says both ways here
         dense_ops.reset_counters()
         with torch.no_grad():
             got = m(**x)[0]
         assert (got - want).abs().max().item() <= 1e-5
-        assert dense_ops.counters()["gemm"]["torch"] == sum(exp.values()) > 0
+        assert dense_ops.counters()["gemm"]["torch"] == sum(bool(v) for v in exp.values()) > 0
         rows = {r["path"]: r for r in diffusers_nki.explain(m).models[0].gemm}
         for path, kernel in exp.items():
             r = rows[path]
-            assert (r["kernel_calls"], r["stock_calls"]) == ((1, 0) if kernel else (0, 1)), (path, r)
-            assert r["why"].startswith("gemm kernel: kernel" if kernel else "stock (XLA): kernel"), r
+            calls = {True: (1, 0), False: (0, 1), None: (0, 0)}[kernel]  # None: served by the fused q/k/v call
+            assert (r["kernel_calls"], r["stock_calls"]) == calls, (path, r)
+            if kernel is not None and not path.endswith("to_qkv"):
+                assert r["why"].startswith("gemm kernel: kernel" if kernel else "stock (XLA): kernel"), r
         text = str(diffusers_nki.explain(m))
         assert "gemm route (10 linear layers hooked" in text and "blocks.*.ffn.net.0 (1 layers): gemm kernel" in text
     finally:
@@ -206,13 +222,14 @@ def test_small_m_keeps_every_layer_stock():
     x = inputs(frames=1, side=8)
     diffusers_nki.patch(m, backend="torch")
     try:
-        assert not any(_expected(m, 16, "trn2").values())
+        assert not any(_expected(m, 16, "trn2").values())  # the fused q/k/v too
         dense_ops.reset_counters()
         with torch.no_grad():
             m(**x)
         assert dense_ops.counters()["gemm"]["torch"] == 0
         rows = diffusers_nki.explain(m).models[0].gemm
-        assert rows and all(r["stock_calls"] == 1 and r["kernel_calls"] == 0 and r["why"].startswith("stock")
+        assert rows and all(r["stock_calls"] == 1 and r["kernel_calls"] == 0 and r["why"].startswith(
+            "unfused (three calls, each layer's own route): stock" if r["path"].endswith("to_qkv") else "stock")
                             for r in rows)
     finally:
         diffusers_nki.unpatch(m)
@@ -229,7 +246,7 @@ def test_the_target_changes_the_choice_per_hook_not_per_process():
                 m(**inputs())
             exp = _expected(m, 256, t)
             rows = {r["path"]: r for r in diffusers_nki.explain(m).models[0].gemm}
-            assert {p: rows[p]["kernel_calls"] > 0 for p in exp} == exp
+            assert _ran(rows, exp) == exp
         ea, eb = _expected(a, 256, "trn2"), _expected(b, 256, "trn3")
         assert ea != eb  # at this shape the two targets decide differently somewhere
     finally:
@@ -246,6 +263,9 @@ def test_deepcopy_carries_its_own_hooks():
         assert set(hc) == set(hm) and all(hc[p] is not hm[p] for p in hc)
         cm = dict(c.named_modules())
         assert all(vars(cm[p])["forward"].__self__ is cm[p] and vars(cm[p])[dense_ops.GEMM_ATTR] is hc[p] for p in hc)
+        qc, qm = diffusers_nki.lifecycle.installed(c).qkv, diffusers_nki.lifecycle.installed(m).qkv
+        assert set(qc) == set(qm) == {"blocks.0.attn1"}
+        assert all(qc[p] is not qm[p] and vars(cm[p])[dense_ops.QKV_ATTR] is qc[p] for p in qc)
         with torch.no_grad():
             c(**inputs())
         assert all(not h.rows() for h in hm.values()) and any(h.rows() for h in hc.values())
@@ -265,7 +285,7 @@ def test_emulator_parity_on_the_default_path():
         dense_ops.reset_counters()
         with torch.no_grad():
             got = m(**x)[0]
-        assert dense_ops.counters()["gemm"]["sim"] == sum(_expected(m, 256, "trn2").values()) > 0
+        assert dense_ops.counters()["gemm"]["sim"] == sum(bool(v) for v in _expected(m, 256, "trn2").values()) > 0
         assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
     finally:
         diffusers_nki.unpatch(m)
@@ -288,7 +308,7 @@ def test_regional_compile_keeps_one_graph_and_the_kernel_calls():
         want = m(**x)[0]
     diffusers_nki.patch(m, backend="torch")
     try:
-        per_block = sum(_expected(m, 256, "trn2").values()) // 2
+        per_block = sum(bool(v) for v in _expected(m, 256, "trn2").values()) // 2
         assert per_block > 0
         torch._dynamo.reset()
         counter = GraphCounter()
@@ -318,13 +338,16 @@ def test_a_pickled_copy_runs_stock_says_so_and_patch_routes_it_again():
             want = m(**inputs())[0]
             dense_ops.reset_counters()
             got = c(**inputs())[0]
-        assert torch.equal(got, want) and dense_ops.counters()["gemm"]["torch"] == 0  # stock linears in the copy
+        # stock linears in the copy; the q/k/v fusion is state its (pickled) attention processor reads: it survives
+        fused = sum(bool(v) for p, v in _expected(c, 256, "trn2").items() if p.endswith(".to_qkv"))
+        assert torch.equal(got, want) and dense_ops.counters()["gemm"]["torch"] == fused
         st = diffusers_nki.lifecycle.installed(c)
         assert "did not survive pickling" in diffusers_nki.install.problems(c, st)["blocks.0.ffn.net.0"]
         diffusers_nki.patch(c, backend="torch")
+        dense_ops.reset_counters()
         with torch.no_grad():
             c(**inputs())
-        assert dense_ops.counters()["gemm"]["torch"] == sum(_expected(c, 256, "trn2").values()) > 0
+        assert dense_ops.counters()["gemm"]["torch"] == sum(bool(v) for v in _expected(c, 256, "trn2").values()) > 0
         diffusers_nki.unpatch(c)
     finally:
         diffusers_nki.unpatch(m)

@@ -125,7 +125,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from diffusers_nki import ops, parallel
+from diffusers_nki import dense_ops, ops, parallel
 from diffusers_nki.caching.config import StaticCacheConfig
 from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan as wan_rope  # Wan's interleaved RoPE
 from diffusers_nki.errors import warn_once
@@ -519,7 +519,10 @@ class CausalWanCacheProcessor:
         if not isinstance(rotary_emb, _LayerStep):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         step = rotary_emb
-        if getattr(attn, "fused_projections", False):
+        qkv = dense_ops.fused_qkv(attn, hidden_states)  # ONE GEMM where the route fused q/k/v (None: unfused)
+        if qkv is not None:
+            query, key, value = qkv
+        elif getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)

@@ -30,7 +30,7 @@ from collections import Counter
 
 import torch
 
-from diffusers_nki import accounting, bridge, compat, routing
+from diffusers_nki import accounting, bridge, compat, dense_ops, routing
 from diffusers_nki.backends import Route
 from diffusers_nki.errors import warn_once
 from diffusers_nki.kernels.qk_norm_rope_ref import apply_rotary_emb_wan
@@ -141,7 +141,10 @@ class NKIWanAttnProcessor(compat.DispatchAttributes, Routed):
             encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
             encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
 
-        query, key, value = compat.wan_qkv_projections(tw, attn, hidden_states, encoder_hidden_states)
+        # self-attention: q, k, v as ONE GEMM where the route fused them (dense_ops.fused_qkv; None: three calls)
+        qkv = dense_ops.fused_qkv(attn, hidden_states) if encoder_hidden_states is None else None
+        query, key, value = qkv if qkv is not None else compat.wan_qkv_projections(tw, attn, hidden_states,
+                                                                                    encoder_hidden_states)
         reason = prologue_reason(attn, query, key, rotary_emb) if rotary_emb is not None else "no rotary_emb"
         if reason is None:
             cos, sin = rotary_emb
