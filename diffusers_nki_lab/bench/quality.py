@@ -541,7 +541,7 @@ def run(args) -> int:
 
         path = args.json or os.path.join("outputs", "bench", "quality_seeds.json")
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-        return quality_seeds.run(args, lambda res: _write_json(res, path))
+        return quality_seeds.run(args, measure, lambda res: _write_json(res, path))
     try:
         rows = decoder_rows(getattr(args, "decoder", "wan"))
         precision = getattr(args, "precision", "bf16")

@@ -181,15 +181,14 @@ def parse_rows(value: Optional[str]) -> tuple:
 # ------------------------------------------------------------------------------------------------------
 # the run
 # ------------------------------------------------------------------------------------------------------
-def measure_seeds(pipe, seeds: Sequence[int], precisions: Sequence[str] = PRECISIONS, rows: Sequence[str] = SEED_ROWS,
-                  progress: bool = True, on_seed: Optional[Callable[[dict], None]] = None, **kwargs) -> dict:
-    """Run ``rows`` for every seed and precision (``quality.measure`` each time, ``kwargs`` passed on: chunks,
-    switch_at, prompts, ...), bf16 first; ``on_seed(result so far)`` after each seed (the CLI writes its JSON
-    there, so a run cut short keeps its finished seeds). Returns the per-seed scores and ``summarize``'s
+def measure_seeds(measure: Callable[..., dict], pipe, seeds: Sequence[int], precisions: Sequence[str] = PRECISIONS,
+                  rows: Sequence[str] = SEED_ROWS, progress: bool = True,
+                  on_seed: Optional[Callable[[dict], None]] = None, **kwargs) -> dict:
+    """Run ``rows`` for every seed and precision, bf16 first (``measure`` is ``quality.measure``, passed in because
+    that module calls this one; ``kwargs`` go on to it: chunks, switch_at, prompts, ...); ``on_seed(result so
+    far)`` after each seed (the CLI writes its JSON there, so a run cut short keeps its finished seeds). Returns the per-seed scores and ``summarize``'s
     statistics."""
     from tqdm.auto import tqdm
-
-    from diffusers_nki_lab.bench import quality
 
     if tuple(precisions[:1]) != ("bf16",):
         raise ValueError(f"precisions={tuple(precisions)!r}: must start with 'bf16' (the paired baseline)")
@@ -203,7 +202,7 @@ def measure_seeds(pipe, seeds: Sequence[int], precisions: Sequence[str] = PRECIS
     for done, s in enumerate(seeds, 1):
         for p in precisions:
             bar.set_postfix(seed=s, precision=p)
-            r = quality.measure(pipe, seed=s, precision=p, rows=tuple(rows) if p == "bf16" else patched,
+            r = measure(pipe, seed=s, precision=p, rows=tuple(rows) if p == "bf16" else patched,
                                 progress=False, **kwargs)
             for row, v in r["rows"].items():
                 per_seed.setdefault(_key(row, p), []).append(v["quality"])
@@ -251,8 +250,9 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args, write: Callable[[dict], str]) -> int:
-    """The CLI's ``--seeds`` path (``quality.run`` calls it); ``write(res)`` writes the JSON and returns its path."""
+def run(args, measure: Callable[..., dict], write: Callable[[dict], str]) -> int:
+    """The CLI's ``--seeds`` path (``quality.run`` calls it with ``quality.measure``); ``write(res)`` writes the
+    JSON and returns its path."""
     from diffusers_nki_lab.trained import load_pipeline
 
     try:
@@ -266,7 +266,7 @@ def run(args, write: Callable[[dict], str]) -> int:
     except ValueError as e:
         print(f"diffusers-nki bench quality: {e}", file=sys.stderr)
         return 2
-    res = measure_seeds(load_pipeline(args.weights), seeds, precisions, rows, chunks=args.chunks,
+    res = measure_seeds(measure, load_pipeline(args.weights), seeds, precisions, rows, chunks=args.chunks,
                         switch_at=args.switch_at, weights=args.weights, on_seed=write)
     print(format_table(res))
     print(f"wrote {write(res)}")
