@@ -186,8 +186,8 @@ def measure_seeds(measure: Callable[..., dict], pipe, seeds: Sequence[int], prec
                   on_seed: Optional[Callable[[dict], None]] = None, **kwargs) -> dict:
     """Run ``rows`` for every seed and precision, bf16 first (``measure`` is ``quality.measure``, passed in because
     that module calls this one; ``kwargs`` go on to it: chunks, switch_at, prompts, ...); ``on_seed(result so
-    far)`` after each seed (the CLI writes its JSON there, so a run cut short keeps its finished seeds). Returns the per-seed scores and ``summarize``'s
-    statistics."""
+    far)`` after each seed (the CLI writes its JSON there, so a run cut short keeps its finished seeds). Returns
+    the per-seed scores and ``summarize``'s statistics."""
     from tqdm.auto import tqdm
 
     if tuple(precisions[:1]) != ("bf16",):
