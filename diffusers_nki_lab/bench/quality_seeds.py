@@ -261,6 +261,9 @@ def run(args, measure: Callable[..., dict], write: Callable[[dict], str]) -> int
         rows = parse_rows(args.rows)
         if args.decoder != "wan":
             raise ValueError(f"--decoder={args.decoder!r} with --seeds: only 'wan' (the decoder rows are single-seed)")
+        if args.seed != 0:
+            raise ValueError(f"--seed={args.seed!r} with --seeds: name the seeds in --seeds (e.g. --seeds "
+                             f"{args.seed},{args.seed + 1})")
         if args.doc:
             raise ValueError(f"--doc={args.doc!r} with --seeds: the doc table is the single-seed one")
     except ValueError as e:

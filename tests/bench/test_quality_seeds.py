@@ -123,6 +123,7 @@ def test_cli_writes_the_json_and_prints_the_table(tmp_path, capsys):
     (["--seeds", "3", "--rows", "broken: rope offset"], ["--rows", "broken: rope offset", "patched switch"]),
     (["--seeds", "3", "--rows", "stock"], ["--rows", "'stock'", "no patched row"]),
     (["--seeds", "3", "--decoder", "taehv"], ["--decoder", "'taehv'", "'wan'"]),
+    (["--seeds", "3", "--seed", "4"], ["--seed=4", "--seeds"]),
     (["--precision", "fp8,mxfp8"], ["--precision", "'fp8,mxfp8'", "--seeds"]),
 ])
 def test_bad_arguments_name_the_argument_value_and_limit(argv, words, capsys):
