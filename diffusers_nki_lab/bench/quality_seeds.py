@@ -22,8 +22,9 @@ bench's units it reads: the precision moves a row's score by less than a fifth o
 noise moves it. The scale is the bench's own seed noise because the tracker's scores have no external unit. A
 precision is negligible when every patched row run is.
 
-The bf16 patched row's paired difference against the stock row (the plugin's own drift) is reported beside, for
-context; it is not part of the criterion.
+Beside, for context and not part of the criterion: whether each paired interval excludes 0 (a drift the seeds
+resolve; an interval that holds 0 but is wider than the margin means "not resolved, not shown small"), and the bf16
+patched row's paired difference against the stock row (the plugin's own drift).
 """
 from __future__ import annotations
 
@@ -98,11 +99,12 @@ def paired(a: Sequence[float], b: Sequence[float]) -> dict:
 def verdict(diff: dict, ref_std: Optional[float]) -> dict:
     """The criterion (module docstring) for one row: margin = NEGLIGIBLE_D * the bf16 row's seed std."""
     if diff["ci95"] is None or ref_std is None:
-        return {"margin": None, "negligible": False, "why": "fewer than 2 seeds: no interval"}
+        return {"margin": None, "negligible": False, "excludes_zero": False, "why": "fewer than 2 seeds: no interval"}
     margin = NEGLIGIBLE_D * ref_std
     lo, hi = diff["ci95"]
     ok = -margin <= lo and hi <= margin
-    return {"margin": margin, "negligible": bool(ok),
+    # context, not the criterion: a drift the seeds resolve (the interval excludes 0)
+    return {"margin": margin, "negligible": bool(ok), "excludes_zero": bool(lo > 0 or hi < 0),
             "why": f"95% interval [{lo:+.4f}, {hi:+.4f}] {'within' if ok else 'not within'} +-{margin:.4f}"}
 
 
@@ -236,12 +238,13 @@ def format_table(res: dict) -> str:
         std = "-" if s["std"] is None else f"{s['std']:.4f}"
         lines.append(f"{k:<38} {s['n']:>3} {s['mean']:>7.3f} {std:>7} {_ci(s, '.3f'):>26}")
     lines.append("paired difference (same seeds) against the bf16 patched row; " + res["criterion"])
-    lines.append(f"{'precision':<9} {'row':<22} {'mean diff':>9} {'95% interval':>20} {'margin':>8} {'negligible':>10}")
+    lines.append(f"{'precision':<9} {'row':<22} {'mean diff':>9} {'95% interval':>20} {'margin':>8} {'negligible':>10} "
+                 f"{'excl. 0':>7}")
     for p, by_row in res["paired"].items():
         for r, d in by_row.items():
             margin = "-" if d["margin"] is None else f"+-{d['margin']:.4f}"
             lines.append(f"{p:<9} {r:<22} {d['mean']:>+9.4f} {_ci(d, '+.4f'):>20} {margin:>8} "
-                         f"{'yes' if d['negligible'] else 'no':>10}")
+                         f"{'yes' if d['negligible'] else 'no':>10} {'yes' if d['excludes_zero'] else 'no':>7}")
     for r, d in res["plugin_vs_stock"].items():
         lines.append(f"(context) bf16 {r} - stock: {d['mean']:+.4f}, 95% {_ci(d, '+.4f')}")
     for p, v in res["verdict"].items():

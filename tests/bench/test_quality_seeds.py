@@ -47,7 +47,7 @@ def test_the_difference_is_paired_per_seed():
     assert d["mean"] == pytest.approx(shift.mean())
     assert d["half_width"] == pytest.approx(stats.t.ppf(0.975, 7) * np.std(shift, ddof=1) / math.sqrt(8))
     assert d["margin"] == pytest.approx(0.2 * np.std(base, ddof=1))
-    assert d["negligible"] and res["verdict"]["fp8"]["negligible"]
+    assert d["negligible"] and res["verdict"]["fp8"]["negligible"] and d["excludes_zero"]  # resolved, and small
     welch = stats.ttest_ind(fp8, base, equal_var=False).confidence_interval(0.95)
     assert welch.high - welch.low > 2 * d["margin"]  # unpaired: the seed noise swamps the margin
     broken = Q.summarize(_per_seed(base, fp8[::-1]), ("patched",), ("bf16", "fp8"))
@@ -59,6 +59,9 @@ def test_a_shift_beyond_the_margin_or_too_few_seeds_is_not_negligible():
     margin = 0.2 * np.std(base, ddof=1)
     far = Q.summarize(_per_seed(base, base - 1.5 * margin), ("patched",), ("bf16", "fp8"))
     assert not far["verdict"]["fp8"]["negligible"]  # a clean, consistent shift larger than the margin
+    noisy = Q.summarize(_per_seed(base, base + np.array([0.1, -0.1, 0.05, -0.05, 0.1, -0.1])), ("patched",),
+                        ("bf16", "fp8"))["paired"]["fp8"]["patched"]
+    assert not noisy["negligible"] and not noisy["excludes_zero"]  # neither resolved nor shown small
     one = Q.summarize(_per_seed(base[:1], base[:1]), ("patched",), ("bf16", "fp8"))
     assert not one["verdict"]["fp8"]["negligible"] and "fewer than 2" in one["paired"]["fp8"]["patched"]["why"]
     # every patched row must pass: one row failing fails the precision
