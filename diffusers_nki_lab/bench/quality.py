@@ -508,9 +508,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "asset, python -m diffusers_nki_lab.trained.train_taehv)")
     p.add_argument("--doc", default=None, metavar="MD", help="also write the table into this markdown file, between "
                    "its '<!-- bench quality: begin/end -->' markers (docs/DEMO.md)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "mxfp8"),
-                   help="the patched rows' patch(precision=) (default bf16, the faithful path)")
-    p.add_argument("--rows", default=None, help="comma list of rows to run (default: all)")
+    p.add_argument("--precision", default="bf16", help="the patched rows' patch(precision=): bf16 (default, the "
+                   "faithful path), fp8 or mxfp8; with --seeds a comma list (bf16, the paired baseline, always runs)")
+    p.add_argument("--rows", default=None, help="comma list of rows to run (default: all; with --seeds: "
+                   "stock, patched and their switch / keep colour rows)")
+    p.add_argument("--seeds", default=None, metavar="N|S,S,...", help="run the rows over several generation seeds "
+                   "(N: 0..N-1; 2..64) and report per row the mean, std and 95%% interval, and per precision the "
+                   "paired difference against bf16 with a fixed 'negligible' verdict (bench/quality_seeds.py; JSON "
+                   "default outputs/bench/quality_seeds.json)")
 
 
 def decoder_rows(value: str) -> tuple:
@@ -523,9 +528,26 @@ def decoder_rows(value: str) -> tuple:
     return rows + ((TAEHV, TAEHV_RANDOM) if "taehv" in decs else ())
 
 
+def _write_json(res: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(json_safe(res), f, indent=2, allow_nan=False)
+    return path
+
+
 def run(args) -> int:
+    if getattr(args, "seeds", None) is not None:  # several seeds: bench/quality_seeds.py
+        from diffusers_nki_lab.bench import quality_seeds
+
+        path = args.json or os.path.join("outputs", "bench", "quality_seeds.json")
+        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        return quality_seeds.run(args, measure, lambda res: _write_json(res, path))
     try:
         rows = decoder_rows(getattr(args, "decoder", "wan"))
+        precision = getattr(args, "precision", "bf16")
+        if precision not in ("bf16", "fp8", "mxfp8"):
+            raise ValueError(f"--precision={precision!r}: choose one of ['bf16', 'fp8', 'mxfp8'] (a comma list only "
+                             "with --seeds)")
     except ValueError as e:
         print(f"diffusers-nki bench quality: {e}", file=sys.stderr)
         return 2
@@ -539,14 +561,11 @@ def run(args) -> int:
         rows = picked
     extra = {} if rows == ROWS else {"rows": rows, "taehv_weights": getattr(args, "taehv_weights", None)}
     res = measure(load_pipeline(args.weights), chunks=args.chunks, switch_at=args.switch_at, seed=args.seed,
-                  weights=args.weights, precision=getattr(args, "precision", "bf16"), **extra)
+                  weights=args.weights, precision=precision, **extra)
     print(format_table(res))
     if any(r in DECODER_ROWS for r in res["rows"]):
         print(decoder_table(res))
-    path = args.json or os.path.join("outputs", "bench", "quality.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(json_safe(res), f, indent=2, allow_nan=False)
+    path = _write_json(res, args.json or os.path.join("outputs", "bench", "quality.json"))
     print(f"wrote {path}")
     if args.doc:
         write_doc(args.doc, res)
