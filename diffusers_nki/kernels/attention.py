@@ -19,9 +19,10 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
         (trn2 / trn3) GpSimd forms x = scale*S - m_new in fp32, TensorE transposes x into PSUM and the
         ScalarE exp reading PSUM writes P^T (the exp IS the eviction; trn1: PE transposes of P evicted by
         ScalarE copies)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the
-        same matmul)  ->  O = alpha * O + O_aug (trn2: VectorE eviction + GpSimd update; trn3: one VectorE
-        instruction reading PSUM; trn1: ScalarE eviction + GpSimd update)
-    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse.
+        same matmul)  ->  O = alpha * O + O_aug (trn2: ScalarE ALU evicts O_aug and scales O by alpha,
+        GpSimd adds; trn3: one VectorE instruction reading PSUM; trn1: ScalarE eviction + GpSimd update)
+    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse (ScalarE log + VectorE;
+        for tiles finished inside the pipeline, LSE_LAG ticks later so no engine waits on it in order).
     Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
     V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``; for 16-bit
     V on trn2 / trn3 a GpSimd product of V's bits, read as uint16, with 1 / 0; never a multiply by 0: an unused slot may
@@ -61,8 +62,9 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     transpose) all 12 by PE transposes evicted by ScalarE copies; trn2 8 by DMA and 4 by the exp path (a third
     of an item's sub-tiles, one fewer on every other 11-sub-tile item after the K/V-loading phase); trn3 10 by
     DMA while K/V load and 9 after, the rest by the exp path. On trn2 and trn3 ScalarE runs exps only: no
-    ScalarE copy is left (K^T and O_aug evicted by VectorE, the V selects on GpSimd to make VectorE room), so
-    it never switches activation function and the act-table-reload hypothesis of ``bench kernels
+    ScalarE copy is left (K^T evicted by VectorE; on trn2 O_aug evicted and O scaled by ScalarE ALU
+    ``tensor_scalar`` instructions, which use no activation function; the V selects on GpSimd to make VectorE
+    room), so it never switches activation function and the act-table-reload hypothesis of ``bench kernels
     --sensitivity`` costs it nothing. The price: GpSimd's x pass and TensorE's fp32 transposes (twice the
     bf16 cost), which is why the exp path takes only a part of the sub-tiles (trn1 keeps its copies: its
     ScalarE-bound schedule was not revisited).
@@ -118,6 +120,7 @@ N_SSB, N_PSB, N_OB, N_RING = 3, 3, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
 N_OUT = 4          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
+LSE_LAG = 4        # ticks between a pipelined tile's finish and its lse epilogue (``_finish``)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
 
@@ -710,15 +713,19 @@ def _st_update(ctx, it):
             al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
             nisa.scalar_tensor_tensor(dst=oacc, data=oacc, op0=nl.multiply, operand0=al, op1=nl.add, operand1=ops)
     elif ctx["act_exp_only"]:
-        # VectorE evicts O_aug (ScalarE stays on exp), GpSimd updates
+        # trn2: ScalarE evicts O_aug and rescales O_acc by ALU tensor_scalar instructions (multiply by 1 / by the
+        # [nq, 1] alpha: no activation function, so ScalarE's table stays on exp), GpSimd adds. One-input
+        # tensor_scalar costs N cycles where GpSimd's two-input multiply against alpha's broadcast cost 2N, and
+        # the eviction leaves VectorE, whose row max over the fp32 PSUM scores is the kernel's largest term.
+        # [AWS nki.isa.tensor_scalar: PSUM or SBUF data, [P, 1] vector operands; ScalarE on trn2 only
+        # (multiply, add) / (multiply, None) / (add, None)]
         if it["first"]:
-            nisa.tensor_copy(dst=oacc, src=ops, engine=nisa.engine.vector)
+            nisa.tensor_scalar(dst=oacc, data=ops, op0=nl.multiply, operand0=1.0, engine=nisa.engine.scalar)
         else:
             ob = ctx["oblk"][it["k"] % N_OB]
-            nisa.tensor_copy(dst=ob[0:nq, :], src=ops, engine=nisa.engine.vector)
+            nisa.tensor_scalar(dst=ob[0:nq, :], data=ops, op0=nl.multiply, operand0=1.0, engine=nisa.engine.scalar)
             al = ctx["alpha"][0:nq, it["k"] % N_RING:it["k"] % N_RING + 1]
-            nisa.tensor_tensor(dst=oacc, data1=oacc, data2=al.broadcast(1, D1), op=nl.multiply,
-                               engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=oacc, data=oacc, op0=nl.multiply, operand0=al, engine=nisa.engine.scalar)
             nisa.tensor_tensor(dst=oacc, data1=oacc, data2=ob[0:nq, :], op=nl.add, engine=nisa.engine.gpsimd)
     elif it["first"]:
         nisa.activation(dst=oacc, op=nl.copy, data=ops)
@@ -730,11 +737,16 @@ def _st_update(ctx, it):
         nisa.tensor_tensor(dst=oacc, data1=oacc, data2=ob[0:nq, :], op=nl.add, engine=nisa.engine.gpsimd)
     if it["last"]:
         tl["fin_slot"] = it["cs"]
-        _finish(ctx, tl)
+        _finish(ctx, tl, defer_lse=True)
 
 
-def _finish(ctx, tl):
-    """o[b, qs:qs+nq, h, :] = O_acc[:, :D] / max(l, tiny) in q's dtype (GpSimd), one DMA."""
+def _finish(ctx, tl, defer_lse=False):
+    """o[b, qs:qs+nq, h, :] = O_acc[:, :D] / max(l, tiny) in q's dtype (GpSimd), one DMA; the optional lse
+    (``_finish_lse``), for a tile finished inside the software pipeline (``defer_lse``; carry mode: no runtime
+    loops) LSE_LAG ticks later (``_flush_lse``): its ScalarE log waits for the tile's last O update, and
+    ScalarE runs in order, so emitted at once it holds up the exps of the items behind it. The tile's state
+    stays intact until then: the queue is flushed before a group that reuses the state set enters
+    (``_wait_set``) and when the pipeline drains."""
     D, nq = ctx["D"], tl["nq"]
     oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
     lcl = ctx["lcl"][0:nq, ctx["fin_i"] % N_RING:ctx["fin_i"] % N_RING + 1]
@@ -746,7 +758,21 @@ def _finish(ctx, tl):
                        engine=nisa.engine.gpsimd)
     nisa.dma_copy(dst=_hbm_rows(ctx["o"], tl["b"], tl["qs"], nq, tl["h"], ctx["Sq"], ctx["H"], D), src=out[0:nq, :])
     if ctx["lse"] is not None:
-        _finish_lse(ctx, tl)
+        if defer_lse:
+            ctx["lse_q"].append((ctx["ticks"], tl))
+        else:
+            _finish_lse(ctx, tl)
+
+
+def _flush_lse(ctx, upto=None):
+    """Emit the deferred lse epilogues (only those queued at ticks <= ``upto``, when given)."""
+    keep = []
+    for ent in ctx["lse_q"]:
+        if upto is None or ent[0] <= upto:
+            _finish_lse(ctx, ent[1])
+        else:
+            keep.append(ent)
+    ctx["lse_q"] = keep
 
 
 def _finish_lse(ctx, tl):
@@ -758,17 +784,18 @@ def _finish_lse(ctx, tl):
     l_col = gs["oacc"][0:nq, tl["r"], D:D + 1]
     fs = tl["fin_slot"] if "fin_slot" in tl else 0   # the home slot 0 unless finished by its last block
     negm = gs["negm"][0:nq, tl["r"], fs:fs + 1]
-    k = ctx["fin_i"] % N_RING
+    k = ctx["lse_i"] % N_RING
+    ctx["lse_i"] = ctx["lse_i"] + 1
     lse = ctx["lse_t"][0:nq, k:k + 1]
     bound = ctx["lse_b"][0:nq, k:k + 1]
     # log(l + 2^-64) = log(l) in fp32 for l >= 1 (a visible key: the max key contributes exp(0) = 1)
     nisa.activation(dst=lse, op=nl.log, data=l_col, bias=c[0:nq, 3:4])
-    nisa.tensor_tensor(dst=lse, data1=lse, data2=negm, op=nl.subtract, engine=nisa.engine.gpsimd)
-    # bound = (flag - 1/2) * inf = +inf where a key was visible (l >= 1/2), -inf where none was (l = 0)
-    nisa.tensor_tensor(dst=bound, data1=l_col, data2=c[0:nq, 1:2], op=nl.greater_equal, engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=bound, data1=bound, data2=c[0:nq, 1:2], op=nl.subtract, engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=bound, data1=bound, data2=c[0:nq, 4:5], op=nl.multiply, engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=lse, data1=lse, data2=bound, op=nl.minimum, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=lse, data1=lse, data2=negm, op=nl.subtract, engine=nisa.engine.vector)
+    # bound = flag - 1/2 (flag = l >= 1/2: a key was visible), then lse = min(bound * inf, lse): -inf where none was
+    nisa.tensor_scalar(dst=bound, data=l_col, op0=nl.greater_equal, operand0=c[0:nq, 1:2], op1=nl.subtract,
+                       operand1=c[0:nq, 1:2], engine=nisa.engine.vector)
+    nisa.scalar_tensor_tensor(dst=lse, data=bound, op0=nl.multiply, operand0=c[0:nq, 4:5], op1=nl.minimum,
+                              operand1=lse)
     Sq = ctx["Sq"]
     dst = ctx["lse"].ap(pattern=[[1, nq], [1, 1]], offset=(tl["b"] * ctx["H"] + tl["h"]) * Sq + tl["qs"])
     nisa.dma_copy(dst=dst, src=lse)
@@ -811,6 +838,9 @@ def _tick(ctx, new):
         else:
             keep.append(it)
     ctx["pipe"] = keep
+    ctx["ticks"] = ctx["ticks"] + 1
+    if len(ctx["lse_q"]) > 0:
+        _flush_lse(ctx, ctx["ticks"] - 1 - LSE_LAG)
 
 
 def _wait_set(ctx, gset, gid):
@@ -824,12 +854,14 @@ def _wait_set(ctx, gset, gid):
                 busy = True
         if busy:
             _tick(ctx, None)
+    _flush_lse(ctx)   # the deferred lse epilogues read the set's state
 
 
 def _drain(ctx):
     while len(ctx["pipe"]) > 0:
         _tick(ctx, None)
     _flush_evictions(ctx)
+    _flush_lse(ctx)
 
 
 def _parts(ctx, NK):
@@ -1121,7 +1153,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
            "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
-           "stage_i": 0, "qn_i": 0, "fin_i": 0}
+           "stage_i": 0, "qn_i": 0, "fin_i": 0, "lse_i": 0, "lse_q": [], "ticks": 0}
 
     # -- tiles and the key space ----------------------------------------------------------------------------
     qtiles = plan_q_tiles(Sq, Skv, causal_block)

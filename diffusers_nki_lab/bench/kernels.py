@@ -17,6 +17,11 @@ Shapes (Wan2.1-1.3B: B=1, H=12, D=128, bf16; 1560 tokens per latent frame at 480
                          of the dense work done (the exact block-causal minimum is 28/49 = 57.1%)
   cache_write_chunk      one 4680-token chunk written into a 32760-slot cache at slot 28080
   qk_norm_rope_chunk     the fused Wan q/k prologue (RMSNorm across heads + RoPE) of one of q or k, 4680 tokens
+  self_forcing_rank      one rank's self-attention call of the Self-Forcing chunk under Ulysses 4 x ring 2 on 8
+                         cores (``bench budget``'s best layout, bench/scaling.model_layout): 3 heads, all 4680
+                         chunk queries against half of the keys (a 14040-slot full cache + 2340 chunk keys)
+  longlive_rank          the same for LongLive (sink 3 + window 12): a 7020-slot full cache + 2340 chunk keys
+  cross_rank             one rank's text cross-attention call in that layout: 585 queries, 512 text keys, 12 heads
 
 attention_cte rows (``--no-peer`` drops them; skipped with the reason when ../shared/third_party/nki-library
 is absent): wan_bidirectional_81f (non-causal), self_forcing_chunk (prefix caching: prior = the 28080 cached
@@ -73,6 +78,13 @@ SHAPES: Dict[str, dict] = {
     # the Wan q/k prologue (RMSNorm across heads + RoPE) of one of q or k for the 3-frame chunk
     "qk_norm_rope_chunk": dict(kernel="qk_norm_rope", B=1, H=12, Hkv=12, D=128, Sq=3 * FRAME, Skv=3 * FRAME,
                                C=0, cache_len=0, causal_block=0),
+    # per-rank calls of the budget's chunk (Ulysses 4 x ring 2, 8 cores; bench/scaling.model_layout)
+    "self_forcing_rank": dict(kernel="attention", B=1, H=3, Hkv=3, D=128, Sq=3 * FRAME, Skv=3 * FRAME // 2,
+                              C=9 * FRAME, cache_len=9 * FRAME, causal_block=0),
+    "longlive_rank": dict(kernel="attention", B=1, H=3, Hkv=3, D=128, Sq=3 * FRAME, Skv=3 * FRAME // 2,
+                          C=9 * FRAME // 2, cache_len=9 * FRAME // 2, causal_block=0),
+    "cross_rank": dict(kernel="attention", B=1, H=12, Hkv=12, D=128, Sq=3 * FRAME // 8, Skv=512,
+                       C=0, cache_len=0, causal_block=0),
 }
 
 

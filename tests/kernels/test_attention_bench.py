@@ -2,7 +2,7 @@
 the roofline ceiling and floor beside it, attention_cte side by side when nki-library is there). Modeled, not
 measured: these are deterministic functions of the kernels' instruction streams and the cost model. The
 target is guarded on the SCHEDULED time with the documented costs on: trn2 bf16 D=128 self_forcing_chunk at
->= 64% of TensorE peak (issue 20's bar was 65%; the NKI 0.7 port's compiled region loops quiesce the engines at
+>= 66% of TensorE peak (issue 20's bar was 65%; the NKI 0.7 port's compiled region loops quiesce the engines at
 entry and at every back-edge, modeled, which costs the cached shapes ~2.4% on trn2 / ~3.5% on trn3),
 frame_causal_21f at >= 70%, and faster than attention_cte at the same shape."""
 from __future__ import annotations
@@ -46,7 +46,8 @@ def test_bench_kernels_command_writes_rows(tmp_path, capsys):
         assert "ours vs attention_cte" in text
     else:
         assert cte == [] and "attention_cte rows skipped" in text
-    assert att["modeled_efficiency"]["scheduled"] >= 0.64, att["modeled_efficiency"]   # 64.2% at the 0.7 port
+    # 64.2% at the 0.7 port; 66.4% once trn2's O_aug eviction and alpha rescale moved to ScalarE ALU instructions
+    assert att["modeled_efficiency"]["scheduled"] >= 0.66, att["modeled_efficiency"]
     if production.unavailable_reason() is None:
         assert att["peer"][0]["ratio"] < 1.0  # faster than attention_cte, same shape, same run
     assert att["hbm_bytes"] <= 1.01 * att["hbm_bytes_min"]  # q, k, v read once, o written once

@@ -122,8 +122,10 @@ def test_lse_multi_segment():
 
 def test_lse_modeled_cost_is_reported_and_small():
     """The extra output costs a few [P,1] ops and one small DMA per q tile, judged on the SCHEDULED modeled time
-    (the headline, never the ceiling): < 10% of this short kernel (1560 x 4680, 13 q tiles; measured +6.7%),
-    and the ceiling moves by less than that."""
+    (the headline, never the ceiling): < 5% of this short kernel (1560 x 4680, 13 q tiles, all finishing in
+    its last round of items; measured +0.6% with the epilogue deferred and on VectorE, +11% when it was emitted
+    at once on GpSimd, its ScalarE log stalling the in-order exps behind it), and the ceiling moves by less
+    than 10%."""
     args = make_case(1560, 4680, 128, torch.bfloat16, "absent", 0, "randn")
     reps = {}
     for flag in (False, True):
@@ -132,7 +134,7 @@ def test_lse_modeled_cost_is_reported_and_small():
         rec = sim.last_record
         reps[flag] = (schedule.schedule(rec, "trn2"), rec)
     t0, t1 = reps[False][0].t_scheduled_s, reps[True][0].t_scheduled_s
-    assert t0 > 0 and t0 <= t1 <= 1.10 * t0, (t0, t1)
+    assert t0 > 0 and t0 <= t1 <= 1.05 * t0, (t0, t1)
     c0, c1 = reps[False][0].t_ceiling_s, reps[True][0].t_ceiling_s
     assert c0 <= c1 <= 1.10 * c0, (c0, c1)
     written = [sum(i.nbytes for i in r.instrs if i.engine == "dma" and i.direction == "sbuf->hbm")
