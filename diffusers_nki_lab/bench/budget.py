@@ -435,6 +435,12 @@ def _rank_layouts(W: int, heads: int = WAN13["heads"]) -> List[Tuple[int, int]]:
     return scaling.layouts(heads, W)
 
 
+def _gemm_role(role: str) -> str:
+    """A matmul recorded at a self-attention module itself (not at one of its linear layers) is its q/k/v fused
+    into one call (``dense_ops.fused_qkv``): named so."""
+    return f"{role}.to_q+to_k+to_v as one GEMM" if role.endswith(".attn1") else role
+
+
 def _role(site: str) -> str:
     """A call site with its layer index folded ("blocks.7.attn1.to_q" -> "blocks.*.attn1.to_q")."""
     return ".".join("*" if p.isdigit() else p for p in site.split("."))
@@ -568,7 +574,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
         t["calls"] += n
         t["sites"][r.site] = t["sites"].get(r.site, 0) + n
     for (role, Mr, K, N, act), t in sorted(gemms.items(), key=lambda kv: -kv[1]["seconds"]):
-        terms.append(_term(f"matmul {role} ([{Mr}, {K}] x [{K}, {N}]{' + GELU-tanh' if act else ''})", t["seconds"],
+        terms.append(_term(f"matmul {_gemm_role(role)} ([{Mr}, {K}] x [{K}, {N}]{' + GELU-tanh' if act else ''})", t["seconds"],
                            _sched("gemm", t["g"], note=f"the route chose the kernel: faster than XLA by the model at "
                                   f"this shape on {target}"), calls=t["calls"], sites=t["sites"], flops=t["flops"]))
     for kname in ("gemm_fp8", "gemm_mx"):   # patch(precision=): the blocks' quantized GEMM calls, one row per role
@@ -583,7 +589,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
             q["sites"][r.site] = q["sites"].get(r.site, 0) + n
         for (role, M, K, N, act, bias), q in rows_q.items():
             g = model.gemm_q(-(-M // W) if M == tokens else M, K, N, bias, act, target, kname)
-            terms.append(_term(f"{role} [{M}, {K}] x [{K}, {N}] ({kname[5:]})", q["calls"] * g["scheduled_s"],
+            terms.append(_term(f"{_gemm_role(role)} [{M}, {K}] x [{K}, {N}] ({kname[5:]})", q["calls"] * g["scheduled_s"],
                                _sched(kname, g), calls=q["calls"], sites=q["sites"], flops=q["calls"] * g["flops"]))
     # every matmul no kernel of ours serves: an XLA row per call-site role, with the GEMM kernel's model beside it
     roles: Dict[str, dict] = {}
@@ -624,7 +630,7 @@ def dit_terms(calls, W: int, target: str, model: Optional[_Model] = None, tpf: i
                     + ("XLA is as fast, the route keeps these layers stock" if g["kernel_s"] >= g["seconds"] else
                        "faster, but the route does not call it here (outside its layer set, or its decision at "
                        "this call's shape)") + ")")
-        terms.append(_term(f"matmul {role} ({', '.join(sorted(g['shapes']))})", g["seconds"], _xla_label(target) + note,
+        terms.append(_term(f"matmul {_gemm_role(role)} ({', '.join(sorted(g['shapes']))})", g["seconds"], _xla_label(target) + note,
                            calls=g["calls"], sites=g["sites"], flops=g["flops"], gemm_kernel_s=g["kernel_s"]))
     hbm = _spec(target).hbm_per_core * 1e9
     for kind, what in (("elementwise", "norms, modulation, gated residuals, activations, RoPE tables (elementwise)"),
