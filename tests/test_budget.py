@@ -405,11 +405,11 @@ def test_precision_fp8_terms_are_the_quantized_gemm_calls_the_path_makes(probe, 
     _labelled(d["terms"])
     q = [t for t in d["terms"] if t["label"].startswith("scheduled: gemm_fp8")]
     assert {t["name"].split(" [")[0] for t in q} == {
-        "blocks.*.attn1", "blocks.*.attn1.to_out.*",  # blocks.*.attn1: q, k, v as ONE fp8 GEMM of N = 3 x 1536
+        "blocks.*.attn1.to_q+to_k+to_v as one GEMM", "blocks.*.attn1.to_out.*",  # q, k, v: ONE fp8 GEMM, N = 3 x 1536
         "blocks.*.attn2.to_q", "blocks.*.attn2.to_out.*", "blocks.*.ffn.net.*"}
     assert all(t["name"].endswith("(fp8)") and t["calls"] == LAYERS * 5 for t in q)
-    assert [t["name"] for t in q if t["name"].startswith("blocks.*.attn1 [")] == [
-        f"blocks.*.attn1 [{3 * TPF}, 1536] x [1536, 4608] (fp8)"]
+    assert [t["name"] for t in q if t["name"].startswith("blocks.*.attn1.to_q+to_k+to_v as one GEMM [")] == [
+        f"blocks.*.attn1.to_q+to_k+to_v as one GEMM [{3 * TPF}, 1536] x [1536, 4608] (fp8)"]
     assert not [t for t in d["terms"] if t["name"].startswith("matmul blocks.")]   # no block matmul left to XLA
     assert sum(t.get("flops", 0) for t in d["terms"]) == pytest.approx(sum(t.get("flops", 0) for t in d16["terms"]))
     assert {g[3] for g in m.gemms if len(g) == 4} == {"gemm_fp8"}
