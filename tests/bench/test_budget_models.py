@@ -342,3 +342,14 @@ def test_krea_biased_attention_one_set_of_collectives_per_layer(krea, U, R):
     assert got["compute_s"] == raw["compute_s"]
     assert [c["collectives"] for c in got["calls"] if c["name"] == first[0]["name"]] == \
         [c["collectives"] for c in first]
+
+
+def test_no_recorded_option_raises_under_context_parallelism_and_the_label_still_works(monkeypatch):
+    """Krea's KV re-computation + bias and LongLive 2.0's per-token timesteps run under context parallelism
+    (tests/parallel), so no model's multi-rank rows are labelled; an option that did raise would label them."""
+    for key in bm.MODELS:
+        assert bm._cp_not_implemented(bm._spec(key)) is None, key
+    monkeypatch.setattr(bm, "_RAISES_UNDER_CP", (("kv_recompute", "KV re-computation"),))
+    why = bm._cp_not_implemented(bm._spec("krea14b"))
+    assert why and "KV re-computation" in why and "NOT IMPLEMENTED" in why
+    assert bm._cp_not_implemented(bm._spec("longlive2_5b")) is None
