@@ -4,17 +4,21 @@ own size, and one compiled graph per stage serves every chunk. Every reference i
 stock pipeline's own call, its callback the only way to change something between its chunks). The tiny Helios of
 test_helios_session.py (diffusers_nki.testing.tiny), rebuilt as a pyramid pipeline, fp32, CPU, 64x64 pixels = an
 8x8 latent (stage 0 of three at 2x2: one 2x2 patch)."""
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
-import torch._dynamo
 from PIL import Image
-from torch._dynamo.testing import CompileCounter  # counts the graphs dynamo compiles, runs them eagerly
 
 import diffusers_nki
 from diffusers_nki import ops
 from diffusers_nki.pipelines import HeliosSession
 from diffusers_nki.testing import tiny
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helios_cases import assert_chunks_match, compiled_session_run  # noqa: E402
 
 K = 2  # latent frames per chunk
 WINDOW = 4 * (K - 1) + 1  # pixel frames per chunk
@@ -201,33 +205,12 @@ def test_pause_and_reset_restart_the_video_with_its_amplified_first_chunk(pipe):
 
 def test_patched_pyramid_session_matches_stock_and_compiles_one_graph_per_stage(pipe):
     ref, _ = _stock(pipe, 3)
-    new = _embeds(pipe, "a big dog")
-    diffusers_nki.patch(pipe, backend="torch", strict=True)
-    counter = CompileCounter()
-    try:
-        before = ops.counters()["attention"]["torch"]
-        pipe.transformer.compile(backend=counter, dynamic=False, fullgraph=True)
-        s = _session(pipe)
-        s.warmup()
-        warm = counter.frame_count
-        out = [s.next_chunk().latents for _ in range(3)]
-        s.set_prompt(prompt_embeds=new)
-        s.next_chunk()
-        s.reset(seed=1)
-        s.set_image(_image())
-        s.next_chunk()  # chunk 0 again (amplified), with an image
-        s.next_chunk()
-        routed = ops.counters()["attention"]["torch"] - before
-    finally:
-        pipe.transformer._compiled_call_impl = None
-        torch._dynamo.reset()
-        diffusers_nki.unpatch(pipe)
-    assert warm == len(STEPS) and counter.frame_count == len(STEPS), (warm, counter.frame_count)
+    # after the reset: chunk 0 again (amplified), with an image
+    warm, graphs, out, routed = compiled_session_run(pipe, _session, 3, _embeds(pipe, "a big dog"), _image())
+    assert warm == len(STEPS) and graphs == len(STEPS), (warm, graphs)
     calls = len(STEPS) + 2 * _chunk_steps(0) + 4 * _chunk_steps(1)  # warmup (a call per stage) + 6 chunks
     assert routed == calls * 2 * 2, routed  # 2 layers x (self + cross attention) per call, all through our op
-    for c in range(3):
-        err = float((out[c] - ref[c]).abs().max() / ref[c].abs().max())
-        assert err <= 1e-5, (c, err)
+    assert_chunks_match(out, ref)
 
 
 def test_pyramid_session_through_the_emulated_kernel_matches_stock(pipe):
@@ -241,9 +224,7 @@ def test_pyramid_session_through_the_emulated_kernel_matches_stock(pipe):
     finally:
         diffusers_nki.unpatch(pipe)
     assert ran == (_chunk_steps(0) + _chunk_steps(1)) * 2 * 2
-    for c in range(2):
-        err = float((out[c] - ref[c]).abs().max() / ref[c].abs().max())
-        assert err <= 1e-5, (c, err)
+    assert_chunks_match(out, ref[:2])
 
 
 def test_clear_errors(parts, pipe):

@@ -2,17 +2,21 @@
 Helios' commands. Every reference is computed in the same run: the stock pipeline's own call (its callback is the
 only way to change something between its chunks: the prompt embeddings, or the generator's seed), or the session
 without the command. Tiny Helios from config (diffusers_nki.testing.tiny), fp32, CPU."""
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
-import torch._dynamo
 from PIL import Image
 
 import diffusers_nki
 from diffusers_nki import ops
-from torch._dynamo.testing import CompileCounter  # counts the graphs dynamo compiles, runs them eagerly
 from diffusers_nki.pipelines import HeliosSession
 from diffusers_nki.testing import tiny
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helios_cases import assert_chunks_match, compiled_session_run  # noqa: E402
 
 K, STEPS = 2, 2  # latent frames per chunk, inference steps per chunk
 WINDOW = 4 * (K - 1) + 1  # pixel frames per chunk
@@ -214,34 +218,12 @@ def test_image_strength_blends_the_anchor_and_a_mid_stream_image_waits_for_its_b
 
 def test_patched_session_matches_stock_and_compiles_one_graph_for_every_chunk(pipe):
     ref = _session_chunks(pipe, 4)
-    new = _embeds(pipe, "a big dog")
-    diffusers_nki.patch(pipe, backend="torch", strict=True)
-    counter = CompileCounter()
-    try:
-        before = ops.counters()["attention"]["torch"]
-        pipe.transformer.compile(backend=counter, dynamic=False, fullgraph=True)
-        s = _session(pipe)
-        s.warmup()
-        warm = counter.frame_count
-        out = [s.next_chunk().latents for _ in range(4)]
-        s.set_prompt(prompt_embeds=new)
-        s.next_chunk()
-        s.reset(seed=1)
-        s.set_image(_image())
-        s.next_chunk()
-        s.next_chunk()
-        routed = ops.counters()["attention"]["torch"] - before
-    finally:
-        pipe.transformer._compiled_call_impl = None
-        torch._dynamo.reset()
-        diffusers_nki.unpatch(pipe)
-    assert warm == 1 and counter.frame_count == 1, (warm, counter.frame_count)
+    warm, graphs, out, routed = compiled_session_run(pipe, _session, 4, _embeds(pipe, "a big dog"), _image())
+    assert warm == 1 and graphs == 1, (warm, graphs)
     # 2 layers x (self + cross attention) per call, every call through our op
     calls = 1 + 7 * STEPS  # warmup (one call) + 7 chunks of STEPS calls
     assert routed == calls * 2 * 2, routed
-    for c in range(4):
-        err = float((out[c] - ref[c]).abs().max() / ref[c].abs().max())
-        assert err <= 1e-5, (c, err)
+    assert_chunks_match(out, ref)
 
 
 def test_clear_errors(pipe):
@@ -280,9 +262,7 @@ def test_session_through_the_emulated_kernel_matches_stock(pipe):
     finally:
         diffusers_nki.unpatch(pipe)
     assert ran == 2 * STEPS * 2 * 2  # chunks x steps x layers x (self, cross)
-    for c in range(2):
-        err = float((out[c] - ref[c]).abs().max() / ref[c].abs().max())
-        assert err <= 1e-5, (c, err)
+    assert_chunks_match(out, ref[:2])
 
 
 @pytest.mark.parametrize("backend", ["torch", "sim"])
