@@ -402,15 +402,17 @@ class GemmHook:
         self.shapes: Dict[tuple, dict] = {}
         self.lock = threading.Lock()
 
+    _transient = ("lock",)  # not copied nor pickled: remade by __setstate__
+
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in self._transient}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.lock = threading.Lock()
 
     def __deepcopy__(self, memo):
-        new = GemmHook.__new__(GemmHook)
+        new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
@@ -711,19 +713,11 @@ class QkvHook(GemmHook):
         self.calls = 0          # eager calls served by the quantized fused GEMM (explain's precision rows)
         self.cache = None       # (key, weight in the call's layout, bias): see _qkv_weight
 
-    def __getstate__(self):  # copies rebuild the concatenation from their own parameters
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "cache")}
+    _transient = ("lock", "cache")  # copies rebuild the concatenation from their own parameters
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        super().__setstate__(state)
         self.cache = None
-        self.lock = threading.Lock()
-
-    def __deepcopy__(self, memo):
-        new = QkvHook.__new__(QkvHook)
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
 
 
 def qkv_reason(attn) -> Optional[str]:
