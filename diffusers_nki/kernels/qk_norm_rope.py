@@ -82,7 +82,7 @@ from diffusers_nki.nki import nki, nl, nisa
 from diffusers_nki.kernels.qk_norm_rope_ref import FP32_EPS, MAX_HEAD_DIM, MAX_HIDDEN, not_supported_reasons
 
 __all__ = ["qk_norm_rope_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE", "CHUNK",
-           "y_pool_pct"]
+           "pool_share"]
 
 P = 128        # partitions = tokens per tile
 CHUNK = 2048   # columns (whole heads) per elementwise pass: bounds the fp32 working tiles to ~36 KiB/partition
@@ -91,15 +91,27 @@ CHUNK = 2048   # columns (whole heads) per elementwise pass: bounds the fp32 wor
 FULL_SCALE = dict(B=1, S=3 * 1560, H=12, D=128)
 
 
-def y_pool_pct(gen):
-    """Percent of the weight multiply (whole heads) moved from VectorE to GpSimd on NeuronCore version ``gen``
-    (an ``nisa.nc_version`` member), so that the two engines finish together; chosen with the cost model
-    (module docstring). gen2 (trn1): VectorE and GpSimd share the SBUF port, so the split cannot help; gen4
-    (trn3): both engines run at the same clock and fp32 rate. A function of its argument, not a table read
-    by the kernel: the kernel stays a pure function of its inputs and the target."""
+def pool_share(gen):
+    """(num, den): the fraction of the weight + rotation work (whole heads) that GpSimd takes on NeuronCore
+    version ``gen`` (an ``nisa.nc_version`` member), so that VectorE and GpSimd finish together. Both run the
+    same fp32 two-input instructions at 0.5 elements per cycle (COST_MODEL.md 1.3: VectorE's 2N rule outside
+    its bf16 perf modes; GpSimd's 32-bit rate with two streamed inputs), so the share is GpSimd's clock over
+    the sum: trn2 1.2 / (0.96 + 1.2) = 5/9, trn3 1.2 / (1.2 + 1.2) = 1/2. gen2 (trn1): VectorE and GpSimd share
+    the SBUF port [ARCH2], so a split cannot help and VectorE does it all. A function of its argument, not a
+    table read by the kernel: the kernel stays a pure function of its inputs and the target."""
     if gen == nisa.nc_version.gen3:
-        return 25
-    return 0
+        return (5, 9)
+    if gen == nisa.nc_version.gen2:
+        return (0, 1)
+    return (1, 2)
+
+
+def _pool_heads(share, hh, j):
+    """GpSimd's heads of a chunk of ``hh`` heads in the ``j``-th tile of a core: the share dealt by cumulative
+    rounding, so that over the tiles GpSimd gets ``share`` of every chunk's heads to within one head."""
+    num = share[0]
+    den = share[1]
+    return ((j + 1) * hh * num + den // 2) // den - (j * hh * num + den // 2) // den
 
 
 def _rows(t, b, s0, n, ntok, width):
@@ -139,10 +151,87 @@ def _check(x, weight, eps, cos, sin, heads):
     assert eps == None or eps >= 0, f"qk_norm_rope: eps must be a float >= 0 or None, got {eps}"
 
 
-def _weighted(y, y0, w_sb, n, a, e, h0, engine):
-    """y[:, a:e] = y0[:, a:e] * w[h0 + a : h0 + e] (whole heads of one chunk) on ``engine``."""
-    nisa.tensor_tensor(dst=y[0:n, a:e, :], data1=y0[0:n, a:e, :], data2=w_sb[0:n, h0 + a:h0 + e, :],
-                       op=nl.multiply, engine=engine)
+def _weigh(y, w_sb, n, a, e, engine):
+    """y[:, a:e] *= w[a:e] (heads [a, e), in place, fp32) on ``engine``."""
+    nisa.tensor_tensor(dst=y[0:n, a:e, :], data1=y[0:n, a:e, :], data2=w_sb[0:n, a:e, :], op=nl.multiply,
+                       engine=engine)
+
+
+def _products(y, c_tab, s_tab, n, a, e, D, engine):
+    """The four fp32 products of the rotation of heads [a, e) of the weighted y, on ``engine``:
+    t1 = y_e * c, t2 = y_o * s, t3 = y_e * s, t4 = y_o * c (y_e / y_o: the even / odd columns, strided views;
+    c = cos[..., 0::2], s = sin[..., 1::2] broadcast over the heads with stride 0). Returns (t1, t2, t3, t4)."""
+    hh = e - a
+    D2 = D // 2
+    ye = y[0:n, a:e, :].slice(2, 0, D, 2)
+    yo = y[0:n, a:e, :].slice(2, 1, D, 2)
+    c = c_tab.expand_dim(1).broadcast(1, hh)
+    s = s_tab.expand_dim(1).broadcast(1, hh)
+    t1 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+    t2 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+    t3 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+    t4 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=t1[0:n], data1=ye, data2=c, op=nl.multiply, engine=engine)
+    nisa.tensor_tensor(dst=t2[0:n], data1=yo, data2=s, op=nl.multiply, engine=engine)
+    nisa.tensor_tensor(dst=t3[0:n], data1=ye, data2=s, op=nl.multiply, engine=engine)
+    nisa.tensor_tensor(dst=t4[0:n], data1=yo, data2=c, op=nl.multiply, engine=engine)
+    return (t1, t2, t3, t4)
+
+
+def _sums(out, t, n, a, e, D, engine):
+    """out[:, a:e, 0::2] = t1 - t2 and out[:, a:e, 1::2] = t3 + t4 (heads [a, e); cast to out's dtype on this
+    write, the kernel's only rounding to it) on ``engine``."""
+    o = out[0:n, a:e, :]
+    nisa.tensor_tensor(dst=o.slice(2, 0, D, 2), data1=t[0][0:n], data2=t[1][0:n], op=nl.subtract, engine=engine)
+    nisa.tensor_tensor(dst=o.slice(2, 1, D, 2), data1=t[2][0:n], data2=t[3][0:n], op=nl.add, engine=engine)
+
+
+def _split(share, lo, hi, k):
+    """VectorE's heads of chunk [lo, hi) in item ``k`` end at the returned head; GpSimd takes the rest."""
+    return hi - _pool_heads(share, hi - lo, k)
+
+
+def _rsqrt_scale(rstd, x_sb, y, share, chunk_lo, chunk_hi, n, k):
+    """Item k's r = 1 / sqrt(ms) in place on GpSimd (its precise rsqrt), then y = x * r on ScalarE in fp32, per
+    chunk GpSimd's heads first (GpSimd is the engine that waits on it longest)."""
+    nisa.tensor_scalar(dst=rstd[0:n], data=rstd[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
+    for i in range(len(chunk_lo)):
+        lo = chunk_lo[i]
+        hi = chunk_hi[i]
+        hv = _split(share, lo, hi, k)
+        if hi > hv:
+            nisa.activation(dst=y[0:n, hv:hi, :], op=nl.copy, data=x_sb[0:n, hv:hi, :], scale=rstd[0:n])
+        if hv > lo:
+            nisa.activation(dst=y[0:n, lo:hv, :], op=nl.copy, data=x_sb[0:n, lo:hv, :], scale=rstd[0:n])
+
+
+def _weigh_item(y, w_sb, share, chunk_lo, chunk_hi, n, k):
+    """The weight multiply of item k on both engines (each its own heads)."""
+    for i in range(len(chunk_lo)):
+        lo = chunk_lo[i]
+        hi = chunk_hi[i]
+        hv = _split(share, lo, hi, k)
+        if hi > hv:
+            _weigh(y, w_sb, n, hv, hi, nisa.engine.gpsimd)
+        if hv > lo:
+            _weigh(y, w_sb, n, lo, hv, nisa.engine.vector)
+
+
+def _sum_of_squares(x_sb, ms, chunk_lo, chunk_hi, n, HD, eps_v, ms_engine, dtype):
+    """ms = sum_j x_j^2 / HD + eps: the sum on ScalarE (``activation(square)`` with the add-reduce registers,
+    accumulating across the chunks; the last one reads them out), then one tensor_scalar."""
+    ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    n_chunks = len(chunk_lo)
+    for i in range(n_chunks):
+        lo = chunk_lo[i]
+        hi = chunk_hi[i]
+        sq = nl.ndarray((P, hi - lo, x_sb.shape[2]), dtype=dtype, buffer=nl.sbuf)  # discarded
+        last = i == n_chunks - 1
+        nisa.activation(dst=sq[0:n], op=nl.square, data=x_sb[0:n, lo:hi, :], reduce_op=nl.add,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
+                        reduce_res=ss[0:n] if last else None)
+    nisa.tensor_scalar(dst=ms[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / HD, op1=nl.add, operand1=eps_v,
+                       engine=ms_engine)
 
 
 @nki.jit
@@ -151,98 +240,122 @@ def qk_norm_rope_kernel(x, weight, eps, cos, sin, heads):
     B, S, HD = x.shape
     H = heads
     D = HD // H
-    D2 = D // 2
     eps_v = FP32_EPS if eps == None else eps  # noqa: E711  torch's default for eps=None (see the twin's resolve_eps)
     per_batch_tables = cos.shape[0] > 1
     o = nl.ndarray((B, S, H, D), dtype=x.dtype, buffer=nl.shared_hbm)
-
-    # weight broadcast to every partition once (partition stride 0), kept in its own dtype
+    # the weight, broadcast to every partition once (partition stride 0) in its own dtype; loaded after the
+    # first rows, which the first statistics wait for
     w_sb = nl.ndarray((P, H, D), dtype=weight.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=w_sb, src=weight.ap(pattern=[[0, P], [1, HD]], offset=0))
 
-    pool_pct = y_pool_pct(nisa.get_nc_version())
+    gen = nisa.get_nc_version()
+    share = pool_share(gen)
+    # ms = ss / HD + eps with ScalarE's tensor_scalar (multiply, add) where it exists (trn2+), so that the chain
+    # sum of squares -> ms stays on ScalarE; trn1's ScalarE has no tensor_scalar
+    ms_engine = nisa.engine.vector if gen == nisa.nc_version.gen2 else nisa.engine.scalar
     g = max(1, CHUNK // D)  # heads per chunk
     chunk_lo = []
     chunk_hi = []
     for h0 in range(0, H, g):
         chunk_lo.append(h0)
         chunk_hi.append(min(H, h0 + g))
-    n_chunks = len(chunk_lo)
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
-    # token tiles outer, batch inner: shared [1, S, 1, D] tables are loaded once per tile, not once per batch;
-    # under kernel[2] the (tile, batch) pairs are dealt round-robin to the two logical cores
-    loaded_tb = -1
-    loaded_s0 = -1
+    # this core's items: token tiles outer, batch inner (shared [1, S, 1, D] tables are loaded once per tile,
+    # not once per batch); under kernel[2] the (tile, batch) pairs are dealt round-robin to the two cores
+    item_s0 = []
+    item_b = []
     work = 0
     for s0 in range(0, S, P):
         for b in range(B):
-            mine = work % n_prgs == prg_id
+            if work % n_prgs == prg_id:
+                item_s0.append(s0)
+                item_b.append(b)
             work = work + 1
-            if mine:
-                n = min(P, S - s0)
-                tb = b if per_batch_tables else 0
-                x_sb = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, HD))
-                if tb != loaded_tb or s0 != loaded_s0:
-                    loaded_tb = tb
-                    loaded_s0 = s0
-                    cos_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-                    sin_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=cos_sb[0:n], src=_rows(cos, tb, s0, n, S, D))
-                    nisa.dma_copy(dst=sin_sb[0:n], src=_rows(sin, tb, s0, n, S, D))
-                    # rotary tables: cos from the even columns, sin from the odd ones (strided views)
-                    c_tab = cos_sb[0:n].slice(1, 0, D, 2)
-                    s_tab = sin_sb[0:n].slice(1, 1, D, 2)
-
-                # sum of squares over the whole row on ScalarE (registers accumulate across the chunks)
-                ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                for i in range(n_chunks):
-                    h0 = chunk_lo[i]
-                    h1 = chunk_hi[i]
-                    sq = nl.ndarray((P, h1 - h0, D), dtype=x.dtype, buffer=nl.sbuf)  # discarded
-                    last = i == n_chunks - 1
-                    nisa.activation(dst=sq[0:n], op=nl.square, data=x_sb[0:n, h0:h1, :], reduce_op=nl.add,
-                                    reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
-                                    reduce_res=ss[0:n] if last else None)
-                # r = 1 / sqrt(mean + eps)
-                ms = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=ms[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / HD, op1=nl.add,
-                                   operand1=eps_v, engine=nisa.engine.vector)
-                rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=rstd[0:n], data=ms[0:n], op0=nl.rsqrt, operand0=None,
-                                   engine=nisa.engine.gpsimd)
-
-                out = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
-                for i in range(n_chunks):
-                    h0 = chunk_lo[i]
-                    h1 = chunk_hi[i]
-                    hh = h1 - h0
-                    y0 = nl.ndarray((P, hh, D), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(dst=y0[0:n], op=nl.copy, data=x_sb[0:n, h0:h1, :], scale=rstd[0:n])
-                    y = nl.ndarray((P, hh, D), dtype=nl.float32, buffer=nl.sbuf)
-                    hv = hh - (hh * pool_pct + 50) // 100   # heads weighted on VectorE, the rest on GpSimd
-                    if hv > 0:
-                        _weighted(y, y0, w_sb, n, 0, hv, h0, nisa.engine.vector)
-                    if hh > hv:
-                        _weighted(y, y0, w_sb, n, hv, hh, h0, nisa.engine.gpsimd)
-                    ye = y[0:n].slice(2, 0, D, 2)    # y[..., 0::2]
-                    yo = y[0:n].slice(2, 1, D, 2)    # y[..., 1::2]
-                    c = c_tab.expand_dim(1).broadcast(1, hh)   # cos[..., 0::2], over the heads
-                    s = s_tab.expand_dim(1).broadcast(1, hh)   # sin[..., 1::2]
-                    p1 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-                    p2 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_tensor(dst=p1[0:n], data1=ye, data2=c, op=nl.multiply, engine=nisa.engine.vector)
-                    nisa.tensor_tensor(dst=p2[0:n], data1=yo, data2=s, op=nl.multiply, engine=nisa.engine.vector)
-                    nisa.tensor_tensor(dst=out[0:n, h0:h1, :].slice(2, 0, D, 2), data1=p1[0:n], data2=p2[0:n],
-                                       op=nl.subtract, engine=nisa.engine.gpsimd)
-                    p3 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-                    p4 = nl.ndarray((P, hh, D2), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_tensor(dst=p3[0:n], data1=ye, data2=s, op=nl.multiply, engine=nisa.engine.gpsimd)
-                    nisa.tensor_tensor(dst=p4[0:n], data1=yo, data2=c, op=nl.multiply, engine=nisa.engine.gpsimd)
-                    nisa.tensor_tensor(dst=out[0:n, h0:h1, :].slice(2, 1, D, 2), data1=p3[0:n], data2=p4[0:n],
-                                       op=nl.add, engine=nisa.engine.gpsimd)
-                nisa.dma_copy(dst=_rows(o, b, s0, n, S, HD), src=out[0:n])
+    ni = len(item_s0)
+    # software pipeline (module docstring): AHEAD = 2 keeps three x rows and two fp32 y rows in flight; rows
+    # over 16 KiB use AHEAD = 1 (SBUF)
+    row_bytes = HD * (4 if x.dtype == nl.float32 else 2)
+    ahead = 2 if row_bytes <= 16384 else 1
+    x_of = []
+    ms_of = []
+    y_of = []
+    c_of = []
+    s_of = []
+    loaded_tb = -1
+    loaded_s0 = -1
+    c_tab = None
+    s_tab = None
+    for step in range(ni + ahead):
+        # (1) x rows of item `step` (and its cos/sin rows when they change, cast to fp32 by the DMA)
+        if step < ni:
+            s0 = item_s0[step]
+            b = item_b[step]
+            n = min(P, S - s0)
+            tb = b if per_batch_tables else 0
+            x_sb = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, HD))
+            if tb != loaded_tb or s0 != loaded_s0:
+                loaded_tb = tb
+                loaded_s0 = s0
+                cos_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                sin_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=cos_sb[0:n], src=_rows(cos, tb, s0, n, S, D))
+                nisa.dma_copy(dst=sin_sb[0:n], src=_rows(sin, tb, s0, n, S, D))
+                # rotary tables: cos from the even columns, sin from the odd ones (strided views)
+                c_tab = cos_sb[0:n].slice(1, 0, D, 2)
+                s_tab = sin_sb[0:n].slice(1, 1, D, 2)
+            x_of.append(x_sb)
+            c_of.append(c_tab)
+            s_of.append(s_tab)
+            if step == 0:
+                nisa.dma_copy(dst=w_sb, src=weight.ap(pattern=[[0, P], [1, HD]], offset=0))
+        k = step - ahead    # the item rotated in this step
+        j = step - 1        # the item whose rsqrt and y = x * r are taken in this step
+        if ahead == 2 and k == 0:
+            _weigh_item(y_of[0], w_sb, share, chunk_lo, chunk_hi, min(P, S - item_s0[0]), 0)
+        # (2) item j: rsqrt (GpSimd), y = x * r (ScalarE); under AHEAD = 2 ahead of item k's rotation in
+        #     GpSimd's stream, so that ScalarE's y is ready before either engine finishes item k
+        if j >= 0 and j < ni:
+            n = min(P, S - item_s0[j])
+            y = nl.ndarray((P, H, D), dtype=nl.float32, buffer=nl.sbuf)
+            _rsqrt_scale(ms_of[j], x_of[j], y, share, chunk_lo, chunk_hi, n, j)
+            y_of.append(y)
+            x_of[j] = None    # the rows are no longer needed: the allocator may reuse their space
+            ms_of[j] = None
+            if ahead == 1:
+                _weigh_item(y, w_sb, share, chunk_lo, chunk_hi, n, j)
+        # (3) item k: the products on both engines (disjoint heads), then item j's weight multiply (it fills
+        #     the RAW latency between the last product and the sums), then the sums and one DMA of the rows
+        if k >= 0:
+            s0 = item_s0[k]
+            n = min(P, S - s0)
+            y = y_of[k]
+            out = nl.ndarray((P, H, D), dtype=x.dtype, buffer=nl.sbuf)
+            n_chunks = len(chunk_lo)
+            for i in range(n_chunks):
+                lo = chunk_lo[i]
+                hi = chunk_hi[i]
+                hv = _split(share, lo, hi, k)
+                tp = None
+                tv = None
+                if hi > hv:
+                    tp = _products(y, c_of[k], s_of[k], n, hv, hi, D, nisa.engine.gpsimd)
+                if hv > lo:
+                    tv = _products(y, c_of[k], s_of[k], n, lo, hv, D, nisa.engine.vector)
+                if ahead == 2 and j < ni and i == n_chunks - 1:
+                    _weigh_item(y_of[j], w_sb, share, chunk_lo, chunk_hi, min(P, S - item_s0[j]), j)
+                if hi > hv:
+                    _sums(out, tp, n, hv, hi, D, nisa.engine.gpsimd)
+                if hv > lo:
+                    _sums(out, tv, n, lo, hv, D, nisa.engine.vector)
+            nisa.dma_copy(dst=_rows(o, item_b[k], s0, n, S, HD), src=out[0:n])
+            y_of[k] = None
+        # (4) item `step`: ms = sum of squares / HD + eps on ScalarE
+        if step < ni:
+            ms = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            _sum_of_squares(x_of[step], ms, chunk_lo, chunk_hi, min(P, S - item_s0[step]), HD, eps_v, ms_engine,
+                            x.dtype)
+            ms_of.append(ms)
     return o
 
 
