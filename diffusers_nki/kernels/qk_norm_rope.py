@@ -102,7 +102,7 @@ def pool_share(gen):
     if gen == nisa.nc_version.gen3:
         return (5, 9)
     if gen == nisa.nc_version.gen2:
-        return (0, 1)
+        return (1, 1)
     return (1, 2)
 
 
@@ -199,10 +199,10 @@ def _rsqrt_scale(rstd, x_sb, y, share, chunk_lo, chunk_hi, n, k):
         lo = chunk_lo[i]
         hi = chunk_hi[i]
         hv = _split(share, lo, hi, k)
-        if hi > hv:
-            nisa.activation(dst=y[0:n, hv:hi, :], op=nl.copy, data=x_sb[0:n, hv:hi, :], scale=rstd[0:n])
         if hv > lo:
             nisa.activation(dst=y[0:n, lo:hv, :], op=nl.copy, data=x_sb[0:n, lo:hv, :], scale=rstd[0:n])
+        if hi > hv:
+            nisa.activation(dst=y[0:n, hv:hi, :], op=nl.copy, data=x_sb[0:n, hv:hi, :], scale=rstd[0:n])
 
 
 def _weigh_item(y, w_sb, share, chunk_lo, chunk_hi, n, k):
