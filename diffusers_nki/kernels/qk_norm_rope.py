@@ -11,45 +11,60 @@ cos/sin [1 or B, S, 1, D] (``WanRotaryPosEmbed``'s tables, any supported float d
 Returns o [B, S, H, D] in x's dtype (``nl.shared_hbm``); [B, S, H*D] and BSHD are the same bytes, so the
 input is read and the output written as whole contiguous rows.
 
-Algorithm, per tile of up to 128 tokens (tokens on partitions, H*D on the free axis, viewed as [P, H, D]):
+Algorithm, per item (a tile of up to 128 tokens of one batch row; tokens on partitions, H*D on the free axis,
+viewed as [P, H, D]):
     ACT   ss = sum_j x_j^2 (``activation(square)`` with the add-reduce registers; one instruction per
           chunk of heads, reset_reduce then reduce, the last one reads the registers out)
-    DVE   ms = ss * 1/(H*D) + eps                         ([P,1], fp32)
-    POOL  r = rsqrt(ms)                                   ([P,1], GpSimd's precise rsqrt)
-    per chunk of at most CHUNK = 2048 columns (whole heads):
-    ACT   y0 = x * r                                      (per-partition scale, fp32)
-    DVE   y = y0 * w                                      (w resident in SBUF, broadcast to all partitions)
-    DVE   p1 = y_e * c,  p2 = y_o * s                     (y_e/y_o: even/odd strided views of y [P, h, D/2];
-    POOL  o_e = p1 - p2                                    c = cos[:, 0::2], s = sin[:, 1::2], [P, D/2] views
-    POOL  p3 = y_e * s,  p4 = y_o * c,  o_o = p3 + p4      broadcast over the h heads with stride 0)
+    ACT   ms = ss * 1/(H*D) + eps    ([P,1], fp32; ScalarE's tensor_scalar (multiply, add); VectorE on trn1,
+                                      whose ScalarE has no tensor_scalar)
+    POOL  r = rsqrt(ms)              ([P,1], GpSimd's precise rsqrt; ScalarE's is the approximate one [SHARED])
+    ACT   y = x * r                  (per-partition scale, fp32; per chunk of at most CHUNK = 2048 columns)
+    then each of VectorE and GpSimd, on its own whole heads [a, e) of the chunk (``pool_share``):
+          y *= w                     (w resident in SBUF, broadcast to all partitions)
+          t1 = y_e * c,  t2 = y_o * s,  t3 = y_e * s,  t4 = y_o * c
+                                     (y_e/y_o: even/odd strided views of y [P, h, D/2]; c = cos[:, 0::2],
+                                      s = sin[:, 1::2], [P, D/2] views broadcast over the h heads, stride 0)
+          o_e = t1 - t2,  o_o = t3 + t4
     o_e / o_o are written straight into the even/odd columns of the output tile in x's dtype, which one DMA
     stores. Everything between the load and that final rounding is fp32 (statistics, normalised values,
     products, tables), so the kernel rounds once where torch rounds up to three times in bf16 (after the
     norm, after the weight, after the rotation). Keeping the rotation in bf16 would double the VectorE /
-    GpSimd rates, but in an fp64 comparison its error reached 2.4x torch's own, so it was rejected.
-    The elementwise work is 4 x (H*D) two-input fp32 element-ops per token, on VectorE (y, p1, p2) and
-    GpSimd (o_e, p3, p4, o_o), with ``y_pool_pct(gen)`` of the weight multiply moved to GpSimd where that
-    balances the two (trn2); ScalarE does two passes (square-reduce, scale). No TensorE, no PSUM.
+    GpSimd rates, but in an fp64 comparison its error reached 2.4x torch's own, so it was rejected. The
+    arithmetic (each fp32 operation and its operands) is the one of the first version of this kernel, so its
+    output is unchanged bit for bit; only the engines and the order changed.
+    The elementwise work is 4 x (H*D) two-input fp32 element-ops per token. VectorE and GpSimd run them at the
+    same 0.5 elements per cycle (COST_MODEL.md 1.3), so ``pool_share(gen)`` deals whole heads by clock:
+    GpSimd 5/9 on trn2 (1.2 vs 0.96 GHz), 1/2 on trn3, all of them on trn1 (VectorE and GpSimd share the SBUF
+    port there [ARCH2], and GpSimd's clock is the faster); per item the heads are dealt by cumulative rounding,
+    so over the items each engine gets its share to within one head. Splitting by heads (not by pairs) keeps
+    each engine's writes a contiguous byte range: the schedule sees no false dependencies between them.
+    ScalarE does two passes (square-reduce, scale). No TensorE, no PSUM.
 
-Loop structure: weight -> SBUF once (DMA with partition stride 0); for token tile: for batch: DMA the x rows
-[n, H*D] (and the tile's cos/sin rows [n, D], cast to fp32 by the DMA, only when they change: shared
-[1, S, 1, D] tables are loaded once per tile, not once per batch row); sum of squares over all chunks;
-rsqrt; for chunk: scale, weight, rotate; DMA the [n, H*D] output rows. Under ``kernel[2]`` the (tile, batch)
-pairs are dealt round-robin to the two logical cores.
+Loop structure: a software pipeline over this core's items (token tiles outer, batch inner; under
+``kernel[2]`` the (tile, batch) pairs are dealt round-robin to the two logical cores). Step s, in program
+order: (1) DMA the x rows [n, H*D] of item s (and its cos/sin rows [n, D], cast to fp32 by the DMA, only
+when they change: shared [1, S, 1, D] tables are loaded once per tile, not once per batch row; the weight,
+with partition stride 0, right after item 0's rows); (2) rsqrt and y = x * r of item s - 1; (3) the
+rotation of item s - AHEAD: both engines' products, then item s - 1's weight multiply, then the sums (no
+instruction waits on the RAW latency of the one just before it), and the DMA of the [n, H*D] output rows;
+(4) the sum of squares and ms of item s. Each engine's stream thus holds the next item's short steps ahead
+of the current item's long ones, and GpSimd's rsqrt of item s - 1 ahead of its share of item s - 2, so
+ScalarE's y of the next item is ready before VectorE or GpSimd finish the current one. AHEAD = 2 (three x
+rows and two fp32 y rows in flight); rows over 16 KiB (fp32 with H*D > 4096) use AHEAD = 1, which keeps the
+widest row inside trn1's SBUF.
 
 Cost (MODELED, never measured; the row ``qk_norm_rope_chunk`` of ``diffusers-nki bench kernels``: the
 dependency-aware schedule of the trace is the headline, the roofline of ``nkisim.cost`` its ceiling).
 HBM traffic is the minimum: x read once, o written once, cos/sin once per tile, the weight once per
-partition (18.66 MiB read, 13.71 MiB written). Wan2.1-1.3B, one of q/k, 4680 tokens x 12 x 128, bf16:
+partition (and per core). Wan2.1-1.3B, one of q/k, 4680 tokens x 12 x 128, bf16:
     target  lnc  scheduled  ceiling  bound (ceiling)  HBM roof
-    trn2     1     470 us    215 us   GpSimd           94 us
-    trn2     2     245 us    110 us   GpSimd           48 us
-    trn3     1     449 us    191 us   VectorE          55 us
-    trn1     1     434 us    369 us   SBUF port        83 us
-The schedule is about twice the ceiling on trn2/trn3 (its largest wait: ScalarE on GpSimd results): the
-per-tile chain is not software-pipelined like the attention kernel's. ``y_pool_pct`` (the GpSimd share of the
-elementwise work) was chosen on the roofline before the schedule existed (trn2 25%, trn3 0%); it is a
-candidate for the same restructuring, not a tuned result.
+    trn2     1     221 us    213 us   GpSimd           94 us
+    trn2     2     118 us    109 us   GpSimd           48 us
+    trn3     1     199 us    191 us   GpSimd           55 us
+    trn1     1     350 us    329 us   SBUF port        83 us
+(the first version, per tile unpipelined: trn2 488 us, trn3 466 us, trn1 451 us scheduled). The schedule's
+remaining gap to the ceiling is the pipeline's fill (the first item's load, sum of squares, rsqrt and scale
+before either engine can start) and drain (the last item's store).
 
 Limits (``not_supported_reasons``): D = H*D / heads even and <= 128; H*D <= 8192 (x row and weight resident in
 SBUF); x fp32/bf16/fp16 with a weight of the same dtype; cos/sin [1 or B, S, 1, D], fp32/bf16/fp16; eps >= 0.
@@ -64,7 +79,7 @@ TorchNeuron the ``torch_neuronx.nki_op`` op ``diffusers_nki::qk_norm_rope_nki``)
 (``diffusers_nki.processors_wan``) calls it as the prologue of every self-attention. Kernel code stays inside
 the NKI subset production kernels use (tests/kernels/test_nki_subset_audit.py): no comprehensions, zip /
 enumerate, int-keyed tables, step slicing (strided even/odd views via ``.slice(dim, start, end, 2)``) or
-enum ``getattr``/``int`` (the engine split is ``y_pool_pct(nisa.get_nc_version())``).
+enum ``getattr``/``int`` (the engine split is ``pool_share(nisa.get_nc_version())``).
 
 Tested ranges (tests/kernels/test_qk_norm_rope.py, emulator with numerics, trn2 unless noted; error vs an
 fp64 oracle <= 2 x torch's own + floor): pairwise grid (20 rows) over S in {1, 113, 1560}, D in {8, 12, 64,

@@ -199,8 +199,9 @@ def test_kernels_have_no_mutable_tables():
     import diffusers_nki.kernels.qk_norm_rope as qkr
     from nkisim import isa
 
-    assert not hasattr(qkr, "Y_POOL_PCT")
-    assert [qkr.y_pool_pct(g) for g in (isa.nc_version.gen2, isa.nc_version.gen3, isa.nc_version.gen4)] == [0, 25, 0]
+    assert not hasattr(qkr, "Y_POOL_PCT") and not hasattr(qkr, "y_pool_pct")
+    gens = (isa.nc_version.gen2, isa.nc_version.gen3, isa.nc_version.gen4)
+    assert [qkr.pool_share(g) for g in gens] == [(1, 1), (5, 9), (1, 2)]
 
 
 class _T:
