@@ -334,11 +334,12 @@ def qk_norm_rope_kernel(x, weight, eps, cos, sin, heads):
             n = min(P, S - item_s0[j])
             y = nl.ndarray((P, H, D), dtype=nl.float32, buffer=nl.sbuf)
             _rsqrt_scale(ms_of[j], x_of[j], y, share, chunk_lo, chunk_hi, n, j)
-            y_of.append(y)
-            x_of[j] = None    # the rows are no longer needed: the allocator may reuse their space
-            ms_of[j] = None
             if ahead == 1:
                 _weigh_item(y, w_sb, share, chunk_lo, chunk_hi, n, j)
+            y_of.append(y)
+            y = None          # y_of holds it; no stale local keeps a row alive into the next step
+            x_of[j] = None    # the rows are no longer needed: the allocator may reuse their space
+            ms_of[j] = None
         # (3) item k: the products on both engines (disjoint heads), then item j's weight multiply (it fills
         #     the RAW latency between the last product and the sums), then the sums and one DMA of the rows
         if k >= 0:
@@ -363,8 +364,12 @@ def qk_norm_rope_kernel(x, weight, eps, cos, sin, heads):
                     _sums(out, tp, n, hv, hi, D, nisa.engine.gpsimd)
                 if hv > lo:
                     _sums(out, tv, n, lo, hv, D, nisa.engine.vector)
+                tp = None    # drop the chunk's scratch before the next chunk allocates its own
+                tv = None
             nisa.dma_copy(dst=_rows(o, item_b[k], s0, n, S, HD), src=out[0:n])
             y_of[k] = None
+            y = None
+            out = None
         # (4) item `step`: ms = sum of squares / HD + eps on ScalarE
         if step < ni:
             ms = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
