@@ -28,7 +28,8 @@ Each term then comes from those records:
   elementwise ops and copies (pads, concatenations, the decode's cache-buffer writes) read and written once in
   bf16 at the core's HBM share, unfused.
 - "ASSUMPTION: ...": collectives (bench/scaling's model, not overlapped), launches (every kernel call and compiled
-  graph at ``sim.cost``'s measured launch start-up + tear-down).
+  graph at ``sim.cost``'s measured launch start-up + tear-down: the headline; beside it the "in-graph" hypothesis,
+  one launch per compiled graph and a tear-down per kernel call inside it: ``LAUNCH_HYPOTHESES``).
 Per-rank shares: an op whose output spans the chunk's tokens is split over the W DiT ranks, the rest (text,
 embedders, patch embedding) replicated; the decode's convolutions take the slowest rank's rows plus halos.
 The JSON carries, per term, its call sites and counts; ``scheduled_kernels`` / ``kernels_called`` list the
@@ -489,11 +490,11 @@ LAUNCH_HEADLINE = "standalone"
 LAUNCH_HYPOTHESES = {
     "standalone": "every kernel call of ours its own launch (start-up + tear-down, as eager mode and a standalone "
                   "profile run it), plus one per compiled graph: the headline (conservative)",
-    "in-graph": "ASSUMPTION (the compiled path, torch.compile(backend='neuron')): one launch (start-up + tear-down) per "
-                "compiled graph execution; each kernel call a node inside it, charged its tear-down only (the engines "
-                "draining after its last data movement: the schedule costs each kernel as a program that ends when "
-                "its engines finish, overlapping nothing around it, so a boundary is a drain; the start-up is the "
-                "NEFF execution's, paid once per graph). Not documented, not measured",
+    "in-graph": "ASSUMPTION (the compiled path, torch.compile(backend='neuron')): one launch (start-up + tear-down) "
+                "per compiled graph execution; each kernel call a node inside it, charged its tear-down only (the "
+                "engines draining after its last data movement: the schedule costs each kernel as a program that ends "
+                "when its engines finish, overlapping nothing around it, so a boundary is a drain; the start-up is "
+                "the NEFF execution's, paid once per graph). Not documented, not measured",
 }
 
 
@@ -1105,7 +1106,7 @@ def budget(setup: str = "self_forcing", targets=TARGETS, probe: Optional[dict] =
     for t in targets:
         lay = layouts(calls, vae, t, model, tpf, impl, progress, probes[t]["ops"])
         rows = lay["layouts"]
-        for r in rows:  # every layout under each launch hypothesis (LAUNCH_HYPOTHESES), the headline's figures unchanged
+        for r in rows:  # every layout under each launch hypothesis (LAUNCH_HYPOTHESES); the headline's unchanged
             r["launch_hypotheses"] = layout_launch_hypotheses(r, lay["dit"], lay["vae"], lay["handover_s"])
         done = [r for r in rows if r["implemented"]]
         head = done[0] if done else None
@@ -1259,8 +1260,8 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
             if v.get("kernels_called"):
                 L.append(f"recorded with patch(target={v.get('route_target')!r}): DiT kernels " + ", ".join(
                     f"{k} {n}" for k, n in sorted(v["kernels_called"]["dit"].items())))
-            L += ["", "| layout | DiT ranks | VAE ranks | DiT ms | VAE ms | per chunk ms | latency ms | fps | fps, in-graph "
-                  "launches | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+            L += ["", "| layout | DiT ranks | VAE ranks | DiT ms | VAE ms | per chunk ms | latency ms | fps | "
+                  "fps, in-graph launches | status |", "|---|---|---|---|---|---|---|---|---|---|"]
             for lay in v["layouts"]:
                 fps = f"{lay['fps']:.1f}" if lay["implemented"] else f"({lay['fps']:.1f}, not counted)"
                 L.append(f"| {lay['name']} | {lay['W_dit']} | {lay['W_vae']} | {_ms(lay['dit_s'])} | {_ms(lay['vae_s'])} "
@@ -1287,8 +1288,8 @@ def render(results: List[dict], calibration: Optional[dict] = None) -> str:
                 L.append(f"| VAE | **total** | | **{_ms(vv['seconds'])}** | |")
     L += ["", "Like for like with the GPU (MODELED trn2/trn3 beside PUBLISHED H100; 'DiT only' = the denoising passes "
           "of a chunk, 'end to end' = DiT + the chunk's streaming decode in the headline layout):", "",
-          "| setup | target | decoder | trn DiT only fps | trn end to end fps | trn end to end fps, in-graph launches | "
-          "published H100 fps | what the published figure includes |", "|---|---|---|---|---|---|---|---|"]
+          "| setup | target | decoder | trn DiT only fps | trn end to end fps | trn end to end fps, in-graph "
+          "launches | published H100 fps | what the published figure includes |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for t, v in r["targets"].items():
             e2e = f"{v['fps']:.1f}" if v["fps"] else "n/a"
@@ -1386,7 +1387,8 @@ def doc_table(results: List[dict], style: str = "table") -> str:
             one = [lay for lay in t["layouts"] if lay.get("W_vae") == 1 and lay.get("implemented")]
             lines.append(f"| {label} | {target} | {_layout_label(head)} | {head['dit_s'] * 1e3:.1f} | "
                          f"{head['vae_s'] * 1e3:.1f} | {head['chunk_s'] * 1e3:.1f} | **{t['fps']:.1f}** | "
-                         f"{_in_graph_fps(t)} | {_fmt(t.get('dit_only_fps'))} | {_fmt(one[0]['fps'] if one else None)} | "
+                         f"{_in_graph_fps(t)} | {_fmt(t.get('dit_only_fps'))} | "
+                         f"{_fmt(one[0]['fps'] if one else None)} | "
                          f"{_fmt((t.get('pe_bound') or pe_bound(r, target))['fps'])} | {pub_s} |")
         else:
             label = r["label"].split(" [")[0]
