@@ -693,3 +693,62 @@ def test_launch_hypotheses_beside_the_conservative_headline(probe, vae):
     old = json.loads(json.dumps(res))  # an older JSON (--from-json) without the hypotheses: "-"
     del old["targets"]["trn2"]["launch_hypotheses"]
     assert f"| **{t2['fps']:.1f}** | - |" in budget.doc_table([old])
+
+
+def test_compiled_path_runs_every_kernel_call_of_a_chunk_inside_a_compiled_graph():
+    """The premise of the 'in-graph' launch hypothesis, on the default patched CausalWanPipeline (tiny, CPU) under
+    the compiled recipe (docs/TRAINIUM.md: the whole transformer through torch.compile; a counting backend here):
+    every kernel call a steady chunk makes is a node of a compiled graph the chunk executes (none runs outside), and
+    every pass executes the same graph pieces. ``patch(pipe)`` alone compiles nothing (eager)."""
+    import torch
+    import torch._dynamo
+
+    import diffusers_nki
+    from diffusers_nki import accounting
+    from diffusers_nki.testing import tiny
+
+    class Counter:  # a dynamo backend: graph executions and our kernel nodes executed inside them
+        def __init__(self):
+            self.execs, self.nodes = 0, 0
+
+        def __call__(self, gm, example_inputs):
+            k = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "diffusers_nki" in str(n.target))
+
+            def run(*a):
+                self.execs, self.nodes = self.execs + 1, self.nodes + k
+                return gm.forward(*a)
+            return run
+
+    def kernel_calls():
+        return sum(sum(v.values()) for c in (accounting.counters(), accounting.dense_counters()) for v in c.values())
+
+    pipe = tiny.tiny_pipeline("causal_wan")
+    diffusers_nki.patch(pipe, backend="torch")
+    tr, c, marks = pipe.transformer, Counter(), []
+    eager = tr.forward
+    h = tr.register_forward_pre_hook(lambda m, a, kw: marks.append((c.execs, c.nodes, kernel_calls())),
+                                     with_kwargs=True)
+    g = torch.Generator().manual_seed(0)
+    lat, pe = torch.randn(1, 16, 9, 4, 4, generator=g), torch.randn(1, 7, tiny.TEXT_DIM, generator=g)
+    try:
+        with torch.no_grad():
+            kw = dict(prompt_embeds=pe, height=32, width=32, num_frames=33, num_frame_per_block=3,
+                      denoising_timesteps=[1000.0, 750.0, 500.0, 250.0], output_type="latent")
+            pipe(latents=lat, generator=torch.Generator().manual_seed(0), **kw)
+            assert c.execs == 0 and marks  # patch() alone: eager, no graph
+            marks.clear()
+            tr.forward = torch.compile(eager, backend=c, dynamic=False)
+            pipe(latents=lat, generator=torch.Generator().manual_seed(0), **kw)
+            marks.append((c.execs, c.nodes, kernel_calls()))
+    finally:
+        h.remove()
+        tr.forward = eager
+        torch._dynamo.reset()
+        diffusers_nki.unpatch(pipe)
+    passes = budget.STEPS + 1
+    # 3 chunks: 4 denoising passes + the cache pass each, the last one's cache pass skipped (nothing follows)
+    assert len(marks) == 3 * passes - 1 + 1
+    execs, nodes, calls = [b - a for a, b in zip(marks[passes], marks[2 * passes])]  # the middle chunk
+    assert calls > 0 and nodes == calls  # every kernel call of the chunk ran as a node inside a compiled graph
+    per_pass = [marks[i + 1][0] - marks[i][0] for i in range(passes, 2 * passes)]
+    assert execs >= passes and len(set(per_pass)) == 1, per_pass  # the same graph pieces every pass
