@@ -57,8 +57,13 @@ def test_streamed_static_decode_equals_the_stock_decodes(vae):
     ref = _stock(vae, lat)
     out, d = _streamed(vae, lat, 3)
     assert out.shape == ref.shape == (2, 3, 25, 24, 40)
-    assert torch.equal(out, _stock_stream(vae, lat, 3))
+    stock_stream = _stock_stream(vae, lat, 3)
+    # the norms + SiLU through the rms_norm_silu twin (the default): stock's own calls, on a contiguous copy where
+    # the input is channels-last (the mid block's attention leaves one), so fp32 rounding of the channel sum only
+    assert max_rel_err(out, stock_stream) <= 1e-6, max_rel_err(out, stock_stream)
     assert max_rel_err(out, ref) <= 2e-6, max_rel_err(out, ref)
+    # with the stock norm modules: the very same arithmetic as the stock streaming decode, bit for bit
+    assert torch.equal(_streamed(vae, lat, 3, wan_vae.WanVAECacheConfig(fused_norms=False))[0], stock_stream)
     assert d.stream.calls == 7 and len(d.stream.buffers) == 24
     # three latent frames per decoder call: larger convolutions, fp32 rounding only
     out3, d3 = _streamed(vae, lat, 3, wan_vae.WanVAECacheConfig(frames_per_call=3))
