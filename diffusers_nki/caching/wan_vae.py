@@ -17,8 +17,11 @@ reads it. A zero-initialised buffer IS the stock left zero padding of the first 
 changes shape: the first decoder call of a stream compiles one graph, every later call of the same frame count
 one more, and nothing else (tested with a counting ``torch.compile`` backend over 10 chunks).
 ``WanVAEStream.decode(z)`` decodes the next latent frames of a video (``diffusers_nki.pipelines.causal_wan.
-WanStreamingDecoder`` calls it chunk by chunk). The decoder's norms, activations, upsampling and the mid attention
-block are the stock modules, called as they are; every convolution of the decode runs the causal conv3d kernel
+WanStreamingDecoder`` calls it chunk by chunk). Each residual block's ``norm1`` / ``norm2`` + SiLU and the
+decoder's ``norm_out`` + SiLU are ONE call of the rms_norm_silu kernel each (``modulate_ops.rms_norm_silu``,
+``kernels/rms_norm_silu.py``, on the same backend; ``WanVAECacheConfig(fused_norms=False)``: the stock modules; a
+pair it cannot take runs the stock modules, a visible fallback counted in the hook's stats). Upsampling and the mid
+attention block are the stock modules, called as they are; every convolution of the decode runs the causal conv3d kernel
 (``dense_ops.causal_conv3d``, ``kernels/causal_conv3d.py``, on the config's backend; ``patch(pipe)`` passes its
 own): the causal 3x3x3 and 3x1x1 convolutions with their buffer read in place, the 1x1x1 post-quant conv and
 residual shortcuts (kt = 1, no cache), the upsamplers' 3x3 ``Conv2d`` (kt = 1, each frame a batch entry). A call
