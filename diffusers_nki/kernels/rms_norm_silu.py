@@ -16,7 +16,9 @@ Layout: channels on partitions (the layout x lies in: every DMA moves contiguous
 kernel reads the same layout next). The channel reduction is then cross-partition, done on TensorE with a ones
 matrix: the squares (fp32) are the moving operand and an all-ones fp32 stationary [c, min(C, 128)] sums them over
 every channel tile into one PSUM bank, the same sum landing on every output partition (so the per-pixel factor is
-already broadcast over the channels that need it).
+already broadcast over the channels that need it). AWS's production RMS norm for token generation does its
+cross-partition sum the same way (nki-library ``core/subkernels/rmsnorm_tkg.py``, 2026-04-13: a memset-1.0 constant
+as the matmul's stationary, the PSUM result read by ``activation(rsqrt)`` with an SBUF eps tile as its bias).
 
 Algorithm, per pixel block of up to FB pixels (FB = 2048, fewer when C is wide or x fp32), per 128-channel tile c:
     DMA   x_c -> SBUF                                  (contiguous FB-pixel runs per channel)
