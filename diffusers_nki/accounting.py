@@ -57,7 +57,8 @@ MAX_FRAMES = 96
 PATHS = ("torch", "sim", "nki", "stock")  # the backends (diffusers_nki.backends.NAMES) and stock fallbacks
 OPS = ("attention", "attention_lse", "cache_write", "attention_backward", "qk_norm_rope")
 DENSE_OPS = ("gemm", "causal_conv3d")
-FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln")  # the Wan block's elementwise chains
+FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln",  # the Wan block's elementwise chains
+             "rms_norm_silu")  # the Wan VAE decoder's RMS norm + SiLU
 QUANT_OPS = ("gemm_fp8", "gemm_mx")  # the quantized GEMMs of precision="fp8" / "mxfp8" (counted like the dense ops)
 
 

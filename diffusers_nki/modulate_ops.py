@@ -4,6 +4,8 @@ fake impls, counters and backends (``kernels/ln_modulate.py`` and its twins ``ke
 ``torch.ops.diffusers_nki.ln_modulate(x, weight, bias, scale, shift, eps, backend) -> o``
 ``torch.ops.diffusers_nki.gated_residual(x, y, gate, backend) -> r``
 ``torch.ops.diffusers_nki.gated_residual_ln(x, y, gate, weight, bias, scale, shift, eps, backend) -> (r, o)``
+``torch.ops.diffusers_nki.rms_norm_silu(x, gamma, bias, scale, silu, backend) -> o`` (the Wan VAE decoder's
+``WanRMS_norm`` + SiLU, ``kernels/rms_norm_silu.py``; ``rms_norm_silu`` below takes the stock [B, C, T, H, W] tensor)
 x, y [B, S, D]; gate / scale / shift fp32 [B or 1, 1 or S, D]; weight / bias [D] or None. ``torch.compile`` sees
 one opaque node each (fake impls), like the attention and prologue ops.
 
@@ -21,9 +23,10 @@ import torch
 
 from diffusers_nki import accounting, backends
 from diffusers_nki.kernels import ln_modulate_ref as _ref
+from diffusers_nki.kernels import rms_norm_silu_ref as _rms_ref
 
 __all__ = ["ln_modulate", "gated_residual", "gated_residual_ln", "counters", "reset_counters", "not_supported_reasons",
-           "FUSED_OPS"]
+           "FUSED_OPS", "rms_norm_silu", "rms_norm_silu_layout"]
 
 FUSED_OPS = accounting.FUSED_OPS
 
@@ -121,3 +124,44 @@ def gated_residual_ln(x, y, gate=None, weight=None, bias=None, scale=None, shift
     backend = backends.resolve(backend)
     _fail("gated_residual_ln", _ref.not_supported_reasons(x, y, gate, weight, bias, scale, shift, eps, residual=True))
     return _gated_residual_ln_op(x, y, gate, weight, bias, scale, shift, float(eps), backend)
+
+
+@torch.library.custom_op("diffusers_nki::rms_norm_silu", mutates_args=())
+def _rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: Optional[torch.Tensor], scale: float, silu: bool,
+                      backend: str) -> torch.Tensor:
+    impl = backends.require(backend)
+    accounting.count_fused("rms_norm_silu", backend)
+    return _check_out("rms_norm_silu", backend, impl.rms_norm_silu(x, gamma, bias, scale, silu), x)
+
+
+@_rms_norm_silu_op.register_fake
+def _rms_norm_silu_fake(x, gamma, bias, scale, silu, backend):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def rms_norm_silu_layout(x: torch.Tensor):
+    """The kernel's [B, G, C, M] view of the stock [B, C, *spatial] tensor ``x`` and how to view the result back:
+    ``(x4, back)``, or ``(None, reason)`` for fewer than 3 dims. A contiguous x is G = 1, M = the pixels; the
+    [B, T, C, H, W] storage of a 5-D x permuted to [B, C, T, H, W] (what the upsamplers leave) is G = T, M = H W;
+    no copy either way. Any other layout (e.g. channels-last strides a compiled graph may pick) is copied to a
+    contiguous tensor first (one copy op, visible in the op record)."""
+    if x.dim() < 3:
+        return None, f"x must have channels at dim 1 and pixels after it, got shape {tuple(x.shape)}"
+    B, C = x.shape[0], x.shape[1]
+    if x.dim() == 5 and not x.is_contiguous() and x.permute(0, 2, 1, 3, 4).is_contiguous():
+        T, H, W = x.shape[2:]
+        return (x.permute(0, 2, 1, 3, 4).view(B, T, C, H * W),
+                lambda o: o.view(B, T, C, H, W).permute(0, 2, 1, 3, 4))
+    return x.contiguous().view(B, 1, C, -1), lambda o: o.view(x.shape)
+
+
+def rms_norm_silu(x, gamma, bias=None, scale: float = 1.0, silu: bool = True, backend: str = "torch") -> torch.Tensor:
+    """``silu(F.normalize(x, dim=1) * scale * gamma + bias)`` (diffusers' ``WanRMS_norm`` then SiLU; ``silu=False``:
+    the norm alone) for the stock [B, C, *spatial] ``x`` (``rms_norm_silu_layout``); gamma / bias [C] (bias None:
+    stock's 0.0). The result has x's shape and strides. Unsupported inputs raise a ValueError listing every reason."""
+    backend = backends.resolve(backend)
+    x4, back = rms_norm_silu_layout(x)
+    if x4 is None:
+        raise ValueError(f"diffusers_nki.modulate_ops.rms_norm_silu: {back}")
+    _fail("rms_norm_silu", _rms_ref.not_supported_reasons(x4, gamma, bias, scale))
+    return back(_rms_norm_silu_op(x4, gamma, bias, float(scale), bool(silu), backend))

@@ -74,7 +74,7 @@ def test_vae_calls_account_for_every_decoder_flop(vae):
     assert vae["flops"] == pytest.approx(budget.vae_decode_flops(), rel=2e-3)
     assert vae["video_frames"] == 12 and vae["latent_frames"] == 3 and vae["decoder_calls"] == 3
     # the static decode's convolutions are our kernel: 3 decoder calls x (24 cached convs + shortcuts + upsamplers)
-    assert budget._kernel_counts(vae["ops"]) == {"causal_conv3d": 108}
+    assert budget._kernel_counts(vae["ops"]) == {"causal_conv3d": 108, "rms_norm_silu": 87}
     assert not any(r.name == "convolution" and r.ins[1][2:] == (3, 3, 3) for r in vae["ops"])
     full = {(r.ins[0][1], r.ins[1][4], r.ins[0][2]) for r in vae["ops"] if r.name == "causal_conv3d"
             and r.ins[0][3] == 482 and r.ins[1][:3] == (3, 3, 3)}
@@ -213,6 +213,11 @@ class FakeModel(budget._Model):
         return {"scheduled_s": 1e-6, "ceiling_s": 1e-6, "efficiency": 0, "efficiency_ceiling": 0, "flops": 0,
                 "bottleneck": "act"}
 
+    def rms_norm_silu(self, C, M, G, bias, target):
+        self.fused_calls.add(("rms_norm_silu", C, M, G, bias))
+        return {"scheduled_s": 2e-6, "ceiling_s": 1e-6, "efficiency": 0, "efficiency_ceiling": 0, "flops": 0,
+                "bottleneck": "pool"}
+
 
 def _labelled(terms):
     for t in terms:
@@ -275,6 +280,25 @@ def test_vae_shards_by_height_with_halos(vae):
     assert conv(one) / 8 < conv(eight) < conv(one) / 8 * 1.35
     assert any("all-gathers" in t["name"] for t in eight["terms"])
     assert not any("all-gather" in t["name"] for t in one["terms"])
+
+
+def test_vae_norms_are_the_rms_norm_silu_kernels_calls(vae):
+    """The default decode runs every residual block's norm1 / norm2 and norm_out + SiLU as ONE rms_norm_silu call:
+    a "scheduled: rms_norm_silu" term at the per-rank pixels, counted in the launches; the XLA elementwise row no
+    longer holds the norms' ops."""
+    m = FakeModel()
+    v = budget.vae_terms(vae, 8, "trn2", m)
+    norm = [t for t in v["terms"] if t["label"].startswith("scheduled: rms_norm_silu")]
+    assert len(norm) == 1 and norm[0]["calls"] == 29 * vae["decoder_calls"]  # (2 + 4 x 3) resnets x 2 + norm_out
+    assert norm[0]["seconds"] == pytest.approx(2e-6 * norm[0]["calls"])
+    assert ("rms_norm_silu", 96, 4 * 60 * 832, 1, False) in m.fused_calls  # the full-resolution stage, 1/8 rows
+    el = [t for t in v["terms"] if t["name"].startswith("residual adds")][0]
+    assert "silu" not in el["label"] and el["calls"] > 0
+    # the one norm left to XLA is the mid block's attention norm (no SiLU follows it)
+    left = {r.site for r in vae["ops"] if r.name == "linalg_vector_norm"}
+    assert left and all(".attentions." in s for s in left), left
+    launch = [t for t in v["terms"] if t["name"].startswith("launches")][0]
+    assert launch["calls"] == sum(v["kernels"].values()) + vae["decoder_calls"] and v["kernels"]["rms_norm_silu"] == norm[0]["calls"]
 
 
 def test_layouts_count_only_what_is_implemented(probe, vae):

@@ -40,7 +40,7 @@ MAX_UPWARD = 1
 LAZY_TARGETS = ("nkisim", "diffusers_nki.nki", "diffusers_nki.kernels.attention",
                 "diffusers_nki.kernels.cache_write", "diffusers_nki.kernels.qk_norm_rope", "diffusers_nki.kernels.gemm",
                 "diffusers_nki.kernels.ln_modulate", "diffusers_nki.kernels.gemm_fp8", "diffusers_nki.kernels.gemm_mx",
-                "diffusers_nki.kernels.causal_conv3d")
+                "diffusers_nki.kernels.causal_conv3d", "diffusers_nki.kernels.rms_norm_silu")
 LAZY_SOURCES = {  # modules that may import more of ours inside functions, and why
     "diffusers_nki": "the package facade: lazy public names (import diffusers_nki stays cheap) and the import hook",
     "nkisim": "the emulator: its heavy parts (cost model, schedule, collectives) load on first use",

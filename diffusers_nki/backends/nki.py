@@ -64,7 +64,8 @@ import torch
 
 from diffusers_nki import accounting
 from diffusers_nki.backends._launch import as_int32, contiguous, is_real, rebind_rows
-from diffusers_nki.kernels import attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, ln_modulate_ref
+from diffusers_nki.kernels import (attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, ln_modulate_ref,
+                                   rms_norm_silu_ref)
 
 __all__ = ["install_hint", "INSTALL", "unavailable_reason", "runtime_lnc", "platform_target", "launch", "kernel", "hardware_ops",
            "hardware_op", "prepare", "attention", "attention_lse", "cache_write", "qk_norm_rope", "force_emulator",
@@ -123,9 +124,11 @@ def _kernel_function(name: str):
         from diffusers_nki.kernels.ln_modulate import ln_modulate_kernel as fn
     elif name == "gated_residual":
         from diffusers_nki.kernels.ln_modulate import gated_residual_kernel as fn
+    elif name == "rms_norm_silu":
+        from diffusers_nki.kernels.rms_norm_silu import rms_norm_silu_kernel as fn
     else:
         raise ValueError(f"kernel={name!r} is not one of 'attention', 'cache_write', 'qk_norm_rope', 'gemm', "
-                         "'causal_conv3d', 'ln_modulate', 'gated_residual'")
+                         "'causal_conv3d', 'ln_modulate', 'gated_residual', 'rms_norm_silu'")
     return fn
 
 
@@ -444,3 +447,8 @@ def gated_residual(x, y, gate=None, weight=None, bias=None, scale=None, shift=No
                                                                           residual=True))
     return launch("gated_residual", contiguous(x), contiguous(y), contiguous(gate), contiguous(weight),
                   contiguous(bias), contiguous(scale), contiguous(shift), float(eps), bool(norm))
+
+
+def rms_norm_silu(x, gamma, bias=None, scale=1.0, silu=True):
+    _check_shapes("rms_norm_silu", rms_norm_silu_ref.not_supported_reasons(x, gamma, bias, scale))
+    return launch("rms_norm_silu", contiguous(x), contiguous(gamma), contiguous(bias), float(scale), bool(silu))

@@ -13,7 +13,7 @@ import torch
 
 from diffusers_nki.backends._launch import rebind
 from diffusers_nki.kernels import (attention_ref, cache_write_ref, causal_conv3d_ref, gemm_ref, ln_modulate_ref,
-                                   qk_norm_rope_ref)
+                                   qk_norm_rope_ref, rms_norm_silu_ref)
 
 
 def _load():
@@ -131,4 +131,13 @@ def gated_residual(x, y, gate=None, weight=None, bias=None, scale=None, shift=No
                                                             bool(norm))))
     if norm:
         return out[0].to(device=x.device, dtype=x.dtype), out[1].to(device=x.device, dtype=x.dtype)
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def rms_norm_silu(x, gamma, bias=None, scale=1.0, silu=True):
+    from diffusers_nki.kernels.rms_norm_silu import rms_norm_silu_kernel
+    from nkisim import simulate
+
+    rms_norm_silu_ref.check_inputs(x, gamma, bias, scale)
+    out = simulate(rms_norm_silu_kernel)(*_cpu_contiguous((x, gamma, bias, float(scale), bool(silu))))
     return out.to(device=x.device, dtype=x.dtype)

@@ -7,6 +7,7 @@ from diffusers_nki.kernels.causal_conv3d_ref import causal_conv3d_ref
 from diffusers_nki.kernels.gemm_ref import gemm_ref
 from diffusers_nki.kernels.ln_modulate_ref import gated_residual_ref, ln_modulate_ref
 from diffusers_nki.kernels.qk_norm_rope_ref import qk_norm_rope_ref
+from diffusers_nki.kernels.rms_norm_silu_ref import rms_norm_silu_ref
 
 
 def unavailable_reason():
@@ -44,3 +45,7 @@ def ln_modulate(x, weight=None, bias=None, scale=None, shift=None, eps=1e-6):
 
 def gated_residual(x, y, gate=None, weight=None, bias=None, scale=None, shift=None, eps=1e-6, norm=False):
     return gated_residual_ref(x, y, gate, weight, bias, scale, shift, eps, norm)
+
+
+def rms_norm_silu(x, gamma, bias=None, scale=1.0, silu=True):
+    return rms_norm_silu_ref(x, gamma, bias, scale, silu)

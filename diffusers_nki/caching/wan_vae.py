@@ -17,8 +17,11 @@ reads it. A zero-initialised buffer IS the stock left zero padding of the first 
 changes shape: the first decoder call of a stream compiles one graph, every later call of the same frame count
 one more, and nothing else (tested with a counting ``torch.compile`` backend over 10 chunks).
 ``WanVAEStream.decode(z)`` decodes the next latent frames of a video (``diffusers_nki.pipelines.causal_wan.
-WanStreamingDecoder`` calls it chunk by chunk). The decoder's norms, activations, upsampling and the mid attention
-block are the stock modules, called as they are; every convolution of the decode runs the causal conv3d kernel
+WanStreamingDecoder`` calls it chunk by chunk). Each residual block's ``norm1`` / ``norm2`` + SiLU and the
+decoder's ``norm_out`` + SiLU are ONE call of the rms_norm_silu kernel each (``modulate_ops.rms_norm_silu``,
+``kernels/rms_norm_silu.py``, on the same backend; ``WanVAECacheConfig(fused_norms=False)``: the stock modules; a
+pair it cannot take runs the stock modules, a visible fallback counted in the hook's stats). Upsampling and the mid
+attention block are the stock modules, called as they are; every convolution of the decode runs the causal conv3d kernel
 (``dense_ops.causal_conv3d``, ``kernels/causal_conv3d.py``, on the config's backend; ``patch(pipe)`` passes its
 own): the causal 3x3x3 and 3x1x1 convolutions with their buffer read in place, the 1x1x1 post-quant conv and
 residual shortcuts (kt = 1, no cache), the upsamplers' 3x3 ``Conv2d`` (kt = 1, each frame a batch entry). A call
@@ -88,7 +91,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
-from diffusers_nki import backends, compat, dense_ops
+from diffusers_nki import accounting, backends, compat, dense_ops, modulate_ops
+from diffusers_nki.kernels import rms_norm_silu_ref as _rms_ref
 from diffusers_nki.family import resolve_class
 from diffusers_nki.vae_parallel import HeightShards, split_rows
 
@@ -120,14 +124,20 @@ class WanVAECacheConfig:
     backend: where the decoder's convolutions run (``dense_ops.causal_conv3d``, ``kernels/causal_conv3d.py``):
         "torch" (the twin), "sim", "nki" or "auto" ("nki" on a Neuron host, else "torch"); ``patch(pipe)`` passes
         its own backend.
+    fused_norms: the residual blocks' and ``norm_out``'s ``WanRMS_norm`` + SiLU as ONE call of the rms_norm_silu
+        kernel (``modulate_ops.rms_norm_silu``, ``kernels/rms_norm_silu.py``) on the same backend (default); False:
+        the stock modules. A norm the kernel cannot take runs the stock modules, a visible fallback.
     """
 
     frames_per_call: int = 1
     process_group: Any = field(default=None, compare=False)
     backend: str = "auto"
+    fused_norms: bool = True
 
     def __post_init__(self):
         backends.check_name(self.backend)
+        if not isinstance(self.fused_norms, bool):
+            raise ValueError(f"WanVAECacheConfig.fused_norms={self.fused_norms!r} must be a bool")
         if not isinstance(self.frames_per_call, int) or isinstance(self.frames_per_call, bool) \
                 or self.frames_per_call < 1:
             raise ValueError(f"WanVAECacheConfig.frames_per_call={self.frames_per_call!r} must be an int >= 1")
@@ -167,7 +177,8 @@ class WanVAECacheHook(ModelHook):
         super().__init__()
         self.config = config
         self.origin = "user"  # "patch" when diffusers_nki.patch installed it (unpatch removes only those)
-        self.stats = {"streams": 0, "calls": 0, "frames": 0, "kernel_convs": 0, "fallback_convs": 0}
+        self.stats = {"streams": 0, "calls": 0, "frames": 0, "kernel_convs": 0, "fallback_convs": 0,
+                      "kernel_norms": 0, "fallback_norms": 0}
         self._had_registry = True
 
     # a copy (torch.save / torch.load, copy.deepcopy of the VAE or its pipeline) keeps the config and the forward
@@ -185,7 +196,7 @@ class WanVAECacheHook(ModelHook):
         """A fresh stream (its own zeroed buffers) for a latent video of ``height`` x ``width`` latent pixels."""
         group = self.config.process_group if process_group == "config" else process_group
         return WanVAEStream(vae, batch, height, width, dtype, device, self.config.frames_per_call, group,
-                            backend=self.config.backend)
+                            backend=self.config.backend, fused_norms=self.config.fused_norms)
 
     def describe(self) -> List[str]:
         c = self.config
@@ -194,6 +205,9 @@ class WanVAECacheHook(ModelHook):
                 + f"; convolutions through the causal_conv3d kernel (backend {c.backend!r})",
                 f"causal_conv3d kernel calls {self.stats['kernel_convs']}, stock fallbacks "
                 f"{self.stats['fallback_convs']}",
+                (f"norm + SiLU through the rms_norm_silu kernel: calls {self.stats['kernel_norms']}, stock "
+                 f"fallbacks {self.stats['fallback_norms']}" if c.fused_norms else
+                 "norm + SiLU: the stock modules (fused_norms=False)"),
                 f"streams {self.stats['streams']}, decoder calls {self.stats['calls']}, latent frames "
                 f"{self.stats['frames']}"]
 
@@ -371,7 +385,7 @@ class WanVAEStream:
     (f - 1) for the stream's first frames, 4 f after), whole frames on every rank."""
 
     def __init__(self, vae, batch: int, height: int, width: int, dtype=None, device=None, frames_per_call: int = 1,
-                 process_group: Any = None, backend: str = "auto"):
+                 process_group: Any = None, backend: str = "auto", fused_norms: bool = True):
         why = not_supported_reasons(vae)
         if why:
             raise ValueError(f"WanVAEStream: cannot serve this VAE: {'; '.join(why)}")
@@ -380,6 +394,7 @@ class WanVAEStream:
                 raise ValueError(f"WanVAEStream: {name}={v!r} must be an int >= 1")
         self.vae = vae
         self.backend = backends.resolve(backend)
+        self.fused_norms = bool(fused_norms)
         self.geometry = (batch, height, width)
         self.frames_per_call = frames_per_call
         self.dtype = vae.dtype if dtype is None else dtype
@@ -468,6 +483,34 @@ class WanVAEStream:
         return text
 
 
+def _norm_args(norm, act, x):
+    """(why not, (gamma [C], bias [C] or None, scale)) for the rms_norm_silu kernel serving ``act(norm(x))``: the
+    stock ``WanRMS_norm`` (channels first) and ``nn.SiLU`` only, matched by exact class."""
+    m = compat.wan_vae_module()
+    if type(norm) is not m.WanRMS_norm or not norm.channel_first:
+        return f"{type(norm).__name__} is not a channel-first WanRMS_norm", None
+    if type(act) is not torch.nn.SiLU:
+        return f"the activation is a {type(act).__name__}, not nn.SiLU", None
+    C = x.shape[1] if x.dim() >= 3 else -1
+    if norm.gamma.numel() != C:
+        return f"gamma has {norm.gamma.numel()} elements for {C} channels", None
+    bias = norm.bias
+    if isinstance(bias, torch.Tensor):
+        bias = bias.reshape(-1)
+    elif bias == 0.0:
+        bias = None
+    else:
+        return f"bias {bias!r} is neither a tensor nor 0.0", None
+    x4, back = modulate_ops.rms_norm_silu_layout(x)
+    if x4 is None:
+        return back, None
+    gamma = norm.gamma.reshape(-1)
+    reasons = _rms_ref.not_supported_reasons(x4, gamma, bias, norm.scale)
+    if reasons:
+        return "; ".join(reasons), None
+    return "", (gamma, bias, norm.scale)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the decoder's forward over the static buffers (the stock modules' math; our causal convs and halos)
 # ----------------------------------------------------------------------------------------------------------
@@ -514,11 +557,27 @@ class _Run:
             buf[:, :, t - n:].copy_(xp)
         return y
 
+    def norm_act(self, norm, act, x: torch.Tensor) -> torch.Tensor:
+        """``act(norm(x))`` (a ``WanRMS_norm`` then the SiLU) as ONE rms_norm_silu kernel call on the stream's
+        backend (``modulate_ops.rms_norm_silu``); a pair the kernel cannot take runs the stock modules, a visible
+        fallback (``dense_ops.fallbacks()``, warned once per reason, counted in the hook's stats)."""
+        if not self.s.fused_norms:
+            return act(norm(x))
+        why, args = _norm_args(norm, act, x)
+        if why:
+            dense_ops.note_fallback(f"rms_norm_silu: {why}")
+            if self.counts is not None and not accounting.compiling():
+                self.counts["fallback_norms"] = self.counts.get("fallback_norms", 0) + 1
+            return act(norm(x))
+        if self.counts is not None and not accounting.compiling():
+            self.counts["kernel_norms"] = self.counts.get("kernel_norms", 0) + 1
+        return modulate_ops.rms_norm_silu(x, *args, True, self.backend)
+
     def resnet(self, r, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(r.conv_shortcut, x) if type(r.conv_shortcut) is compat.wan_vae_module().WanCausalConv3d \
             else r.conv_shortcut(x)  # a 1x1x1 shortcut (channels change) through the kernel; else nn.Identity
-        x = self.conv(r.conv1, r.nonlinearity(r.norm1(x)))
-        x = r.dropout(r.nonlinearity(r.norm2(x)))
+        x = self.conv(r.conv1, self.norm_act(r.norm1, r.nonlinearity, x))
+        x = r.dropout(self.norm_act(r.norm2, r.nonlinearity, x))
         x = self.conv(r.conv2, x)
         return x + h
 
@@ -592,7 +651,7 @@ class _Run:
             x = self.resnet(r, x)
         for ub in dec.up_blocks:
             x = self.up_block(ub, x)
-        x = self.conv(dec.conv_out, dec.nonlinearity(dec.norm_out(x)))
+        x = self.conv(dec.conv_out, self.norm_act(dec.norm_out, dec.nonlinearity, x))
         if self.i != len(self.s.buffers):
             raise RuntimeError(f"WanVAEStream: the decoder call used {self.i} of {len(self.s.buffers)} buffers")
         return x

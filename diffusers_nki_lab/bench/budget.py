@@ -414,6 +414,10 @@ class _Model:
 
         return kernels_dense.model_fused(kind, S, D, gate, affine, modulated, per_token, target)
 
+    def rms_norm_silu(self, C, M, G, bias, target):
+
+        return kernels_dense.model_rms_norm_silu(C, M, G, bias, target)
+
 
 def _term(name, seconds, label, **extra):
     return dict(name=name, seconds=float(seconds), label=label, **extra)
@@ -832,7 +836,8 @@ def _taehv_conv_kind(k, causal: bool) -> str:
 # the names of the decode's non-kernel terms, per decoder (what that decoder's recorded run does)
 _VAE_OTHER_NAMES = {
     "wan": {"matmul": "mid-block attention: q/k/v/proj 1x1 Conv2d, QK^T and PV (one head, d = 384)",
-            "elementwise": "norms, SiLU, residual adds, softmax, clamp (elementwise)",
+            "elementwise": "residual adds, the mid attention's norm and softmax, clamp (elementwise; the other "
+                           "norms + SiLU: rms_norm_silu)",
             "copy": "copies: halo / zero-row pads, cache-buffer writes, upsampling, time interleave, frame "
                     "concatenation"},
     "taehv": {"matmul": "matmuls outside our kernels",
@@ -884,6 +889,9 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
                            calls=g["calls"], ceiling_s=g["ceiling"], sites=g["sites"]))
     # the mid-block attention (stock module: 1x1 Conv2d projections, SDPA) and any other matmul: XLA rows, this
     # rank's share of the rows
+    norms = other.get("rms_norm_silu", [])
+    if norms:
+        terms.append(_vae_norm_term(norms, V, target, model))
     mm = other.get("matmul", [])
     if mm:
         sec = sum(n * _xla_matmul(_record.flops(r) / V, _record.io_elements(r) / V, target) for r, n in mm)
@@ -919,6 +927,27 @@ def vae_terms(vae: dict, V: int, target: str, model: Optional[_Model] = None) ->
                        f"launch; hypothesis 'in-graph' beside it: {1e3 * hyps['in-graph']:.2f} ms", calls=kcalls,
                        kernel_calls=kcalls - graphs, graphs=graphs, launch_hypotheses=hyps))
     return {"V": V, "terms": terms, "seconds": sum(t["seconds"] for t in terms), "kernels": _kernel_counts(ops)}
+
+
+def _vae_norm_term(recs, V: int, target: str, model) -> dict:
+    """The decode's WanRMS_norm + SiLU pairs that ran as ``rms_norm_silu`` kernel calls (``caching.wan_vae``
+    ``_Run.norm_act``): each distinct recorded call (x [B, G, C, M]) traced at this rank's pixels (M / V: the height
+    split) and multiplied by its count, per batch row."""
+    sec = ceil = 0.0
+    calls = 0
+    shapes = set()
+    last = None
+    for r, n in recs:
+        B, G, C, M = r.ins[0]
+        Mr = -(-M // V)
+        last = model.rms_norm_silu(C, Mr, G, len(r.ins) > 2 and r.ins[2] is not None, target)
+        sec += n * B * last["scheduled_s"]
+        ceil += n * B * last["ceiling_s"]
+        calls += n
+        shapes.add(f"{C} ch x {G * Mr} px")
+    return _term(f"norm + SiLU (WanRMS_norm then SiLU, one pass: {', '.join(sorted(shapes))})", sec,
+                 f"scheduled: rms_norm_silu (ceiling {1e3 * ceil:.1f} ms; kernels/rms_norm_silu.py, per-rank pixels)",
+                 calls=calls, ceiling_s=ceil, sites=_sites(recs))
 
 
 _TAEHV_RANKS: Dict[tuple, dict] = {}

@@ -249,6 +249,23 @@ def model_fused(kind: str, S: int, D: int = 1536, gate: bool = True, affine: boo
     return dict(out, record=rec) if record else out
 
 
+def model_rms_norm_silu(C: int, M: int, G: int = 1, bias: bool = False, target: str = "trn2",
+                        dtype: str = "bfloat16", lnc: int = 1) -> dict:
+    """Modeled cost of ONE ``rms_norm_silu_kernel`` call (``kernels/rms_norm_silu.py``: the Wan VAE's WanRMS_norm +
+    SiLU) on x [1, G, C, M] (G groups of M pixels; gamma in x's dtype, bias optional; memoised)."""
+    key = ("rms_norm_silu", C, M, G, bool(bias), target, dtype, lnc)
+    if key in _MEMO:
+        return _MEMO[key]
+    from diffusers_nki.kernels.rms_norm_silu import rms_norm_silu_kernel
+
+    dt = _np_dtype(dtype)
+    t0 = time.perf_counter()
+    rec = _trace(rms_norm_silu_kernel, (_zeros((1, G, C, M), dt), _zeros((C,), dt), _zeros((C,), dt) if bias else None,
+                                        float(C) ** 0.5, True), target, lnc)
+    _MEMO[key] = dict(_report(rec, target), trace_s=time.perf_counter() - t0)
+    return _MEMO[key]
+
+
 def bench_dense(name: str, target: str, lnc: int = 1) -> Optional[dict]:
     """The ``bench kernels`` JSON row of dense shape ``name`` on ``target`` (the same keys as the attention rows:
     ``bench.kernels._row``); None for a quantized row on a target without fp8 matmul (trn1)."""

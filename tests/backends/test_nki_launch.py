@@ -359,6 +359,29 @@ def test_fused_block_chain_launch_contract(fake_neuron):
     assert modulate_ops.counters()["gated_residual_ln"]["nki"] == before + 1
 
 
+def test_vae_norm_silu_launch_contract(fake_neuron):
+    """modulate_ops.rms_norm_silu on the "nki" backend: the rms_norm_silu kernel launched on the [B, G, C, M] view
+    (contiguous tensors, scale and silu as values, the runtime LNC), the twin's result in the caller's layout,
+    counted in modulate_ops' table."""
+    from diffusers_nki import modulate_ops
+    from diffusers_nki.kernels.rms_norm_silu import rms_norm_silu_kernel
+
+    fake = fake_neuron()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 3, 12, 4, 5, generator=g).permute(0, 2, 1, 3, 4)  # the upsamplers' [B, T, C, H, W] storage
+    gamma = torch.rand(12, generator=g) + 0.5
+    before = modulate_ops.counters()["rms_norm_silu"]["nki"]
+    out = modulate_ops.rms_norm_silu(x, gamma, None, 12 ** 0.5, True, backend="nki")
+    ref = torch.nn.functional.silu(torch.nn.functional.normalize(x, dim=1) * 12 ** 0.5 * gamma.view(12, 1, 1, 1))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.stride() == x.stride()
+    (launch,) = fake.launches
+    assert launch.kernel == "rms_norm_silu" and launch.target is rms_norm_silu_kernel and launch.lnc == 2
+    assert all(t[3] for t in _tensor_args(launch))
+    assert launch.args[3] == ("value", 12 ** 0.5) and launch.args[4] == ("value", True)
+    assert modulate_ops.counters()["rms_norm_silu"]["nki"] == before + 1
+
+
 def test_xla_path_is_refused_naming_torchneuron(fake_neuron):
     """A torch-neuronx without ``nki_op`` (the XLA-device integration, torch-neuronx 2.9): one clear error naming
     TorchNeuron, for an explicit backend="nki" and for the op; nothing is launched."""

@@ -57,8 +57,13 @@ def test_streamed_static_decode_equals_the_stock_decodes(vae):
     ref = _stock(vae, lat)
     out, d = _streamed(vae, lat, 3)
     assert out.shape == ref.shape == (2, 3, 25, 24, 40)
-    assert torch.equal(out, _stock_stream(vae, lat, 3))
+    stock_stream = _stock_stream(vae, lat, 3)
+    # the norms + SiLU through the rms_norm_silu twin (the default): stock's own calls, on a contiguous copy where
+    # the input is channels-last (the mid block's attention leaves one), so fp32 rounding of the channel sum only
+    assert max_rel_err(out, stock_stream) <= 1e-6, max_rel_err(out, stock_stream)
     assert max_rel_err(out, ref) <= 2e-6, max_rel_err(out, ref)
+    # with the stock norm modules: the very same arithmetic as the stock streaming decode, bit for bit
+    assert torch.equal(_streamed(vae, lat, 3, wan_vae.WanVAECacheConfig(fused_norms=False))[0], stock_stream)
     assert d.stream.calls == 7 and len(d.stream.buffers) == 24
     # three latent frames per decoder call: larger convolutions, fp32 rounding only
     out3, d3 = _streamed(vae, lat, 3, wan_vae.WanVAECacheConfig(frames_per_call=3))
@@ -288,3 +293,58 @@ def test_patch_routes_the_streamed_decode_through_the_kernel_and_explain_lists_i
     assert f"causal_conv3d kernel calls {n}, stock fallbacks 0" in rep  # explain() lists what ran
     with pytest.raises(ValueError, match="backend"):
         wan_vae.WanVAECacheConfig(backend="cuda")
+
+
+def test_norms_run_the_rms_norm_silu_kernel_in_bf16_within_the_flash_attention_rule(vae):
+    """bf16, "sim" backend (the rms_norm_silu and causal_conv3d kernels in the emulator): every residual-block norm
+    and norm_out is ONE kernel call (no fallback), and the decode's error against the fp32 stock decode (the oracle,
+    same weights) is within the flash-attention rule of the stock bf16 decode's own error: <= 2 x stock + 1e-2."""
+    import copy
+
+    from diffusers_nki import dense_ops, modulate_ops
+
+    g = torch.Generator().manual_seed(8)
+    lat = torch.randn(1, 16, 3, 2, 3, generator=g)
+    v16 = copy.deepcopy(vae).to(torch.bfloat16)
+    oracle = _stock_stream(vae, lat, 2)  # fp32
+    stock16 = _stock_stream(v16, lat.bfloat16(), 2).float()
+    dense_ops.reset_counters()
+    modulate_ops.reset_counters()
+    out, d = _streamed(v16, lat.bfloat16(), 2, wan_vae.WanVAECacheConfig(backend="sim"))
+    dec = v16.decoder
+    resnets = len(dec.mid_block.resnets) + sum(len(ub.resnets) for ub in dec.up_blocks)
+    assert modulate_ops.counters()["rms_norm_silu"]["sim"] == d.stream.calls * (2 * resnets + 1)
+    assert dense_ops.fallbacks() == {}
+    err, err_stock = max_rel_err(out.float(), oracle), max_rel_err(stock16, oracle)
+    assert err <= 2 * err_stock + 1e-2, (err, err_stock)
+
+
+def test_a_norm_the_kernel_cannot_take_falls_back_visibly_and_fused_norms_off_is_stock(vae):
+    """A residual block whose activation is not nn.SiLU runs its stock modules: counted in the hook's stats and in
+    ``dense_ops.fallbacks()``, listed by describe(); the decode still equals the stock one (torch, bit for bit
+    with fused_norms=False)."""
+    import copy
+
+    from diffusers_nki import dense_ops
+
+    v = copy.deepcopy(vae)
+    v.decoder.mid_block.resnets[0].nonlinearity = torch.nn.ReLU()
+    lat = torch.randn(1, 16, 3, 2, 3, generator=torch.Generator().manual_seed(9))
+    ref = _stock_stream(v, lat, 2)
+    dense_ops.reset_counters()
+    hook = wan_vae.apply_wan_vae_cache(v, wan_vae.WanVAECacheConfig(backend="torch"))
+    try:
+        d = WanStreamingDecoder(v)
+        with pytest.warns(RuntimeWarning, match="rms_norm_silu: the activation is a ReLU"):
+            out = torch.cat([d.decode(lat[:, :, i:i + 2]) for i in range(0, 3, 2)], dim=2)
+        text = "\n".join(hook.describe())
+    finally:
+        wan_vae.remove_wan_vae_cache(v)
+    assert hook.stats["fallback_norms"] == 2 * d.stream.calls and hook.stats["kernel_norms"] > 0
+    assert f"stock fallbacks {hook.stats['fallback_norms']}" in text and "rms_norm_silu kernel" in text
+    assert any("ReLU" in k for k in dense_ops.fallbacks())
+    assert max_rel_err(out, ref) <= 1e-6
+    off, _ = _streamed(v, lat, 2, wan_vae.WanVAECacheConfig(backend="torch", fused_norms=False))
+    assert torch.equal(off, ref)
+    with pytest.raises(ValueError, match="fused_norms"):
+        wan_vae.WanVAECacheConfig(fused_norms="yes")

@@ -27,7 +27,7 @@ import pytest
 KERNELS = {"attention": "attention_kernel", "cache_write": "cache_write_kernel", "qk_norm_rope": "qk_norm_rope_kernel",
            "gemm": "gemm_kernel", "causal_conv3d": "causal_conv3d_kernel",
            # its two kernels share every helper (_check, _chain, _norm_tile); gated_residual_kernel calls them all
-           "ln_modulate": "gated_residual_kernel"}
+           "ln_modulate": "gated_residual_kernel", "rms_norm_silu": "rms_norm_silu_kernel"}
 _IMMUTABLE = (int, float, str, bool, type(None), bytes, frozenset)
 _NKI_MODULE_NAMES = ("nki", "nl", "nisa")
 KERNEL_PACKAGE = "diffusers_nki.kernels"

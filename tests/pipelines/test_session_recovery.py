@@ -77,8 +77,9 @@ class _Fault:
         # the transformer's second block: the first layer has already run (and written, for cache writes)
         self.handles = [self.pipe.transformer.blocks[1].register_forward_pre_hook(lambda m, a: self._maybe(m)),
                         # a VAE decoder stage past the first convs: the decode cache is half-updated when it fires
+                        # (the static decode calls the resnet's dropout module; its norms run as rms_norm_silu calls)
                         self.pipe.vae.decoder.up_blocks[1].register_forward_pre_hook(lambda m, a: self._maybe(m)),
-                        self.pipe.vae.decoder.up_blocks[1].resnets[0].norm1.register_forward_pre_hook(
+                        self.pipe.vae.decoder.up_blocks[1].resnets[0].dropout.register_forward_pre_hook(
                             lambda m, a: self._maybe(m))]
         return self
 
