@@ -104,6 +104,21 @@ def plan(M, K, isz):
     return tiles * P, g, nw
 
 
+def swap_tail(rows, K, gen2=False):
+    """Whether a partial token tile of ``rows`` < 128 tokens runs in the swapped orientation (w stationary, x^T
+    moving: ``out^T[n, tokens] = w[K_t, n]^T @ x^T[K_t, tokens]``). TensorE streams the moving operand one column
+    per cycle and charges a matmul max(moving columns, 64) cycles whatever the stationary's width [COST_MODEL 1.2;
+    ARCH2 "Cost Model"], so a 73-token tile as the stationary costs what 128 tokens do, while as the moving operand
+    it costs 73 per 128 output columns. The result comes out transposed ([n, tokens]); one PE transpose per 128
+    output columns (max(128, 64) cycles) puts it back. Worth it when the matmul saving over the K tiles is at least
+    twice that transpose. Not on trn1 (``gen2``): its GEMMs at these shapes are DMA-bound (slower DMA engines, a
+    faster TensorE), so the saving would not show and the bias columns' load would add DMA time."""
+    if rows >= P or gen2:
+        return False
+    kt = (K + P - 1) // P
+    return (P - max(rows, 64)) * kt >= 2 * P
+
+
 def _check(x, w, bias, activation):
     assert len(x.shape) == 2 and len(w.shape) == 2, (
         f"gemm: x must be 2-D [M, K] and w 2-D [K, N]; got x {x.shape} and w {w.shape}")
@@ -196,6 +211,84 @@ def _epilogue(ctx, out, acc, rows, m0, n0, nw, bias_sb, activation):
     ctx["pending"].append((out[m0:m0 + rows, n0:n0 + nw], o[0:rows, 0:nw]))
 
 
+def _epilogue_swapped(ctx, out, accs, a, c, rows, m0, n0, nw, bias_col, activation):
+    """The swapped tail tile's epilogue, first half: accT [128 output columns, rows] fp32 per 128-column block s
+    (PSUM ``accs[a][0:cb, c + 128 s : + rows]``) -> act(accT + bias) in x's dtype on ScalarE / VectorE (the bias is
+    a per-partition column here: ScalarE's ``bias=`` operand, one instruction with the GELU). The second half
+    (``_tail_transposes``) is emitted after the next slab's matmuls, so that TensorE, which runs in program order,
+    never waits for these evictions."""
+    gen2 = ctx["gen2"]
+    blocks = []
+    for s in range((nw + P - 1) // P):
+        cb = min(P, nw - s * P)
+        src = accs[a][0:cb, c + s * P:c + s * P + rows]
+        tt = ctx["tt"][ctx["tt_i"] % len(ctx["tt"])]
+        ctx["tt_i"] = ctx["tt_i"] + 1
+        col = None
+        if bias_col is not None:
+            col = bias_col[0:cb, n0 // P + s:n0 // P + s + 1]
+        if activation is not None:
+            if col is not None:
+                nisa.activation(dst=tt[0:cb, 0:rows], op=nl.gelu_apprx_tanh, data=src, bias=col)
+            else:
+                nisa.activation(dst=tt[0:cb, 0:rows], op=nl.gelu_apprx_tanh, data=src)
+        elif col is not None:
+            if ctx["tt_i"] % 2 == 0:
+                nisa.activation(dst=tt[0:cb, 0:rows], op=nl.copy, data=src, bias=col)
+            else:
+                nisa.tensor_scalar(dst=tt[0:cb, 0:rows], data=src, op0=nl.add, operand0=col,
+                                   engine=nisa.engine.vector)
+        else:
+            _evict_copy(tt[0:cb, 0:rows], src, ctx["tt_i"] % 2 == 0, gen2)
+        blocks.append((tt, cb))
+    ctx["tails"].append((blocks, rows, m0, n0, nw))
+
+
+def _tail_transposes(ctx, out):
+    """The swapped tail's second half, for every tail evicted so far: PE transposes of its [cb, rows] blocks into a
+    PSUM transpose bank [rows, s, cb] -> one eviction into an output tile -> its DMA store (pending)."""
+    gen2 = ctx["gen2"]
+    for blocks, rows, m0, n0, nw in ctx["tails"]:
+        bank = ctx["tbank"]
+        ctx["tbank"] = 1 - bank
+        tp = ctx["t_ps2"][bank]   # the transpose bank as [128, 8 x 128] (16-bit) / [128, 4 x 128] (fp32)
+        for s in range(len(blocks)):
+            tt, cb = blocks[s]
+            nisa.nc_transpose(dst=tp[0:rows, s * P:s * P + cb], data=tt[0:cb, 0:rows], engine=nisa.engine.tensor)
+        ot = ctx["ot"][ctx["ot_i"] % len(ctx["ot"])]
+        ctx["ot_i"] = ctx["ot_i"] + 1
+        _evict_copy(ot[0:rows, 0:nw], tp[0:rows, 0:nw], ctx["ot_i"] % 2 == 0, gen2)
+        ctx["pending"].append((out[m0:m0 + rows, n0:n0 + nw], ot[0:rows, 0:nw]))
+    ctx["tails"] = []
+
+
+def _bias_columns(ctx, bias, N):
+    """bias [N] -> SBUF fp32 columns [128, ceil(N/128)] (element n at partition n % 128, column n // 128), for the
+    swapped tail's per-partition bias: contiguous 128-element rows by DMA, then one PE transpose per 128 rows (a
+    one-time cost; a DMA straight into columns would move 4 contiguous bytes per descriptor)."""
+    nb = (N + P - 1) // P
+    cols = _sb(ctx, (P, nb), nl.float32, 4)
+    bdt = bias.dtype
+    bsz = _isz(bdt)
+    rows_sb = _sb(ctx, (P, P), bdt, bsz)
+    tp = nl.ndarray((P, P), dtype=bdt, buffer=nl.psum, address=(0, T_BANK0 * PSUM_BANK))
+    if N % P:   # the partial row's missing columns are never used; zeroed so that the transpose reads data
+        nisa.memset(dst=rows_sb[0:P, 0:P], value=0.0, engine=nisa.engine.vector)
+    for r0 in range(0, nb, P):
+        nr = min(P, nb - r0)
+        full = nr
+        if (r0 + nr) * P > N:
+            full = nr - 1
+        if full > 0:
+            nisa.dma_copy(dst=rows_sb[0:full, 0:P], src=bias.ap(pattern=[[P, full], [1, P]], offset=r0 * P))
+        if full < nr:
+            nisa.dma_copy(dst=rows_sb[full:full + 1, 0:N - (r0 + full) * P],
+                          src=bias.ap(pattern=[[0, 1], [1, N - (r0 + full) * P]], offset=(r0 + full) * P))
+        nisa.nc_transpose(dst=tp[0:P, 0:nr], data=rows_sb[0:nr, 0:P], engine=nisa.engine.tensor)
+        nisa.tensor_copy(dst=cols[0:P, r0:r0 + nr], src=tp[0:P, 0:nr], engine=nisa.engine.vector)
+    return cols
+
+
 def _flush_stores(ctx):
     for st in ctx["pending"]:
         nisa.dma_copy(dst=st[0], src=st[1])
@@ -247,8 +340,17 @@ def _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, upto, K, N):
         n0 = jobs[jb][4]
         nw = jobs[jb][5]
         if k0 == 0 and bias is not None:
-            nisa.dma_copy(dst=bring[jb % N_BRING][:, 0:nw], src=bias.ap(pattern=[[0, P], [1, nw]], offset=n0))
+            if _job_tiles(jobs[jb], K, ctx["gen2"])[0]:
+                nisa.dma_copy(dst=bring[jb % N_BRING][:, 0:nw], src=bias.ap(pattern=[[0, P], [1, nw]], offset=n0))
         _load_w(w, wring[si % N_WRING], k0, nk, n0, nw, K, N)
+
+
+def _job_tiles(job, K, gen2):
+    """(any tile of the job's group in the normal orientation, the group's last tile swapped: ``swap_tail``)."""
+    m_blk, blk_rows, g0, g1, n0, nw = job
+    rows = min(P, blk_rows - (g1 - 1) * P)
+    swapped = swap_tail(rows, K, gen2)
+    return (g1 - g0 > 1) or not swapped, swapped
 
 
 def _load_w(w, wt, k0, nk, n0, nw, K, N):
@@ -278,7 +380,7 @@ def gemm_kernel(x, w, bias=None, activation=None):
     prg = nl.program_id(0)
     nprg = nl.num_programs(0)
     ctx = {"top": 0, "K": K, "gen2": nisa.get_nc_version() == nisa.nc_version.gen2, "xs_i": 0,
-           "o_i": 0, "h_i": 0, "tbank": 0, "tslots": PSUM_BANK // (P * isz)}
+           "o_i": 0, "h_i": 0, "tt_i": 0, "ot_i": 0, "tbank": 0, "tslots": PSUM_BANK // (P * isz)}
     xT = _sb(ctx, (P, KT, MB), dt, isz)
     xc = min(X_CHUNK, K)
     ctx["xs"] = _ring(ctx, 3, (P, xc), dt, isz)
@@ -289,18 +391,27 @@ def gemm_kernel(x, w, bias=None, activation=None):
     bring = []
     if bias is not None:
         bring = _ring(ctx, N_BRING, (P, NW), nl.float32, 4)
+    if swap_tail(min(P, M - ((M - 1) // P) * P), K, ctx["gen2"]):   # the swapped tail's buffers
+        ctx["tt"] = _ring(ctx, 8, (P, P), dt, isz)
+        ctx["ot"] = _ring(ctx, 2, (P, NW), dt, isz)
+        if bias is not None:
+            ctx["bcol"] = _bias_columns(ctx, bias, N)
     assert ctx["top"] <= nl.tile_size.sbuf_fmax_bytes, (
         f"gemm: SBUF working set {ctx['top']} bytes per partition exceeds nl.tile_size.sbuf_fmax_bytes="
         f"{nl.tile_size.sbuf_fmax_bytes}")
     ctx["t_ps"] = []
+    ctx["t_ps2"] = []
     for b in range(2):
         ctx["t_ps"].append(nl.ndarray((P, ctx["tslots"], P), dtype=dt, buffer=nl.psum,
                                       address=(0, (T_BANK0 + b) * PSUM_BANK)))
+        ctx["t_ps2"].append(nl.ndarray((P, ctx["tslots"] * P), dtype=dt, buffer=nl.psum,
+                                       address=(0, (T_BANK0 + b) * PSUM_BANK)))
     acc_sets = psum_accumulators()
     per_bank = NT // NW
 
     jobs, slabs = plan_work(M, MB, G, N, NW, KT, WK, nprg, prg)
     ctx["issued"] = 0
+    ctx["tails"] = []     # swapped tails evicted, their transposes not yet emitted (``_tail_transposes``)
     ctx["pending"] = []   # output stores, emitted after the next slabs' loads (no queue waits behind them)
     blk_now = -1
     prepped = 0   # x columns of the current M block already in x^T
@@ -318,23 +429,43 @@ def gemm_kernel(x, w, bias=None, activation=None):
         _flush_stores(ctx)
         wt = wring[si % N_WRING]
         accs = acc_sets[jb % 2]
+        swapped = _job_tiles(jobs[jb], K, ctx["gen2"])[1]
+        g_norm = g1 - 1 if swapped else g1   # the tiles in the normal orientation (tokens on PSUM partitions)
         for kk in range(nk):
             kt = k0 + kk
             kb = min(P, K - kt * P)
-            for i in range(g0, g1):
+            for i in range(g0, g_norm):
                 rows = min(P, blk_rows - i * P)
                 a = (i - g0) // per_bank
                 c = ((i - g0) % per_bank) * NW
                 nisa.nc_matmul(dst=accs[a][0:rows, c:c + nw], stationary=xT[0:kb, kt, i * P:i * P + rows],
                                moving=wt[0:kb, kk, 0:nw], accumulate=kt > 0)
+            if swapped:   # the partial tail tile: w stationary, its x^T columns moving, accT [cb, rows] per block
+                i = g1 - 1
+                rows = blk_rows - i * P
+                a = (i - g0) // per_bank
+                c = ((i - g0) % per_bank) * NW
+                for sb in range((nw + P - 1) // P):
+                    cb = min(P, nw - sb * P)
+                    nisa.nc_matmul(dst=accs[a][0:cb, c + sb * P:c + sb * P + rows],
+                                   stationary=wt[0:kb, kk, sb * P:sb * P + cb],
+                                   moving=xT[0:kb, kt, i * P:i * P + rows], accumulate=kt > 0)
+        _tail_transposes(ctx, out)   # the previous job's swapped tail, behind this slab's matmuls on TensorE
         if k0 + nk == KT:
             bias_sb = None
             if bias is not None:
                 bias_sb = bring[jb % N_BRING]
-            for i in range(g0, g1):
+            for i in range(g0, g_norm):
                 rows = min(P, blk_rows - i * P)
                 a = (i - g0) // per_bank
                 c = ((i - g0) % per_bank) * NW
                 _epilogue(ctx, out, accs[a][0:rows, c:c + nw], rows, m_blk + i * P, n0, nw, bias_sb, activation)
+            if swapped:
+                i = g1 - 1
+                a = (i - g0) // per_bank
+                c = ((i - g0) % per_bank) * NW
+                _epilogue_swapped(ctx, out, accs, a, c, blk_rows - i * P, m_blk + i * P, n0, nw,
+                                  ctx.get("bcol"), activation)
+    _tail_transposes(ctx, out)
     _flush_stores(ctx)
     return out
