@@ -153,26 +153,31 @@ def _evict_copy(dst, src, on_act, gen2):
 def _prep_chunk(ctx, x, xT, m_blk, blk_rows, c0):
     """x^T of the M block's rows for x columns [c0, c0 + X_CHUNK): for every 128-token tile, the rows' chunk ->
     SBUF (one DMA), PE transposes of its K blocks -> PSUM transpose bank(s) -> VectorE eviction into x^T."""
+    for i in range((blk_rows + P - 1) // P):
+        _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
+
+
+def _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i):
+    """``_prep_chunk`` for the block's token tile i only."""
     K = ctx["K"]
     slots = ctx["tslots"]
     cw = min(X_CHUNK, K - c0)
     nblk = (cw + P - 1) // P
-    for i in range((blk_rows + P - 1) // P):
-        rows = min(P, blk_rows - i * P)
-        xs = ctx["xs"][ctx["xs_i"] % len(ctx["xs"])]
-        ctx["xs_i"] = ctx["xs_i"] + 1
-        nisa.dma_copy(dst=xs[0:rows, 0:cw], src=x[m_blk + i * P:m_blk + i * P + rows, c0:c0 + cw])
-        # `slots` K blocks per PSUM transpose bank; a partial K block is evicted on its own
-        kt = c0 // P
-        for j0 in range(0, nblk, slots):
-            j1 = min(nblk, j0 + slots)
-            full_end = j1
-            if cw - (j1 - 1) * P < P:
-                full_end = j1 - 1
-            if full_end > j0:
-                _transpose_run(ctx, xs, xT, rows, i * P, j0, full_end - j0, P, kt + j0)
-            if full_end < j1:
-                _transpose_run(ctx, xs, xT, rows, i * P, full_end, 1, cw - full_end * P, kt + full_end)
+    rows = min(P, blk_rows - i * P)
+    xs = ctx["xs"][ctx["xs_i"] % len(ctx["xs"])]
+    ctx["xs_i"] = ctx["xs_i"] + 1
+    nisa.dma_copy(dst=xs[0:rows, 0:cw], src=x[m_blk + i * P:m_blk + i * P + rows, c0:c0 + cw])
+    # `slots` K blocks per PSUM transpose bank; a partial K block is evicted on its own
+    kt = c0 // P
+    for j0 in range(0, nblk, slots):
+        j1 = min(nblk, j0 + slots)
+        full_end = j1
+        if cw - (j1 - 1) * P < P:
+            full_end = j1 - 1
+        if full_end > j0:
+            _transpose_run(ctx, xs, xT, rows, i * P, j0, full_end - j0, P, kt + j0)
+        if full_end < j1:
+            _transpose_run(ctx, xs, xT, rows, i * P, full_end, 1, cw - full_end * P, kt + full_end)
 
 
 def _transpose_run(ctx, xs, xT, rows, mcol, j, n, kb, kt):
@@ -263,14 +268,18 @@ def _tail_transposes(ctx, out):
 
 
 def _bias_columns(ctx, bias, N):
-    """bias [N] -> SBUF fp32 columns [128, ceil(N/128)] (element n at partition n % 128, column n // 128), for the
-    swapped tail's per-partition bias: contiguous 128-element rows by DMA, then one PE transpose per 128 rows (a
-    one-time cost; a DMA straight into columns would move 4 contiguous bytes per descriptor)."""
+    """SBUF for the swapped tail's per-partition bias: fp32 columns [128, ceil(N/128)] (element n at partition
+    n % 128, column n // 128) and a staging tile; filled by ``_fill_bias_columns``."""
+    cols = _sb(ctx, (P, (N + P - 1) // P), nl.float32, 4)
+    return cols, _sb(ctx, (P, P), bias.dtype, _isz(bias.dtype))
+
+
+def _fill_bias_columns(cols, rows_sb, bias, N):
+    """bias [N] -> ``cols``: contiguous 128-element rows by DMA, then one PE transpose per 128 rows (a one-time
+    cost, emitted after the first slab's matmuls; a DMA straight into columns would move 4 contiguous bytes per
+    descriptor)."""
     nb = (N + P - 1) // P
-    cols = _sb(ctx, (P, nb), nl.float32, 4)
     bdt = bias.dtype
-    bsz = _isz(bdt)
-    rows_sb = _sb(ctx, (P, P), bdt, bsz)
     tp = nl.ndarray((P, P), dtype=bdt, buffer=nl.psum, address=(0, T_BANK0 * PSUM_BANK))
     if N % P:   # the partial row's missing columns are never used; zeroed so that the transpose reads data
         nisa.memset(dst=rows_sb[0:P, 0:P], value=0.0, engine=nisa.engine.vector)
@@ -286,7 +295,6 @@ def _bias_columns(ctx, bias, N):
                           src=bias.ap(pattern=[[0, 1], [1, N - (r0 + full) * P]], offset=(r0 + full) * P))
         nisa.nc_transpose(dst=tp[0:P, 0:nr], data=rows_sb[0:nr, 0:P], engine=nisa.engine.tensor)
         nisa.tensor_copy(dst=cols[0:P, r0:r0 + nr], src=tp[0:P, 0:nr], engine=nisa.engine.vector)
-    return cols
 
 
 def _flush_stores(ctx):
@@ -339,10 +347,10 @@ def _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, upto, K, N):
         jb, k0, nk = slabs[si]
         n0 = jobs[jb][4]
         nw = jobs[jb][5]
-        if k0 == 0 and bias is not None:
+        _load_w(w, wring[si % N_WRING], k0, nk, n0, nw, K, N)
+        if k0 == 0 and bias is not None:   # behind the w slab: the bias is read by the job's epilogue only
             if _job_tiles(jobs[jb], K, ctx["gen2"])[0]:
                 nisa.dma_copy(dst=bring[jb % N_BRING][:, 0:nw], src=bias.ap(pattern=[[0, P], [1, nw]], offset=n0))
-        _load_w(w, wring[si % N_WRING], k0, nk, n0, nw, K, N)
 
 
 def _job_tiles(job, K, gen2):
@@ -365,6 +373,30 @@ def _load_w(w, wt, k0, nk, n0, nw, K, N):
     if full < nk:
         kb = K - (k0 + full) * P
         nisa.dma_copy(dst=wt[0:kb, full, 0:nw], src=w[(k0 + full) * P:K, n0:n0 + nw])
+
+
+def _tile_matmuls(ctx, xT, wt, accs, job, k0, nk, per_bank, NW, i):
+    """One slab's matmuls (K tiles k0 .. k0 + nk, in order) of the group's token tile i: the normal orientation
+    (x^T stationary, the w slab moving; PSUM [rows, nw]), or the swapped tail (``swap_tail``: the w slab's 128-column
+    blocks stationary, the tile's x^T columns moving; PSUM [cb, rows] per block)."""
+    K = ctx["K"]
+    m_blk, blk_rows, g0, g1, n0, nw = job
+    rows = min(P, blk_rows - i * P)
+    swapped = i == g1 - 1 and _job_tiles(job, K, ctx["gen2"])[1]
+    a = (i - g0) // per_bank
+    c = ((i - g0) % per_bank) * NW
+    for kk in range(nk):
+        kt = k0 + kk
+        kb = min(P, K - kt * P)
+        if not swapped:
+            nisa.nc_matmul(dst=accs[a][0:rows, c:c + nw], stationary=xT[0:kb, kt, i * P:i * P + rows],
+                           moving=wt[0:kb, kk, 0:nw], accumulate=kt > 0)
+        else:
+            for sb in range((nw + P - 1) // P):
+                cb = min(P, nw - sb * P)
+                nisa.nc_matmul(dst=accs[a][0:cb, c + sb * P:c + sb * P + rows],
+                               stationary=wt[0:kb, kk, sb * P:sb * P + cb],
+                               moving=xT[0:kb, kt, i * P:i * P + rows], accumulate=kt > 0)
 
 
 @nki.jit
@@ -395,7 +427,7 @@ def gemm_kernel(x, w, bias=None, activation=None):
         ctx["tt"] = _ring(ctx, 8, (P, P), dt, isz)
         ctx["ot"] = _ring(ctx, 2, (P, NW), dt, isz)
         if bias is not None:
-            ctx["bcol"] = _bias_columns(ctx, bias, N)
+            ctx["bcol"], bstage = _bias_columns(ctx, bias, N)
     assert ctx["top"] <= nl.tile_size.sbuf_fmax_bytes, (
         f"gemm: SBUF working set {ctx['top']} bytes per partition exceeds nl.tile_size.sbuf_fmax_bytes="
         f"{nl.tile_size.sbuf_fmax_bytes}")
@@ -421,35 +453,35 @@ def gemm_kernel(x, w, bias=None, activation=None):
         if m_blk != blk_now:
             blk_now = m_blk
             prepped = 0
-        # x^T is made just in time, chunk by chunk, so the first matmuls start after one chunk's transposes
-        for c0 in range(prepped, min(K, (k0 + nk) * P), X_CHUNK):
-            _prep_chunk(ctx, x, xT, m_blk, blk_rows, c0)
-            prepped = min(K, c0 + X_CHUNK)
-        _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
-        _flush_stores(ctx)
-        wt = wring[si % N_WRING]
+        # x^T is made just in time, chunk by chunk; in a slab that needs a new chunk, token tile by token tile with
+        # each tile's matmuls right behind its transposes (TensorE starts on tile 0 while the next tiles' rows load)
+        chunks = list(range(prepped, min(K, (k0 + nk) * P), X_CHUNK))
+        if chunks:
+            prepped = min(K, chunks[-1] + X_CHUNK)
+        else:
+            _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
+            _flush_stores(ctx)
+        mm = (ctx, xT, wring[si % N_WRING], acc_sets[jb % 2], jobs[jb], k0, nk, per_bank, NW)
+        if chunks:   # tile i + 1's transposes go before tile i's matmuls: its x^T eviction overlaps them
+            mt_blk = (blk_rows + P - 1) // P
+            for i in range(mt_blk + 1):
+                if i < mt_blk:
+                    for c0 in chunks:
+                        _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
+                if i == 0:   # this slab's w behind the first tile's rows: both gate the first matmuls
+                    _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si, K, N)
+                if g0 <= i - 1 < g1:
+                    _tile_matmuls(*mm, i - 1)
+            _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
+            _flush_stores(ctx)
+        else:
+            for i in range(g0, g1):
+                _tile_matmuls(*mm, i)
         accs = acc_sets[jb % 2]
         swapped = _job_tiles(jobs[jb], K, ctx["gen2"])[1]
         g_norm = g1 - 1 if swapped else g1   # the tiles in the normal orientation (tokens on PSUM partitions)
-        for kk in range(nk):
-            kt = k0 + kk
-            kb = min(P, K - kt * P)
-            for i in range(g0, g_norm):
-                rows = min(P, blk_rows - i * P)
-                a = (i - g0) // per_bank
-                c = ((i - g0) % per_bank) * NW
-                nisa.nc_matmul(dst=accs[a][0:rows, c:c + nw], stationary=xT[0:kb, kt, i * P:i * P + rows],
-                               moving=wt[0:kb, kk, 0:nw], accumulate=kt > 0)
-            if swapped:   # the partial tail tile: w stationary, its x^T columns moving, accT [cb, rows] per block
-                i = g1 - 1
-                rows = blk_rows - i * P
-                a = (i - g0) // per_bank
-                c = ((i - g0) % per_bank) * NW
-                for sb in range((nw + P - 1) // P):
-                    cb = min(P, nw - sb * P)
-                    nisa.nc_matmul(dst=accs[a][0:cb, c + sb * P:c + sb * P + rows],
-                                   stationary=wt[0:kb, kk, sb * P:sb * P + cb],
-                                   moving=xT[0:kb, kt, i * P:i * P + rows], accumulate=kt > 0)
+        if si == 0 and "bcol" in ctx:
+            _fill_bias_columns(ctx["bcol"], bstage, bias, N)
         _tail_transposes(ctx, out)   # the previous job's swapped tail, behind this slab's matmuls on TensorE
         if k0 + nk == KT:
             bias_sb = None
