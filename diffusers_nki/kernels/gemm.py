@@ -71,6 +71,7 @@ W_AHEAD = N_WRING - 1  # slabs loaded ahead of the one the matmuls consume
 N_BRING = W_AHEAD + 2  # bias rows: a job's row is loaded with its first slab and read by its epilogue
 N_ORING = 8        # output tiles (>= G_MAX: one job's stores are pending at a time)
 X_CHUNK = 2048     # x-row columns per load
+XS_PREFETCH_BYTES = 48 * 1024   # SBUF per partition for two chunks of staged x rows (the prefetch)
 G_MAX = 6          # token tiles sharing one w stream (two sets of accumulators in 6 PSUM banks)
 ACC_BANKS = 3      # PSUM banks per accumulator set
 T_BANK0 = 6        # PSUM banks 6 and 7: x^T transposes (ping-pong)
@@ -158,17 +159,37 @@ def _prep_chunk(ctx, x, xT, m_blk, blk_rows, c0):
 
 
 def _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i):
-    """``_prep_chunk`` for the block's token tile i only."""
+    """``_prep_chunk`` for the block's token tile i only: its loads (unless prefetched) and its transposes."""
+    if (c0, i) not in ctx["xs_of"]:
+        _load_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
+    _transpose_tile(ctx, xT, blk_rows, c0, i)
+
+
+def _load_tile(ctx, x, xT, m_blk, blk_rows, c0, i):
+    """The DMA of token tile i's x columns [c0, c0 + X_CHUNK) as rows into an x-row staging buffer (two chunks'
+    worth when prefetching: chunk c + 1 loads while chunk c is transposed; else a ring of 3)."""
+    K = ctx["K"]
+    cw = min(X_CHUNK, K - c0)
+    rows = min(P, blk_rows - i * P)
+    if ctx["xpf"]:
+        xs = ctx["xs"][((c0 // X_CHUNK) % 2) * (len(ctx["xs"]) // 2) + i]
+    else:
+        xs = ctx["xs"][ctx["xs_i"] % len(ctx["xs"])]
+        ctx["xs_i"] = ctx["xs_i"] + 1
+    nisa.dma_copy(dst=xs[0:rows, 0:cw], src=x[m_blk + i * P:m_blk + i * P + rows, c0:c0 + cw])
+    ctx["xs_of"][(c0, i)] = xs
+
+
+def _transpose_tile(ctx, xT, blk_rows, c0, i):
+    """PE transposes of token tile i's staged x rows -> PSUM transpose banks -> VectorE eviction into x^T."""
     K = ctx["K"]
     slots = ctx["tslots"]
     cw = min(X_CHUNK, K - c0)
     nblk = (cw + P - 1) // P
     rows = min(P, blk_rows - i * P)
-    xs = ctx["xs"][ctx["xs_i"] % len(ctx["xs"])]
-    ctx["xs_i"] = ctx["xs_i"] + 1
-    nisa.dma_copy(dst=xs[0:rows, 0:cw], src=x[m_blk + i * P:m_blk + i * P + rows, c0:c0 + cw])
-    # `slots` K blocks per PSUM transpose bank; a partial K block is evicted on its own
     kt = c0 // P
+    xs = ctx["xs_of"].pop((c0, i))
+    # `slots` K blocks per PSUM transpose bank; a partial K block is evicted on its own
     for j0 in range(0, nblk, slots):
         j1 = min(nblk, j0 + slots)
         full_end = j1
@@ -269,31 +290,38 @@ def _tail_transposes(ctx, out):
 
 def _bias_columns(ctx, bias, N):
     """SBUF for the swapped tail's per-partition bias: fp32 columns [128, ceil(N/128)] (element n at partition
-    n % 128, column n // 128) and a staging tile; filled by ``_fill_bias_columns``."""
-    cols = _sb(ctx, (P, (N + P - 1) // P), nl.float32, 4)
-    return cols, _sb(ctx, (P, P), bias.dtype, _isz(bias.dtype))
-
-
-def _fill_bias_columns(cols, rows_sb, bias, N):
-    """bias [N] -> ``cols``: contiguous 128-element rows by DMA, then one PE transpose per 128 rows (a one-time
-    cost, emitted after the first slab's matmuls; a DMA straight into columns would move 4 contiguous bytes per
-    descriptor)."""
+    n % 128, column n // 128) and the staging rows [128, ceil(N/16384), 128] in bias's dtype."""
     nb = (N + P - 1) // P
-    bdt = bias.dtype
-    tp = nl.ndarray((P, P), dtype=bdt, buffer=nl.psum, address=(0, T_BANK0 * PSUM_BANK))
+    cols = _sb(ctx, (P, nb), nl.float32, 4)
+    return cols, _sb(ctx, (P, (nb + P - 1) // P, P), bias.dtype, _isz(bias.dtype))
+
+
+def _load_bias_rows(rows_sb, bias, N):
+    """bias [N] -> the staging rows (row r = elements [128 r, 128 r + 128), contiguous), by DMA; a DMA straight
+    into columns would move 4 contiguous bytes per descriptor. Emitted after the first slab's matmuls."""
+    nb = (N + P - 1) // P
     if N % P:   # the partial row's missing columns are never used; zeroed so that the transpose reads data
-        nisa.memset(dst=rows_sb[0:P, 0:P], value=0.0, engine=nisa.engine.vector)
+        nisa.memset(dst=rows_sb[0:P, (nb - 1) // P, 0:P], value=0.0, engine=nisa.engine.vector)
     for r0 in range(0, nb, P):
         nr = min(P, nb - r0)
         full = nr
         if (r0 + nr) * P > N:
             full = nr - 1
         if full > 0:
-            nisa.dma_copy(dst=rows_sb[0:full, 0:P], src=bias.ap(pattern=[[P, full], [1, P]], offset=r0 * P))
+            nisa.dma_copy(dst=rows_sb[0:full, r0 // P, 0:P], src=bias.ap(pattern=[[P, full], [1, P]], offset=r0 * P))
         if full < nr:
-            nisa.dma_copy(dst=rows_sb[full:full + 1, 0:N - (r0 + full) * P],
+            nisa.dma_copy(dst=rows_sb[full:full + 1, r0 // P, 0:N - (r0 + full) * P],
                           src=bias.ap(pattern=[[0, 1], [1, N - (r0 + full) * P]], offset=(r0 + full) * P))
-        nisa.nc_transpose(dst=tp[0:P, 0:nr], data=rows_sb[0:nr, 0:P], engine=nisa.engine.tensor)
+
+
+def _transpose_bias_rows(cols, rows_sb, bias, N):
+    """The staging rows -> ``cols``: one PE transpose per 128 rows and its eviction (a one-time cost, emitted just
+    before the first swapped tail's epilogue, long after the rows' DMA)."""
+    nb = (N + P - 1) // P
+    tp = nl.ndarray((P, P), dtype=bias.dtype, buffer=nl.psum, address=(0, T_BANK0 * PSUM_BANK))
+    for r0 in range(0, nb, P):
+        nr = min(P, nb - r0)
+        nisa.nc_transpose(dst=tp[0:P, 0:nr], data=rows_sb[0:nr, r0 // P, 0:P], engine=nisa.engine.tensor)
         nisa.tensor_copy(dst=cols[0:P, r0:r0 + nr], src=tp[0:P, 0:nr], engine=nisa.engine.vector)
 
 
@@ -412,10 +440,13 @@ def gemm_kernel(x, w, bias=None, activation=None):
     prg = nl.program_id(0)
     nprg = nl.num_programs(0)
     ctx = {"top": 0, "K": K, "gen2": nisa.get_nc_version() == nisa.nc_version.gen2, "xs_i": 0,
-           "o_i": 0, "h_i": 0, "tt_i": 0, "ot_i": 0, "tbank": 0, "tslots": PSUM_BANK // (P * isz)}
+           "o_i": 0, "h_i": 0, "tt_i": 0, "bcol_made": False, "ot_i": 0, "tbank": 0, "tslots": PSUM_BANK // (P * isz)}
     xT = _sb(ctx, (P, KT, MB), dt, isz)
     xc = min(X_CHUNK, K)
-    ctx["xs"] = _ring(ctx, 3, (P, xc), dt, isz)
+    mt_blk = MB // P
+    ctx["xpf"] = K > X_CHUNK and 2 * mt_blk * xc * isz <= XS_PREFETCH_BYTES   # x rows prefetched a chunk ahead
+    ctx["xs"] = _ring(ctx, 2 * mt_blk if ctx["xpf"] else 3, (P, xc), dt, isz)
+    ctx["xs_of"] = {}
     WK = max(1, min(KT, W_SLAB // (NW * isz)))   # K tiles per w DMA
     wring = _ring(ctx, N_WRING, (P, WK, NW), dt, isz)
     ctx["o"] = _ring(ctx, N_ORING, (P, NW), dt, isz)
@@ -459,6 +490,10 @@ def gemm_kernel(x, w, bias=None, activation=None):
         if chunks:
             prepped = min(K, chunks[-1] + X_CHUNK)
         else:
+            if ctx["xpf"] and prepped < K and (prepped, 0) not in ctx["xs_of"]:
+                # the next chunk's x loads, ahead of the w slabs' (whose queue turns wait for free ring slots)
+                for i in range((blk_rows + P - 1) // P):
+                    _load_tile(ctx, x, xT, m_blk, blk_rows, prepped, i)
             _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
             _flush_stores(ctx)
         mm = (ctx, xT, wring[si % N_WRING], acc_sets[jb % 2], jobs[jb], k0, nk, per_bank, NW)
@@ -481,7 +516,7 @@ def gemm_kernel(x, w, bias=None, activation=None):
         swapped = _job_tiles(jobs[jb], K, ctx["gen2"])[1]
         g_norm = g1 - 1 if swapped else g1   # the tiles in the normal orientation (tokens on PSUM partitions)
         if si == 0 and "bcol" in ctx:
-            _fill_bias_columns(ctx["bcol"], bstage, bias, N)
+            _load_bias_rows(bstage, bias, N)
         _tail_transposes(ctx, out)   # the previous job's swapped tail, behind this slab's matmuls on TensorE
         if k0 + nk == KT:
             bias_sb = None
@@ -493,6 +528,9 @@ def gemm_kernel(x, w, bias=None, activation=None):
                 c = ((i - g0) % per_bank) * NW
                 _epilogue(ctx, out, accs[a][0:rows, c:c + nw], rows, m_blk + i * P, n0, nw, bias_sb, activation)
             if swapped:
+                if "bcol" in ctx and not ctx["bcol_made"]:
+                    _transpose_bias_rows(ctx["bcol"], bstage, bias, N)
+                    ctx["bcol_made"] = True
                 i = g1 - 1
                 a = (i - g0) // per_bank
                 c = ((i - g0) % per_bank) * NW
