@@ -375,10 +375,9 @@ def _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, upto, K, N):
         jb, k0, nk = slabs[si]
         n0 = jobs[jb][4]
         nw = jobs[jb][5]
+        if k0 == 0 and bias is not None and _job_tiles(jobs[jb], K, ctx["gen2"])[0]:
+            nisa.dma_copy(dst=bring[jb % N_BRING][:, 0:nw], src=bias.ap(pattern=[[0, P], [1, nw]], offset=n0))
         _load_w(w, wring[si % N_WRING], k0, nk, n0, nw, K, N)
-        if k0 == 0 and bias is not None:   # behind the w slab: the bias is read by the job's epilogue only
-            if _job_tiles(jobs[jb], K, ctx["gen2"])[0]:
-                nisa.dma_copy(dst=bring[jb % N_BRING][:, 0:nw], src=bias.ap(pattern=[[0, P], [1, nw]], offset=n0))
 
 
 def _job_tiles(job, K, gen2):
@@ -403,7 +402,7 @@ def _load_w(w, wt, k0, nk, n0, nw, K, N):
         nisa.dma_copy(dst=wt[0:kb, full, 0:nw], src=w[(k0 + full) * P:K, n0:n0 + nw])
 
 
-def _tile_matmuls(ctx, xT, wt, accs, job, k0, nk, per_bank, NW, i):
+def _tile_matmuls(ctx, xT, wt, accs, job, k0, nk, per_bank, NW, i, w0=None):
     """One slab's matmuls (K tiles k0 .. k0 + nk, in order) of the group's token tile i: the normal orientation
     (x^T stationary, the w slab moving; PSUM [rows, nw]), or the swapped tail (``swap_tail``: the w slab's 128-column
     blocks stationary, the tile's x^T columns moving; PSUM [cb, rows] per block)."""
@@ -413,8 +412,9 @@ def _tile_matmuls(ctx, xT, wt, accs, job, k0, nk, per_bank, NW, i):
     swapped = i == g1 - 1 and _job_tiles(job, K, ctx["gen2"])[1]
     a = (i - g0) // per_bank
     c = ((i - g0) % per_bank) * NW
-    for kk in range(nk):
-        kt = k0 + kk
+    for kk0 in range(nk):
+        kt = k0 + kk0
+        kk = kk0 if w0 is None else w0 + kk0   # the K tile's index in the w slab
         kb = min(P, K - kt * P)
         if not swapped:
             nisa.nc_matmul(dst=accs[a][0:rows, c:c + nw], stationary=xT[0:kb, kt, i * P:i * P + rows],
@@ -473,6 +473,10 @@ def gemm_kernel(x, w, bias=None, activation=None):
     per_bank = NT // NW
 
     jobs, slabs = plan_work(M, MB, G, N, NW, KT, WK, nprg, prg)
+    # matmul order within a slab (the same sums either way): token-tile major on trn3 when x^T is one chunk (its
+    # PE transposes run on the background lane, so each tile's matmuls can follow its own transposes), else K-tile
+    # major (chosen on the scheduled time of the Wan shapes at 585 and 640 tokens; trn1 / trn2 keep the order)
+    tile_major = nisa.get_nc_version() == nisa.nc_version.gen4 and K <= X_CHUNK
     ctx["issued"] = 0
     ctx["tails"] = []     # swapped tails evicted, their transposes not yet emitted (``_tail_transposes``)
     ctx["pending"] = []   # output stores, emitted after the next slabs' loads (no queue waits behind them)
@@ -484,34 +488,41 @@ def gemm_kernel(x, w, bias=None, activation=None):
         if m_blk != blk_now:
             blk_now = m_blk
             prepped = 0
-        # x^T is made just in time, chunk by chunk; in a slab that needs a new chunk, token tile by token tile with
-        # each tile's matmuls right behind its transposes (TensorE starts on tile 0 while the next tiles' rows load)
+        # x^T is made just in time, chunk by chunk, so the first matmuls start after one chunk's transposes
         chunks = list(range(prepped, min(K, (k0 + nk) * P), X_CHUNK))
-        if chunks:
-            prepped = min(K, chunks[-1] + X_CHUNK)
+        mm = (ctx, xT, wring[si % N_WRING], acc_sets[jb % 2], jobs[jb], k0, nk, per_bank, NW)
+        mt_blk = (blk_rows + P - 1) // P
+        if chunks and tile_major:
+            # token tile by token tile: each tile's transposes, then its matmuls (TensorE starts on tile 0 while the
+            # next tiles' rows load); the slab's w right behind the first tile's rows
+            for i in range(mt_blk):
+                for c0 in chunks:
+                    _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
+                if i == 0:
+                    _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si, K, N)
+                if g0 <= i < g1:
+                    _tile_matmuls(*mm, i)
+            _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
+            _flush_stores(ctx)
         else:
-            if ctx["xpf"] and prepped < K and (prepped, 0) not in ctx["xs_of"]:
-                # the next chunk's x loads, ahead of the w slabs' (whose queue turns wait for free ring slots)
-                for i in range((blk_rows + P - 1) // P):
+            for i in range(mt_blk if chunks else 0):
+                for c0 in chunks:
+                    _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
+            if ctx["xpf"] and not chunks and prepped < K and (prepped, 0) not in ctx["xs_of"]:
+                # the next chunk's x rows, ahead of the w slabs' (whose queue turns wait for free ring slots)
+                for i in range(mt_blk):
                     _load_tile(ctx, x, xT, m_blk, blk_rows, prepped, i)
             _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
             _flush_stores(ctx)
-        mm = (ctx, xT, wring[si % N_WRING], acc_sets[jb % 2], jobs[jb], k0, nk, per_bank, NW)
-        if chunks:   # tile i + 1's transposes go before tile i's matmuls: its x^T eviction overlaps them
-            mt_blk = (blk_rows + P - 1) // P
-            for i in range(mt_blk + 1):
-                if i < mt_blk:
-                    for c0 in chunks:
-                        _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
-                if i == 0:   # this slab's w behind the first tile's rows: both gate the first matmuls
-                    _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si, K, N)
-                if g0 <= i - 1 < g1:
-                    _tile_matmuls(*mm, i - 1)
-            _issue_loads(ctx, w, bias, slabs, jobs, wring, bring, si + W_AHEAD, K, N)
-            _flush_stores(ctx)
-        else:
-            for i in range(g0, g1):
-                _tile_matmuls(*mm, i)
+            if tile_major:
+                for i in range(g0, g1):
+                    _tile_matmuls(*mm, i)
+            else:   # K tile by K tile: every tile of the group reads one w tile before the next
+                for kk in range(nk):
+                    for i in range(g0, g1):
+                        _tile_matmuls(ctx, xT, mm[2], mm[3], jobs[jb], k0 + kk, 1, per_bank, NW, i, kk)
+        if chunks:
+            prepped = min(K, chunks[-1] + X_CHUNK)
         accs = acc_sets[jb % 2]
         swapped = _job_tiles(jobs[jb], K, ctx["gen2"])[1]
         g_norm = g1 - 1 if swapped else g1   # the tiles in the normal orientation (tokens on PSUM partitions)
