@@ -23,20 +23,37 @@ Algorithm (tokens on the output partitions, fp32 PSUM accumulation over the cont
     add of the bias row (loaded once per N tile into all partitions by a partition-stride-0 DMA); GELU-tanh
     -> ScalarE ``gelu_apprx_tanh`` (straight from PSUM without bias, from the fp32 sum with it). One DMA
     stores the tile.
+    The partial last token tile (M % 128 rows, e.g. 73 of Wan's 585 tokens per rank) runs SWAPPED on trn2 /
+    trn3 when it pays (``swap_tail``): TensorE charges a matmul by its moving operand's columns (max(N, 64)
+    cycles) whatever the stationary's width, so 73 tokens as the stationary cost what 128 do. Swapped, each
+    128-column block of the w slab is the stationary and the tail's x^T columns the moving operand:
+    ``accT[n, tokens] = w[K_t, n]^T @ x^T[K_t, tokens]``, 73 cycles per 128 output columns. Its epilogue is
+    one ScalarE / VectorE instruction per block with the bias as a per-partition column (``bias=`` operand,
+    fused with the GELU; the columns come from contiguous bias rows by one PE transpose per 128 rows), then a
+    PE transpose per block back to [tokens, n] (emitted behind the next slab's matmuls, so that TensorE never
+    waits for the eviction), one eviction and one store. Same fp32 sums, same single rounding: the emulator
+    gives the same bits as the normal orientation. trn1 keeps the normal orientation (its GEMMs are DMA-bound).
 
 Loop structure (unrolled at trace time; shapes are compile-time constants):
     for each M block (the tokens whose x^T fits ``XT_BUDGET``; one block for every Wan shape per rank):
         for each 128-token tile: x rows -> SBUF in column chunks of ``X_CHUNK``, PE transposes -> PSUM
-            transpose bank (2 banks, ping-pong) -> VectorE eviction into x^T
+            transpose bank (2 banks, ping-pong) -> VectorE eviction into x^T, just in time: a chunk when the
+            first slab reading it comes; with several chunks (K > X_CHUNK) the next chunk's rows are loaded one
+            slab ahead into a second set of staging buffers (when two sets fit ``XS_PREFETCH_BYTES``)
         for each group of G <= 6 token tiles (``plan``: G tiles share every w tile; N_t = 512 for G <= 3,
         256 for G <= 6, so that two groups of accumulators fit 6 PSUM banks and the epilogue of one N tile
         overlaps the matmuls of the next):
             for each N tile (under ``kernel[2]`` dealt to the two logical cores alternately):
                 for each K tile: w tile -> ring; for each token tile of the group: nc_matmul accumulate
+                (the swapped tail: one nc_matmul per 128 output columns); on trn3 with one x^T chunk the
+                order is token tile major instead (each tile's matmuls right behind its own transposes, which
+                run on trn3's background transpose lane); the sums are the same either way
                 epilogue of each token tile (above)
-    PSUM: banks 0-5 the accumulators (two sets), banks 6-7 the x^T transposes. SBUF buffers rotate through
-    explicit addresses (a bump allocator): x^T, x-row chunks (3), w tiles (``N_WRING``), bias rows (2),
-    fp32 sums (3), output tiles (4).
+    PSUM: banks 0-5 the accumulators (two sets; the swapped tail's [128, rows] blocks in its tile's slot),
+    banks 6-7 the x^T transposes and the tail's transposes back. SBUF buffers rotate through explicit
+    addresses (a bump allocator): x^T, x-row chunks (3, or two chunks' worth when prefetching), w tiles
+    (``N_WRING``), bias rows, fp32 sums (3), output tiles; for a swapped tail its evicted blocks (8), output
+    tiles (2), the bias columns and their staging rows.
 
 Limits (``not_supported_reasons``; asserted at trace time too): x and w 2-D with matching K; M, K, N >= 1;
 x/w dtype fp32, bf16 or fp16 (the same for both; fp32 runs TensorE's fp32 path, 4x slower); bias [N] fp32 or
@@ -48,7 +65,8 @@ Tested (tests/kernels/test_gemm.py, emulator with numerics vs a float64 oracle o
 flash-attention tolerance rule: error <= 2 x torch's own error in the same precision + floor): odd shapes
 (M, K, N) in {1, 7, 129, 300} x {1, 64, 130, 257} x {1, 200, 515, 1100} pairwise with fp32 / bf16 / fp16,
 with and without bias and GELU-tanh, token groups of 1-6 tiles and several M blocks, kernel[2]; trn1 / trn3;
-negative tests (shapes, dtypes, K limit, activation name). Full Wan shapes in trace mode only.
+the swapped tail (parity, bits equal to trn1's normal orientation, its matmul count); negative tests (shapes,
+dtypes, K limit, activation name). Full Wan shapes in trace mode only, with modeled-efficiency guards.
 
 Modeled figures: ``diffusers-nki bench kernels --shapes gemm_ffn_up,gemm_ffn_down,gemm_qkvo`` (the scheduled
 time with the roofline ceiling beside it; never measured). This docstring quotes none (they go stale).
