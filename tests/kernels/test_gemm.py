@@ -103,6 +103,7 @@ def test_blocking_paths(M, K, N, dtype, why):
     (300, 2200, 200, torch.bfloat16, True, "gelu_tanh", "trn2"),  # two x chunks (the prefetch), bias + GELU
     (129, 600, 1100, torch.float32, True, None, "trn2"),          # a 1-row tail, fp32, three 256-wide jobs
     (585, 1536, 515, torch.bfloat16, True, None, "trn3"),         # the Wan per-rank M, trn3's tile-major order
+    (1, 512, 16500, torch.bfloat16, True, "gelu_tanh", "trn2"),   # one token; > 128 bias rows to transpose
 ])
 def test_swapped_tail_tile(M, K, N, dtype, bias, act, target):
     """A partial last token tile runs swapped (``gk.swap_tail``: w stationary, the tile's x^T columns moving, the
