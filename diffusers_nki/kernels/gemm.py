@@ -169,15 +169,9 @@ def _evict_copy(dst, src, on_act, gen2):
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
 
 
-def _prep_chunk(ctx, x, xT, m_blk, blk_rows, c0):
-    """x^T of the M block's rows for x columns [c0, c0 + X_CHUNK): for every 128-token tile, the rows' chunk ->
-    SBUF (one DMA), PE transposes of its K blocks -> PSUM transpose bank(s) -> VectorE eviction into x^T."""
-    for i in range((blk_rows + P - 1) // P):
-        _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
-
-
 def _prep_tile(ctx, x, xT, m_blk, blk_rows, c0, i):
-    """``_prep_chunk`` for the block's token tile i only: its loads (unless prefetched) and its transposes."""
+    """x^T of the M block's token tile i for x columns [c0, c0 + X_CHUNK): its rows' DMA (unless prefetched,
+    ``_load_tile``), then its PE transposes and their evictions (``_transpose_tile``)."""
     if (c0, i) not in ctx["xs_of"]:
         _load_tile(ctx, x, xT, m_blk, blk_rows, c0, i)
     _transpose_tile(ctx, xT, blk_rows, c0, i)
