@@ -4,11 +4,12 @@ of a covered DiT, whether the GEMM kernel beats the compiler's own matmul at tha
 For each target (trn2, trn3), dtype class (bfloat16: the 16-bit types; float32) and layer shape (K, N, activation)
 listed in ``SHAPES``, the kernel's MODELED scheduled time (``diffusers_nki_lab.bench.kernels_dense.model_gemm``:
 ``kernels/gemm.py`` traced in the emulator, bias included, costed by ``nkisim.schedule``) at M = 128 t tokens for
-t = 1 .. ``TILES[shape]``. The kernel's time depends on M only through its 128-token tiles (a partial tile costs
-what a full one does, within 2%), so the entry at t = ceil(M / 128) is the time of any M in that tile (an upper
-bound). The XLA side is the budget's assumption (``diffusers_nki_lab.bench.budget.XLA_MATMUL_EFFICIENCY`` of the PE
-peak, never faster than the HBM traffic), stored as its constants so the plugin computes it at any M without the
-lab. Never measured: every figure is the emulator's model.
+t = 1 .. ``TILES[shape]``. The kernel's time depends on M through its 128-token tiles (a partial last tile costs
+at most what a full one does: less where it runs swapped, ``kernels.gemm.swap_tail``), so the entry at
+t = ceil(M / 128) bounds the time of any M in that tile from above. The XLA side is the budget's assumption
+(``diffusers_nki_lab.bench.budget.XLA_MATMUL_EFFICIENCY`` of the PE peak, never faster than the HBM traffic),
+stored as its constants so the plugin computes it at any M without the lab. Never measured: every figure is the
+emulator's model.
 
 Usage: ``OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/gen_gemm_table.py`` (minutes on 2 cores); then run
 ``tests/test_gemm_route.py`` (it regenerates a sample entry and compares). ``--only K,N[,activation]`` (repeatable)

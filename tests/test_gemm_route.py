@@ -146,7 +146,8 @@ def test_table_entry_regenerates_and_holds_out_an_off_tile_shape():
     for target in ("trn2", "trn3"):
         exact = kernels_dense.model_gemm(585, 1536, 1536, True, None, target)["scheduled_s"]
         d = dense_ops.gemm_decision(585, 1536, 1536, None, torch.bfloat16, target)
-        assert exact <= d["kernel_s"] * (1 + 1e-9) and exact >= 0.95 * d["kernel_s"]
+        # the 73-token tail runs swapped (kernels.gemm.swap_tail): cheaper than a full tile, never dearer
+        assert exact <= d["kernel_s"] * (1 + 1e-9) and exact >= 0.85 * d["kernel_s"]
         assert (exact < d["xla_s"]) == d["kernel"]
 
 
