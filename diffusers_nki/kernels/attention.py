@@ -615,7 +615,7 @@ def _st_qk(ctx, it):
     nq, w, c = tl["nq"], it["w"], it["c"]
     sps = ctx["s_ps"][it["k"] % 2]
     qT = ctx["gsets"][tl["set"]]["qT"]
-    kT = ctx["kT"]
+    kT = it["kT"]
     for j in range(0, w, MM_N):
         jw = min(MM_N, w - j)
         nisa.nc_matmul(dst=sps[0:nq, j:j + jw], stationary=qT[:, tl["r"], 0:nq], moving=kT[:, c + j:c + j + jw],
@@ -691,7 +691,7 @@ def _st_pv(ctx, it):
     nq, w = tl["nq"], it["w"]
     pT = ctx["pT"][it["k"] % len(ctx["pT"])]
     ops = ctx["o_ps"][0:nq, it["k"] % N_OPS, 0:ctx["D"] + 1]
-    vA = ctx["vA"]
+    vA = it["vA"]
     tb = it["c"] // P
     nsub = (w + P - 1) // P
     for t in range(nsub):
@@ -896,6 +896,11 @@ def _run_pair(ctx, b, g, tiles):
     count: flag[r-1] - flag[r], 0 or 1 because the flags fall monotonically); the last region's tail drains
     under its own flag. Every instruction of an item therefore runs exactly when its part runs."""
     pair = _pair_setup(ctx, b, g)
+    # the pair's K/V buffers: alternate between two when both fit (``attention_kernel``), so the next pair's
+    # loads never wait for this pair's items to leave the pipeline
+    ctx["kT"] = ctx["kT_bufs"][ctx["n_pairs"] % len(ctx["kT_bufs"])]
+    ctx["vA"] = ctx["vA_bufs"][ctx["n_pairs"] % len(ctx["vA_bufs"])]
+    ctx["n_pairs"] = ctx["n_pairs"] + 1
     NK = 0
     for tl in tiles:
         if tl["end"] > NK:
@@ -925,11 +930,12 @@ def _run_pair(ctx, b, g, tiles):
         for i in range(i0, min(i0 + R, len(tiles))):
             tl = tiles[i]
             tl["r"] = i - i0
-            tl["set"] = (i0 // R) % 2
-            tl["gid"] = i0 // R
+            tl["set"] = (ctx["n_groups"] + i0 // R) % 2   # global: a pair's first group follows the
+            tl["gid"] = ctx["n_groups"] + i0 // R          # previous pair's last one in the pipeline
             tl["b"] = b
             grp.append(tl)
         groups.append(grp)
+    ctx["n_groups"] = ctx["n_groups"] + len(groups)
     q_loaded = []
     for gi in range(len(groups)):
         q_loaded.append(False)
@@ -1052,18 +1058,29 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                 m = tl["m"]
                 items.append({"tile": tl, "c": blks[r][j][0] - pt["base_t"] * P, "w": blks[r][j][1],
                               "first": m == 0, "cs": 1 + m % 3, "ps": 1 + (m + 2) % 3,
-                              "loading": ld, "key0": blks[r][j][0],
+                              "loading": ld, "key0": blks[r][j][0], "kT": ctx["kT"], "vA": ctx["vA"], "pair": pair,
                               "last": carry and j == len(blks[r]) - 1})
                 tl["m"] = m + 1
     if load:
         if carry:
-            _drain(ctx)   # a previous pair's items still read the K/V buffers about to be overwritten
+            # an earlier pair's items in flight that read the K/V buffers about to be overwritten leave first
+            # (with two K/V buffers, ``_run_pair``, the previous pair's items read the other one and run on)
+            busy = True
+            while busy:
+                busy = False
+                for q_it in ctx["pipe"]:
+                    if q_it["kT"] is ctx["kT"]:
+                        busy = True
+                if busy:
+                    _tick(ctx, None)
+            if len(ctx["pipe"]) == 0:
+                _drain(ctx)   # one K/V buffer: the pipeline has drained, its queued evictions and lse follow
         _seg_start(ctx, pair, s0, s1, pt["base_t"])
     every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
     for ii in range(len(items)):
         it = items[ii]
         if carry and ii == 0:
-            _wait_set(ctx, grp[0]["set"], gi)
+            _wait_set(ctx, grp[0]["set"], grp[0]["gid"])
         if ld:
             need = (it["key0"] + it["w"] + P - 1) // P
             if pair["kready"] < need:
@@ -1075,10 +1092,10 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     kt_late = True
             if kt_late:
                 _flush_evictions(ctx)   # K^T must be complete before this item's QK
-            # V of the item whose PV this tick emits
+            # V of the item (of this pair: a previous pair's items may still be in flight) whose PV this tick emits
             vneed = 0
             for q_it in ctx["pipe"]:
-                if q_it["age"] == ctx["lag_pv"] - 1 and q_it["key0"] >= s0 and q_it["key0"] < s1 and \
+                if q_it["age"] == ctx["lag_pv"] - 1 and q_it["pair"] is pair and q_it["key0"] >= s0 and q_it["key0"] < s1 and \
                         q_it["key0"] + q_it["w"] > vneed:
                     vneed = q_it["key0"] + q_it["w"]
             while pair["vready"] < (vneed + P - 1) // P:
@@ -1153,7 +1170,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
            "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
-           "stage_i": 0, "qn_i": 0, "fin_i": 0, "lse_i": 0, "lse_q": [], "ticks": 0}
+           "stage_i": 0, "qn_i": 0, "fin_i": 0, "lse_i": 0, "lse_q": [], "ticks": 0,
+           "n_pairs": 0, "n_groups": 0}
 
     # -- tiles and the key space ----------------------------------------------------------------------------
     qtiles = plan_q_tiles(Sq, Skv, causal_block)
@@ -1283,8 +1301,18 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     for sg in segs:
         if (sg[1] - sg[0] + P - 1) // P > seg_tiles:
             seg_tiles = (sg[1] - sg[0] + P - 1) // P
-    ctx["kT"] = _sb(ctx, (D, seg_tiles * P), mm_dt, isz)
-    ctx["vA"] = _sb(ctx, (P, seg_tiles, D + 1), mm_dt, isz)
+    # two K/V buffers when the pairs' whole key spaces fit twice and the pipeline carries over from pair to
+    # pair (one part per pair: no runtime regions, one segment) and this core runs several pairs
+    n_kv = 1
+    my_pairs = (B * Hkv) // nprog if (B * Hkv) % nprog == 0 else B * Hkv
+    if len(segs) == 1 and len(regions) == 0 and my_pairs > 1 and \
+            2 * seg_tiles * (P + D + 1) * isz <= budget:
+        n_kv = 2
+    ctx["kT_bufs"] = []
+    ctx["vA_bufs"] = []
+    for i in range(n_kv):
+        ctx["kT_bufs"].append(_sb(ctx, (D, seg_tiles * P), mm_dt, isz))
+        ctx["vA_bufs"].append(_sb(ctx, (P, seg_tiles, D + 1), mm_dt, isz))
 
     # -- PSUM: two score buffers of 3 banks, the O_aug slots (bank 6), the transpose bank (bank 7) ----------
     ctx["s_ps"] = [_ps((P, W_MAX), nl.float32, 0), _ps((P, W_MAX), nl.float32, 3)]
