@@ -121,6 +121,7 @@ N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read i
 N_OUT = 4          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 LSE_LAG = 4        # ticks between a pipelined tile's finish and its lse epilogue (``_finish``)
+Q_RUN = 4          # full q tiles of one head per Q^T DMA transpose (``_load_qs``)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
 
@@ -208,6 +209,11 @@ def _split(gen, n_full, has_partial, dma_ok, loading, k):
         nx = (nsub + 1) // 3
         if nsub == 11 and not loading and k % 2 == 1:
             nx = nx - 1
+        if nsub == 4 and not has_partial:
+            # a 512-key item (the text cross-attention's whole key space; swept on cross_rank): the DMA
+            # queues carry the K/V and Q rows of the next head as well, so one sub-tile by DMA, one by the exp
+            # path, two by PE transposes evicted by VectorE (which has room at these short items)
+            return 1, 2, 0, 1
     if gen == nisa.nc_version.gen4 and dma_ok:
         # trn3 (swept the same way): a sixth of the sub-tiles while the DMA queues also carry K/V, a quarter
         # after; none evicted by VectorE (trn3 is VectorE-bound)
@@ -538,8 +544,10 @@ def _force_k(ctx, pair, need, grp, qdone):
         _next_k(ctx, pair, nisa.engine.gpsimd if f % 2 == 0 else nisa.engine.vector)
         f = f + 1
     if not qdone:
+        rest = []
         for i in range(1, len(grp)):
-            _load_q(ctx, pair, grp[i])
+            rest.append(grp[i])
+        _load_qs(ctx, pair, rest)
     # the V rows of the block (after the K rows and Q in DMA order)
     for ent in pair["vq"]:
         if not ent["vdma"]:
@@ -587,6 +595,32 @@ def _pair_setup(ctx, b, g):
 # ----------------------------------------------------------------------------------------------------------
 # Q tiles of a group: Q^T [D, nq] per tile, and the per-tile online-softmax state
 # ----------------------------------------------------------------------------------------------------------
+def _load_qs(ctx, pair, tls):
+    """Q^T of the tiles ``tls`` (in group order): with the DMA transpose, a run of full 128-row tiles of one head
+    at consecutive rows (consecutive group slots) is one HBM->SBUF transpose of up to Q_RUN tiles (fewer DMA
+    issues: the per-DMA descriptor generation and fixed latency are paid once per run); else one per tile."""
+    i = 0
+    while i < len(tls):
+        n = 1
+        if ctx["dma_t"]:
+            while i + n < len(tls) and n < Q_RUN and tls[i]["nq"] == P and tls[i + n]["nq"] == P and \
+                    tls[i + n]["h"] == tls[i]["h"] and tls[i + n]["qs"] == tls[i]["qs"] + n * P and \
+                    tls[i + n]["r"] == tls[i]["r"] + n and tls[i + n]["set"] == tls[i]["set"]:
+                n = n + 1
+        if n == 1:
+            _load_q(ctx, pair, tls[i])
+        else:
+            D, H = ctx["D"], ctx["H"]
+            tl = tls[i]
+            qT = ctx["gsets"][tl["set"]]["qT"]
+            # 4-D form: [128 rows, n tiles, 1, D] -> [D, n tiles, 1, 128 rows]
+            nisa.dma_transpose(dst=qT[0:D, tl["r"]:tl["r"] + n, 0:P].reshape((D, n, 1, P)),
+                               src=ctx["q"].ap(pattern=[[H * D, P], [P * H * D, n], [1, 1], [1, D]],
+                                               offset=((pair["b"] * ctx["Sq"] + tl["qs"]) * H + tl["h"]) * D),
+                               axes=(3, 1, 2, 0))
+        i = i + n
+
+
 def _load_q(ctx, pair, tl):
     D = ctx["D"]
     gs = ctx["gsets"][tl["set"]]
@@ -942,8 +976,7 @@ def _run_pair(ctx, b, g, tiles):
     for gi in range(len(groups)):
         grp = groups[gi]
         if not q_loaded[gi] and gi > 0:
-            for tl in grp:
-                _load_q(ctx, pair, tl)
+            _load_qs(ctx, pair, grp)
             q_loaded[gi] = True
         for tl in grp:
             tl["m"] = 0   # blocks of the tile issued so far (0: the next one initialises the state)
@@ -1113,8 +1146,7 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 2:
                 _issue_step(ctx, pair, True)
         if prefetch and gi + 1 < len(groups) and not q_loaded[gi + 1] and ii >= len(items) - 2 * R:
-            for tl in groups[gi + 1]:
-                _load_q(ctx, pair, tl)
+            _load_qs(ctx, pair, groups[gi + 1])
             q_loaded[gi + 1] = True
     if ld and not (carry and gi + 1 < len(groups)):
         # the rest of the part (items still in flight read its V); in carry mode the last group completes it
