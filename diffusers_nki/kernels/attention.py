@@ -121,6 +121,8 @@ N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read i
 N_OUT = 4          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 LSE_LAG = 4        # ticks between a pipelined tile's finish and its lse epilogue (``_finish``)
+N_KV = 3           # K/V buffers at most, when they fit: the next pair's loads go to the one the pair before the
+                   # current one used, whose items have left the pipeline by then (``_prefetch_pair``)
 Q_RUN = 4          # full q tiles of one head per Q^T DMA transpose (``_load_qs``)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
@@ -387,9 +389,9 @@ def _load_dma(ctx, pair, ent, which):
             nisa.memset(dst=dst[:, n - 1, :], value=0.0, engine=nisa.engine.gpsimd)
         srcs = (ctx["k_cache"], ctx["k"])
     else:
-        dst = ctx["vA"][:, t0 - seg0:t1 - seg0, 0:D]
+        dst = pair["vA"][:, t0 - seg0:t1 - seg0, 0:D]
         if e < t1 * P:
-            nisa.memset(dst=ctx["vA"][:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=pair["vA"][:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
         srcs = (ctx["v_cache"], ctx["v"])
     # rows from the cache [a, min(e, C)) and from the chunk [max(a, C), e)
     if a < C:
@@ -413,7 +415,7 @@ def _finish_k(ctx, pair, ent, eng):
         # slot holds, NaN / inf included, is overwritten before any arithmetic reads it)
         nisa.tensor_copy_predicated(dst=st[:, 0:n, :], src=pair["dup"].expand_dim(1).broadcast(1, n),
                                     predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
-    kT = ctx["kT"]
+    kT = pair["kT"]
     c0 = (t0 - seg0) * P
     # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
     # P^T and the K/V rows); their evictions are queued like an item's
@@ -428,7 +430,7 @@ def _finish_v(ctx, pair, ent, eng):
     D = ctx["D"]
     seg0 = pair["seg_t0"]
     t0, t1 = ent["t0"], ent["t1"]
-    vA = ctx["vA"]
+    vA = pair["vA"]
     if t0 * P < ctx["C"] or ctx["has_kvlen"]:
         _ensure_masks(ctx, pair, t1)
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
@@ -920,20 +922,59 @@ def _parts(ctx, NK):
     return out
 
 
-def _run_pair(ctx, b, g, tiles):
-    """All q tiles of (b, kv head g) on this core: groups of R tiles; per group the key parts (``_parts``):
-    the chunk, then the cache regions the runtime cache_len reaches (work follows the fill).
+def _kv_in_flight(ctx, kT):
+    """Whether an item in flight reads the K^T buffer ``kT``."""
+    busy = False
+    for q_it in ctx["pipe"]:
+        if q_it["kT"] is kT:
+            busy = True
+    return busy
 
-    The software pipeline carries over from one part to the next (no drain between parts that both run): a
-    region's code starts with the previous part's items still in flight. Where the previous part ran and this
-    region does not (the fill ends there), a FALLBACK block drains the previous part's tail instead (its trip
-    count: flag[r-1] - flag[r], 0 or 1 because the flags fall monotonically); the last region's tail drains
-    under its own flag. Every instruction of an item therefore runs exactly when its part runs."""
+
+def _wait_kv(ctx, pair):
+    """Tick the pipeline until no in-flight item reads the K/V buffers ``pair`` is about to load."""
+    while _kv_in_flight(ctx, pair["kT"]):
+        _tick(ctx, None)
+
+
+def _prefetch_pair(ctx):
+    """The next (batch, kv head) pair, begun while this pair's last items run (two K/V buffers, this pair's
+    loads complete): its setup, then the K and V rows of its first key block and the Q^T of its first group by
+    DMA, so they arrive while this pair's items still keep the engines busy. Its K selects and K^T transposes
+    stay with its first item (``_force_k``): emitted now, TensorE would wait in order for the rows."""
+    job = ctx["next_job"]
+    nxt = _pair_begin(ctx, job[0], job[1], job[2])
+    pt = nxt["parts"][0]
+    _seg_start(ctx, nxt, pt["s0"], pt["s1"], pt["base_t"])
+    grp = nxt["groups"][0]
+    bl = _blocks(pt["s0"], min(grp[0]["end"], pt["s1"]))
+    need = (bl[0][0] + bl[0][1] + P - 1) // P if len(bl) > 0 else nxt["next_t"]
+    # in the order its first item needs them: the K rows, the first Q tile, the V rows, the other Q tiles
+    while nxt["next_t"] < need and len(nxt["kq"]) + len(nxt["vq"]) < N_STAGE - 1:
+        _issue_step(ctx, nxt, False)
+    _load_q(ctx, nxt, grp[0])
+    for ent in nxt["kq"]:
+        _load_dma(ctx, nxt, ent, 1)
+        ent["vdma"] = True
+    rest = []
+    for i in range(1, len(grp)):
+        rest.append(grp[i])
+    _load_qs(ctx, nxt, rest)
+    nxt["q_loaded"][0] = True
+    nxt["prefetched"] = True
+    ctx["next_pair"] = nxt
+
+
+def _pair_begin(ctx, b, g, tiles):
+    """A (batch, kv head) pair's setup (emitted) and plan (trace time): its K/V buffers, masks, key parts,
+    groups of R q tiles (their softmax-state sets alternate globally, so a pair's first group follows the
+    previous pair's last one in the pipeline)."""
     pair = _pair_setup(ctx, b, g)
     # the pair's K/V buffers: alternate between two when both fit (``attention_kernel``), so the next pair's
     # loads never wait for this pair's items to leave the pipeline
-    ctx["kT"] = ctx["kT_bufs"][ctx["n_pairs"] % len(ctx["kT_bufs"])]
-    ctx["vA"] = ctx["vA_bufs"][ctx["n_pairs"] % len(ctx["vA_bufs"])]
+    pair["kT"] = ctx["kT_bufs"][ctx["n_pairs"] % len(ctx["kT_bufs"])]
+    pair["vA"] = ctx["vA_bufs"][ctx["n_pairs"] % len(ctx["vA_bufs"])]
+    pair["prefetched"] = False
     ctx["n_pairs"] = ctx["n_pairs"] + 1
     NK = 0
     for tl in tiles:
@@ -954,9 +995,7 @@ def _run_pair(ctx, b, g, tiles):
         for m0 in range(0, c0, MASK_CHUNK):
             _masks_range(ctx, pair, m0, min(c0, m0 + MASK_CHUNK))
         pair["mask_t"] = nt
-    multi = len(ctx["segs"]) > 1
-    parts = _parts(ctx, NK)
-    carry = len(parts) == 1 and parts[0]["reg"] is None
+    pair["parts"] = _parts(ctx, NK)
     R = ctx["R"]
     groups = []
     for i0 in range(0, len(tiles), R):
@@ -970,9 +1009,28 @@ def _run_pair(ctx, b, g, tiles):
             grp.append(tl)
         groups.append(grp)
     ctx["n_groups"] = ctx["n_groups"] + len(groups)
+    pair["groups"] = groups
     q_loaded = []
     for gi in range(len(groups)):
         q_loaded.append(False)
+    pair["q_loaded"] = q_loaded
+    return pair
+
+
+def _run_pair(ctx, pair):
+    """All q tiles of (b, kv head g) on this core: groups of R tiles; per group the key parts (``_parts``):
+    the chunk, then the cache regions the runtime cache_len reaches (work follows the fill).
+
+    The software pipeline carries over from one part to the next (no drain between parts that both run): a
+    region's code starts with the previous part's items still in flight. Where the previous part ran and this
+    region does not (the fill ends there), a FALLBACK block drains the previous part's tail instead (its trip
+    count: flag[r-1] - flag[r], 0 or 1 because the flags fall monotonically); the last region's tail drains
+    under its own flag. Every instruction of an item therefore runs exactly when its part runs."""
+    multi = len(ctx["segs"]) > 1
+    parts = pair["parts"]
+    carry = len(parts) == 1 and parts[0]["reg"] is None
+    groups = pair["groups"]
+    q_loaded = pair["q_loaded"]
     for gi in range(len(groups)):
         grp = groups[gi]
         if not q_loaded[gi] and gi > 0:
@@ -1091,21 +1149,14 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                 m = tl["m"]
                 items.append({"tile": tl, "c": blks[r][j][0] - pt["base_t"] * P, "w": blks[r][j][1],
                               "first": m == 0, "cs": 1 + m % 3, "ps": 1 + (m + 2) % 3,
-                              "loading": ld, "key0": blks[r][j][0], "kT": ctx["kT"], "vA": ctx["vA"], "pair": pair,
+                              "loading": ld, "key0": blks[r][j][0], "kT": pair["kT"], "vA": pair["vA"], "pair": pair,
                               "last": carry and j == len(blks[r]) - 1})
                 tl["m"] = m + 1
-    if load:
+    if load and not pair["prefetched"]:
         if carry:
             # an earlier pair's items in flight that read the K/V buffers about to be overwritten leave first
-            # (with two K/V buffers, ``_run_pair``, the previous pair's items read the other one and run on)
-            busy = True
-            while busy:
-                busy = False
-                for q_it in ctx["pipe"]:
-                    if q_it["kT"] is ctx["kT"]:
-                        busy = True
-                if busy:
-                    _tick(ctx, None)
+            # (with two K/V buffers, ``_pair_begin``, the previous pair's items read the other one and run on)
+            _wait_kv(ctx, pair)
             if len(ctx["pipe"]) == 0:
                 _drain(ctx)   # one K/V buffer: the pipeline has drained, its queued evictions and lse follow
         _seg_start(ctx, pair, s0, s1, pt["base_t"])
@@ -1136,7 +1187,14 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     _next_k(ctx, pair, nisa.engine.gpsimd)
                 _next_v(ctx, pair, nisa.engine.gpsimd)
         _tick(ctx, it)
-        if ld:
+        if carry and gi + 1 == len(groups) and ctx["next_job"] is not None and ctx["next_pair"] is None and \
+                len(ctx["kT_bufs"]) > 1 and len(pair["kq"]) == 0 and pair["next_t"] >= pair["end_t"] and \
+                (len(pair["vq"]) == 0 or not (ctx["has_cache"] or ctx["has_kvlen"])) and \
+                not _kv_in_flight(ctx, ctx["kT_bufs"][ctx["n_pairs"] % len(ctx["kT_bufs"])]):
+            # this pair's K rows all issued and through the staging tiles, its masks read (or none), no item in
+            # flight reads the other K/V buffers: the next pair's setup and first loads overwrite nothing still
+            # needed (no empty ticks here: this pair's PV stages must not run ahead of its V loads)
+            _prefetch_pair(ctx)
             kq, vq = pair["kq"], pair["vq"]
             if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
                 _next_k(ctx, pair, nisa.engine.gpsimd)
@@ -1203,7 +1261,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
            "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
            "stage_i": 0, "qn_i": 0, "fin_i": 0, "lse_i": 0, "lse_q": [], "ticks": 0,
-           "n_pairs": 0, "n_groups": 0}
+           "n_pairs": 0, "n_groups": 0, "next_pair": None, "next_job": None}
 
     # -- tiles and the key space ----------------------------------------------------------------------------
     qtiles = plan_q_tiles(Sq, Skv, causal_block)
@@ -1337,9 +1395,9 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     # pair (one part per pair: no runtime regions, one segment) and this core runs several pairs
     n_kv = 1
     my_pairs = (B * Hkv) // nprog if (B * Hkv) % nprog == 0 else B * Hkv
-    if len(segs) == 1 and len(regions) == 0 and my_pairs > 1 and \
-            2 * seg_tiles * (P + D + 1) * isz <= budget:
-        n_kv = 2
+    if len(segs) == 1 and len(regions) == 0:
+        while n_kv < min(N_KV, my_pairs) and (n_kv + 1) * seg_tiles * (P + D + 1) * isz <= budget:
+            n_kv = n_kv + 1
     ctx["kT_bufs"] = []
     ctx["vA_bufs"] = []
     for i in range(n_kv):
@@ -1361,6 +1419,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     # -- LNC2: whole (batch, kv head) pairs per core when they split evenly (K/V loaded once in total),
     # else the q tiles of every pair are interleaved over the cores
     split_pairs = (B * Hkv) % nprog == 0
+    jobs = []
     for b in range(B):
         for g in range(Hkv):
             if split_pairs and (b * Hkv + g) % nprog != pid:
@@ -1372,9 +1431,16 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
                     if split_pairs or cnt % nprog == pid:
                         tiles.append({"h": h, "qs": qt[0], "nq": qt[1], "end": C + qt[2]})
                     cnt = cnt + 1
-            if len(tiles) == 0:
-                continue
-            _run_pair(ctx, b, g, tiles)
+            if len(tiles) > 0:
+                jobs.append((b, g, tiles))
+    # each pair begun here, or earlier by its predecessor's ``_prefetch_pair`` (two K/V buffers)
+    for ji in range(len(jobs)):
+        pair = ctx["next_pair"]
+        if pair is None:
+            pair = _pair_begin(ctx, jobs[ji][0], jobs[ji][1], jobs[ji][2])
+        ctx["next_pair"] = None
+        ctx["next_job"] = jobs[ji + 1] if ji + 1 < len(jobs) else None
+        _run_pair(ctx, pair)
     _drain(ctx)
     if return_lse:
         return o, lse_out
