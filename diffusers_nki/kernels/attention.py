@@ -1195,6 +1195,7 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
             # flight reads the other K/V buffers: the next pair's setup and first loads overwrite nothing still
             # needed (no empty ticks here: this pair's PV stages must not run ahead of its V loads)
             _prefetch_pair(ctx)
+        if ld:
             kq, vq = pair["kq"], pair["vq"]
             if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
                 _next_k(ctx, pair, nisa.engine.gpsimd)
