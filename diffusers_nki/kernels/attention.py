@@ -118,7 +118,8 @@ LAG_PV_DMA = 5
 LAG_PV_PE = 4
 N_SSB, N_PSB, N_OB, N_RING = 3, 3, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
-N_OUT = 4          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
+N_OUT = 8          # epilogue output slots: a group's tiles finish back to back, each DMA's latency hidden
+O_RUN = 2          # full q tiles of one head per output DMA (``_out_slot``): a run of consecutive rows
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 LSE_LAG = 4        # ticks between a pipelined tile's finish and its lse epilogue (``_finish``)
 N_KV = 3           # K/V buffers at most, when they fit: the next pair's loads go to the one the pair before the
@@ -786,18 +787,57 @@ def _finish(ctx, tl, defer_lse=False):
     D, nq = ctx["D"], tl["nq"]
     oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
     lcl = ctx["lcl"][0:nq, ctx["fin_i"] % N_RING:ctx["fin_i"] % N_RING + 1]
-    out = ctx["out_sb"][ctx["fin_i"] % N_OUT]
     ctx["fin_i"] = ctx["fin_i"] + 1
+    out = ctx["out_sb"][:, _out_slot(ctx, tl), :]
     nisa.tensor_tensor(dst=lcl, data1=oacc[:, D:D + 1], data2=ctx["consts"][0:nq, 0:1], op=nl.maximum,
                        engine=nisa.engine.gpsimd)
     nisa.tensor_tensor(dst=out[0:nq, :], data1=oacc[:, 0:D], data2=lcl.broadcast(1, D), op=nl.divide,
                        engine=nisa.engine.gpsimd)
-    nisa.dma_copy(dst=_hbm_rows(ctx["o"], tl["b"], tl["qs"], nq, tl["h"], ctx["Sq"], ctx["H"], D), src=out[0:nq, :])
+    ctx["orun"].append(tl)
+    if nq < P or len(ctx["orun"]) == O_RUN:
+        _flush_out(ctx)
     if ctx["lse"] is not None:
         if defer_lse:
             ctx["lse_q"].append((ctx["ticks"], tl))
         else:
             _finish_lse(ctx, tl)
+
+
+def _out_slot(ctx, tl):
+    """The output slot of a finished tile: the next slot of the pending run when the tile continues it (full
+    128-row tiles of one head at consecutive rows), else a new run (the pending one stored first) on O_RUN
+    contiguous slots."""
+    run = ctx["orun"]
+    if len(run) > 0:
+        last = run[len(run) - 1]
+        if not (tl["nq"] == P and last["b"] == tl["b"] and last["h"] == tl["h"] and tl["qs"] == last["qs"] + P):
+            _flush_out(ctx)
+    if len(ctx["orun"]) == 0:
+        if ctx["oslot"] + O_RUN > N_OUT:
+            ctx["oslot"] = 0
+        ctx["orun0"] = ctx["oslot"]
+    slot = ctx["orun0"] + len(ctx["orun"])
+    ctx["oslot"] = slot + 1
+    return slot
+
+
+def _flush_out(ctx):
+    """Store the pending run of finished tiles: one DMA (``O_RUN`` x 128 rows at most, one head). Emitted
+    where the run was finished (unconditional code: the carry-mode pipeline, or after a pair's region loops),
+    so every store runs exactly when its tiles' epilogues do."""
+    run = ctx["orun"]
+    n = len(run)
+    if n == 0:
+        return
+    tl = run[0]
+    D, s0 = ctx["D"], ctx["orun0"]
+    if n == 1:
+        nisa.dma_copy(dst=_hbm_rows(ctx["o"], tl["b"], tl["qs"], tl["nq"], tl["h"], ctx["Sq"], ctx["H"], D),
+                      src=ctx["out_sb"][0:tl["nq"], s0, :])
+    else:
+        nisa.dma_copy(dst=_hbm_tiles(ctx["o"], tl["b"], tl["qs"], n, tl["h"], ctx["Sq"], ctx["H"], D),
+                      src=ctx["out_sb"][:, s0:s0 + n, :])
+    ctx["orun"] = []
 
 
 def _flush_lse(ctx, upto=None):
@@ -898,6 +938,7 @@ def _drain(ctx):
         _tick(ctx, None)
     _flush_evictions(ctx)
     _flush_lse(ctx)
+    _flush_out(ctx)
 
 
 def _parts(ctx, NK):
@@ -1084,6 +1125,7 @@ def _run_pair(ctx, pair):
         ctx["slot_busy"] = busy
         for tl in grp:
             _finish(ctx, tl)
+        _flush_out(ctx)   # before any runtime loop of the next group or pair
     return pair
 
 
@@ -1261,7 +1303,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
            "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
-           "stage_i": 0, "qn_i": 0, "fin_i": 0, "lse_i": 0, "lse_q": [], "ticks": 0,
+           "stage_i": 0, "qn_i": 0, "fin_i": 0, "orun": [], "orun0": 0, "oslot": 0, "lse_i": 0, "lse_q": [], "ticks": 0,
            "n_pairs": 0, "n_groups": 0, "next_pair": None, "next_job": None}
 
     # -- tiles and the key space ----------------------------------------------------------------------------
@@ -1333,7 +1375,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["alpha"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["lcl"] = _sb(ctx, (P, N_RING), nl.float32, 4)
-    ctx["out_sb"] = _ring(ctx, N_OUT, (P, D), q.dtype, isz)
+    ctx["out_sb"] = _sb(ctx, (P, N_OUT, D), q.dtype, isz)
     if return_lse:
         ctx["lse_t"] = _sb(ctx, (P, N_RING), nl.float32, 4)
         ctx["lse_b"] = _sb(ctx, (P, N_RING), nl.float32, 4)
