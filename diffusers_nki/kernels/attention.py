@@ -21,7 +21,8 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
         ScalarE copies)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the
         same matmul)  ->  O = alpha * O + O_aug (trn2: ScalarE ALU evicts O_aug and scales O by alpha,
         GpSimd adds; trn3: one VectorE instruction reading PSUM; trn1: ScalarE eviction + GpSimd update)
-    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse (ScalarE log + VectorE;
+    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per run of O_RUN consecutive full tiles of a head
+        (else per tile); optional lse (ScalarE log + VectorE;
         for tiles finished inside the pipeline, LSE_LAG ticks later so no engine waits on it in order).
     Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
     V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``; for 16-bit
@@ -42,7 +43,12 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     the pair's q tiles interleaved over the cores):
         K/V of the pair made resident in SBUF (K^T [D, keys] by PE transposes, V_aug [128, tiles, D+1]), loaded
         in steps of LOAD_TILES tiles paced to consumption; when K/V do not fit (``plan_segments``), the key
-        space is split into balanced segments and every group sweeps them in turn (the multi-segment path)
+        space is split into balanced segments and every group sweeps them in turn (the multi-segment path).
+        When the whole key space fits two or three times (N_KV; no runtime regions, one segment: e.g. the text
+        cross-attention's 512 keys) the pairs rotate through that many K/V buffers and the pipeline runs on
+        from one pair into the next: during a pair's last group the next pair is begun (``_prefetch_pair``:
+        its setup, the K and V rows of its first block and its first group's Q^T by DMA) into the buffer of the
+        pair before, whose items have left the pipeline, so its loads overlap this pair's compute
         for each group of GROUP_R (16; 8 when 16 would push K/V into segments) q tiles of the pair's heads:
             items = (q tile, key block) in j-major order (block j of every tile, then block j + 1)
             a software pipeline: each tick admits one item and advances the in-flight ones one stage:
@@ -51,7 +57,7 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     O_aug 3 slots in bank 6, a transpose-slot ring in bank 7 (an fp32 transpose of a 16-bit kernel takes
     two slots); SBUF rings for scaled scores (3; the exp path's x overwrites its sub-tiles in place), P (3,
     or 2 with PE transposes only; as wide as the widest share not on the exp path), P^T (as deep as the PV
-    lag), O blocks (2), epilogue outputs (4), the softmax state of two groups
+    lag), O blocks (2), epilogue outputs (N_OUT slots), the softmax state of two groups
     (the next group's Q^T loads while the current one drains). Frame-causal: a tile's blocks end at its
     block's last visible key (tiles above the diagonal are never computed: the dense work share is the
     block-causal minimum at 128-row tile granularity).
@@ -60,7 +66,8 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     transposes of the fp32 shifted scores evicted by the ScalarE exp, chosen by sweeping the SCHEDULED modeled
     time (``nkisim.schedule``), never the roofline ceiling. Per 12-sub-tile item: trn1 (no DMA
     transpose) all 12 by PE transposes evicted by ScalarE copies; trn2 8 by DMA and 4 by the exp path (a third
-    of an item's sub-tiles, one fewer on every other 11-sub-tile item after the K/V-loading phase); trn3 10 by
+    of an item's sub-tiles, one fewer on every other 11-sub-tile item after the K/V-loading phase; a 512-key
+    item: 1 by DMA, 2 by PE transposes evicted by VectorE, 1 by the exp path); trn3 10 by
     DMA while K/V load and 9 after, the rest by the exp path. On trn2 and trn3 ScalarE runs exps only: no
     ScalarE copy is left (K^T evicted by VectorE; on trn2 O_aug evicted and O scaled by ScalarE ALU
     ``tensor_scalar`` instructions, which use no activation function; the V selects on GpSimd to make VectorE
@@ -79,7 +86,8 @@ Tested (tests/kernels/test_attention.py, emulator vs the fp64 oracle, flash-atte
     pairwise grid over Sq, Skv in {1, 113, 128, 1023, 1560, 4680}, D in {8, 12, 64, 128}, fp32 / bf16, cache
     absent / empty / partial / full, frame-causal or none, randn / rand / 30*randn; plus fp16 and custom
     scales, per-batch kv_len with rows without keys, GQA, LNC2 (both work splits), the multi-segment path,
-    trn1 / trn3, one instruction stream for every runtime length, return_lse (tests/kernels/test_attention_lse.py);
+    trn1 / trn3, one instruction stream for every runtime length, consecutive pairs sharing the pipeline
+    (rotating K/V buffers, bf16 / fp32 / LNC2), return_lse (tests/kernels/test_attention_lse.py);
     NaN / inf in invalid slots (tests/kernels/test_attention_invalid_slots.py); fills 0, 1, partial block,
     region boundary, full, after eviction, work and modeled time following the fill
     (tests/kernels/test_attention_runtime_fill.py).
@@ -88,8 +96,9 @@ Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled he
     trn2 bf16 D=128 self_forcing_chunk (full cache) ~66% scheduled PE efficiency, trn3 ~83%; ~0.56 / ~0.60x
     the scheduled time of nki-library's attention_cte, 0 activation-function switches on both (so the same
     under the act-table-reload hypotheses); ``--sensitivity`` shows both under each named hypothesis,
-    ``--fill`` the time per cache fill. The bench prints the current figures; this note is not the source of
-    truth.
+    ``--fill`` the time per cache fill; the per-rank text cross-attention (cross_rank, traced with all its
+    heads) near its ceiling, the DMA issue rate. The bench prints the current figures; this note is not the
+    source of truth.
 """
 from __future__ import annotations
 
