@@ -21,7 +21,8 @@ Algorithm (online softmax, flash-attention 2 style, exact; one pass over the key
         ScalarE copies)  ->  O_aug = P V_aug (TensorE; V_aug has a validity column, so l comes out of the
         same matmul)  ->  O = alpha * O + O_aug (trn2: ScalarE ALU evicts O_aug and scales O by alpha,
         GpSimd adds; trn3: one VectorE instruction reading PSUM; trn1: ScalarE eviction + GpSimd update)
-    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per tile; optional lse (ScalarE log + VectorE;
+    epilogue: o = O[:, :D] / max(l, tiny) (GpSimd), one DMA per run of O_RUN consecutive full tiles of a head
+        (else per tile); optional lse (ScalarE log + VectorE;
         for tiles finished inside the pipeline, LSE_LAG ticks later so no engine waits on it in order).
     Invalid keys never reach the softmax: their K rows are replaced by a valid key of the same pair and their
     V rows and validity column are zeroed, both by SELECTS (VectorE ``tensor_copy_predicated``; for 16-bit
@@ -42,7 +43,12 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     the pair's q tiles interleaved over the cores):
         K/V of the pair made resident in SBUF (K^T [D, keys] by PE transposes, V_aug [128, tiles, D+1]), loaded
         in steps of LOAD_TILES tiles paced to consumption; when K/V do not fit (``plan_segments``), the key
-        space is split into balanced segments and every group sweeps them in turn (the multi-segment path)
+        space is split into balanced segments and every group sweeps them in turn (the multi-segment path).
+        When the whole key space fits two or three times (N_KV; no runtime regions, one segment: e.g. the text
+        cross-attention's 512 keys) the pairs rotate through that many K/V buffers and the pipeline runs on
+        from one pair into the next: during a pair's last group the next pair is begun (``_prefetch_pair``:
+        its setup, the K and V rows of its first block and its first group's Q^T by DMA) into the buffer of the
+        pair before, whose items have left the pipeline, so its loads overlap this pair's compute
         for each group of GROUP_R (16; 8 when 16 would push K/V into segments) q tiles of the pair's heads:
             items = (q tile, key block) in j-major order (block j of every tile, then block j + 1)
             a software pipeline: each tick admits one item and advances the in-flight ones one stage:
@@ -51,7 +57,7 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     O_aug 3 slots in bank 6, a transpose-slot ring in bank 7 (an fp32 transpose of a 16-bit kernel takes
     two slots); SBUF rings for scaled scores (3; the exp path's x overwrites its sub-tiles in place), P (3,
     or 2 with PE transposes only; as wide as the widest share not on the exp path), P^T (as deep as the PV
-    lag), O blocks (2), epilogue outputs (4), the softmax state of two groups
+    lag), O blocks (2), epilogue outputs (N_OUT slots), the softmax state of two groups
     (the next group's Q^T loads while the current one drains). Frame-causal: a tile's blocks end at its
     block's last visible key (tiles above the diagonal are never computed: the dense work share is the
     block-causal minimum at 128-row tile granularity).
@@ -60,7 +66,8 @@ Loop structure (unrolled at trace time except the region loops above; shapes are
     transposes of the fp32 shifted scores evicted by the ScalarE exp, chosen by sweeping the SCHEDULED modeled
     time (``nkisim.schedule``), never the roofline ceiling. Per 12-sub-tile item: trn1 (no DMA
     transpose) all 12 by PE transposes evicted by ScalarE copies; trn2 8 by DMA and 4 by the exp path (a third
-    of an item's sub-tiles, one fewer on every other 11-sub-tile item after the K/V-loading phase); trn3 10 by
+    of an item's sub-tiles, one fewer on every other 11-sub-tile item after the K/V-loading phase; a 512-key
+    item: 1 by DMA, 2 by PE transposes evicted by VectorE, 1 by the exp path); trn3 10 by
     DMA while K/V load and 9 after, the rest by the exp path. On trn2 and trn3 ScalarE runs exps only: no
     ScalarE copy is left (K^T evicted by VectorE; on trn2 O_aug evicted and O scaled by ScalarE ALU
     ``tensor_scalar`` instructions, which use no activation function; the V selects on GpSimd to make VectorE
@@ -79,7 +86,8 @@ Tested (tests/kernels/test_attention.py, emulator vs the fp64 oracle, flash-atte
     pairwise grid over Sq, Skv in {1, 113, 128, 1023, 1560, 4680}, D in {8, 12, 64, 128}, fp32 / bf16, cache
     absent / empty / partial / full, frame-causal or none, randn / rand / 30*randn; plus fp16 and custom
     scales, per-batch kv_len with rows without keys, GQA, LNC2 (both work splits), the multi-segment path,
-    trn1 / trn3, one instruction stream for every runtime length, return_lse (tests/kernels/test_attention_lse.py);
+    trn1 / trn3, one instruction stream for every runtime length, consecutive pairs sharing the pipeline
+    (rotating K/V buffers, bf16 / fp32 / LNC2), return_lse (tests/kernels/test_attention_lse.py);
     NaN / inf in invalid slots (tests/kernels/test_attention_invalid_slots.py); fills 0, 1, partial block,
     region boundary, full, after eviction, work and modeled time following the fill
     (tests/kernels/test_attention_runtime_fill.py).
@@ -88,8 +96,9 @@ Modeled (never measured; ``diffusers-nki bench kernels --heads 1``, scheduled he
     trn2 bf16 D=128 self_forcing_chunk (full cache) ~66% scheduled PE efficiency, trn3 ~83%; ~0.56 / ~0.60x
     the scheduled time of nki-library's attention_cte, 0 activation-function switches on both (so the same
     under the act-table-reload hypotheses); ``--sensitivity`` shows both under each named hypothesis,
-    ``--fill`` the time per cache fill. The bench prints the current figures; this note is not the source of
-    truth.
+    ``--fill`` the time per cache fill; the per-rank text cross-attention (cross_rank, traced with all its
+    heads) near its ceiling, the DMA issue rate. The bench prints the current figures; this note is not the
+    source of truth.
 """
 from __future__ import annotations
 
@@ -118,9 +127,13 @@ LAG_PV_DMA = 5
 LAG_PV_PE = 4
 N_SSB, N_PSB, N_OB, N_RING = 3, 3, 2, 8   # ring depths (SBUF)
 N_PSB_PE = 2       # P ring depth when P^T is made by PE transposes only (read in the same stage)
-N_OUT = 4          # epilogue output ring: a group's tiles finish back to back, each DMA's latency hidden
+N_OUT = 8          # epilogue output slots: a group's tiles finish back to back, each DMA's latency hidden
+O_RUN = 2          # full q tiles of one head per output DMA (``_out_slot``): a run of consecutive rows
 REGION_KEYS = 8 * W_MAX   # about this many cache keys per runtime-skippable region (whole chunks of Skv)
 LSE_LAG = 4        # ticks between a pipelined tile's finish and its lse epilogue (``_finish``)
+N_KV = 3           # K/V buffers at most, when they fit: the next pair's loads go to the one the pair before the
+                   # current one used, whose items have left the pipeline by then (``_prefetch_pair``)
+Q_RUN = 4          # full q tiles of one head per Q^T DMA transpose (``_load_qs``)
 N_OPS = 3          # O_aug slots in PSUM bank 6 (PV of item i + 3 comes after the eviction of item i)
 
 
@@ -208,6 +221,11 @@ def _split(gen, n_full, has_partial, dma_ok, loading, k):
         nx = (nsub + 1) // 3
         if nsub == 11 and not loading and k % 2 == 1:
             nx = nx - 1
+        if nsub == 4 and not has_partial:
+            # a 512-key item (the text cross-attention's whole key space; swept on cross_rank): the DMA
+            # queues carry the K/V and Q rows of the next head as well, so one sub-tile by DMA, one by the exp
+            # path, two by PE transposes evicted by VectorE (which has room at these short items)
+            return 1, 2, 0, 1
     if gen == nisa.nc_version.gen4 and dma_ok:
         # trn3 (swept the same way): a sixth of the sub-tiles while the DMA queues also carry K/V, a quarter
         # after; none evicted by VectorE (trn3 is VectorE-bound)
@@ -381,9 +399,9 @@ def _load_dma(ctx, pair, ent, which):
             nisa.memset(dst=dst[:, n - 1, :], value=0.0, engine=nisa.engine.gpsimd)
         srcs = (ctx["k_cache"], ctx["k"])
     else:
-        dst = ctx["vA"][:, t0 - seg0:t1 - seg0, 0:D]
+        dst = pair["vA"][:, t0 - seg0:t1 - seg0, 0:D]
         if e < t1 * P:
-            nisa.memset(dst=ctx["vA"][:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=pair["vA"][:, t1 - 1 - seg0, 0:D], value=0.0, engine=nisa.engine.gpsimd)
         srcs = (ctx["v_cache"], ctx["v"])
     # rows from the cache [a, min(e, C)) and from the chunk [max(a, C), e)
     if a < C:
@@ -407,7 +425,7 @@ def _finish_k(ctx, pair, ent, eng):
         # slot holds, NaN / inf included, is overwritten before any arithmetic reads it)
         nisa.tensor_copy_predicated(dst=st[:, 0:n, :], src=pair["dup"].expand_dim(1).broadcast(1, n),
                                     predicate=pair["im"][:, t0:t1].expand_dim(2).broadcast(2, D))
-    kT = ctx["kT"]
+    kT = pair["kT"]
     c0 = (t0 - seg0) * P
     # PE transposes (TensorE has slack; SBUF->SBUF DMA transposes of K measured slower: the DMA queues carry
     # P^T and the K/V rows); their evictions are queued like an item's
@@ -422,7 +440,7 @@ def _finish_v(ctx, pair, ent, eng):
     D = ctx["D"]
     seg0 = pair["seg_t0"]
     t0, t1 = ent["t0"], ent["t1"]
-    vA = ctx["vA"]
+    vA = pair["vA"]
     if t0 * P < ctx["C"] or ctx["has_kvlen"]:
         _ensure_masks(ctx, pair, t1)
         vv = vA[:, t0 - seg0:t1 - seg0, 0:D]
@@ -538,8 +556,10 @@ def _force_k(ctx, pair, need, grp, qdone):
         _next_k(ctx, pair, nisa.engine.gpsimd if f % 2 == 0 else nisa.engine.vector)
         f = f + 1
     if not qdone:
+        rest = []
         for i in range(1, len(grp)):
-            _load_q(ctx, pair, grp[i])
+            rest.append(grp[i])
+        _load_qs(ctx, pair, rest)
     # the V rows of the block (after the K rows and Q in DMA order)
     for ent in pair["vq"]:
         if not ent["vdma"]:
@@ -587,6 +607,32 @@ def _pair_setup(ctx, b, g):
 # ----------------------------------------------------------------------------------------------------------
 # Q tiles of a group: Q^T [D, nq] per tile, and the per-tile online-softmax state
 # ----------------------------------------------------------------------------------------------------------
+def _load_qs(ctx, pair, tls):
+    """Q^T of the tiles ``tls`` (in group order): with the DMA transpose, a run of full 128-row tiles of one head
+    at consecutive rows (consecutive group slots) is one HBM->SBUF transpose of up to Q_RUN tiles (fewer DMA
+    issues: the per-DMA descriptor generation and fixed latency are paid once per run); else one per tile."""
+    i = 0
+    while i < len(tls):
+        n = 1
+        if ctx["dma_t"]:
+            while i + n < len(tls) and n < Q_RUN and tls[i]["nq"] == P and tls[i + n]["nq"] == P and \
+                    tls[i + n]["h"] == tls[i]["h"] and tls[i + n]["qs"] == tls[i]["qs"] + n * P and \
+                    tls[i + n]["r"] == tls[i]["r"] + n and tls[i + n]["set"] == tls[i]["set"]:
+                n = n + 1
+        if n == 1:
+            _load_q(ctx, pair, tls[i])
+        else:
+            D, H = ctx["D"], ctx["H"]
+            tl = tls[i]
+            qT = ctx["gsets"][tl["set"]]["qT"]
+            # 4-D form: [128 rows, n tiles, 1, D] -> [D, n tiles, 1, 128 rows]
+            nisa.dma_transpose(dst=qT[0:D, tl["r"]:tl["r"] + n, 0:P].reshape((D, n, 1, P)),
+                               src=ctx["q"].ap(pattern=[[H * D, P], [P * H * D, n], [1, 1], [1, D]],
+                                               offset=((pair["b"] * ctx["Sq"] + tl["qs"]) * H + tl["h"]) * D),
+                               axes=(3, 1, 2, 0))
+        i = i + n
+
+
 def _load_q(ctx, pair, tl):
     D = ctx["D"]
     gs = ctx["gsets"][tl["set"]]
@@ -615,7 +661,7 @@ def _st_qk(ctx, it):
     nq, w, c = tl["nq"], it["w"], it["c"]
     sps = ctx["s_ps"][it["k"] % 2]
     qT = ctx["gsets"][tl["set"]]["qT"]
-    kT = ctx["kT"]
+    kT = it["kT"]
     for j in range(0, w, MM_N):
         jw = min(MM_N, w - j)
         nisa.nc_matmul(dst=sps[0:nq, j:j + jw], stationary=qT[:, tl["r"], 0:nq], moving=kT[:, c + j:c + j + jw],
@@ -691,7 +737,7 @@ def _st_pv(ctx, it):
     nq, w = tl["nq"], it["w"]
     pT = ctx["pT"][it["k"] % len(ctx["pT"])]
     ops = ctx["o_ps"][0:nq, it["k"] % N_OPS, 0:ctx["D"] + 1]
-    vA = ctx["vA"]
+    vA = it["vA"]
     tb = it["c"] // P
     nsub = (w + P - 1) // P
     for t in range(nsub):
@@ -750,18 +796,57 @@ def _finish(ctx, tl, defer_lse=False):
     D, nq = ctx["D"], tl["nq"]
     oacc = ctx["gsets"][tl["set"]]["oacc"][0:nq, tl["r"], :]
     lcl = ctx["lcl"][0:nq, ctx["fin_i"] % N_RING:ctx["fin_i"] % N_RING + 1]
-    out = ctx["out_sb"][ctx["fin_i"] % N_OUT]
     ctx["fin_i"] = ctx["fin_i"] + 1
+    out = ctx["out_sb"][:, _out_slot(ctx, tl), :]
     nisa.tensor_tensor(dst=lcl, data1=oacc[:, D:D + 1], data2=ctx["consts"][0:nq, 0:1], op=nl.maximum,
                        engine=nisa.engine.gpsimd)
     nisa.tensor_tensor(dst=out[0:nq, :], data1=oacc[:, 0:D], data2=lcl.broadcast(1, D), op=nl.divide,
                        engine=nisa.engine.gpsimd)
-    nisa.dma_copy(dst=_hbm_rows(ctx["o"], tl["b"], tl["qs"], nq, tl["h"], ctx["Sq"], ctx["H"], D), src=out[0:nq, :])
+    ctx["orun"].append(tl)
+    if nq < P or len(ctx["orun"]) == O_RUN:
+        _flush_out(ctx)
     if ctx["lse"] is not None:
         if defer_lse:
             ctx["lse_q"].append((ctx["ticks"], tl))
         else:
             _finish_lse(ctx, tl)
+
+
+def _out_slot(ctx, tl):
+    """The output slot of a finished tile: the next slot of the pending run when the tile continues it (full
+    128-row tiles of one head at consecutive rows), else a new run (the pending one stored first) on O_RUN
+    contiguous slots."""
+    run = ctx["orun"]
+    if len(run) > 0:
+        last = run[len(run) - 1]
+        if not (tl["nq"] == P and last["b"] == tl["b"] and last["h"] == tl["h"] and tl["qs"] == last["qs"] + P):
+            _flush_out(ctx)
+    if len(ctx["orun"]) == 0:
+        if ctx["oslot"] + O_RUN > N_OUT:
+            ctx["oslot"] = 0
+        ctx["orun0"] = ctx["oslot"]
+    slot = ctx["orun0"] + len(ctx["orun"])
+    ctx["oslot"] = slot + 1
+    return slot
+
+
+def _flush_out(ctx):
+    """Store the pending run of finished tiles: one DMA (``O_RUN`` x 128 rows at most, one head). Emitted
+    where the run was finished (unconditional code: the carry-mode pipeline, or after a pair's region loops),
+    so every store runs exactly when its tiles' epilogues do."""
+    run = ctx["orun"]
+    n = len(run)
+    if n == 0:
+        return
+    tl = run[0]
+    D, s0 = ctx["D"], ctx["orun0"]
+    if n == 1:
+        nisa.dma_copy(dst=_hbm_rows(ctx["o"], tl["b"], tl["qs"], tl["nq"], tl["h"], ctx["Sq"], ctx["H"], D),
+                      src=ctx["out_sb"][0:tl["nq"], s0, :])
+    else:
+        nisa.dma_copy(dst=_hbm_tiles(ctx["o"], tl["b"], tl["qs"], n, tl["h"], ctx["Sq"], ctx["H"], D),
+                      src=ctx["out_sb"][:, s0:s0 + n, :])
+    ctx["orun"] = []
 
 
 def _flush_lse(ctx, upto=None):
@@ -862,6 +947,7 @@ def _drain(ctx):
         _tick(ctx, None)
     _flush_evictions(ctx)
     _flush_lse(ctx)
+    _flush_out(ctx)
 
 
 def _parts(ctx, NK):
@@ -886,16 +972,60 @@ def _parts(ctx, NK):
     return out
 
 
-def _run_pair(ctx, b, g, tiles):
-    """All q tiles of (b, kv head g) on this core: groups of R tiles; per group the key parts (``_parts``):
-    the chunk, then the cache regions the runtime cache_len reaches (work follows the fill).
+def _kv_in_flight(ctx, kT):
+    """Whether an item in flight reads the K^T buffer ``kT``."""
+    busy = False
+    for q_it in ctx["pipe"]:
+        if q_it["kT"] is kT:
+            busy = True
+    return busy
 
-    The software pipeline carries over from one part to the next (no drain between parts that both run): a
-    region's code starts with the previous part's items still in flight. Where the previous part ran and this
-    region does not (the fill ends there), a FALLBACK block drains the previous part's tail instead (its trip
-    count: flag[r-1] - flag[r], 0 or 1 because the flags fall monotonically); the last region's tail drains
-    under its own flag. Every instruction of an item therefore runs exactly when its part runs."""
+
+def _wait_kv(ctx, pair):
+    """Tick the pipeline until no in-flight item reads the K/V buffers ``pair`` is about to load."""
+    while _kv_in_flight(ctx, pair["kT"]):
+        _tick(ctx, None)
+
+
+def _prefetch_pair(ctx):
+    """The next (batch, kv head) pair, begun while this pair's last items run (two K/V buffers, this pair's
+    loads complete): its setup, then the K and V rows of its first key block and the Q^T of its first group by
+    DMA, so they arrive while this pair's items still keep the engines busy. Its K selects and K^T transposes
+    stay with its first item (``_force_k``): emitted now, TensorE would wait in order for the rows."""
+    job = ctx["next_job"]
+    nxt = _pair_begin(ctx, job[0], job[1], job[2])
+    pt = nxt["parts"][0]
+    _seg_start(ctx, nxt, pt["s0"], pt["s1"], pt["base_t"])
+    grp = nxt["groups"][0]
+    bl = _blocks(pt["s0"], min(grp[0]["end"], pt["s1"]))
+    need = (bl[0][0] + bl[0][1] + P - 1) // P if len(bl) > 0 else nxt["next_t"]
+    # in the order its first item needs them: the K rows, the first Q tile, the V rows, the other Q tiles
+    while nxt["next_t"] < need and len(nxt["kq"]) + len(nxt["vq"]) < N_STAGE - 1:
+        _issue_step(ctx, nxt, False)
+    _load_q(ctx, nxt, grp[0])
+    for ent in nxt["kq"]:
+        _load_dma(ctx, nxt, ent, 1)
+        ent["vdma"] = True
+    rest = []
+    for i in range(1, len(grp)):
+        rest.append(grp[i])
+    _load_qs(ctx, nxt, rest)
+    nxt["q_loaded"][0] = True
+    nxt["prefetched"] = True
+    ctx["next_pair"] = nxt
+
+
+def _pair_begin(ctx, b, g, tiles):
+    """A (batch, kv head) pair's setup (emitted) and plan (trace time): its K/V buffers, masks, key parts,
+    groups of R q tiles (their softmax-state sets alternate globally, so a pair's first group follows the
+    previous pair's last one in the pipeline)."""
     pair = _pair_setup(ctx, b, g)
+    # the pair's K/V buffers: alternate between two when both fit (``attention_kernel``), so the next pair's
+    # loads never wait for this pair's items to leave the pipeline
+    pair["kT"] = ctx["kT_bufs"][ctx["n_pairs"] % len(ctx["kT_bufs"])]
+    pair["vA"] = ctx["vA_bufs"][ctx["n_pairs"] % len(ctx["vA_bufs"])]
+    pair["prefetched"] = False
+    ctx["n_pairs"] = ctx["n_pairs"] + 1
     NK = 0
     for tl in tiles:
         if tl["end"] > NK:
@@ -915,9 +1045,7 @@ def _run_pair(ctx, b, g, tiles):
         for m0 in range(0, c0, MASK_CHUNK):
             _masks_range(ctx, pair, m0, min(c0, m0 + MASK_CHUNK))
         pair["mask_t"] = nt
-    multi = len(ctx["segs"]) > 1
-    parts = _parts(ctx, NK)
-    carry = len(parts) == 1 and parts[0]["reg"] is None
+    pair["parts"] = _parts(ctx, NK)
     R = ctx["R"]
     groups = []
     for i0 in range(0, len(tiles), R):
@@ -925,19 +1053,38 @@ def _run_pair(ctx, b, g, tiles):
         for i in range(i0, min(i0 + R, len(tiles))):
             tl = tiles[i]
             tl["r"] = i - i0
-            tl["set"] = (i0 // R) % 2
-            tl["gid"] = i0 // R
+            tl["set"] = (ctx["n_groups"] + i0 // R) % 2   # global: a pair's first group follows the
+            tl["gid"] = ctx["n_groups"] + i0 // R          # previous pair's last one in the pipeline
             tl["b"] = b
             grp.append(tl)
         groups.append(grp)
+    ctx["n_groups"] = ctx["n_groups"] + len(groups)
+    pair["groups"] = groups
     q_loaded = []
     for gi in range(len(groups)):
         q_loaded.append(False)
+    pair["q_loaded"] = q_loaded
+    return pair
+
+
+def _run_pair(ctx, pair):
+    """All q tiles of (b, kv head g) on this core: groups of R tiles; per group the key parts (``_parts``):
+    the chunk, then the cache regions the runtime cache_len reaches (work follows the fill).
+
+    The software pipeline carries over from one part to the next (no drain between parts that both run): a
+    region's code starts with the previous part's items still in flight. Where the previous part ran and this
+    region does not (the fill ends there), a FALLBACK block drains the previous part's tail instead (its trip
+    count: flag[r-1] - flag[r], 0 or 1 because the flags fall monotonically); the last region's tail drains
+    under its own flag. Every instruction of an item therefore runs exactly when its part runs."""
+    multi = len(ctx["segs"]) > 1
+    parts = pair["parts"]
+    carry = len(parts) == 1 and parts[0]["reg"] is None
+    groups = pair["groups"]
+    q_loaded = pair["q_loaded"]
     for gi in range(len(groups)):
         grp = groups[gi]
         if not q_loaded[gi] and gi > 0:
-            for tl in grp:
-                _load_q(ctx, pair, tl)
+            _load_qs(ctx, pair, grp)
             q_loaded[gi] = True
         for tl in grp:
             tl["m"] = 0   # blocks of the tile issued so far (0: the next one initialises the state)
@@ -987,6 +1134,7 @@ def _run_pair(ctx, b, g, tiles):
         ctx["slot_busy"] = busy
         for tl in grp:
             _finish(ctx, tl)
+        _flush_out(ctx)   # before any runtime loop of the next group or pair
     return pair
 
 
@@ -1052,18 +1200,22 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                 m = tl["m"]
                 items.append({"tile": tl, "c": blks[r][j][0] - pt["base_t"] * P, "w": blks[r][j][1],
                               "first": m == 0, "cs": 1 + m % 3, "ps": 1 + (m + 2) % 3,
-                              "loading": ld, "key0": blks[r][j][0],
+                              "loading": ld, "key0": blks[r][j][0], "kT": pair["kT"], "vA": pair["vA"], "pair": pair,
                               "last": carry and j == len(blks[r]) - 1})
                 tl["m"] = m + 1
-    if load:
+    if load and not pair["prefetched"]:
         if carry:
-            _drain(ctx)   # a previous pair's items still read the K/V buffers about to be overwritten
+            # an earlier pair's items in flight that read the K/V buffers about to be overwritten leave first
+            # (with two K/V buffers, ``_pair_begin``, the previous pair's items read the other one and run on)
+            _wait_kv(ctx, pair)
+            if len(ctx["pipe"]) == 0:
+                _drain(ctx)   # one K/V buffer: the pipeline has drained, its queued evictions and lse follow
         _seg_start(ctx, pair, s0, s1, pt["base_t"])
     every = max(1, (LOAD_TILES * P * len(grp)) // W_MAX)
     for ii in range(len(items)):
         it = items[ii]
         if carry and ii == 0:
-            _wait_set(ctx, grp[0]["set"], gi)
+            _wait_set(ctx, grp[0]["set"], grp[0]["gid"])
         if ld:
             need = (it["key0"] + it["w"] + P - 1) // P
             if pair["kready"] < need:
@@ -1075,10 +1227,10 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     kt_late = True
             if kt_late:
                 _flush_evictions(ctx)   # K^T must be complete before this item's QK
-            # V of the item whose PV this tick emits
+            # V of the item (of this pair: a previous pair's items may still be in flight) whose PV this tick emits
             vneed = 0
             for q_it in ctx["pipe"]:
-                if q_it["age"] == ctx["lag_pv"] - 1 and q_it["key0"] >= s0 and q_it["key0"] < s1 and \
+                if q_it["age"] == ctx["lag_pv"] - 1 and q_it["pair"] is pair and q_it["key0"] >= s0 and q_it["key0"] < s1 and \
                         q_it["key0"] + q_it["w"] > vneed:
                     vneed = q_it["key0"] + q_it["w"]
             while pair["vready"] < (vneed + P - 1) // P:
@@ -1086,6 +1238,14 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     _next_k(ctx, pair, nisa.engine.gpsimd)
                 _next_v(ctx, pair, nisa.engine.gpsimd)
         _tick(ctx, it)
+        if carry and gi + 1 == len(groups) and ctx["next_job"] is not None and ctx["next_pair"] is None and \
+                len(ctx["kT_bufs"]) > 1 and len(pair["kq"]) == 0 and pair["next_t"] >= pair["end_t"] and \
+                (len(pair["vq"]) == 0 or not (ctx["has_cache"] or ctx["has_kvlen"])) and \
+                not _kv_in_flight(ctx, ctx["kT_bufs"][ctx["n_pairs"] % len(ctx["kT_bufs"])]):
+            # this pair's K rows all issued and through the staging tiles, its masks read (or none), no item in
+            # flight reads the other K/V buffers: the next pair's setup and first loads overwrite nothing still
+            # needed (no empty ticks here: this pair's PV stages must not run ahead of its V loads)
+            _prefetch_pair(ctx)
         if ld:
             kq, vq = pair["kq"], pair["vq"]
             if len(kq) > 0 and ctx["tick"] - kq[0]["tick"] >= LOAD_LAG:
@@ -1096,8 +1256,7 @@ def _run_part(ctx, pair, groups, gi, pt, load, q_loaded, prefetch, carry=False):
                     len(pair["kq"]) + len(pair["vq"]) < N_STAGE - 2:
                 _issue_step(ctx, pair, True)
         if prefetch and gi + 1 < len(groups) and not q_loaded[gi + 1] and ii >= len(items) - 2 * R:
-            for tl in groups[gi + 1]:
-                _load_q(ctx, pair, tl)
+            _load_qs(ctx, pair, groups[gi + 1])
             q_loaded[gi + 1] = True
     if ld and not (carry and gi + 1 < len(groups)):
         # the rest of the part (items still in flight read its V); in carry mode the last group completes it
@@ -1153,7 +1312,8 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
            "B": B, "Sq": Sq, "H": H, "D": D, "Skv": Skv, "Hkv": Hkv, "C": C, "scale": scale, "gen": gen,
            "gen2": gen == nisa.nc_version.gen2, "fused_update": fused_update, "act_exp_only": act_exp_only, "isz": isz, "v_bits": isz == 2 and act_exp_only, "mm_dt": mm_dt, "dma_t": dma_t, "has_cache": has_cache,
            "has_kvlen": has_kvlen, "sb_top": 0, "pipe": [], "tick": 0, "ev_queue": [], "slot_next": 0,
-           "stage_i": 0, "qn_i": 0, "fin_i": 0, "lse_i": 0, "lse_q": [], "ticks": 0}
+           "stage_i": 0, "qn_i": 0, "fin_i": 0, "orun": [], "orun0": 0, "oslot": 0, "lse_i": 0, "lse_q": [], "ticks": 0,
+           "n_pairs": 0, "n_groups": 0, "next_pair": None, "next_job": None}
 
     # -- tiles and the key space ----------------------------------------------------------------------------
     qtiles = plan_q_tiles(Sq, Skv, causal_block)
@@ -1224,7 +1384,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     ctx["nmx"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["alpha"] = _sb(ctx, (P, N_RING), nl.float32, 4)
     ctx["lcl"] = _sb(ctx, (P, N_RING), nl.float32, 4)
-    ctx["out_sb"] = _ring(ctx, N_OUT, (P, D), q.dtype, isz)
+    ctx["out_sb"] = _sb(ctx, (P, N_OUT, D), q.dtype, isz)
     if return_lse:
         ctx["lse_t"] = _sb(ctx, (P, N_RING), nl.float32, 4)
         ctx["lse_b"] = _sb(ctx, (P, N_RING), nl.float32, 4)
@@ -1283,8 +1443,18 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     for sg in segs:
         if (sg[1] - sg[0] + P - 1) // P > seg_tiles:
             seg_tiles = (sg[1] - sg[0] + P - 1) // P
-    ctx["kT"] = _sb(ctx, (D, seg_tiles * P), mm_dt, isz)
-    ctx["vA"] = _sb(ctx, (P, seg_tiles, D + 1), mm_dt, isz)
+    # two K/V buffers when the pairs' whole key spaces fit twice and the pipeline carries over from pair to
+    # pair (one part per pair: no runtime regions, one segment) and this core runs several pairs
+    n_kv = 1
+    my_pairs = (B * Hkv) // nprog if (B * Hkv) % nprog == 0 else B * Hkv
+    if len(segs) == 1 and len(regions) == 0:
+        while n_kv < min(N_KV, my_pairs) and (n_kv + 1) * seg_tiles * (P + D + 1) * isz <= budget:
+            n_kv = n_kv + 1
+    ctx["kT_bufs"] = []
+    ctx["vA_bufs"] = []
+    for i in range(n_kv):
+        ctx["kT_bufs"].append(_sb(ctx, (D, seg_tiles * P), mm_dt, isz))
+        ctx["vA_bufs"].append(_sb(ctx, (P, seg_tiles, D + 1), mm_dt, isz))
 
     # -- PSUM: two score buffers of 3 banks, the O_aug slots (bank 6), the transpose bank (bank 7) ----------
     ctx["s_ps"] = [_ps((P, W_MAX), nl.float32, 0), _ps((P, W_MAX), nl.float32, 3)]
@@ -1301,6 +1471,7 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
     # -- LNC2: whole (batch, kv head) pairs per core when they split evenly (K/V loaded once in total),
     # else the q tiles of every pair are interleaved over the cores
     split_pairs = (B * Hkv) % nprog == 0
+    jobs = []
     for b in range(B):
         for g in range(Hkv):
             if split_pairs and (b * Hkv + g) % nprog != pid:
@@ -1312,9 +1483,16 @@ def attention_kernel(q, k, v, k_cache, v_cache, cache_len, kv_len, scale, causal
                     if split_pairs or cnt % nprog == pid:
                         tiles.append({"h": h, "qs": qt[0], "nq": qt[1], "end": C + qt[2]})
                     cnt = cnt + 1
-            if len(tiles) == 0:
-                continue
-            _run_pair(ctx, b, g, tiles)
+            if len(tiles) > 0:
+                jobs.append((b, g, tiles))
+    # each pair begun here, or earlier by its predecessor's ``_prefetch_pair`` (two K/V buffers)
+    for ji in range(len(jobs)):
+        pair = ctx["next_pair"]
+        if pair is None:
+            pair = _pair_begin(ctx, jobs[ji][0], jobs[ji][1], jobs[ji][2])
+        ctx["next_pair"] = None
+        ctx["next_job"] = jobs[ji + 1] if ji + 1 < len(jobs) else None
+        _run_pair(ctx, pair)
     _drain(ctx)
     if return_lse:
         return o, lse_out

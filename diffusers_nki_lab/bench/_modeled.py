@@ -6,8 +6,13 @@ mode (``simulate(..., numerics=False)``: instruction records and hardware-limit 
 dependency-aware schedule (docs/COST_MODEL_SCHEDULE.md). The roofline ceiling of ``sim.cost.model``
 (perfect overlap of the engines) is handed out beside it (``*_ceiling_s``), never instead of it. The kernel's outer
 loop is over (batch, kv head) with identical, independent work per iteration (K/V loaded per kv head, all
-query heads of the GQA group inside), so ONE (batch, kv head) is traced and its time multiplied by
-B x Hkv (checked: 3 heads trace to 3.000x one head within 0.1%). The kernel's cost does not depend on the
+query heads of the GQA group inside). A call whose whole trace is small (at most ``FULL_TRACE_SCORES`` score
+elements over all its heads, e.g. the text cross-attention) is traced with ALL its (batch, kv head)
+iterations: the kernel overlaps consecutive iterations there (two K/V buffers, the pipeline runs on from one
+head to the next), which one iteration times B x Hkv would miss (~29% pessimistic on the per-rank text
+cross-attention before the overlap, more after). A larger call traces ONE (batch, kv head) and multiplies
+its time by B x Hkv: its K/V fill one buffer, the pipeline drains between iterations, so the product is
+close (tests/kernels/test_attention_bench.py). The kernel's cost does not depend on the
 runtime ``kv_len`` values, but it follows the runtime ``cache_len``: the cache regions the valid length does not
 reach are skipped (runtime loops), so the memo is keyed on the valid cache length too.
 
@@ -19,8 +24,7 @@ Two per-unit figures are reported per target (scheduled; ``core_ceiling_s`` / ``
   (matrix, demo, ``bench budget``) replace it with ``bench/scaling.chip_figure``: diffusers' context
   parallelism over the chip's cores, collectives included (the spread is kept as ``chip_spread_s``).
 Efficiency = useful matmul FLOPs (as the emulator counts them) / (time x PE bf16 peak of the cores used).
-The per-(batch, kv head) schedule is multiplied by the iterations: the overlap between consecutive
-iterations is not modeled (a small pessimism; tests/kernels/test_attention_bench.py bounds it).
+For a call traced in full, the per-iteration figures (``per_head_s``) are its time divided by B x Hkv.
 """
 from __future__ import annotations
 
@@ -29,9 +33,13 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from diffusers_nki_lab.bench.published import AttnCall
 
-__all__ = ["TARGETS", "model_call", "model_calls", "available", "unavailable_reason"]
+__all__ = ["TARGETS", "FULL_TRACE_SCORES", "traced_iterations", "model_call", "model_calls", "available", "unavailable_reason"]
 
 TARGETS = ("trn1", "trn2", "trn3")
+# the largest call (query rows x (cache capacity + chunk keys) x query heads x batch) traced with all its
+# (batch, kv head) iterations instead of one: the per-rank text cross-attention (585 x 512 x 12 = 3.6e6)
+# traces in about a second, one per-rank self-attention head (4680 x 16380 = 7.7e7) in several
+FULL_TRACE_SCORES = 16_000_000
 _MEMO: Dict[Tuple, dict] = {}
 
 
@@ -60,6 +68,14 @@ def _np_dtype(dtype: str):
     return {"float16": np.float16, "float32": np.float32}[dtype]
 
 
+def traced_iterations(call: AttnCall) -> int:
+    """How many (batch, kv head) iterations ``model_call`` traces for ``call``: all B x Hkv when the whole call
+    is at most ``FULL_TRACE_SCORES`` score elements, else one (its time then multiplied by B x Hkv)."""
+    hkv = call.kv_heads or call.heads
+    scores = call.batch * call.heads * call.sq * ((call.cache or 0) + call.skv)
+    return call.batch * hkv if scores <= FULL_TRACE_SCORES else 1
+
+
 def model_call(call: AttnCall, target: str = "trn2", dtype: str = "bfloat16") -> dict:
     """Modeled cost of ONE call of ``call``'s shape on ``target`` (all heads; see the module docstring)."""
     import numpy as np
@@ -71,25 +87,30 @@ def model_call(call: AttnCall, target: str = "trn2", dtype: str = "bfloat16") ->
     hkv = call.kv_heads or call.heads
     group = call.heads // hkv
     fill = min(call.cache_len, call.cache) if call.cache else 0
-    key = (call.sq, call.skv, group, call.head_dim, call.cache, fill, call.causal_block, target, dtype)
+    n_tr = traced_iterations(call)
+    # traced in full: (batch, kv heads) as the call has them; else one (batch, kv head)
+    bt, kvt = (call.batch, hkv) if n_tr > 1 else (1, 1)
+    key = (call.sq, call.skv, group, call.head_dim, call.cache, fill, call.causal_block, target, dtype, bt, kvt)
     if key not in _MEMO:
         dt = _np_dtype(dtype)
         D = call.head_dim
-        q = np.zeros((1, call.sq, group, D), dt)
-        k = np.zeros((1, call.skv, 1, D), dt)
-        v = np.zeros((1, call.skv, 1, D), dt)
+        q = np.zeros((bt, call.sq, group * kvt, D), dt)
+        k = np.zeros((bt, call.skv, kvt, D), dt)
+        v = np.zeros((bt, call.skv, kvt, D), dt)
         kc = vc = cl = None
         if call.cache:
-            kc = np.zeros((1, call.cache, 1, D), dt)
-            vc = np.zeros((1, call.cache, 1, D), dt)
+            kc = np.zeros((bt, call.cache, kvt, D), dt)
+            vc = np.zeros((bt, call.cache, kvt, D), dt)
             cl = np.array([fill], np.int32)
         simulate(attention_kernel, target=target, numerics=False)(q, k, v, kc, vc, cl, None, None,
                                                                     int(call.causal_block))
         rec = last_record()
         rep = cost.model(rec, target)
         sch = schedule(rec, target, ceiling=rep)
-        _MEMO[key] = {"t_sched_s": sch.t_scheduled_s, "t_opt_s": rep.t_optimistic_s, "t_pess_s": rep.t_pessimistic_s,
-                      "flops": rep.useful_flops, "bottleneck": rep.bottleneck,
+        # per (batch, kv head) iteration: a full trace's figures divided by its iterations
+        _MEMO[key] = {"t_sched_s": sch.t_scheduled_s / n_tr, "t_opt_s": rep.t_optimistic_s / n_tr,
+                      "t_pess_s": rep.t_pessimistic_s / n_tr, "flops": rep.useful_flops / n_tr, "traced": n_tr,
+                      "bottleneck": rep.bottleneck,
                       "pe_peak_flops": rep.pe_peak_flops, "cores_per_chip": cost.get_spec(target).cores_per_chip}
     one = _MEMO[key]
     iters = call.batch * hkv
@@ -98,7 +119,7 @@ def model_call(call: AttnCall, target: str = "trn2", dtype: str = "bfloat16") ->
             "per_head_ceiling_s": one["t_opt_s"], "core_ceiling_s": one["t_opt_s"] * iters,
             "core_pess_s": one["t_pess_s"] * iters, "flops": one["flops"] * iters, "iters": iters,
             "bottleneck": one["bottleneck"], "pe_peak_flops": one["pe_peak_flops"],
-            "cores_per_chip": one["cores_per_chip"],
+            "cores_per_chip": one["cores_per_chip"], "traced_iterations": one["traced"],
             "efficiency": eff(one["t_sched_s"]), "efficiency_ceiling": eff(one["t_opt_s"])}
 
 

@@ -42,7 +42,9 @@ each named hypothesis of ``sim.cost.SENSITIVITY_ROWS``: scheduled_s, act_table_s
 ``peer[...]["hypotheses"]`` (per hypothesis: ours_s, attention_cte_s, ratio), and ``sensitivity`` (the change
 when each schedule ASSUMPTION constant is doubled). Every time is modeled; 1-head traces
 (``--heads 1``) are multiplied by the head count (each head's work is identical and sequential; the
-overlap between consecutive heads is then not modeled, a small pessimism).
+overlap between consecutive heads is then not modeled, a small pessimism where a head's K/V fill the SBUF).
+An attention shape small enough to trace whole (``bench/_modeled.FULL_TRACE_SCORES``, e.g. cross_rank) is
+always traced with all its heads, as the budget does: the kernel overlaps consecutive heads there.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from diffusers_nki_lab.bench import _rows, kernels_dense
+from diffusers_nki_lab.bench import _modeled, _rows, kernels_dense
 
 __all__ = ["SHAPES", "PEER_SHAPES", "add_arguments", "run", "bench_shape", "bench_peer"]
 
@@ -158,9 +160,12 @@ def bench_shape(name: str, target: str, heads: Optional[int] = None, lnc: int = 
     H_full = s["H"]
     if s["kernel"] in ("cache_write", "qk_norm_rope"):
         heads = None  # few instructions (cache_write) / not per-head work (qk_norm_rope): always traced in full
+    if heads is not None and (heads < 1 or heads > H_full):
+        raise ValueError(f"--heads={heads} must be in 1..{H_full}")
+    if s["kernel"] == "attention" and \
+            s["B"] * H_full * s["Sq"] * (s["C"] + s["Skv"]) <= _modeled.FULL_TRACE_SCORES:
+        heads = None  # small enough to trace whole, as the budget does (the kernel overlaps consecutive heads)
     if heads is not None:
-        if heads < 1 or heads > H_full:
-            raise ValueError(f"--heads={heads} must be in 1..{H_full}")
         s["H"] = s["Hkv"] = heads
     factor = H_full / s["H"]
     bf16 = ml_dtypes.bfloat16

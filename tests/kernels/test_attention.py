@@ -193,6 +193,22 @@ def test_lnc2_splits_the_work(B, Hkv):
         assert reads[0] - reads[1] >= 2 * 300 * 64 * 2  # both cores load the pair's K/V (cache at least)
 
 
+@pytest.mark.parametrize("skv,kv_len", [(512, [470, 512]), (1700, [1650, 1700])])
+@pytest.mark.parametrize("dtype,lnc,B,Hkv", [(torch.bfloat16, 1, 2, 2), (torch.float32, 1, 2, 2),
+                                             (torch.bfloat16, 2, 2, 2), (torch.bfloat16, 2, 1, 3)])
+def test_consecutive_pairs_share_the_pipeline(dtype, lnc, B, Hkv, skv, kv_len):
+    """Small key spaces (text cross-attention): rotating K/V buffers, the pipeline runs on from one (batch, kv
+    head) pair into the next (no drain between them), with 512-key items (one block) or two blocks per q tile; a
+    pair of 18 q tiles spans two groups, so the softmax-state sets alternate across pairs too; LNC2 with whole
+    pairs per core and with 3 pairs whose q tiles interleave over the cores. Per-batch key padding (30 x randn
+    beyond it), every head checked. (That the pairs overlap is checked on the schedule:
+    tests/kernels/test_attention_bench.py.)"""
+    args = make_case(300, skv, 64, dtype, "absent", cb=0, inputs="30randn", B=B, H=12, Hkv=Hkv, kv_len=kv_len[:B],
+                     seed=29)
+    out, _ = run_kernel(args, lnc=lnc)
+    check_tolerance(args, out)
+
+
 def test_multi_segment_groups():
     """K/V that do not fit SBUF: keys in segments, q tiles in groups whose online-softmax state persists
     across segments. Forced by the kernel's ``kv_budget`` argument (bytes per partition for resident K/V; the
