@@ -81,6 +81,7 @@ __all__ = ["ln_modulate_kernel", "gated_residual_kernel", "not_supported_reasons
 P = 128  # partitions = tokens per tile
 MAX_GROUP = 8  # token tiles issued stage by stage together (the engines overlap across them)
 SBUF_RESERVE = 16384  # bytes per partition left for the small statistics tiles and the allocator's alignment
+BN_FMAX = 512  # elements per partition of one bn_stats call (nl.tile_size.bn_stats_fmax)
 
 # Wan2.1-1.3B, one 3-latent-frame chunk at 480x832 (1560 tokens per frame), dim 1536
 FULL_SCALE = dict(B=1, S=3 * 1560, D=1536)
@@ -144,83 +145,144 @@ def _mod_rows(t, b, s0, n, S, D, dst):
     nisa.dma_copy(dst=dst[0:n], src=_rows(t, tb, s0, n, S, D))
 
 
-def _one_plus(dst, n):
-    """dst = 1 + dst (the modulation's (1 + scale), fp32, in place), on VectorE."""
-    nisa.tensor_scalar(dst=dst[0:n], data=dst[0:n], op0=nl.add, operand0=1.0, engine=nisa.engine.vector)
+def _one_plus(dst, n, one):
+    """dst = 1 + dst (the modulation's (1 + scale), fp32, in place), on ScalarE (bias = the [P, 1] ones tile
+    ``one``): one exact-rounded fp32 add, as torch's ``1 + scale``."""
+    nisa.activation(dst=dst[0:n], op=nl.copy, data=dst[0:n], bias=one[0:n])
 
 
 def _group_tiles(D, isz, resident):
-    """Token tiles processed together, stage by stage (1..MAX_GROUP): as many as the per-tile working buffers
-    (x, y, r, out in x's dtype; t, c in fp32) fit in the SBUF left after the ``resident`` bytes per partition."""
-    per_tile = D * (4 * isz + 8)
-    g = (nl.tile_size.sbuf_fmax_bytes - resident - SBUF_RESERVE) // per_tile
+    """Token tiles per group (1..MAX_GROUP): every tile's inputs (x, y in x's dtype) are loaded before any compute
+    of the group (so no store ever queues ahead of a load), plus the working buffers of the four tiles in flight
+    (r, out in x's dtype; t, c in fp32), in the SBUF left after the ``resident`` bytes per partition."""
+    work = 4 * D * (2 * isz + 8)
+    g = (nl.tile_size.sbuf_fmax_bytes - resident - SBUF_RESERVE - work) // (2 * D * isz)
     return max(1, min(MAX_GROUP, g))
 
 
-def _stats(r, n, D, eps):
-    """Per-row LayerNorm statistics of r[0:n]: (c, rstd) with c = r - mean (fp32) and rstd = 1/sqrt(var + eps).
-    Two passes (the mean first), so no E[r^2] - mean^2 cancellation; c is centred before it is ever scaled. The
-    three full-width passes run on ScalarE (sum, sum of squares with the add-reduce registers, centring)."""
-    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-    s = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], reduce_op=nl.add, reduce_cmd=nisa.reduce_cmd.reset_reduce,
-                    reduce_res=s[0:n])
+def _dve_factor():
+    """VectorE time per element relative to GpSimd's for the same rate: trn2's VectorE clock is 0.96 GHz against
+    GpSimd's 1.2 GHz [ARCH3]; equal clocks on trn1 (port-shared anyway) and trn3 [ARCH4]."""
+    if nisa.get_nc_version() == nisa.nc_version.gen3:
+        return 1.25
+    return 1.0
+
+
+def _tt(dst, a, b, op, n, load, dvef):
+    """dst[0:n] = a[0:n] <op> b[0:n] (a two-input fp32 pass: 2N cycles on either engine), its columns split between
+    VectorE and GpSimd (multiples of 32) so that the running pass counts ``load`` = [ScalarE, VectorE, GpSimd]
+    (updated in place) come out equal: the two halves run at once, so the op's latency halves with its cost."""
+    D = dst.shape[1]
+    fd = (load[2] + 2 - load[1]) / (2 * dvef + 2)
+    fd = min(1.0, max(0.0, fd))
+    cd = 0
+    for j in range(0, D + 1, 32):  # the nearest multiple of 32 (trace time: plain Python numbers)
+        if j <= D * fd + 16:
+            cd = j
+    if cd >= D - 16:
+        cd = D
+    if cd > 0:
+        nisa.tensor_tensor(dst=dst[0:n, 0:cd], data1=a[0:n, 0:cd], data2=b[0:n, 0:cd], op=op,
+                           engine=nisa.engine.vector)
+    if cd < D:
+        nisa.tensor_tensor(dst=dst[0:n, cd:D], data1=a[0:n, cd:D], data2=b[0:n, cd:D], op=op,
+                           engine=nisa.engine.gpsimd)
+    load[1] = load[1] + 2 * dvef * cd / D
+    load[2] = load[2] + 2 * (D - cd) / D
+
+
+def _stats(r, n, D, eps, load, dvef):
+    """Per-row LayerNorm statistics of r[0:n]: (nm, rstd) = (-mean, 1/sqrt(var + eps)), [P, 1] fp32 each. The mean
+    and variance come from VectorE's bn_stats / bn_aggr (one pass in chunks of BN_FMAX, a centred variance per
+    chunk combined by Chan's formula) or from ScalarE's add-reduce registers (two passes: the sum, then the centred
+    sum of squares; no E[r^2] - mean^2 cancellation either way), whichever engine the running pass counts ``load``
+    leave less busy; rstd on GpSimd (its precise rsqrt)."""
     nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=nm[0:n], data=s[0:n], op0=nl.multiply, operand0=-1.0 / D, engine=nisa.engine.vector)
-    ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    # the squares land in c (discarded: overwritten by the centred values next)
-    nisa.activation(dst=c[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
-                    reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=ss[0:n])
-    nisa.activation(dst=c[0:n], op=nl.copy, data=r[0:n], bias=nm[0:n])
     ve = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ve[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=eps,
-                       engine=nisa.engine.vector)
+    if load[0] + 3 > (load[1] + load[2]) / 2:  # ScalarE would become the busier: bn_stats on VectorE
+        load[1] = load[1] + dvef
+        nch = (D + BN_FMAX - 1) // BN_FMAX
+        st = nl.ndarray((P, 6 * nch), dtype=nl.float32, buffer=nl.sbuf)
+        for j in range(nch):
+            c0 = j * BN_FMAX
+            nisa.bn_stats(dst=st[0:n, 6 * j:6 * j + 6], data=r[0:n, c0:min(D, c0 + BN_FMAX)])
+        mv = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=mv[0:n], data=st[0:n])
+        nisa.tensor_scalar(dst=nm[0:n], data=mv[0:n, 0:1], op0=nl.multiply, operand0=-1.0,
+                           engine=nisa.engine.vector)
+        nisa.tensor_scalar(dst=ve[0:n], data=mv[0:n, 1:2], op0=nl.add, operand0=eps, engine=nisa.engine.vector)
+    else:
+        load[0] = load[0] + 2
+        sq = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)  # scratch: the pass outputs are discarded
+        s = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq[0:n], op=nl.copy, data=r[0:n], reduce_op=nl.add,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=s[0:n])
+        nisa.tensor_scalar(dst=nm[0:n], data=s[0:n], op0=nl.multiply, operand0=-1.0 / D, engine=nisa.engine.vector)
+        ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=ss[0:n])
+        nisa.tensor_scalar(dst=ve[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / D, op1=nl.add,
+                           operand1=eps, engine=nisa.engine.vector)
     rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd[0:n], data=ve[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
-    return c, rstd
+    return nm, rstd
 
 
-def _finish(out, c, rstd, n, w_sb, b_sb, onep, sh):
-    """out[0:n] = ((c * rstd) [* w] [+ b]) [* onep + sh] in torch's order of fp32 roundings, the last op writing
-    out's dtype: the per-row scale and the first per-column factor in one VectorE instruction
-    (``scalar_tensor_tensor``), the remaining per-column ops on GpSimd."""
-    first = w_sb
-    if first == None:  # noqa: E711
-        if b_sb == None:  # noqa: E711
-            first = onep
-    tail = 0  # per-column ops after the first
-    if b_sb != None:  # noqa: E711
-        tail = tail + 1
-    if onep != None and first != onep:  # noqa: E711
-        tail = tail + 1
-    if onep != None:  # noqa: E711
-        tail = tail + 1
-    if first == None:  # noqa: E711  a bias without a weight, or the plain LayerNorm
-        nisa.tensor_scalar(dst=out[0:n] if tail == 0 else c[0:n], data=c[0:n], op0=nl.multiply, operand0=rstd[0:n],
-                           engine=nisa.engine.vector)
+def _normalize(dst, r, nm, rstd, n, wide, load):
+    """dst[0:n] = (r - mean) * rstd in fp32 (or dst's dtype), on ScalarE. 16-bit r (``wide`` False): one pass,
+    r * rstd + (-mean * rstd) with the per-partition scale and bias; its fp32 rounding of r * rstd (relative 2^-24
+    of |r - mean| / std + |mean| / std) stays far below one unit of the 16-bit output. fp32 r: two passes, centred
+    (r - mean, one rounding like torch's) before it is scaled, so no cancellation when the mean dominates."""
+    if wide:
+        load[0] = load[0] + 2
+        nisa.activation(dst=dst[0:n], op=nl.copy, data=r[0:n], bias=nm[0:n])
+        nisa.activation(dst=dst[0:n], op=nl.copy, data=dst[0:n], scale=rstd[0:n])
     else:
-        nisa.scalar_tensor_tensor(dst=out[0:n] if tail == 0 else c[0:n], data=c[0:n], op0=nl.multiply,
-                                  operand0=rstd[0:n], op1=nl.multiply, operand1=first[0:n])
+        load[0] = load[0] + 1
+        nmr = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=nmr[0:n], data=nm[0:n], op0=nl.multiply, operand0=rstd[0:n],
+                           engine=nisa.engine.vector)
+        nisa.activation(dst=dst[0:n], op=nl.copy, data=r[0:n], scale=rstd[0:n], bias=nmr[0:n])
+
+
+def _finish(out, c, n, w_sb, b_sb, onep, sh, load, dvef):
+    """out[0:n] = (c [* w] [+ b]) [* onep + sh] (c the normalized rows, fp32) in torch's order of fp32 roundings,
+    the last op writing out's dtype; each per-column op split between VectorE and GpSimd (``_tt``)."""
+    ops = []
+    if w_sb != None:  # noqa: E711
+        ops.append(0)
     if b_sb != None:  # noqa: E711
-        tail = tail - 1
-        nisa.tensor_tensor(dst=out[0:n] if tail == 0 else c[0:n], data1=c[0:n], data2=b_sb[0:n], op=nl.add,
-                           engine=nisa.engine.gpsimd)
+        ops.append(1)
     if onep != None:  # noqa: E711
-        if first != onep:
-            nisa.tensor_tensor(dst=c[0:n], data1=c[0:n], data2=onep[0:n], op=nl.multiply,
-                               engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=out[0:n], data1=c[0:n], data2=sh[0:n], op=nl.add, engine=nisa.engine.gpsimd)
+        ops.append(2)
+        ops.append(3)
+    for j in range(len(ops)):
+        dst = c
+        if j == len(ops) - 1:
+            dst = out
+        if ops[j] == 0:
+            _tt(dst, c, w_sb, nl.multiply, n, load, dvef)
+        elif ops[j] == 1:
+            _tt(dst, c, b_sb, nl.add, n, load, dvef)
+        elif ops[j] == 2:
+            _tt(dst, c, onep, nl.multiply, n, load, dvef)
+        else:
+            _tt(dst, c, sh, nl.add, n, load, dvef)
+    return len(ops)
 
 
-def _residual(r, x_sb, y_sb, g_sb, n, gated):
-    """r[0:n] = x + y * g (fp32 product on GpSimd, fp32 sum on VectorE, rounded once to r's dtype) or x + y
-    (GpSimd)."""
+def _residual(r, x_sb, y_sb, g_sb, n, gated, load, dvef):
+    """r[0:n] = x + y * g (the fp32 product, then the fp32 sum rounded once to r's dtype: two two-input passes on
+    the less loaded of VectorE / GpSimd each) or x + y (x's dtype, one 16-bit two-input pass on VectorE, counted
+    against GpSimd too: VectorE's 16-bit 2x mode shares GpSimd's SBUF bus on trn2 / trn3 [ARCH3])."""
     if gated:
         t = nl.ndarray((P, r.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t[0:n], data1=y_sb[0:n], data2=g_sb[0:n], op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=t[0:n], op=nl.add, engine=nisa.engine.vector)
+        _tt(t, y_sb, g_sb, nl.multiply, n, load, dvef)
+        _tt(r, x_sb, t, nl.add, n, load, dvef)
     else:
-        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=y_sb[0:n], op=nl.add, engine=nisa.engine.gpsimd)
+        load[1] = load[1] + dvef
+        load[2] = load[2] + 1
+        nisa.tensor_tensor(dst=r[0:n], data1=x_sb[0:n], data2=y_sb[0:n], op=nl.add, engine=nisa.engine.vector)
 
 
 def _mod_tile(t, b, s0, n, S, D):
@@ -230,10 +292,30 @@ def _mod_tile(t, b, s0, n, S, D):
     return dst
 
 
+def _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok):
+    """The per-sample rows of batch row b on every partition (DMA, partition stride 0): [gate, 1 + scale, shift]
+    (None where absent or per token)."""
+    g_sb = None
+    onep = None
+    sh = None
+    if gated and not g_tok:
+        g_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=g_sb, src=_bcast_row(gate, b if gate.shape[0] > 1 else 0, D))
+    if norm and scale != None and not m_tok:  # noqa: E711
+        onep = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+        sh = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=onep, src=_bcast_row(scale, b if scale.shape[0] > 1 else 0, D))
+        nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
+    return [g_sb, onep, sh]
+
+
 def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
-    """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation). Token tiles are
-    taken ``_group_tiles`` at a time and every stage is issued for all tiles of the group before the next stage,
-    so each engine's in-order queue holds independent work of several tiles (the engines overlap across tiles)."""
+    """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation). Per batch row,
+    token tiles are taken ``_group_tiles`` at a time: every load of the group first (so the in-order DMA queues
+    never hold a load behind a store that waits for compute), then a software pipeline whose step k forms tile
+    k's residual and stores it, computes tile k-1's statistics and finishes and stores tile k-2, so each engine's
+    in-order queue alternates between independent tiles. Engines are chosen per instruction by running pass counts
+    (``load``), so ScalarE, VectorE and GpSimd carry about the same time."""
     B, S, D = x.shape
     isz = 4
     if x.dtype == nl.bfloat16 or x.dtype == nl.float16:
@@ -250,10 +332,16 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         w_sb = _load_vec(weight, D)
     if norm and bias != None:  # noqa: E711
         b_sb = _load_vec(bias, D)
+    one = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=one, value=1.0)
     gated = gate != None  # noqa: E711
     g_tok = gated and gate.shape[1] > 1
     m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
     G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
+    dvef = _dve_factor()
+    # the plain LayerNorm (no affine, no modulation): the normalization writes the output itself
+    plain = norm and weight == None and bias == None and scale == None  # noqa: E711
+    load = [0.0, 0.0, 0.0]  # running passes on [ScalarE, VectorE, GpSimd] (engine balance, trace time only)
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
     # this program's token tiles (dealt round-robin under kernel[2])
@@ -263,85 +351,77 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         if t_i % n_prgs == prg_id:
             mine.append(s0)
         t_i = t_i + 1
-    if G >= 4:  # the pipeline holds at most 4 tiles' buffers at once (each released once used): one group per row
-        G = max(1, len(mine))
     for b in range(B):
-        g_sb = None
-        onep = None
-        sh = None
-        if gated and not g_tok:
-            g_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=g_sb, src=_bcast_row(gate, b if gate.shape[0] > 1 else 0, D))
-        if norm and scale != None and not m_tok:  # noqa: E711
-            onep = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            sh = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=onep, src=_bcast_row(scale, b if scale.shape[0] > 1 else 0, D))
-            nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
-            _one_plus(onep, P)
+        rows = None
         for g0 in range(0, len(mine), G):
-            if g0 < len(mine):
-                starts = []
-                for j in range(g0, min(len(mine), g0 + G)):
-                    starts.append(mine[j])
-                nt = len(starts)
-                rs = []
-                cs = []
-                rstds = []
-                os = []
-                # a software pipeline over the group's tiles: at step k, tile k is loaded (and its residual formed),
-                # tile k-1's residual is stored and gets its statistics, tile k-2 is finished and tile k-3 stored;
-                # every store is issued a step after the work it waits for, so the in-order DMA queues never stall
-                # the next loads, and each engine's queue alternates between independent tiles
-                for k in range(nt + 3):
-                    if k < nt:
-                        s0 = starts[k]
-                        n = min(P, S - s0)
-                        x_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, s0, n, S, D))
-                        r_sb = x_sb
-                        if residual:
-                            y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                            nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, s0, n, S, D))
-                    i = k - 1
-                    if residual and i >= 0 and i < nt:
-                        n = min(P, S - starts[i])
-                        nisa.dma_copy(dst=_rows(r_o, b, starts[i], n, S, D), src=rs[i][0:n])
-                    i = k - 3
-                    if norm and i >= 0:
-                        n = min(P, S - starts[i])
-                        nisa.dma_copy(dst=_rows(n_o, b, starts[i], n, S, D), src=os[i][0:n])
-                        os[i] = None  # released: the SBUF holds the pipeline's last few tiles only
-                    if k < nt:
-                        if residual:
-                            s0 = starts[k]
-                            n = min(P, S - s0)
-                            gt = g_sb
-                            if g_tok:
-                                gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
-                            r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                            _residual(r_sb, x_sb, y_sb, gt, n, gated)
-                        rs.append(r_sb)
-                    i = k - 1
-                    if i >= 0 and i < nt:
-                        if norm:
-                            c, rstd = _stats(rs[i], min(P, S - starts[i]), D, eps)
-                            cs.append(c)
-                            rstds.append(rstd)
-                        rs[i] = None
-                    i = k - 2
-                    if norm and i >= 0 and i < nt:
-                        s0 = starts[i]
-                        n = min(P, S - s0)
-                        op = onep
-                        st = sh
-                        if m_tok:
-                            op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
-                            st = _mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D)
-                            _one_plus(op, n)
+            starts = []
+            for j in range(g0, min(len(mine), g0 + G)):
+                starts.append(mine[j])
+            nt = len(starts)
+            xs = []
+            ys = []
+            for k in range(nt):  # every load of the group first; the per-sample rows after the first tile's
+                n = min(P, S - starts[k])
+                x_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, starts[k], n, S, D))
+                xs.append(x_sb)
+                if residual:
+                    y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, starts[k], n, S, D))
+                    ys.append(y_sb)
+                if rows == None and (gated or k == min(2, nt - 1)):  # noqa: E711
+                    rows = _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok)
+            rs = []
+            stat = []
+            cs = []
+            for k in range(nt + 3):
+                # step k: tile k's residual (and its store), tile k-1's statistics, tile k-2's normalization
+                # (ScalarE), tile k-3's per-column ops and store: each engine's queue meets its work in the order
+                # the data becomes ready
+                if k < nt:
+                    s0 = starts[k]
+                    n = min(P, S - s0)
+                    r_sb = xs[k]
+                    if residual:
+                        gt = rows[0]
+                        if g_tok:
+                            gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
+                        r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                        _residual(r_sb, xs[k], ys[k], gt, n, gated, load, dvef)
+                        nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
+                        xs[k] = None
+                        ys[k] = None
+                    rs.append(r_sb)
+                i = k - 1
+                if norm and i >= 0 and i < nt:
+                    stat.append(_stats(rs[i], min(P, S - starts[i]), D, eps, load, dvef))
+                i = k - 2
+                if norm and i >= 0 and i < nt:
+                    n = min(P, S - starts[i])
+                    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                    if plain:
+                        c = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                    _normalize(c, rs[i], stat[i][0], stat[i][1], n, isz == 4, load)
+                    cs.append(c)
+                    rs[i] = None
+                i = k - 3
+                if norm and i >= 0 and i < nt:
+                    s0 = starts[i]
+                    n = min(P, S - s0)
+                    op = rows[1]
+                    st = rows[2]
+                    if m_tok:
+                        op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
+                        st = _mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D)
+                        _one_plus(op, n, one)
+                    if i == 0 and op != None and not m_tok:  # noqa: E711  (1 + scale), once per batch row
+                        _one_plus(op, P, one)
+                    o_sb = cs[i]
+                    if not plain:
                         o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _finish(o_sb, cs[i], rstds[i], n, w_sb, b_sb, op, st)
-                        os.append(o_sb)
-                        cs[i] = None
+                        _finish(o_sb, cs[i], n, w_sb, b_sb, op, st, load, dvef)
+                    nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=o_sb[0:n])
+                    cs[i] = None
     return r_o, n_o
 
 
