@@ -79,8 +79,11 @@ from diffusers_nki.kernels.ln_modulate_ref import MAX_DIM, not_supported_reasons
 __all__ = ["ln_modulate_kernel", "gated_residual_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE"]
 
 P = 128  # partitions = tokens per tile
+LAGS = (1, 2, 3)
 MAX_GROUP = 8  # token tiles issued stage by stage together (the engines overlap across them)
 SBUF_RESERVE = 16384  # bytes per partition left for the small statistics tiles and the allocator's alignment
+PSUM_F = 512  # fp32 elements per partition of one PSUM bank (a matmul output's limit)
+CD_MAX = 2 * PSUM_F  # VectorE's columns of a tile at most: its PSUM operand buffers take two banks each
 BN_FMAX = 512  # elements per partition of one bn_stats call (nl.tile_size.bn_stats_fmax)
 
 # Wan2.1-1.3B, one 3-latent-frame chunk at 480x832 (1560 tokens per frame), dim 1536
@@ -127,15 +130,37 @@ def _rows(t, b, s0, n, S, D):
     return t.ap(pattern=[[D, n], [1, D]], offset=(b * S + s0) * D)
 
 
-def _bcast_row(t, row, D):
-    """HBM view of t's row ``row`` (a [D] vector) on every partition: [P, D] with partition stride 0."""
-    return t.ap(pattern=[[0, P], [1, D]], offset=row * D)
+def _vec_row(t, row, D):
+    """HBM view of t's row ``row`` (a [D] vector, or row ``row`` of a [.., 1, D] tensor) as [1, D]."""
+    return t.ap(pattern=[[D, 1], [1, D]], offset=row * D)
 
 
-def _load_vec(t, D):
-    """A [D] vector (the LayerNorm's weight or bias) on every partition, cast to fp32 by the DMA."""
+def _bcast_vec(t, row, D, k, add_one, keep=None):
+    """A [P, D] fp32 SBUF tile holding t's row ``row`` on every partition (+ 1 with ``add_one``: the modulation's
+    1 + scale, one fp32 add as torch's). The row crosses HBM once (D * 4 bytes to one partition, not P times that
+    through a partition-stride-0 DMA); TensorE broadcasts it (ones[1, P].T @ row[1, c] in fp32, one product by 1.0
+    per element, so exact; a 0/1 stationary [ISA nc_matmul]) into PSUM, 512 columns per bank, and ScalarE
+    evacuates it (bias 1.0 for the 1 + scale). ``k``: [ones [1, P], one [P, 1], staging slots [[PSUM tile,
+    column offset], ...], [next slot]] (the kernel's PSUM buffers, not in use yet, taken round-robin); ``keep``: a
+    PSUM tile that keeps columns [0, CD_MAX) (VectorE's operand copy)."""
+    r1 = nl.ndarray((1, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=r1, src=_vec_row(t, row, D))
     v = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=v, src=_bcast_row(t, 0, D))
+    slots = k[2]
+    for c0 in range(0, D, PSUM_F):
+        w = min(PSUM_F, D - c0)
+        ps = keep
+        o = c0
+        if keep == None or c0 >= CD_MAX:  # noqa: E711
+            ps = slots[k[3][0] % len(slots)][0]
+            o = slots[k[3][0] % len(slots)][1]
+            k[3][0] = k[3][0] + 1
+        nisa.nc_matmul(dst=ps[0:P, o:o + w], stationary=k[0], moving=r1[0:1, c0:c0 + w], is_stationary_onezero=True,
+                       accumulate=False)
+        if add_one:
+            nisa.activation(dst=v[0:P, c0:c0 + w], op=nl.copy, data=ps[0:P, o:o + w], bias=k[1])
+        else:
+            nisa.activation(dst=v[0:P, c0:c0 + w], op=nl.copy, data=ps[0:P, o:o + w])
     return v
 
 
@@ -168,27 +193,25 @@ def _dve_factor():
     return 1.0
 
 
-def _tt(dst, a, b, op, n, load, dvef):
-    """dst[0:n] = a[0:n] <op> b[0:n] (a two-input fp32 pass: 2N cycles on either engine), its columns split between
-    VectorE and GpSimd (multiples of 32) so that the running pass counts ``load`` = [ScalarE, VectorE, GpSimd]
-    (updated in place) come out equal: the two halves run at once, so the op's latency halves with its cost."""
-    D = dst.shape[1]
-    fd = (load[2] + 2 - load[1]) / (2 * dvef + 2)
+def _split(load, D, m, dve_passes, dvef):
+    """VectorE's columns [0, cd) of a chain of ``m`` two-input fp32 ops over a tile's D columns (GpSimd takes
+    [cd, D)): the multiple of 32 (at most CD_MAX, VectorE's operands then fitting in PSUM) that leaves the running
+    pass counts ``load`` = [ScalarE, VectorE, GpSimd] (updated in place) equal. VectorE runs the chain in
+    ``dve_passes`` N-cycle passes (one operand streams from PSUM: N cycles, not 2N [TUT2], GenSpec.dve_tt_split_rate),
+    GpSimd in 2N cycles per op."""
+    if m == 0:
+        return 0
+    fd = (load[2] + 2 * m - load[1]) / (dve_passes * dvef + 2 * m)
     fd = min(1.0, max(0.0, fd))
     cd = 0
-    for j in range(0, D + 1, 32):  # the nearest multiple of 32 (trace time: plain Python numbers)
+    for j in range(0, min(D, CD_MAX) + 1, 32):  # the nearest multiple of 32 (trace time: plain Python numbers)
         if j <= D * fd + 16:
             cd = j
-    if cd >= D - 16:
+    if cd >= D - 16 and D <= CD_MAX:
         cd = D
-    if cd > 0:
-        nisa.tensor_tensor(dst=dst[0:n, 0:cd], data1=a[0:n, 0:cd], data2=b[0:n, 0:cd], op=op,
-                           engine=nisa.engine.vector)
-    if cd < D:
-        nisa.tensor_tensor(dst=dst[0:n, cd:D], data1=a[0:n, cd:D], data2=b[0:n, cd:D], op=op,
-                           engine=nisa.engine.gpsimd)
-    load[1] = load[1] + 2 * dvef * cd / D
-    load[2] = load[2] + 2 * (D - cd) / D
+    load[1] = load[1] + dve_passes * dvef * cd / D
+    load[2] = load[2] + 2 * m * (D - cd) / D
+    return cd
 
 
 def _stats(r, n, D, eps, load, dvef):
@@ -228,57 +251,99 @@ def _stats(r, n, D, eps, load, dvef):
     return nm, rstd
 
 
-def _normalize(dst, r, nm, rstd, n, wide, load):
-    """dst[0:n] = (r - mean) * rstd in fp32 (or dst's dtype), on ScalarE. 16-bit r (``wide`` False): one pass,
-    r * rstd + (-mean * rstd) with the per-partition scale and bias; its fp32 rounding of r * rstd (relative 2^-24
-    of |r - mean| / std + |mean| / std) stays far below one unit of the 16-bit output. fp32 r: two passes, centred
-    (r - mean, one rounding like torch's) before it is scaled, so no cancellation when the mean dominates."""
+def _normalize(c_sb, c_ps, cd, r, nm, rstd, n, wide, load):
+    """The normalized rows (r - mean) * rstd in fp32 (or c_sb's dtype), on ScalarE: columns [0, cd) into the PSUM
+    tile c_ps (VectorE's share of the per-column ops then streams one operand from PSUM), [cd, D) into c_sb.
+    16-bit r (``wide`` False): one pass, r * rstd + (-mean * rstd) with the per-partition scale and bias; its fp32
+    rounding of r * rstd (relative 2^-24 of |r - mean| / std + |mean| / std) stays far below one unit of the
+    16-bit output. fp32 r: two passes, centred (r - mean, one rounding like torch's) before it is scaled, so no
+    cancellation when the mean dominates."""
+    D = r.shape[1]
+    nmr = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     if wide:
         load[0] = load[0] + 2
-        nisa.activation(dst=dst[0:n], op=nl.copy, data=r[0:n], bias=nm[0:n])
-        nisa.activation(dst=dst[0:n], op=nl.copy, data=dst[0:n], scale=rstd[0:n])
     else:
         load[0] = load[0] + 1
-        nmr = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=nmr[0:n], data=nm[0:n], op0=nl.multiply, operand0=rstd[0:n],
-                           engine=nisa.engine.vector)
-        nisa.activation(dst=dst[0:n], op=nl.copy, data=r[0:n], scale=rstd[0:n], bias=nmr[0:n])
+        nisa.activation(dst=nmr[0:n], op=nl.copy, data=nm[0:n], scale=rstd[0:n])  # on the consumer's engine
+    for part in range(2):
+        lo = 0
+        hi = cd
+        dst = c_ps
+        if part == 1:
+            lo = cd
+            hi = D
+            dst = c_sb
+        if hi > lo:
+            if wide:
+                nisa.activation(dst=dst[0:n, lo:hi], op=nl.copy, data=r[0:n, lo:hi], bias=nm[0:n])
+                nisa.activation(dst=dst[0:n, lo:hi], op=nl.copy, data=dst[0:n, lo:hi], scale=rstd[0:n])
+            else:
+                nisa.activation(dst=dst[0:n, lo:hi], op=nl.copy, data=r[0:n, lo:hi], scale=rstd[0:n],
+                                bias=nmr[0:n])
 
 
-def _finish(out, c, n, w_sb, b_sb, onep, sh, load, dvef):
-    """out[0:n] = (c [* w] [+ b]) [* onep + sh] (c the normalized rows, fp32) in torch's order of fp32 roundings,
-    the last op writing out's dtype; each per-column op split between VectorE and GpSimd (``_tt``)."""
+def _col_ops(w_sb, b_sb, onep, sh):
+    """The per-column ops after the normalization, in torch's order: [(row, is_multiply)]."""
     ops = []
     if w_sb != None:  # noqa: E711
-        ops.append(0)
+        ops.append([w_sb, True])
     if b_sb != None:  # noqa: E711
-        ops.append(1)
+        ops.append([b_sb, False])
     if onep != None:  # noqa: E711
-        ops.append(2)
-        ops.append(3)
+        ops.append([onep, True])
+        ops.append([sh, False])
+    return ops
+
+
+def _finish(out, c_sb, c_ps, cd, n, ops):
+    """out[0:n] = the normalized rows through the per-column ops ``ops`` (``_col_ops``: [* w] [+ b] [* onep + sh],
+    torch's order of fp32 roundings, the last op writing out's dtype): columns [0, cd) on VectorE from the PSUM
+    tile c_ps (in place there; N cycles per op), [cd, D) on GpSimd from the SBUF tile c_sb (in place)."""
+    D = c_sb.shape[1]
     for j in range(len(ops)):
-        dst = c
-        if j == len(ops) - 1:
-            dst = out
-        if ops[j] == 0:
-            _tt(dst, c, w_sb, nl.multiply, n, load, dvef)
-        elif ops[j] == 1:
-            _tt(dst, c, b_sb, nl.add, n, load, dvef)
-        elif ops[j] == 2:
-            _tt(dst, c, onep, nl.multiply, n, load, dvef)
-        else:
-            _tt(dst, c, sh, nl.add, n, load, dvef)
-    return len(ops)
+        row = ops[j][0]
+        alu = nl.add
+        if ops[j][1]:
+            alu = nl.multiply
+        last = j == len(ops) - 1
+        if cd > 0:
+            dst = c_ps
+            if last:
+                dst = out
+            nisa.tensor_tensor(dst=dst[0:n, 0:cd], data1=c_ps[0:n, 0:cd], data2=row[0:n, 0:cd], op=alu,
+                               engine=nisa.engine.vector)
+        if cd < D:
+            dst = c_sb
+            if last:
+                dst = out
+            nisa.tensor_tensor(dst=dst[0:n, cd:D], data1=c_sb[0:n, cd:D], data2=row[0:n, cd:D], op=alu,
+                               engine=nisa.engine.gpsimd)
 
 
-def _residual(r, x_sb, y_sb, g_sb, n, gated, load, dvef):
-    """r[0:n] = x + y * g (the fp32 product, then the fp32 sum rounded once to r's dtype: two two-input passes on
-    the less loaded of VectorE / GpSimd each) or x + y (x's dtype, one 16-bit two-input pass on VectorE, counted
-    against GpSimd too: VectorE's 16-bit 2x mode shares GpSimd's SBUF bus on trn2 / trn3 [ARCH3])."""
+def _residual(r, x_sb, y_sb, g_sb, g_ps, t_ps, n, gated, load, dvef):
+    """r[0:n] = x + y * g (the fp32 product, then the fp32 sum rounded once to r's dtype) or x + y (x's dtype, one
+    16-bit two-input pass on VectorE, counted against GpSimd too: VectorE's 16-bit 2x mode shares GpSimd's SBUF bus
+    on trn2 / trn3 [ARCH3]). Gated: columns [0, cd) on VectorE (y * g with g's PSUM copy ``g_ps`` into the PSUM
+    tile t_ps, then x + t from PSUM: N cycles each), [cd, D) on GpSimd through an SBUF product (2N cycles each)."""
+    D = r.shape[1]
     if gated:
-        t = nl.ndarray((P, r.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        _tt(t, y_sb, g_sb, nl.multiply, n, load, dvef)
-        _tt(r, x_sb, t, nl.add, n, load, dvef)
+        gsrc = g_ps
+        dp = 2
+        if g_ps == None:  # noqa: E711  (a per-token gate: both product operands in SBUF, 2N cycles)
+            gsrc = g_sb
+            dp = 3
+        cd = _split(load, D, 2, dp, dvef)
+        if cd > 0:
+            nisa.tensor_tensor(dst=t_ps[0:n, 0:cd], data1=y_sb[0:n, 0:cd], data2=gsrc[0:n, 0:cd], op=nl.multiply,
+                               engine=nisa.engine.vector)
+            nisa.tensor_tensor(dst=r[0:n, 0:cd], data1=x_sb[0:n, 0:cd], data2=t_ps[0:n, 0:cd], op=nl.add,
+                               engine=nisa.engine.vector)
+        if cd < D:
+            t = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=t[0:n, cd:D], data1=y_sb[0:n, cd:D], data2=g_sb[0:n, cd:D], op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=r[0:n, cd:D], data1=x_sb[0:n, cd:D], data2=t[0:n, cd:D], op=nl.add,
+                               engine=nisa.engine.gpsimd)
     else:
         load[1] = load[1] + dvef
         load[2] = load[2] + 1
@@ -292,20 +357,17 @@ def _mod_tile(t, b, s0, n, S, D):
     return dst
 
 
-def _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok):
-    """The per-sample rows of batch row b on every partition (DMA, partition stride 0): [gate, 1 + scale, shift]
-    (None where absent or per token)."""
+def _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok, k, g_ps):
+    """The per-sample rows of batch row b on every partition (``_bcast_vec``): [gate, 1 + scale, shift] (None where
+    absent or per token); the gate's columns [0, CD_MAX) also into the PSUM tile g_ps."""
     g_sb = None
     onep = None
     sh = None
-    if gated and not g_tok:
-        g_sb = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=g_sb, src=_bcast_row(gate, b if gate.shape[0] > 1 else 0, D))
     if norm and scale != None and not m_tok:  # noqa: E711
-        onep = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-        sh = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=onep, src=_bcast_row(scale, b if scale.shape[0] > 1 else 0, D))
-        nisa.dma_copy(dst=sh, src=_bcast_row(shift, b if shift.shape[0] > 1 else 0, D))
+        onep = _bcast_vec(scale, b if scale.shape[0] > 1 else 0, D, k, True)
+        sh = _bcast_vec(shift, b if shift.shape[0] > 1 else 0, D, k, False)
+    if gated and not g_tok:  # its first CD_MAX columns stay in PSUM (g_ps): VectorE's operand
+        g_sb = _bcast_vec(gate, b if gate.shape[0] > 1 else 0, D, k, False, g_ps)
     return [g_sb, onep, sh]
 
 
@@ -326,21 +388,47 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         r_o = nl.ndarray((B, S, D), dtype=x.dtype, buffer=nl.shared_hbm)
     if norm:
         n_o = nl.ndarray((B, S, D), dtype=x.dtype, buffer=nl.shared_hbm)
+    gated = gate != None  # noqa: E711
+    g_tok = gated and gate.shape[1] > 1
+    m = 0  # per-column ops after the normalization
+    if norm and weight != None:  # noqa: E711
+        m = m + 1
+    if norm and bias != None:  # noqa: E711
+        m = m + 1
+    if norm and scale != None:  # noqa: E711
+        m = m + 2
+    # the PSUM buffers (two banks each, 8 at most, allocated once and reused): the gate's copy of VectorE's columns,
+    # the product t, and two normalized-tile buffers (ping-pong: tile i+1 is normalized before tile i's per-column
+    # ops are issued); before their first use they stage the row broadcasts
+    g_ps = None
+    t_ps = None
+    c_ps = []
+    slots = []
+    if gated and not g_tok:
+        g_ps = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
+    if gated:
+        t_ps = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
+        slots.append([t_ps, 0])
+        slots.append([t_ps, PSUM_F])
+    if m > 0:
+        for j in range(2):
+            c_ps.append(nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum))
+            slots.append([c_ps[j], 0])
+            slots.append([c_ps[j], PSUM_F])
+    ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    one = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=one, value=1.0)
+    k1 = [ones, one, slots, [0]]
     w_sb = None
     b_sb = None
     if norm and weight != None:  # noqa: E711
-        w_sb = _load_vec(weight, D)
+        w_sb = _bcast_vec(weight, 0, D, k1, False)
     if norm and bias != None:  # noqa: E711
-        b_sb = _load_vec(bias, D)
-    one = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=one, value=1.0)
-    gated = gate != None  # noqa: E711
-    g_tok = gated and gate.shape[1] > 1
+        b_sb = _bcast_vec(bias, 0, D, k1, False)
     m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
     G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
     dvef = _dve_factor()
-    # the plain LayerNorm (no affine, no modulation): the normalization writes the output itself
-    plain = norm and weight == None and bias == None and scale == None  # noqa: E711
     load = [0.0, 0.0, 0.0]  # running passes on [ScalarE, VectorE, GpSimd] (engine balance, trace time only)
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
@@ -352,7 +440,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
             mine.append(s0)
         t_i = t_i + 1
     for b in range(B):
-        rows = None
+        rows = _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok, k1, g_ps)
         for g0 in range(0, len(mine), G):
             starts = []
             for j in range(g0, min(len(mine), g0 + G)):
@@ -360,7 +448,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
             nt = len(starts)
             xs = []
             ys = []
-            for k in range(nt):  # every load of the group first; the per-sample rows after the first tile's
+            for k in range(nt):  # every load of the group first
                 n = min(P, S - starts[k])
                 x_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x_sb[0:n], src=_rows(x, b, starts[k], n, S, D))
@@ -369,12 +457,10 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                     y_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
                     nisa.dma_copy(dst=y_sb[0:n], src=_rows(y, b, starts[k], n, S, D))
                     ys.append(y_sb)
-                if rows == None and (gated or k == min(2, nt - 1)):  # noqa: E711
-                    rows = _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok)
             rs = []
             stat = []
             cs = []
-            for k in range(nt + 3):
+            for k in range(nt + LAGS[2]):
                 # step k: tile k's residual (and its store), tile k-1's statistics, tile k-2's normalization
                 # (ScalarE), tile k-3's per-column ops and store: each engine's queue meets its work in the order
                 # the data becomes ready
@@ -387,24 +473,28 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                         if g_tok:
                             gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
                         r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _residual(r_sb, xs[k], ys[k], gt, n, gated, load, dvef)
+                        _residual(r_sb, xs[k], ys[k], gt, g_ps, t_ps, n, gated, load, dvef)
                         nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
                         xs[k] = None
                         ys[k] = None
                     rs.append(r_sb)
-                i = k - 1
+                i = k - LAGS[0]
                 if norm and i >= 0 and i < nt:
                     stat.append(_stats(rs[i], min(P, S - starts[i]), D, eps, load, dvef))
-                i = k - 2
+                i = k - LAGS[1]
                 if norm and i >= 0 and i < nt:
                     n = min(P, S - starts[i])
-                    c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-                    if plain:
+                    if m == 0:  # the plain LayerNorm: the normalization writes the output
                         c = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                    _normalize(c, rs[i], stat[i][0], stat[i][1], n, isz == 4, load)
-                    cs.append(c)
+                        _normalize(c, None, 0, rs[i], stat[i][0], stat[i][1], n, isz == 4, load)
+                        cs.append([c, None, 0])
+                    else:
+                        c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                        cd = _split(load, D, m, m, dvef)
+                        _normalize(c, c_ps[(g0 + i) % 2], cd, rs[i], stat[i][0], stat[i][1], n, isz == 4, load)
+                        cs.append([c, c_ps[(g0 + i) % 2], cd])
                     rs[i] = None
-                i = k - 3
+                i = k - LAGS[2]
                 if norm and i >= 0 and i < nt:
                     s0 = starts[i]
                     n = min(P, S - s0)
@@ -414,12 +504,10 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                         op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
                         st = _mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D)
                         _one_plus(op, n, one)
-                    if i == 0 and op != None and not m_tok:  # noqa: E711  (1 + scale), once per batch row
-                        _one_plus(op, P, one)
-                    o_sb = cs[i]
-                    if not plain:
+                    o_sb = cs[i][0]
+                    if m > 0:
                         o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _finish(o_sb, cs[i], n, w_sb, b_sb, op, st, load, dvef)
+                        _finish(o_sb, cs[i][0], cs[i][1], cs[i][2], n, _col_ops(w_sb, b_sb, op, st))
                     nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=o_sb[0:n])
                     cs[i] = None
     return r_o, n_o
