@@ -141,12 +141,14 @@ def _bcast_vec(t, row, D, k, add_one, keep=None):
     through a partition-stride-0 DMA); TensorE broadcasts it (ones[1, P].T @ row[1, c] in fp32, one product by 1.0
     per element, so exact; a 0/1 stationary [ISA nc_matmul]) into PSUM, 512 columns per bank, and ScalarE
     evacuates it (bias 1.0 for the 1 + scale). ``k``: [ones [1, P], one [P, 1], staging slots [[PSUM tile,
-    column offset], ...], [next slot]] (the kernel's PSUM buffers, not in use yet, taken round-robin); ``keep``: a
+    column offset], ...], [next slot], the running pass counts] (the staging slots: the kernel's PSUM buffers,
+    not in use yet, taken round-robin); ``keep``: a
     PSUM tile that keeps columns [0, CD_MAX) (VectorE's operand copy)."""
     r1 = nl.ndarray((1, D), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=r1, src=_vec_row(t, row, D))
     v = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
     slots = k[2]
+    k[4][0] = k[4][0] + 1  # one ScalarE pass over [P, D] (the running pass counts)
     for c0 in range(0, D, PSUM_F):
         w = min(PSUM_F, D - c0)
         ps = keep
@@ -363,11 +365,11 @@ def _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok, k, g_ps):
     g_sb = None
     onep = None
     sh = None
+    if gated and not g_tok:  # first (the first residual needs it); columns [0, CD_MAX) stay in PSUM (g_ps)
+        g_sb = _bcast_vec(gate, b if gate.shape[0] > 1 else 0, D, k, False, g_ps)
     if norm and scale != None and not m_tok:  # noqa: E711
         onep = _bcast_vec(scale, b if scale.shape[0] > 1 else 0, D, k, True)
         sh = _bcast_vec(shift, b if shift.shape[0] > 1 else 0, D, k, False)
-    if gated and not g_tok:  # its first CD_MAX columns stay in PSUM (g_ps): VectorE's operand
-        g_sb = _bcast_vec(gate, b if gate.shape[0] > 1 else 0, D, k, False, g_ps)
     return [g_sb, onep, sh]
 
 
@@ -408,28 +410,25 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         g_ps = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
     if gated:
         t_ps = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
-        slots.append([t_ps, 0])
-        slots.append([t_ps, PSUM_F])
-    if m > 0:
+    if m > 0:  # the normalized-tile buffers stage first (the first residual needs t_ps before they are used)
         for j in range(2):
             c_ps.append(nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum))
             slots.append([c_ps[j], 0])
             slots.append([c_ps[j], PSUM_F])
+    if gated:
+        slots.append([t_ps, 0])
+        slots.append([t_ps, PSUM_F])
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     one = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=one, value=1.0)
-    k1 = [ones, one, slots, [0]]
+    load = [0.0, 0.0, 0.0]  # running passes on [ScalarE, VectorE, GpSimd] (engine balance, trace time only)
+    k1 = [ones, one, slots, [0], load]
     w_sb = None
     b_sb = None
-    if norm and weight != None:  # noqa: E711
-        w_sb = _bcast_vec(weight, 0, D, k1, False)
-    if norm and bias != None:  # noqa: E711
-        b_sb = _bcast_vec(bias, 0, D, k1, False)
     m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
     G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
     dvef = _dve_factor()
-    load = [0.0, 0.0, 0.0]  # running passes on [ScalarE, VectorE, GpSimd] (engine balance, trace time only)
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
     # this program's token tiles (dealt round-robin under kernel[2])
@@ -441,6 +440,10 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         t_i = t_i + 1
     for b in range(B):
         rows = _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok, k1, g_ps)
+        if b == 0 and norm and weight != None:  # noqa: E711  (after the gate: the first residual needs that)
+            w_sb = _bcast_vec(weight, 0, D, k1, False)
+        if b == 0 and norm and bias != None:  # noqa: E711
+            b_sb = _bcast_vec(bias, 0, D, k1, False)
         for g0 in range(0, len(mine), G):
             starts = []
             for j in range(g0, min(len(mine), g0 + G)):
