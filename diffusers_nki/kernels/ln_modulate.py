@@ -135,35 +135,45 @@ def _vec_row(t, row, D):
     return t.ap(pattern=[[D, 1], [1, D]], offset=row * D)
 
 
-def _bcast_vec(t, row, D, k, add_one, keep=None):
-    """A [P, D] fp32 SBUF tile holding t's row ``row`` on every partition (+ 1 with ``add_one``: the modulation's
-    1 + scale, one fp32 add as torch's). The row crosses HBM once (D * 4 bytes to one partition, not P times that
-    through a partition-stride-0 DMA); TensorE broadcasts it (ones[1, P].T @ row[1, c] in fp32, one product by 1.0
-    per element, so exact; a 0/1 stationary [ISA nc_matmul]) into PSUM, 512 columns per bank, and ScalarE
-    evacuates it (bias 1.0 for the 1 + scale). ``k``: [ones [1, P], one [P, 1], staging slots [[PSUM tile,
-    column offset], ...], [next slot], the running pass counts] (the staging slots: the kernel's PSUM buffers,
-    not in use yet, taken round-robin); ``keep``: a
-    PSUM tile that keeps columns [0, CD_MAX) (VectorE's operand copy)."""
+def _bcast_vec(t, row, D, k, add_one, keep, lo):
+    """t's row ``row`` (a [D] fp32 vector in HBM) on every partition (+ 1 with ``add_one``: the modulation's
+    1 + scale, one fp32 add as torch's): columns [0, cd) into the PSUM tile ``keep`` (VectorE's operand; cd its
+    width; None: no PSUM copy) and columns [lo, D) into a new [P, D] fp32 SBUF tile (GpSimd's operand; returned).
+    The row crosses HBM once (D * 4 bytes to one partition, not P times that through a partition-stride-0 DMA);
+    TensorE broadcasts it (ones[1, P].T @ row[1, c] in fp32: one product by 1.0 per element, so exact; a 0/1
+    stationary [ISA nc_matmul]; the + 1 as a second accumulating matmul with a ones row: PSUM's fp32 add), 512
+    columns per bank; ScalarE evacuates the SBUF part through the staging PSUM tile of ``k``.
+    ``k``: [ones [1, P], ones row [1, PSUM_F], staging PSUM tile [P, CD_MAX], running pass counts]."""
     r1 = nl.ndarray((1, D), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=r1, src=_vec_row(t, row, D))
-    v = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-    slots = k[2]
-    k[4][0] = k[4][0] + 1  # one ScalarE pass over [P, D] (the running pass counts)
+    cd = 0
+    if keep != None:  # noqa: E711
+        cd = keep.shape[1]
+    v = None
+    if lo < D:
+        v = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+        k[3][0] = k[3][0] + (D - lo) / D  # ScalarE's evacuation passes (the running pass counts)
+    j = 0
     for c0 in range(0, D, PSUM_F):
-        w = min(PSUM_F, D - c0)
-        ps = keep
-        o = c0
-        if keep == None or c0 >= CD_MAX:  # noqa: E711
-            ps = slots[k[3][0] % len(slots)][0]
-            o = slots[k[3][0] % len(slots)][1]
-            k[3][0] = k[3][0] + 1
-        nisa.nc_matmul(dst=ps[0:P, o:o + w], stationary=k[0], moving=r1[0:1, c0:c0 + w], is_stationary_onezero=True,
-                       accumulate=False)
-        if add_one:
-            nisa.activation(dst=v[0:P, c0:c0 + w], op=nl.copy, data=ps[0:P, o:o + w], bias=k[1])
-        else:
-            nisa.activation(dst=v[0:P, c0:c0 + w], op=nl.copy, data=ps[0:P, o:o + w])
+        c1 = min(D, c0 + PSUM_F)
+        if c0 < cd:  # VectorE's columns: broadcast straight into their PSUM copy
+            _bcast_mm(keep[0:P, c0:min(c1, cd)], r1[0:1, c0:min(c1, cd)], k, add_one)
+        u0 = max(c0, lo, cd)
+        if c1 > u0:  # GpSimd's columns: through a staging bank into SBUF
+            st = k[2][0:P, (j % 2) * PSUM_F:(j % 2) * PSUM_F + c1 - u0]
+            j = j + 1
+            _bcast_mm(st, r1[0:1, u0:c1], k, add_one)
+            nisa.activation(dst=v[0:P, u0:c1], op=nl.copy, data=st)
     return v
+
+
+def _bcast_mm(dst, src, k, add_one):
+    """dst (PSUM [P, w], w <= PSUM_F) = src [1, w] on every partition (+ 1): TensorE, fp32, exact (see _bcast_vec)."""
+    w = src.shape[1]
+    nisa.nc_matmul(dst=dst, stationary=k[0], moving=src, is_stationary_onezero=True, accumulate=False)
+    if add_one:
+        nisa.nc_matmul(dst=dst, stationary=k[0], moving=k[1][0:1, 0:w], is_stationary_onezero=True,
+                       is_moving_onezero=True, accumulate=True)
 
 
 def _mod_rows(t, b, s0, n, S, D, dst):
@@ -195,24 +205,18 @@ def _dve_factor():
     return 1.0
 
 
-def _split(load, D, m, dve_passes, dvef):
-    """VectorE's columns [0, cd) of a chain of ``m`` two-input fp32 ops over a tile's D columns (GpSimd takes
-    [cd, D)): the multiple of 32 (at most CD_MAX, VectorE's operands then fitting in PSUM) that leaves the running
-    pass counts ``load`` = [ScalarE, VectorE, GpSimd] (updated in place) equal. VectorE runs the chain in
-    ``dve_passes`` N-cycle passes (one operand streams from PSUM: N cycles, not 2N [TUT2], GenSpec.dve_tt_split_rate),
-    GpSimd in 2N cycles per op."""
-    if m == 0:
-        return 0
-    fd = (load[2] + 2 * m - load[1]) / (dve_passes * dvef + 2 * m)
-    fd = min(1.0, max(0.0, fd))
+def _plan_cd(D, dvef):
+    """VectorE's columns [0, cd) of every two-input pass (GpSimd takes [cd, D)): VectorE streams one operand from
+    PSUM (N cycles, not 2N [TUT2], GenSpec.dve_tt_split_rate) against GpSimd's 2N, so cd / D = 2 / (2 + dvef)
+    balances the two (``dvef``: VectorE's time per cycle relative to GpSimd's); a multiple of 32, at most CD_MAX
+    (VectorE's PSUM operands are two banks wide)."""
+    fd = 2.0 / (2.0 + dvef)
     cd = 0
     for j in range(0, min(D, CD_MAX) + 1, 32):  # the nearest multiple of 32 (trace time: plain Python numbers)
         if j <= D * fd + 16:
             cd = j
     if cd >= D - 16 and D <= CD_MAX:
         cd = D
-    load[1] = load[1] + dve_passes * dvef * cd / D
-    load[2] = load[2] + 2 * m * (D - cd) / D
     return cd
 
 
@@ -224,7 +228,7 @@ def _stats(r, n, D, eps, load, dvef):
     leave less busy; rstd on GpSimd (its precise rsqrt)."""
     nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     ve = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if load[0] + 3 > (load[1] + load[2]) / 2:  # ScalarE would become the busier: bn_stats on VectorE
+    if load[0] + 2 > load[1] + dvef:  # ScalarE would end later: bn_stats on VectorE
         load[1] = load[1] + dvef
         nch = (D + BN_FMAX - 1) // BN_FMAX
         st = nl.ndarray((P, 6 * nch), dtype=nl.float32, buffer=nl.sbuf)
@@ -253,99 +257,126 @@ def _stats(r, n, D, eps, load, dvef):
     return nm, rstd
 
 
-def _normalize(c_sb, c_ps, cd, r, nm, rstd, n, wide, load):
-    """The normalized rows (r - mean) * rstd in fp32 (or c_sb's dtype), on ScalarE: columns [0, cd) into the PSUM
-    tile c_ps (VectorE's share of the per-column ops then streams one operand from PSUM), [cd, D) into c_sb.
-    16-bit r (``wide`` False): one pass, r * rstd + (-mean * rstd) with the per-partition scale and bias; its fp32
-    rounding of r * rstd (relative 2^-24 of |r - mean| / std + |mean| / std) stays far below one unit of the
-    16-bit output. fp32 r: two passes, centred (r - mean, one rounding like torch's) before it is scaled, so no
-    cancellation when the mean dominates."""
+def _normalize(dst, r, nm, rstd, n, lo, wide, load):
+    """dst[0:n, lo:D] = (r - mean) * rstd (fp32, or dst's dtype), on ScalarE: GpSimd's columns of the per-column ops
+    (or the whole plain LayerNorm). 16-bit r (``wide`` False): one pass, r * rstd + (-mean * rstd) with the
+    per-partition scale and bias; its fp32 rounding of r * rstd (relative 2^-24 of |r - mean| / std + |mean| / std)
+    stays far below one unit of the 16-bit output. fp32 r: two passes, centred (r - mean, one rounding like
+    torch's) before it is scaled, so no cancellation when the mean dominates."""
     D = r.shape[1]
-    nmr = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if lo >= D:
+        return
     if wide:
-        load[0] = load[0] + 2
+        load[0] = load[0] + 2 * (D - lo) / D
+        nisa.activation(dst=dst[0:n, lo:D], op=nl.copy, data=r[0:n, lo:D], bias=nm[0:n])
+        nisa.activation(dst=dst[0:n, lo:D], op=nl.copy, data=dst[0:n, lo:D], scale=rstd[0:n])
     else:
-        load[0] = load[0] + 1
+        load[0] = load[0] + (D - lo) / D
+        nmr = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=nmr[0:n], op=nl.copy, data=nm[0:n], scale=rstd[0:n])  # on the consumer's engine
-    for part in range(2):
-        lo = 0
-        hi = cd
-        dst = c_ps
-        if part == 1:
-            lo = cd
-            hi = D
-            dst = c_sb
-        if hi > lo:
-            if wide:
-                nisa.activation(dst=dst[0:n, lo:hi], op=nl.copy, data=r[0:n, lo:hi], bias=nm[0:n])
-                nisa.activation(dst=dst[0:n, lo:hi], op=nl.copy, data=dst[0:n, lo:hi], scale=rstd[0:n])
-            else:
-                nisa.activation(dst=dst[0:n, lo:hi], op=nl.copy, data=r[0:n, lo:hi], scale=rstd[0:n],
-                                bias=nmr[0:n])
+        nisa.activation(dst=dst[0:n, lo:D], op=nl.copy, data=r[0:n, lo:D], scale=rstd[0:n], bias=nmr[0:n])
 
 
-def _col_ops(w_sb, b_sb, onep, sh):
-    """The per-column ops after the normalization, in torch's order: [(row, is_multiply)]."""
+def _col_ops(w, b, onep, sh):
+    """The per-column ops after the normalization, in torch's order: [[row [SBUF, PSUM or None], is_multiply]]."""
     ops = []
-    if w_sb != None:  # noqa: E711
-        ops.append([w_sb, True])
-    if b_sb != None:  # noqa: E711
-        ops.append([b_sb, False])
+    if w != None:  # noqa: E711
+        ops.append([w, True])
+    if b != None:  # noqa: E711
+        ops.append([b, False])
     if onep != None:  # noqa: E711
         ops.append([onep, True])
         ops.append([sh, False])
     return ops
 
 
-def _finish(out, c_sb, c_ps, cd, n, ops):
-    """out[0:n] = the normalized rows through the per-column ops ``ops`` (``_col_ops``: [* w] [+ b] [* onep + sh],
-    torch's order of fp32 roundings, the last op writing out's dtype): columns [0, cd) on VectorE from the PSUM
-    tile c_ps (in place there; N cycles per op), [cd, D) on GpSimd from the SBUF tile c_sb (in place)."""
-    D = c_sb.shape[1]
-    for j in range(len(ops)):
-        row = ops[j][0]
+def _opnd(row, n, cd):
+    """VectorE's operand for rows [0, n), columns [0, cd) of a row [SBUF tile, PSUM copy or None]: the PSUM copy if
+    any."""
+    if row[1] != None:  # noqa: E711
+        return row[1][0:n, 0:cd]
+    return row[0][0:n, 0:cd]
+
+
+def _finish_dve(out, r, nm, rstd, n, cd, ops, tu, load, dvef):
+    """out[0:n, 0:cd] = the normalized rows of r through the per-column ops ``ops`` (``_col_ops``), on VectorE,
+    without a separate normalization pass: a first multiply takes the centring with it and the next op the
+    per-row scale, each a ``scalar_tensor_tensor`` ((r - mean) * row1, then (u * rstd) <op> row2; fp32, the last
+    op writing out's dtype; associated as (c * w) * rstd rather than torch's (c * rstd) * w: one fp32 rounding
+    apart). The running value u lives in the PSUM tile ``tu``, so every pass streams one operand from PSUM (N
+    cycles): the first reads the first row's PSUM copy, the others u."""
+    m = len(ops)
+    pending = True  # rstd not applied yet
+    j0 = 0
+    if ops[0][1]:
+        nisa.scalar_tensor_tensor(dst=tu[0:n, 0:cd], data=r[0:n, 0:cd], op0=nl.add, operand0=nm[0:n],
+                                  op1=nl.multiply, operand1=_opnd(ops[0][0], n, cd))
+        j0 = 1
+    else:  # a bias without a weight: centre and scale in one pass first
+        nisa.tensor_scalar(dst=tu[0:n, 0:cd], data=r[0:n, 0:cd], op0=nl.add, operand0=nm[0:n], op1=nl.multiply,
+                           operand1=rstd[0:n], engine=nisa.engine.vector)
+        pending = False
+    load[1] = load[1] + dvef * cd / r.shape[1] * m
+    for j in range(j0, m):
         alu = nl.add
         if ops[j][1]:
             alu = nl.multiply
-        last = j == len(ops) - 1
-        if cd > 0:
-            dst = c_ps
-            if last:
-                dst = out
-            nisa.tensor_tensor(dst=dst[0:n, 0:cd], data1=c_ps[0:n, 0:cd], data2=row[0:n, 0:cd], op=alu,
+        dst = tu
+        if j == m - 1:
+            dst = out
+        if pending:
+            nisa.scalar_tensor_tensor(dst=dst[0:n, 0:cd], data=tu[0:n, 0:cd], op0=nl.multiply, operand0=rstd[0:n],
+                                      op1=alu, operand1=ops[j][0][0][0:n, 0:cd])
+            pending = False
+        else:
+            nisa.tensor_tensor(dst=dst[0:n, 0:cd], data1=tu[0:n, 0:cd], data2=ops[j][0][0][0:n, 0:cd], op=alu,
                                engine=nisa.engine.vector)
-        if cd < D:
-            dst = c_sb
-            if last:
-                dst = out
-            nisa.tensor_tensor(dst=dst[0:n, cd:D], data1=c_sb[0:n, cd:D], data2=row[0:n, cd:D], op=alu,
-                               engine=nisa.engine.gpsimd)
+    if pending:  # a single multiply: the per-row scale last
+        load[1] = load[1] + dvef * cd / r.shape[1]
+        nisa.tensor_scalar(dst=out[0:n, 0:cd], data=tu[0:n, 0:cd], op0=nl.multiply, operand0=rstd[0:n],
+                           engine=nisa.engine.vector)
 
 
-def _residual(r, x_sb, y_sb, g_sb, g_ps, t_ps, n, gated, load, dvef):
-    """r[0:n] = x + y * g (the fp32 product, then the fp32 sum rounded once to r's dtype) or x + y (x's dtype, one
-    16-bit two-input pass on VectorE, counted against GpSimd too: VectorE's 16-bit 2x mode shares GpSimd's SBUF bus
-    on trn2 / trn3 [ARCH3]). Gated: columns [0, cd) on VectorE (y * g with g's PSUM copy ``g_ps`` into the PSUM
-    tile t_ps, then x + t from PSUM: N cycles each), [cd, D) on GpSimd through an SBUF product (2N cycles each)."""
+def _finish_pool(out, c, n, cd, ops, load):
+    """out[0:n, cd:D] = the normalized rows c (fp32, ScalarE's) through the per-column ops ``ops``, on GpSimd (2N
+    cycles each, SBUF rows), in torch's order of fp32 roundings, the last op writing out's dtype."""
+    D = c.shape[1]
+    if cd >= D:
+        return
+    m = len(ops)
+    load[2] = load[2] + 2 * m * (D - cd) / D
+    for j in range(m):
+        alu = nl.add
+        if ops[j][1]:
+            alu = nl.multiply
+        dst = c
+        if j == m - 1:
+            dst = out
+        nisa.tensor_tensor(dst=dst[0:n, cd:D], data1=c[0:n, cd:D], data2=ops[j][0][0][0:n, cd:D], op=alu,
+                           engine=nisa.engine.gpsimd)
+
+
+def _residual(r, x_sb, y_sb, g, t_ps, n, cd, gated, load, dvef):
+    """r[0:n] = x + y * g (the fp32 product, then the fp32 sum rounded once to r's dtype; ``g`` = [SBUF tile, PSUM
+    copy or None]) or x + y (x's dtype, one 16-bit two-input pass on VectorE, counted against GpSimd too: VectorE's
+    16-bit 2x mode shares GpSimd's SBUF bus on trn2 / trn3 [ARCH3]). Gated: columns [0, cd) on VectorE (the
+    product into the PSUM tile t_ps, so both passes stream one operand from PSUM: N cycles each), [cd, D) on
+    GpSimd through an SBUF product (2N cycles each)."""
     D = r.shape[1]
     if gated:
-        gsrc = g_ps
-        dp = 2
-        if g_ps == None:  # noqa: E711  (a per-token gate: both product operands in SBUF, 2N cycles)
-            gsrc = g_sb
-            dp = 3
-        cd = _split(load, D, 2, dp, dvef)
         if cd > 0:
-            nisa.tensor_tensor(dst=t_ps[0:n, 0:cd], data1=y_sb[0:n, 0:cd], data2=gsrc[0:n, 0:cd], op=nl.multiply,
+            nisa.tensor_tensor(dst=t_ps[0:n, 0:cd], data1=y_sb[0:n, 0:cd], data2=_opnd(g, n, cd), op=nl.multiply,
                                engine=nisa.engine.vector)
             nisa.tensor_tensor(dst=r[0:n, 0:cd], data1=x_sb[0:n, 0:cd], data2=t_ps[0:n, 0:cd], op=nl.add,
                                engine=nisa.engine.vector)
+            load[1] = load[1] + 2 * dvef * cd / D
         if cd < D:
             t = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=t[0:n, cd:D], data1=y_sb[0:n, cd:D], data2=g_sb[0:n, cd:D], op=nl.multiply,
+            nisa.tensor_tensor(dst=t[0:n, cd:D], data1=y_sb[0:n, cd:D], data2=g[0][0:n, cd:D], op=nl.multiply,
                                engine=nisa.engine.gpsimd)
             nisa.tensor_tensor(dst=r[0:n, cd:D], data1=x_sb[0:n, cd:D], data2=t[0:n, cd:D], op=nl.add,
                                engine=nisa.engine.gpsimd)
+            load[2] = load[2] + 4 * (D - cd) / D
     else:
         load[1] = load[1] + dvef
         load[2] = load[2] + 1
@@ -359,27 +390,22 @@ def _mod_tile(t, b, s0, n, S, D):
     return dst
 
 
-def _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok, k, g_ps):
-    """The per-sample rows of batch row b on every partition (``_bcast_vec``): [gate, 1 + scale, shift] (None where
-    absent or per token); the gate's columns [0, CD_MAX) also into the PSUM tile g_ps."""
-    g_sb = None
-    onep = None
-    sh = None
-    if gated and not g_tok:  # first (the first residual needs it); columns [0, CD_MAX) stay in PSUM (g_ps)
-        g_sb = _bcast_vec(gate, b if gate.shape[0] > 1 else 0, D, k, False, g_ps)
-    if norm and scale != None and not m_tok:  # noqa: E711
-        onep = _bcast_vec(scale, b if scale.shape[0] > 1 else 0, D, k, True)
-        sh = _bcast_vec(shift, b if shift.shape[0] > 1 else 0, D, k, False)
-    return [g_sb, onep, sh]
+def _row(t, row, D, k, add_one, keep):
+    """[SBUF tile (columns [cd, D), or all without a PSUM copy), PSUM copy of columns [0, cd) or None] of t's row."""
+    lo = 0
+    if keep != None:  # noqa: E711
+        lo = keep.shape[1]
+    return [_bcast_vec(t, row, D, k, add_one, keep, lo), keep]
 
 
 def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
     """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation). Per batch row,
     token tiles are taken ``_group_tiles`` at a time: every load of the group first (so the in-order DMA queues
     never hold a load behind a store that waits for compute), then a software pipeline whose step k forms tile
-    k's residual and stores it, computes tile k-1's statistics and finishes and stores tile k-2, so each engine's
-    in-order queue alternates between independent tiles. Engines are chosen per instruction by running pass counts
-    (``load``), so ScalarE, VectorE and GpSimd carry about the same time."""
+    k's residual and stores it, computes tile k-1's statistics, runs tile k-2's VectorE half of the per-column ops
+    and ScalarE's normalization of GpSimd's half, and tile k-3's GpSimd half and store, so each engine's in-order
+    queue meets its work in about the order the data becomes ready. The columns are split once (``_plan_cd``);
+    the statistics go to VectorE or ScalarE per tile by running pass counts (``load``)."""
     B, S, D = x.shape
     isz = 4
     if x.dtype == nl.bfloat16 or x.dtype == nl.float16:
@@ -392,6 +418,7 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         n_o = nl.ndarray((B, S, D), dtype=x.dtype, buffer=nl.shared_hbm)
     gated = gate != None  # noqa: E711
     g_tok = gated and gate.shape[1] > 1
+    m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
     m = 0  # per-column ops after the normalization
     if norm and weight != None:  # noqa: E711
         m = m + 1
@@ -399,36 +426,34 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         m = m + 1
     if norm and scale != None:  # noqa: E711
         m = m + 2
-    # the PSUM buffers (two banks each, 8 at most, allocated once and reused): the gate's copy of VectorE's columns,
-    # the product t, and two normalized-tile buffers (ping-pong: tile i+1 is normalized before tile i's per-column
-    # ops are issued); before their first use they stage the row broadcasts
-    g_ps = None
-    t_ps = None
-    c_ps = []
-    slots = []
-    if gated and not g_tok:
-        g_ps = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
-    if gated:
-        t_ps = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
-    if m > 0:  # the normalized-tile buffers stage first (the first residual needs t_ps before they are used)
-        for j in range(2):
-            c_ps.append(nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum))
-            slots.append([c_ps[j], 0])
-            slots.append([c_ps[j], PSUM_F])
-    if gated:
-        slots.append([t_ps, 0])
-        slots.append([t_ps, PSUM_F])
+    dvef = _dve_factor()
+    cd = 0
+    if gated or m > 0:
+        cd = _plan_cd(D, dvef)
+    # PSUM (8 banks, two per tile): VectorE's running value (the residual's product, the per-column ops' u), the
+    # broadcast staging, and the PSUM copies of VectorE's columns of the rows its first pass reads: the gate, and
+    # the first per-column row when it multiplies (w, or 1 + scale); every other VectorE pass reads the running value
+    stage = None
+    tu = None
+    keeps = [None, None, None, None, None]  # gate, w, b, 1 + scale, shift
+    if gated or m > 0:
+        tu = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
+        stage = nl.ndarray((P, CD_MAX), dtype=nl.float32, buffer=nl.psum)
+        if gated and not g_tok and cd > 0:
+            keeps[0] = nl.ndarray((P, cd), dtype=nl.float32, buffer=nl.psum)
+        if norm and weight != None and cd > 0:  # noqa: E711
+            keeps[1] = nl.ndarray((P, cd), dtype=nl.float32, buffer=nl.psum)
+        elif norm and bias == None and scale != None and not m_tok and cd > 0:  # noqa: E711
+            keeps[3] = nl.ndarray((P, cd), dtype=nl.float32, buffer=nl.psum)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
+    ones_row = nl.ndarray((1, PSUM_F), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_row, value=1.0)
     one = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=one, value=1.0)
     load = [0.0, 0.0, 0.0]  # running passes on [ScalarE, VectorE, GpSimd] (engine balance, trace time only)
-    k1 = [ones, one, slots, [0], load]
-    w_sb = None
-    b_sb = None
-    m_tok = norm and scale != None and scale.shape[1] > 1  # noqa: E711
+    k1 = [ones, ones_row, stage, load]
     G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
-    dvef = _dve_factor()
     prg_id = nl.program_id(0)
     n_prgs = nl.num_programs(0)
     # this program's token tiles (dealt round-robin under kernel[2])
@@ -438,12 +463,23 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
         if t_i % n_prgs == prg_id:
             mine.append(s0)
         t_i = t_i + 1
+    wrow = None
+    brow = None
     for b in range(B):
-        rows = _row_tiles(gate, scale, shift, b, D, gated, g_tok, norm, m_tok, k1, g_ps)
-        if b == 0 and norm and weight != None:  # noqa: E711  (after the gate: the first residual needs that)
-            w_sb = _bcast_vec(weight, 0, D, k1, False)
+        # the per-sample rows (small: each crosses HBM once, TensorE broadcasts it), the gate first (the first
+        # residual needs it), w and b once
+        grow = None
+        orow = None
+        srow = None
+        if gated and not g_tok:
+            grow = _row(gate, b if gate.shape[0] > 1 else 0, D, k1, False, keeps[0])
+        if b == 0 and norm and weight != None:  # noqa: E711
+            wrow = _row(weight, 0, D, k1, False, keeps[1])
         if b == 0 and norm and bias != None:  # noqa: E711
-            b_sb = _bcast_vec(bias, 0, D, k1, False)
+            brow = _row(bias, 0, D, k1, False, keeps[2])
+        if norm and scale != None and not m_tok:  # noqa: E711
+            orow = _row(scale, b if scale.shape[0] > 1 else 0, D, k1, True, keeps[3])
+            srow = _row(shift, b if shift.shape[0] > 1 else 0, D, k1, False, keeps[4])
         for g0 in range(0, len(mine), G):
             starts = []
             for j in range(g0, min(len(mine), g0 + G)):
@@ -464,19 +500,24 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
             stat = []
             cs = []
             for k in range(nt + LAGS[2]):
-                # step k: tile k's residual (and its store), tile k-1's statistics, tile k-2's normalization
-                # (ScalarE), tile k-3's per-column ops and store: each engine's queue meets its work in the order
-                # the data becomes ready
+                i = k - LAGS[2]
+                if norm and i >= 0 and i < nt:
+                    s0 = starts[i]
+                    n = min(P, S - s0)
+                    if m > 0:
+                        _finish_pool(cs[i][0], cs[i][1], n, cd, cs[i][2], load)
+                    nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=cs[i][0][0:n])
+                    cs[i] = None
                 if k < nt:
                     s0 = starts[k]
                     n = min(P, S - s0)
                     r_sb = xs[k]
                     if residual:
-                        gt = rows[0]
+                        gt = grow
                         if g_tok:
-                            gt = _mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D)
+                            gt = [_mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D), None]
                         r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _residual(r_sb, xs[k], ys[k], gt, g_ps, t_ps, n, gated, load, dvef)
+                        _residual(r_sb, xs[k], ys[k], gt, tu, n, cd, gated, load, dvef)
                         nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
                         xs[k] = None
                         ys[k] = None
@@ -486,33 +527,26 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
                     stat.append(_stats(rs[i], min(P, S - starts[i]), D, eps, load, dvef))
                 i = k - LAGS[1]
                 if norm and i >= 0 and i < nt:
-                    n = min(P, S - starts[i])
-                    if m == 0:  # the plain LayerNorm: the normalization writes the output
-                        c = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _normalize(c, None, 0, rs[i], stat[i][0], stat[i][1], n, isz == 4, load)
-                        cs.append([c, None, 0])
-                    else:
-                        c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-                        cd = _split(load, D, m, m, dvef)
-                        _normalize(c, c_ps[(g0 + i) % 2], cd, rs[i], stat[i][0], stat[i][1], n, isz == 4, load)
-                        cs.append([c, c_ps[(g0 + i) % 2], cd])
-                    rs[i] = None
-                i = k - LAGS[2]
-                if norm and i >= 0 and i < nt:
                     s0 = starts[i]
                     n = min(P, S - s0)
-                    op = rows[1]
-                    st = rows[2]
-                    if m_tok:
-                        op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
-                        st = _mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D)
-                        _one_plus(op, n, one)
-                    o_sb = cs[i][0]
+                    o = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                    c = o
+                    ops = []
                     if m > 0:
-                        o_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _finish(o_sb, cs[i][0], cs[i][1], cs[i][2], n, _col_ops(w_sb, b_sb, op, st))
-                    nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=o_sb[0:n])
-                    cs[i] = None
+                        orw = orow
+                        srw = srow
+                        if m_tok:
+                            op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
+                            _one_plus(op, n, one)
+                            orw = [op, None]
+                            srw = [_mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D), None]
+                        ops = _col_ops(wrow, brow, orw, srw)
+                        c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                        if cd > 0:
+                            _finish_dve(o, rs[i], stat[i][0], stat[i][1], n, cd, ops, tu, load, dvef)
+                    _normalize(c, rs[i], stat[i][0], stat[i][1], n, cd, isz == 4, load)
+                    cs.append([o, c, ops])
+                    rs[i] = None
     return r_o, n_o
 
 
