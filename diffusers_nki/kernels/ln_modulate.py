@@ -13,50 +13,59 @@ Signatures (positional, like the twins):
 x, y [B, S, D] (x's dtype: fp32 / bf16 / fp16); gate, scale, shift fp32 [B or 1, 1 or S, D] (per sample, or per
 token as Wan2.2-TI2V) or None; weight, bias [D] or None; outputs in x's dtype (``nl.shared_hbm``).
 
-Algorithm, per tile of up to 128 tokens (tokens on partitions, D on the free axis):
+Algorithm, per tile of up to 128 tokens (tokens on partitions, D on the free axis). The columns of every two-input
+pass are split once (``_plan_cd``): VectorE takes [0, cd) with one operand streaming from PSUM (N cycles instead of
+the 2N of two SBUF operands: [TUT2]'s measured split rate, ``GenSpec.dve_tt_split_rate``), GpSimd takes [cd, D)
+from SBUF (2N); cd / D = 2 / (2 + VectorE's time per cycle relative to GpSimd's), a multiple of 32, <= CD_MAX.
+    rows (once per batch row; per-sample gate, 1 + scale, shift; w, b once): DMA the [1, D] row to one partition,
+    PE    ones[1, P].T @ row (fp32, exact; + 1 as a second accumulating matmul of a ones row for 1 + scale) into
+          PSUM: VectorE's columns stay there (the gate, and the first per-column row when it multiplies),
+    ACT   the rest evacuated to SBUF (GpSimd's columns; every column of a row VectorE reads from SBUF)
     residual (gated_residual only; exact: the same two fp32 roundings as torch, then one rounding to x's dtype)
-    POOL  t = y * gate                             (fp32; gate None: skipped)
-    DVE   r = x + t   -> x's dtype                 (gate None: r = x + y on POOL, one fp32 add rounded to x's dtype)
+    DVE   u = y * gate_psum -> PSUM;  r = x + u -> x's dtype          [0, cd)
+    POOL  t = y * gate;  r = x + t -> x's dtype                        [cd, D)
+          (gate None: r = x + y on VectorE, one 16-bit 2x-mode pass)
     DMA   r -> HBM                                 (the new hidden states; the norm below reads the SBUF copy)
-    LayerNorm statistics, two-pass (no E[x^2] - mean^2 cancellation), the full-width passes on ScalarE
-    ACT   s = sum_j r_j                            (activation(copy) with the add-reduce registers)
-    DVE   nm = s * (-1/D)                          (minus the mean, [P, 1])
-    ACT   ss = sum_j (r_j + nm)^2                  (activation(square, bias=nm) with the add-reduce registers)
-    ACT   c = r + nm                               (centred BEFORE any scaling: r * rstd - mean * rstd would cancel
-                                                    catastrophically when the mean dominates the spread)
-    DVE   v = ss * (1/D) + eps;   POOL rstd = rsqrt(v)   (GpSimd's precise rsqrt)
-    finish (torch's order of fp32 roundings; the last op writes x's dtype)
-    DVE   n = (c * rstd) * f                       (one scalar_tensor_tensor; f = the weight, else (1 + scale))
-    POOL  n = n + b;  n = n * (1 + scale) if not yet applied;  o = n + shift
+    statistics (two-pass quality: no E[x^2] - mean^2 cancellation), per tile on the engine that ends earlier by
+    running pass counts: DVE bn_stats (chunks of 512) + bn_aggr, or ACT sum, then sum of (r - mean)^2, through
+    its add-reduce registers; POOL rstd = rsqrt(var + eps) (GpSimd's precise rsqrt)
+    VectorE's columns, no normalization pass (two scalar_tensor_tensor; fp32; u in PSUM):
+    DVE   u = (r - mean) * row1;  o = (u * rstd) <op> row2;  further ops o = u <op> row_j   [0, cd)
+          (torch's (c * rstd) * w reassociated to (c * w) * rstd: one fp32 rounding apart)
+    GpSimd's columns, torch's order of roundings:
+    ACT   c = (r - mean) * rstd (16-bit r: one pass r * rstd + (-mean * rstd), its rounding far below the 16-bit
+          output's unit; fp32 r: centred first, then scaled: no cancellation when the mean dominates)
+    POOL  o = ((c [* w] [+ b]) [* (1 + scale)]) [+ shift] -> x's dtype  [cd, D)
     DMA   o -> HBM
 Everything between the loads and the final rounding is fp32 (torch's FP32LayerNorm and the fp32 modulation do the
-same), so only the LayerNorm's summation order differs from torch's (tested against an fp64 oracle); the residual
-is bit-identical to torch's in the emulator. Per-column factors cost a two-input VectorE / GpSimd pass each (their
-fp32 rates), so the chain is engine-bound on trn2 and trn3, not HBM-bound; the work is spread over ScalarE,
-VectorE and GpSimd as above.
+same), so only the LayerNorm's summation order and VectorE's reassociation differ from torch (tested against an fp64
+oracle); the residual is bit-identical to torch's in the emulator.
 
-Loop structure: weight / bias -> SBUF once (DMA with partition stride 0); for batch row: per-sample gate / scale /
-shift -> SBUF once (partition stride 0), (1 + scale) formed once; over this program's token tiles (one group when
-four tiles' working buffers fit in SBUF, each buffer released once used; else groups of what fits): a software
-pipeline whose step k loads tile k (and forms its residual), stores
-tile k-1's residual and computes its statistics, finishes tile k-2 and stores tile k-3, so every engine's (and DMA
-queue's) in-order stream alternates between independent tiles and no store blocks the next load. Under
-``kernel[2]`` the token tiles are dealt round-robin to the two logical cores.
+Loop structure: constants and PSUM buffers once (8 banks at most: VectorE's running value, the broadcast staging,
+the gate's and the first row's PSUM copies, two banks each); for batch row: its rows broadcast; over this program's
+token tiles in groups (``_group_tiles``: a group's inputs and four tiles' working buffers fit in SBUF): every load
+of the group first (so no load queues behind a store that waits for compute), then a software pipeline whose step k
+first finishes and stores tile k-3 (GpSimd's columns), then forms and stores tile k's residual, computes tile k-1's
+statistics and runs tile k-2's VectorE columns and ScalarE normalization (``LAGS``), so each engine's in-order queue
+meets its work in about the order the data becomes ready. Under ``kernel[2]`` the token tiles are dealt round-robin
+to the two logical cores.
 
-Cost (MODELED, never measured): rows ``fused_norm1``, ``fused_res_norm2``, ``fused_res_norm3`` and ``fused_res_ffn``
-of ``diffusers-nki bench kernels`` (the per-rank calls of one Wan block; the dependency-aware schedule of the trace is
-the headline, the roofline its ceiling). HBM traffic is the minimum for each chain: x and y read once, r and o
-written once (the unfused chain reads r back for its norm and writes and reads every fp32 intermediate). The
-schedule sits about twice above the ceiling at the per-rank shape (585 tokens: five tiles, so the pipeline's fill
-and drain are a large share); on the whole 4680-token chunk the gap narrows for three of the four chains, while the
-attn1 -> norm2 chain (gate and affine: four per-column passes on VectorE / GpSimd) stays near twice its ceiling. The
-stage order was chosen on the scheduled model (an all-ScalarE statistics chain with finish-before-statistics order
-was tried and scheduled slower); further restructuring is open work, not a tuned result.
+Cost (MODELED, never measured): rows ``fused_norm1``, ``fused_res_norm2``, ``fused_res_norm3``,
+``fused_res_ffn_norm1`` and ``fused_res_ffn`` of ``diffusers-nki bench kernels`` (the per-rank calls of one Wan block;
+the dependency-aware schedule of the trace is the headline, the roofline its ceiling). HBM traffic is the minimum for
+each chain: x and y read once, r and o written once, each row read once (D * 4 bytes). At the per-rank shape (585
+tokens: five tiles) the schedule sits well above the ceiling: the pipeline's fill and drain (a tile crosses DMA,
+VectorE / GpSimd, ScalarE or VectorE statistics, GpSimd's rsqrt, both halves and DMA again) are a large share of
+five tiles, and the per-column fp32 passes keep VectorE and GpSimd near the DMA time even at N cycles per pass.
+Compared with the budget's XLA row for the same stock ops (each op reads its inputs and writes its output once at
+the core's HBM share, with no engine time), see the bench rows; the trn3 rows are further from that assumption
+(its HBM share is higher than the DMA engines' modeled rate).
 
 Limits (``not_supported_reasons``): D <= MAX_DIM = 5120 (the working tiles [128, D] in SBUF; the widest fp32 case
-fits trn2's SBUF in strict trace mode); x and y of one float dtype; gate / scale / shift fp32, per sample or per
-token; eps >= 0. The op layer checks them with the twin's function (torch tensors, every reason listed); a direct
-launch is checked at trace time by ``_check`` (asserts; dtypes compared with ``==`` against NKI's own dtypes).
+fits trn2's SBUF in strict trace mode; VectorE's share is at most CD_MAX columns, GpSimd takes the rest); x and y
+of one float dtype; gate / scale / shift fp32, per sample or per token; eps >= 0. The op layer checks them with the
+twin's function (torch tensors, every reason listed); a direct launch is checked at trace time by ``_check``
+(asserts; dtypes compared with ``==`` against NKI's own dtypes).
 
 Launch path: ``diffusers_nki.modulate_ops`` (custom ops ``diffusers_nki::ln_modulate``, ``::gated_residual`` and
 ``::gated_residual_ln`` with fake impls and counters) dispatches to the "torch" (twins), "sim" (these kernels in the
@@ -79,7 +88,7 @@ from diffusers_nki.kernels.ln_modulate_ref import MAX_DIM, not_supported_reasons
 __all__ = ["ln_modulate_kernel", "gated_residual_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE"]
 
 P = 128  # partitions = tokens per tile
-LAGS = (1, 2, 3)
+LAGS = (1, 2, 3)  # pipeline skew (tiles) of the statistics, VectorE-half + normalization, GpSimd-half stages
 MAX_GROUP = 8  # token tiles issued stage by stage together (the engines overlap across them)
 SBUF_RESERVE = 16384  # bytes per partition left for the small statistics tiles and the allocator's alignment
 PSUM_F = 512  # fp32 elements per partition of one PSUM bank (a matmul output's limit)
