@@ -88,7 +88,8 @@ from diffusers_nki.kernels.ln_modulate_ref import MAX_DIM, not_supported_reasons
 __all__ = ["ln_modulate_kernel", "gated_residual_kernel", "not_supported_reasons", "model_full_scale", "FULL_SCALE"]
 
 P = 128  # partitions = tokens per tile
-LAGS = (1, 2, 3)  # pipeline skew (tiles) of the statistics, VectorE-half + normalization, GpSimd-half stages
+# the software pipeline: each step k issues these stages in this order, (stage, lag) for tile k - lag
+STAGES = (("gpsimd", 3), ("residual", 0), ("stats", 1), ("vector", 2), ("scalar", 2))
 MAX_GROUP = 8  # token tiles issued stage by stage together (the engines overlap across them)
 SBUF_RESERVE = 16384  # bytes per partition left for the small statistics tiles and the allocator's alignment
 PSUM_F = 512  # fp32 elements per partition of one PSUM bank (a matmul output's limit)
@@ -229,7 +230,7 @@ def _plan_cd(D, dvef):
     return cd
 
 
-def _stats(r, n, D, eps, load, dvef):
+def _stats(r, n, D, eps, eps_t, load, dvef):
     """Per-row LayerNorm statistics of r[0:n]: (nm, rstd) = (-mean, 1/sqrt(var + eps)), [P, 1] fp32 each. The mean
     and variance come from VectorE's bn_stats / bn_aggr (one pass in chunks of BN_FMAX, a centred variance per
     chunk combined by Chan's formula) or from ScalarE's add-reduce registers (two passes: the sum, then the centred
@@ -255,12 +256,11 @@ def _stats(r, n, D, eps, load, dvef):
         s = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=sq[0:n], op=nl.copy, data=r[0:n], reduce_op=nl.add,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=s[0:n])
-        nisa.tensor_scalar(dst=nm[0:n], data=s[0:n], op0=nl.multiply, operand0=-1.0 / D, engine=nisa.engine.vector)
+        nisa.activation(dst=nm[0:n], op=nl.copy, data=s[0:n], scale=-1.0 / D)  # on ScalarE: no cross-engine hop
         ss = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=sq[0:n], op=nl.square, data=r[0:n], bias=nm[0:n], reduce_op=nl.add,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=ss[0:n])
-        nisa.tensor_scalar(dst=ve[0:n], data=ss[0:n], op0=nl.multiply, operand0=1.0 / D, op1=nl.add,
-                           operand1=eps, engine=nisa.engine.vector)
+        nisa.activation(dst=ve[0:n], op=nl.copy, data=ss[0:n], scale=1.0 / D, bias=eps_t[0:n])
     rstd = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd[0:n], data=ve[0:n], op0=nl.rsqrt, operand0=None, engine=nisa.engine.gpsimd)
     return nm, rstd
@@ -460,6 +460,8 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
     nisa.memset(dst=ones_row, value=1.0)
     one = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=one, value=1.0)
+    eps_t = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_t, value=eps)
     load = [0.0, 0.0, 0.0]  # running passes on [ScalarE, VectorE, GpSimd] (engine balance, trace time only)
     k1 = [ones, ones_row, stage, load]
     G = _group_tiles(D, isz, D * 4 * 5)  # resident: w, b, gate, 1 + scale, shift (fp32)
@@ -508,54 +510,58 @@ def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
             rs = []
             stat = []
             cs = []
-            for k in range(nt + LAGS[2]):
-                i = k - LAGS[2]
-                if norm and i >= 0 and i < nt:
+            tiles = []  # per tile: [o, c, ops] once its statistics are issued
+            last = 0
+            for j in range(len(STAGES)):
+                last = max(last, STAGES[j][1])
+            for k in range(nt + last):
+                for j in range(len(STAGES)):
+                    st_name = STAGES[j][0]
+                    i = k - STAGES[j][1]
+                    if i < 0 or i >= nt:
+                        continue
                     s0 = starts[i]
                     n = min(P, S - s0)
-                    if m > 0:
-                        _finish_pool(cs[i][0], cs[i][1], n, cd, cs[i][2], load)
-                    nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=cs[i][0][0:n])
-                    cs[i] = None
-                if k < nt:
-                    s0 = starts[k]
-                    n = min(P, S - s0)
-                    r_sb = xs[k]
-                    if residual:
-                        gt = grow
-                        if g_tok:
-                            gt = [_mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D), None]
-                        r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                        _residual(r_sb, xs[k], ys[k], gt, tu, n, cd, gated, load, dvef)
-                        nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
-                        xs[k] = None
-                        ys[k] = None
-                    rs.append(r_sb)
-                i = k - LAGS[0]
-                if norm and i >= 0 and i < nt:
-                    stat.append(_stats(rs[i], min(P, S - starts[i]), D, eps, load, dvef))
-                i = k - LAGS[1]
-                if norm and i >= 0 and i < nt:
-                    s0 = starts[i]
-                    n = min(P, S - s0)
-                    o = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
-                    c = o
-                    ops = []
-                    if m > 0:
-                        orw = orow
-                        srw = srow
-                        if m_tok:
-                            op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
-                            _one_plus(op, n, one)
-                            orw = [op, None]
-                            srw = [_mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D), None]
-                        ops = _col_ops(wrow, brow, orw, srw)
-                        c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-                        if cd > 0:
-                            _finish_dve(o, rs[i], stat[i][0], stat[i][1], n, cd, ops, tu, load, dvef)
-                    _normalize(c, rs[i], stat[i][0], stat[i][1], n, cd, isz == 4, load)
-                    cs.append([o, c, ops])
-                    rs[i] = None
+                    if st_name == "residual":
+                        r_sb = xs[i]
+                        if residual:
+                            gt = grow
+                            if g_tok:
+                                gt = [_mod_tile(gate, b if gate.shape[0] > 1 else 0, s0, n, S, D), None]
+                            r_sb = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                            _residual(r_sb, xs[i], ys[i], gt, tu, n, cd, gated, load, dvef)
+                            nisa.dma_copy(dst=_rows(r_o, b, s0, n, S, D), src=r_sb[0:n])
+                            xs[i] = None
+                            ys[i] = None
+                        rs.append(r_sb)
+                    elif norm and st_name == "stats":
+                        stat.append(_stats(rs[i], n, D, eps, eps_t, load, dvef))
+                        o = nl.ndarray((P, D), dtype=x.dtype, buffer=nl.sbuf)
+                        c = o
+                        ops = []
+                        if m > 0:
+                            orw = orow
+                            srw = srow
+                            if m_tok:
+                                op = _mod_tile(scale, b if scale.shape[0] > 1 else 0, s0, n, S, D)
+                                _one_plus(op, n, one)
+                                orw = [op, None]
+                                srw = [_mod_tile(shift, b if shift.shape[0] > 1 else 0, s0, n, S, D), None]
+                            ops = _col_ops(wrow, brow, orw, srw)
+                            c = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+                        tiles.append([o, c, ops])
+                    elif norm and st_name == "vector":
+                        if m > 0 and cd > 0:
+                            _finish_dve(tiles[i][0], rs[i], stat[i][0], stat[i][1], n, cd, tiles[i][2], tu, load,
+                                        dvef)
+                    elif norm and st_name == "scalar":
+                        _normalize(tiles[i][1], rs[i], stat[i][0], stat[i][1], n, cd, isz == 4, load)
+                    elif norm and st_name == "gpsimd":
+                        if m > 0:
+                            _finish_pool(tiles[i][0], tiles[i][1], n, cd, tiles[i][2], load)
+                        nisa.dma_copy(dst=_rows(n_o, b, s0, n, S, D), src=tiles[i][0][0:n])
+                        tiles[i] = None
+                        rs[i] = None
     return r_o, n_o
 
 
