@@ -243,3 +243,22 @@ def test_whole_chunk_and_widest_fp32_row_fit_sbuf_strict():
     m = np.zeros((1, 128, D), np.float32)
     simulate(lm.gated_residual_kernel, numerics=False, strict=True)(z, z, m, np.zeros(D, np.float32),
                                                                     np.zeros(D, np.float32), m, m, 1e-6, True)
+
+
+def test_several_token_groups_and_batch_rows_reuse_the_psum_buffers_correctly():
+    """D = 2048 fp32 leaves room for fewer token tiles per group than a 300-token row has (``_group_tiles``), so
+    several groups per batch row and two batch rows run through the same PSUM buffers (VectorE's running value, the
+    staging, the rows' copies): the kernel still equals the twin's residual and is within the tolerance of the
+    oracle's norm."""
+    t = make(2, 300, 2048, torch.float32, mean=3.0, seed=2)
+    args = (t["x"], t["y"], t["gate"], None, None, t["scale"], t["shift"], 1e-6)
+    sim = simulate(lm.gated_residual_kernel)
+    r, n = sim(*args, True)
+    r_t, n_t = gated_residual_ref(*args, True)
+    assert torch.equal(r, r_t)
+    check(n, n_t, ln_modulate_oracle(r_t, None, None, t["scale"], t["shift"], 1e-6), torch.float32)
+    # more than one group per batch row: fewer than the row's six x / y loads (three tiles) come before the first
+    # store (a single group loads them all first)
+    dmas = [i for i in sim.last_record.instrs if i.engine == "dma" and i.nbytes >= 44 * 2048 * 4]
+    first_store = next(k for k, i in enumerate(dmas) if str(i.direction).endswith("hbm"))
+    assert 2 <= first_store < 6 and all(str(i.direction).startswith("hbm") for i in dmas[:first_store])
