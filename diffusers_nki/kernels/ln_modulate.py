@@ -238,7 +238,9 @@ def _stats(r, n, D, eps, eps_t, load, dvef):
     leave less busy; rstd on GpSimd (its precise rsqrt)."""
     nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     ve = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if load[0] + 2 > load[1] + dvef:  # ScalarE would end later: bn_stats on VectorE
+    # bn_stats on VectorE unless ScalarE, two passes, would still end a pass sooner: its result reaches the
+    # consumers two dependent steps later, so the tie goes to the one-pass statistics
+    if load[0] + 2 + 1 > load[1] + dvef:
         load[1] = load[1] + dvef
         nch = (D + BN_FMAX - 1) // BN_FMAX
         st = nl.ndarray((P, 6 * nch), dtype=nl.float32, buffer=nl.sbuf)
