@@ -46,7 +46,7 @@ the gate's and the first row's PSUM copies, two banks each); for batch row: its 
 token tiles in groups (``_group_tiles``: a group's inputs and four tiles' working buffers fit in SBUF): every load
 of the group first (so no load queues behind a store that waits for compute), then a software pipeline whose step k
 first finishes and stores tile k-3 (GpSimd's columns), then forms and stores tile k's residual, computes tile k-1's
-statistics and runs tile k-2's VectorE columns and ScalarE normalization (``LAGS``), so each engine's in-order queue
+statistics and runs tile k-2's VectorE columns and ScalarE normalization (``STAGES``), so each engine's in-order queue
 meets its work in about the order the data becomes ready. Under ``kernel[2]`` the token tiles are dealt round-robin
 to the two logical cores.
 
@@ -234,8 +234,8 @@ def _stats(r, n, D, eps, eps_t, load, dvef):
     """Per-row LayerNorm statistics of r[0:n]: (nm, rstd) = (-mean, 1/sqrt(var + eps)), [P, 1] fp32 each. The mean
     and variance come from VectorE's bn_stats / bn_aggr (one pass in chunks of BN_FMAX, a centred variance per
     chunk combined by Chan's formula) or from ScalarE's add-reduce registers (two passes: the sum, then the centred
-    sum of squares; no E[r^2] - mean^2 cancellation either way), whichever engine the running pass counts ``load``
-    leave less busy; rstd on GpSimd (its precise rsqrt)."""
+    sum of squares, their small steps on ScalarE too; no E[r^2] - mean^2 cancellation either way), chosen by the
+    running pass counts ``load``; rstd on GpSimd (its precise rsqrt)."""
     nm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     ve = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     # bn_stats on VectorE unless ScalarE, two passes, would still end a pass sooner: its result reaches the
@@ -412,10 +412,10 @@ def _row(t, row, D, k, add_one, keep):
 def _chain(x, y, gate, weight, bias, scale, shift, eps, residual, norm):
     """The shared body: optional (gated) residual, optional LayerNorm (+ affine) (+ modulation). Per batch row,
     token tiles are taken ``_group_tiles`` at a time: every load of the group first (so the in-order DMA queues
-    never hold a load behind a store that waits for compute), then a software pipeline whose step k forms tile
-    k's residual and stores it, computes tile k-1's statistics, runs tile k-2's VectorE half of the per-column ops
-    and ScalarE's normalization of GpSimd's half, and tile k-3's GpSimd half and store, so each engine's in-order
-    queue meets its work in about the order the data becomes ready. The columns are split once (``_plan_cd``);
+    never hold a load behind a store that waits for compute), then a software pipeline (``STAGES``) whose step k
+    finishes tile k-3's GpSimd half and stores it, forms tile k's residual and stores it, computes tile k-1's
+    statistics and runs tile k-2's VectorE half of the per-column ops and ScalarE's normalization of GpSimd's half,
+    so each engine's in-order queue meets its work in about the order the data becomes ready. The columns are split once (``_plan_cd``);
     the statistics go to VectorE or ScalarE per tile by running pass counts (``load``)."""
     B, S, D = x.shape
     isz = 4
