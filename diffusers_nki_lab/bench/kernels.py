@@ -473,6 +473,15 @@ def run(args) -> int:
     for r in rows:
         if not r.get("unavailable") and r["kernel"] != "cache_write":
             print(_where(r))
+    fused = [r for r in rows if "xla_assumption_s" in r]
+    if fused:
+        print("fused elementwise rows vs the budget's XLA row for the stock ops they replace (ASSUMPTION: each op reads "
+              "and writes once in bf16 at the core's HBM share; modeled, scheduled):")
+        for r in fused:
+            ours, xla = r["modeled_seconds"]["scheduled"], r["xla_assumption_s"]
+            print(f"  {r['shape']:<22}{r['target']:>5}: {ours * 1e3:7.4f} ms vs XLA {xla * 1e3:7.4f} ms "
+                  f"({r['stock_io_tensors']} [S, D] tensors), ratio {ours / xla:5.2f} "
+                  f"{'faster' if ours < xla else 'SLOWER'}")
     for r in rows:
         if r["shape"] == "frame_causal_21f" and r["kernel"] == "attention":
             print(f"frame_causal_21f on {r['target']}: dense work share {100 * r['dense_work_share']:.1f}% "

@@ -40,7 +40,8 @@ import numpy as np
 from diffusers_nki_lab.bench._rows import kernel_row
 
 __all__ = ["SHAPES", "QUANT_SHAPES", "ROW_SHAPES", "model_gemm_fp8", "model_gemm_mx", "model_gemm", "model_conv",
-           "model_qk_norm_rope", "model_cache_write", "bench_dense", "conv_out_rows", "model_fused", "FUSED_KINDS"]
+           "model_qk_norm_rope", "model_cache_write", "bench_dense", "conv_out_rows", "model_fused", "FUSED_KINDS",
+           "FUSED_STOCK_IO", "xla_assumption_s"]
 
 _MEMO: Dict[Tuple, dict] = {}
 
@@ -65,6 +66,26 @@ SHAPES: Dict[str, dict] = {
     "fused_res_ffn": dict(kernel="gated_residual", S=585, D=1536, gate=True, affine=False, modulated=False),
 }
 FUSED_KINDS = ("ln_modulate", "gated_residual", "gated_residual_ln")
+# the stock ops each fused row replaces (diffusers' WanTransformerBlock.forward as the budget records it: fp32 on
+# meta, where .float() / .type_as are no-ops), in activation-sized [S, D] tensors read + written per call: layer_norm
+# 2, a multiply or add by a per-column row 2 (the row's own D elements left out), the residual add 3. The budget's XLA
+# row prices each at those bytes in bf16 at the core's HBM share ("XLA-compiled: ASSUMPTION", bench/budget.py)
+FUSED_STOCK_IO = {
+    "fused_norm1": 6,            # layer_norm, * (1 + scale), + shift
+    "fused_res_norm2": 7,        # attn1 * gate, + residual, norm2 (affine)
+    "fused_res_norm3": 9,        # + residual (attn2), norm3, * (1 + c_scale), + c_shift
+    "fused_res_ffn_norm1": 11,   # ffn * c_gate, + residual, the next block's norm1, * (1 + scale), + shift
+    "fused_res_ffn": 5,          # ffn * c_gate, + residual
+}
+
+
+def xla_assumption_s(name: str, target: str) -> float:
+    """The budget's XLA-row price (ASSUMPTION: every op reads its inputs and writes its output once in bf16 at the
+    core's HBM share, no engine time) of the stock ops fused row ``name`` replaces, at its shape."""
+    from nkisim.cost import get_spec
+
+    s = SHAPES[name]
+    return FUSED_STOCK_IO[name] * s["S"] * s["D"] * 2 / (get_spec(target).hbm_per_core * 1e9)
 
 QUANT_SHAPES: Dict[str, dict] = {
     "gemm_fp8_" + k[len("gemm_"):]: dict(v, kernel="gemm_fp8") for k, v in SHAPES.items() if v["kernel"] == "gemm"}
@@ -307,7 +328,11 @@ def bench_dense(name: str, target: str, lnc: int = 1) -> Optional[dict]:
         dims["Hout"] = Hout
     row = kernel_row(name, s["kernel"], target, res["record"], 1.0, None, time.perf_counter() - t0, hbm_min, 0, 0,
                      dims)[0]
+    if name in FUSED_STOCK_IO:   # the XLA row the fused kernel replaces in the budget, beside it
+        row["xla_assumption_s"] = xla_assumption_s(name, target)
+        row["stock_io_tensors"] = FUSED_STOCK_IO[name]
     if s["kernel"] in QUANT_TARGETS:   # the efficiencies above are of the bf16 PE peak; these of the kernel's own
+
         f = 2.0 if s["kernel"] == "gemm_fp8" else 4.0   # fp8 double-row 2x, MX 4x the bf16 rate (sim.cost)
         row["peak_factor"] = f
         row["modeled_efficiency_own_peak"] = {k: v / f for k, v in row["modeled_efficiency"].items()}

@@ -22,7 +22,7 @@ def _no_grad():
         yield
 
 
-# opt-in (StaticCacheConfig.fuse_elementwise: the kernels are modeled slower than the compiler's elementwise work)
+# opt-in (StaticCacheConfig.fuse_elementwise: not every chain is modeled faster than the compiler's elementwise work)
 def _fused(pipe) -> StaticCacheConfig:
     return pipe.default_cache_config(fuse_elementwise=True)  # the default cache, with the fused chains on
 
