@@ -561,6 +561,9 @@ def test_taehv_budget_terms_and_layouts(probe, taehv):
     doc = budget.doc_table([wan, res])
     assert "| Self-Forcing (21-frame window), decoder taehv | trn2 |" in doc
     assert "| Self-Forcing (21-frame window) | trn2 |" in doc
+    # a row recorded with the opt-in fused elementwise chains is labelled so, never mistaken for the default's
+    fused_doc = budget.doc_table([dict(res, fuse_elementwise=True)])
+    assert "| Self-Forcing (21-frame window), decoder taehv, fused elementwise | trn2 |" in fused_doc
     # the README's brief table: the faithful default path, then the fastest labelled variant beside it
     brief = budget.doc_table([res, wan], "brief").splitlines()[2:]
     assert [line.split(" | ")[2] for line in brief] == ["faithful default", "decoder taehv"]

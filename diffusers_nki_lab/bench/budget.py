@@ -1418,6 +1418,8 @@ def doc_table(results: List[dict], style: str = "table") -> str:
         pub_s = f"{pub:g}"
         if style == "table":
             label = r["label"] if _decoder(r) == "wan" else f"{r['label']}, decoder {_decoder(r)}"
+            if r.get("fuse_elementwise"):  # the opt-in fused chains: a row of its own, never mistaken for the default
+                label += ", fused elementwise"
             one = [lay for lay in t["layouts"] if lay.get("W_vae") == 1 and lay.get("implemented")]
             lines.append(f"| {label} | {target} | {_layout_label(head)} | {head['dit_s'] * 1e3:.1f} | "
                          f"{head['vae_s'] * 1e3:.1f} | {head['chunk_s'] * 1e3:.1f} | **{t['fps']:.1f}** | "
