@@ -117,6 +117,7 @@ backends, vs an independent dense block-causal reference; torch.compile; a 200-c
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -133,7 +134,7 @@ from diffusers_nki.processors.wan import prologue_reason
 from diffusers_nki.prologue_ops import qk_norm_rope
 
 from .core import FrameRing, KVBuffers, LayerKV, Plan, StaticCacheHook, attention, cache_write
-from .text_kv import TextKV, TextKVProcessor, not_cached_reason, time_embedding
+from .text_kv import LayerText, TextKV, TextKVProcessor, not_cached_reason, time_embedding
 from . import wan_block
 
 __all__ = ["CHUNK_KEY", "CausalChunk", "CausalWanCacheProcessor", "CausalWanStaticCache", "RolloutHandle",
@@ -745,7 +746,7 @@ class _Rollout:
             return None
         return _SinkRotation(cos, sin, [(f, s) for f, s, _ in store], freqs)
 
-    def serve(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
+    def serve(self, hook, module, a: dict, chunk: CausalChunk, texts=None):
         hs = a["hidden_states"]
         B, _, F, H, W = hs.shape
         if _geometry(hs) != self.geometry:
@@ -766,9 +767,9 @@ class _Rollout:
             raise ValueError(f"causal Wan static cache: a call with kv_recompute={chunk.kv_recompute} in a rollout started "
                              f"with kv_recompute={self.recompute}; start a new rollout to change it")
         if self.recompute:
-            return self._serve_recomputed(hook, module, a, chunk)
+            return self._serve_recomputed(hook, module, a, chunk, texts)
         if chunk.recache_frames:
-            return self._serve_recache(hook, module, a, chunk)
+            return self._serve_recache(hook, module, a, chunk, texts)
         self._check_shot(hook, chunk)
         if chunk.start_frame != self.ring.placed:
             raise ValueError(f"causal Wan static cache: a call at start_frame={chunk.start_frame} but the cache holds "
@@ -816,9 +817,8 @@ class _Rollout:
         steps = [_LayerStep(cos, sin, kv, plan, b * tpf, F, tpf, chunk.commit, hook.backend, cp,
                             sink0=None if self.sink0 is None else self.sink0[i], sinks=rot)
                  for i, kv in enumerate(self.layers)]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats["commit_calls" if chunk.commit else "denoise_calls"] += 1
-        return out
+        return functools.partial(_forward, module, a, steps, self.hp, self.wp, cp, groups, texts)
 
     def _check_shot(self, hook, chunk: CausalChunk) -> None:
         """The multi-shot options (``rope_offset``, ``pin_frames``) on the configurations they are defined for."""
@@ -867,7 +867,7 @@ class _Rollout:
             self.pinned = frozenset()
         return slots
 
-    def _serve_recomputed(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
+    def _serve_recomputed(self, hook, module, a: dict, chunk: CausalChunk, texts=None):
         """Krea Realtime's rollout (``CausalChunk.kv_recompute``): a re-computation call (``recompute_frames`` > 0)
         re-encodes the context and its K/V become the cache; a denoising call attends to [that context | itself]
         with the chunk at RoPE positions after the context. No call commits (theirs has no cache pass: the next
@@ -915,11 +915,10 @@ class _Rollout:
             cos, sin = cp.shard(cos, groups), cp.shard(sin, groups)
         steps = [_LayerStep(cos, sin, kv, plan, n * tpf, F, tpf, False, hook.backend, cp, **kw)
                  for kv in self.layers]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats[key] += 1
-        return out
+        return functools.partial(_forward, module, a, steps, self.hp, self.wp, cp, groups, texts)
 
-    def _serve_recache(self, hook, module, a: dict, chunk: CausalChunk) -> torch.Tensor:
+    def _serve_recache(self, hook, module, a: dict, chunk: CausalChunk, texts=None):
         if self.pinned is not None or chunk.rope_offset:
             raise NotImplementedError("causal Wan static cache: a re-cache (LongLive's prompt switch) after a shot "
                                       "sink was pinned (pin_frames), or with a rope_offset, is not supported: "
@@ -959,9 +958,8 @@ class _Rollout:
         steps = [_LayerStep(cos, sin, kv, plan, 0, F, tpf, True, hook.backend, cp, recache=rc,
                             sink0=None if self.sink0 is None else self.sink0[i], sinks=rot, kv_len=True)
                  for i, kv in enumerate(self.layers)]
-        out = _forward(module, a, steps, self.hp, self.wp, cp, groups, self.text)
         self.stats["recache_calls"] += 1
-        return out
+        return functools.partial(_forward, module, a, steps, self.hp, self.wp, cp, groups, texts)
 
 
 def _cp_key(cp) -> Optional[tuple]:
@@ -985,15 +983,26 @@ def _geometry(hs: torch.Tensor):
     return (B, C, H, W)
 
 
+def _resolve_text(module, a: dict, text: TextKV) -> Optional[List[LayerText]]:
+    """The per-block text K/V of this call from the rollout's cache (exact: ``TextKV.layers``), or None where the
+    cache does not serve it (the reason recorded and warned once): the call then runs the stock text path."""
+    reason = not_cached_reason(module, a["encoder_hidden_states_image"])
+    if reason is not None:
+        text.uncached(reason)
+        return None
+    return text.layers(module, a["encoder_hidden_states"])
+
+
 def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None, groups=(),
-             text: Optional[TextKV] = None) -> torch.Tensor:
+             texts: Optional[List[LayerText]] = None) -> torch.Tensor:
     """``WanTransformer3DModel.forward``'s math (a timestep per row, or per token), with our per-layer steps as
     ``rotary_emb``.
     Under context parallelism (``cp``) the blocks and the output head run on this rank's tokens (``groups``),
     gathered before unpatchify (every op outside the self-attention is per token; per-token timesteps are split
-    the same way, so the time embedding and every modulation run on the rank's tokens). ``text``: the rollout's text
-    K/V cache (``caching.text_kv``): where it serves the call, each block's ``attn2`` gets its cached K/V in place
-    of the text and the text embedder does not run (the time half of the condition embedder runs alone)."""
+    the same way, so the time embedding and every modulation run on the rank's tokens). ``texts``: the per-block text
+    K/V of the rollout's cache (``caching.text_kv``, resolved by ``_resolve_text``) where it serves the call: each
+    block's ``attn2`` gets them in place of the text and the text embedder does not run (the time half of the
+    condition embedder runs alone); None: the stock text path."""
     hs = a["hidden_states"]
     B, _, F, _, _ = hs.shape
     x = module.patch_embedding(hs).flatten(2).transpose(1, 2).contiguous()
@@ -1004,13 +1013,9 @@ def _forward(module, a: dict, steps: List[_LayerStep], hp: int, wp: int, cp=None
     if per_token and cp is not None:  # this rank's tokens' timesteps: the modulation is sharded as x is
         ts = cp.shard(ts, groups)
     t_in, seq_len = (ts.flatten(), ts.shape[1]) if per_token else (ts, None)
-    reason = None if text is None else not_cached_reason(module, a["encoder_hidden_states_image"])
-    if text is not None and reason is None:
+    if texts is not None:
         temb, proj = time_embedding(module, t_in, a["encoder_hidden_states"], timestep_seq_len=seq_len)
-        texts = text.layers(module, a["encoder_hidden_states"])
     else:
-        if reason is not None:
-            text.uncached(reason)
         temb, proj, ehs, ehs_img = module.condition_embedder(t_in, a["encoder_hidden_states"],
                                                              a["encoder_hidden_states_image"], timestep_seq_len=seq_len)
         if ehs_img is not None:
@@ -1115,6 +1120,20 @@ class CausalWanStaticCache(StaticCacheHook):
             owner.state = fresh
         return fresh
 
+    @torch.compiler.disable
+    def _prologue(self, module, a: dict, chunk: CausalChunk):
+        """The call's host work, never traced: its rollout state (allocated, ``/proc/meminfo`` checked, at a
+        rollout's first call), its text K/V (``_resolve_text``: the prompt compared by value, the weights' version
+        counters) and the rollout's bookkeeping (``serve``: checks, slots, the plan, the RoPE tables, counters).
+        Returns the call's tensor work (``_forward`` bound to its inputs). Under the compiled recipe
+        (docs/TRAINIUM.md) this runs before the pass's first graph op, so the pass is one graph, and what changes
+        per call (frame numbers, slots, counters) reaches it as tensors, never as guarded Python values that would
+        recompile it (tests/test_budget.py: traced, the pass ran as 5 graphs and recompiled per chunk)."""
+        state = self._state_for(module, a["hidden_states"], chunk)
+        self._recent = weakref.ref(state)
+        with torch.no_grad():
+            return state.serve(self, module, a, chunk, _resolve_text(module, a, state.text))
+
     def new_forward(self, module, *args, **kwargs):
         a = self.bind(args, kwargs)
         attn_kwargs = dict(a.get("attention_kwargs") or {})
@@ -1130,10 +1149,9 @@ class CausalWanStaticCache(StaticCacheHook):
         if torch.is_grad_enabled():
             raise RuntimeError("causal Wan static cache: gradients are enabled; the cache serves inference only "
                                "(wrap the call in torch.no_grad())")
-        state = self._state_for(module, a["hidden_states"], chunk)
-        self._recent = weakref.ref(state)
+        run = self._prologue(module, a, chunk)
         with torch.no_grad():
-            sample = state.serve(self, module, a, chunk)
+            sample = run()
         if not a["return_dict"]:
             return (sample,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput

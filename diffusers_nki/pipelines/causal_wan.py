@@ -550,7 +550,7 @@ class CausalWanSession:
         clean = self._clean_frames if not chunk.commit else 0  # image-to-video: the held frames at t = 0
         ts = _token_timesteps(self.pipe.transformer, x, t, clean) if self.pipe.config.get(
             "expand_timesteps", False) else t.expand(B)
-        return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype), timestep=ts,
+        return self.pipe.transformer(hidden_states=x.to(self.pipe.transformer.dtype).contiguous(), timestep=ts,
                                      encoder_hidden_states=embeds, attention_kwargs={CHUNK_KEY: chunk},
                                      return_dict=False)[0]
 

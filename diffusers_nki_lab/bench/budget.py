@@ -492,9 +492,10 @@ def launch_seconds(target: str) -> float:
 # (``torch.compile(pipe.transformer, backend="neuron")``), whose graphs the budget's "XLA-compiled" rows assume.
 # Counted on the tiny default-patched CausalWanPipeline under that recipe (tests/test_budget.py,
 # test_compiled_path_runs_every_kernel_call_of_a_chunk_inside_a_compiled_graph): every kernel call of a chunk is a
-# node of a compiled graph, but a pass runs as several graph pieces (dynamo breaks the graph where the path reads a
-# value on the host, e.g. the text K/V cache's prompt check), each piece a NEFF execution; "in-graph" counts one
-# graph per transformer pass (and per decoder call), the whole-graph ideal: its launch count is a lower bound.
+# node of a compiled graph and each pass executes ONE graph, recompiling nothing in a steady chunk (the cache's host
+# work, the text K/V's prompt check included, runs in a torch.compiler.disable'd prologue before the pass's first
+# graph op: caching.causal_wan ``_prologue``); "in-graph" counts one graph per transformer pass (and per decoder
+# call), what that recipe executes.
 LAUNCH_HEADLINE = "standalone"
 LAUNCH_HYPOTHESES = {
     "standalone": "every kernel call of ours its own launch (start-up + tear-down, as eager mode and a standalone "

@@ -221,3 +221,64 @@ def test_projection_gemms_at_the_published_scale():
     assert rows["cross-attention text k/v projections"]["count"] == 60
     assert (rows["cross-attention text k/v projections"]["K"], rows["cross-attention text k/v projections"]["N"]) == \
         (1536, 1536)
+
+
+def test_a_prompt_switch_under_the_compiled_recipe_recompiles_nothing_and_matches_eager(pipe):
+    """The compiled recipe (docs/TRAINIUM.md: the whole transformer through torch.compile; a counting backend here)
+    over sessions that switch prompts (LongLive: a re-cache pass, then the new prompt's K/V projected in place):
+    every pass, the switch's included, is ONE graph (the prompt is compared and projected on the host before it),
+    a switch once the layouts are compiled recompiles nothing (a TorchNeuron compile takes minutes), and the chunks
+    are bit-identical to the eager rollout's (the new prompt served, never the old one's K/V). Same-length prompts:
+    the pipeline pads every prompt to one length; another shape is another graph (dynamic=False)."""
+    import torch._dynamo
+
+    class Counter:  # a dynamo backend: compiles and graph executions
+        def __init__(self):
+            self.compiles, self.execs = 0, 0
+
+        def __call__(self, gm, example_inputs):
+            self.compiles += 1
+
+            def run(*a):
+                self.execs += 1
+                return gm.forward(*a)
+            return run
+
+    lat, pe, _ = _inputs(12)
+    g = torch.Generator().manual_seed(7)
+    pe2, pe3 = (torch.randn(pe.shape, generator=g) for _ in range(2))
+    diffusers_nki.patch(pipe, backend="torch")
+    tr, c, calls = pipe.transformer, Counter(), []
+    eager = tr.forward
+    h = tr.register_forward_pre_hook(lambda m, a, kw: calls.append(None), with_kwargs=True)
+
+    def rollout(first, prompts):  # a session starting on `first`, switching to prompts[i] before chunk i + 1
+        s = _session(pipe, lat, first)
+        out, per = [], []
+        try:
+            for i in range(lat.shape[2] // 3):
+                if 0 < i <= len(prompts):
+                    s.set_prompt(prompt_embeds=prompts[i - 1])
+                n, e, k = len(calls), c.execs, c.compiles
+                out.append(s.next_chunk().latents)
+                per.append((len(calls) - n, c.execs - e, c.compiles - k))
+            stats = dict(s.handle.state.text.stats)
+        finally:
+            s.close()
+        return out, per, stats
+
+    try:
+        ref, _, ref_stats = rollout(pe, [pe2, pe3, pe])
+        assert c.compiles == 0 and ref_stats["projections"] == 4
+        tr.forward = torch.compile(eager, backend=c, dynamic=False)
+        rollout(pe2, [pe])  # compiles every layout: one graph each for the denoising, cache and re-cache passes
+        assert c.compiles == 3  # none per chunk (a recompile limit hit would run the rest eager, silently)
+        out, per, stats = rollout(pe, [pe2, pe3, pe])
+    finally:
+        h.remove()
+        tr.forward = eager
+        torch._dynamo.reset()
+        diffusers_nki.unpatch(pipe)
+    assert stats == ref_stats
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert all(n > 0 and execs == n and compiles == 0 for n, execs, compiles in per), per
