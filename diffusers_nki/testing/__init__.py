@@ -11,12 +11,24 @@ import torch
 
 from diffusers_nki import accounting, dense_ops, errors
 
-__all__ = ["reset_state", "K_TOL", "FLOOR", "pairs_of", "all_pairs", "pairwise_rows"]
+__all__ = ["reset_state", "K_TOL", "FLOOR", "check_flash_rule", "pairs_of", "all_pairs", "pairwise_rows"]
 
 K_TOL = 2.0
 FLOOR = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -10, torch.float16: 2.0 ** -12}
 
 Pair = Tuple[str, object, str, object]
+
+
+def check_flash_rule(out: torch.Tensor, twin: torch.Tensor, oracle: torch.Tensor, dtype) -> Tuple[float, float]:
+    """Asserts the kernel suites' rule for a kernel output ``out`` against its torch ``twin`` in the same precision:
+    same shape and dtype, finite, and max |out - oracle| <= K_TOL x max |twin - oracle| + FLOOR[dtype] x max |oracle|
+    (``oracle`` in float64). Returns (kernel error, torch error)."""
+    assert out.shape == twin.shape and out.dtype == twin.dtype and torch.isfinite(out).all()
+    err_k = (out.double() - oracle).abs().max().item()
+    err_t = (twin.double() - oracle).abs().max().item()
+    floor = FLOOR[dtype] * oracle.abs().max().item()
+    assert err_k <= K_TOL * err_t + floor, f"kernel error {err_k:.3g} > {K_TOL} x torch {err_t:.3g} + {floor:.3g}"
+    return err_k, err_t
 
 
 def pairs_of(row: Dict[str, object], factors: Dict[str, Sequence]) -> Set[Pair]:
