@@ -119,13 +119,13 @@ def broken_rope(pipe, offset: Optional[int] = None):
     def fix(st):
         serve = st.serve
 
-        def wrong(hook, module, a, chunk):
+        def wrong(hook, module, a, chunk, texts=None):
             if chunk.commit or chunk.recache_frames:
-                return serve(hook, module, a, chunk)
+                return serve(hook, module, a, chunk, texts)
             freqs = st.rope.freqs
             st.rope.freqs = lambda positions: freqs((positions - shift).clamp_min(0))
-            try:
-                return serve(hook, module, a, chunk)
+            try:  # serve builds the call's RoPE tables before it returns the call's tensor work
+                return serve(hook, module, a, chunk, texts)
             finally:
                 del st.rope.freqs
 
