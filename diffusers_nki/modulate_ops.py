@@ -26,7 +26,7 @@ from diffusers_nki.kernels import ln_modulate_ref as _ref
 from diffusers_nki.kernels import rms_norm_silu_ref as _rms_ref
 
 __all__ = ["ln_modulate", "gated_residual", "gated_residual_ln", "counters", "reset_counters", "not_supported_reasons",
-           "FUSED_OPS", "rms_norm_silu", "rms_norm_silu_layout"]
+           "FUSED_OPS", "rms_norm_silu", "rms_norm_silu_layout", "rms_norm_silu_plan"]
 
 FUSED_OPS = accounting.FUSED_OPS
 
@@ -155,13 +155,31 @@ def rms_norm_silu_layout(x: torch.Tensor):
     return x.contiguous().view(B, 1, C, -1), lambda o: o.view(x.shape)
 
 
+def rms_norm_silu_plan(x, gamma, bias=None, scale: float = 1.0):
+    """``(reasons, run)`` for the stock [B, C, *spatial] ``x``: the kernel layout made ONCE
+    (``rms_norm_silu_layout``: no copy for the stock layouts) and checked (``kernels/rms_norm_silu_ref``); ``run(silu,
+    backend)`` launches the op on it and views the result back (None where ``reasons`` is not empty). A caller that
+    falls back on unsupported inputs (``caching/wan_vae``) checks and runs through one plan, never laying x out
+    twice."""
+    x4, back = rms_norm_silu_layout(x)
+    if x4 is None:
+        return [back], None
+    reasons = _rms_ref.not_supported_reasons(x4, gamma, bias, scale)
+    if reasons:
+        return reasons, None
+
+    def run(silu: bool = True, backend: str = "torch") -> torch.Tensor:
+        return back(_rms_norm_silu_op(x4, gamma, bias, float(scale), bool(silu), backends.resolve(backend)))
+    return [], run
+
+
 def rms_norm_silu(x, gamma, bias=None, scale: float = 1.0, silu: bool = True, backend: str = "torch") -> torch.Tensor:
     """``silu(F.normalize(x, dim=1) * scale * gamma + bias)`` (diffusers' ``WanRMS_norm`` then SiLU; ``silu=False``:
     the norm alone) for the stock [B, C, *spatial] ``x`` (``rms_norm_silu_layout``); gamma / bias [C] (bias None:
     stock's 0.0). The result has x's shape and strides. Unsupported inputs raise a ValueError listing every reason."""
     backend = backends.resolve(backend)
-    x4, back = rms_norm_silu_layout(x)
-    if x4 is None:
-        raise ValueError(f"diffusers_nki.modulate_ops.rms_norm_silu: {back}")
-    _fail("rms_norm_silu", _rms_ref.not_supported_reasons(x4, gamma, bias, scale))
-    return back(_rms_norm_silu_op(x4, gamma, bias, float(scale), bool(silu), backend))
+    reasons, run = rms_norm_silu_plan(x, gamma, bias, scale)
+    if x.dim() < 3:
+        raise ValueError(f"diffusers_nki.modulate_ops.rms_norm_silu: {reasons[0]}")
+    _fail("rms_norm_silu", reasons)
+    return run(silu, backend)

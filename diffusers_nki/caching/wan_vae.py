@@ -92,7 +92,6 @@ import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
 from diffusers_nki import accounting, backends, compat, dense_ops, modulate_ops
-from diffusers_nki.kernels import rms_norm_silu_ref as _rms_ref
 from diffusers_nki.family import resolve_class
 from diffusers_nki.vae_parallel import HeightShards, split_rows
 
@@ -484,8 +483,9 @@ class WanVAEStream:
 
 
 def _norm_args(norm, act, x):
-    """(why not, (gamma [C], bias [C] or None, scale)) for the rms_norm_silu kernel serving ``act(norm(x))``: the
-    stock ``WanRMS_norm`` (channels first) and ``nn.SiLU`` only, matched by exact class."""
+    """(why not, run) for the rms_norm_silu kernel serving ``act(norm(x))`` (``run(silu, backend)``: the op on x's
+    kernel layout, made once, ``modulate_ops.rms_norm_silu_plan``): the stock ``WanRMS_norm`` (channels first) and
+    ``nn.SiLU`` only, matched by exact class."""
     m = compat.wan_vae_module()
     if type(norm) is not m.WanRMS_norm or not norm.channel_first:
         return f"{type(norm).__name__} is not a channel-first WanRMS_norm", None
@@ -501,14 +501,8 @@ def _norm_args(norm, act, x):
         bias = None
     else:
         return f"bias {bias!r} is neither a tensor nor 0.0", None
-    x4, back = modulate_ops.rms_norm_silu_layout(x)
-    if x4 is None:
-        return back, None
-    gamma = norm.gamma.reshape(-1)
-    reasons = _rms_ref.not_supported_reasons(x4, gamma, bias, norm.scale)
-    if reasons:
-        return "; ".join(reasons), None
-    return "", (gamma, bias, norm.scale)
+    reasons, run = modulate_ops.rms_norm_silu_plan(x, norm.gamma.reshape(-1), bias, norm.scale)
+    return "; ".join(reasons), run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -563,7 +557,7 @@ class _Run:
         fallback (``dense_ops.fallbacks()``, warned once per reason, counted in the hook's stats)."""
         if not self.s.fused_norms:
             return act(norm(x))
-        why, args = _norm_args(norm, act, x)
+        why, run = _norm_args(norm, act, x)
         if why:
             dense_ops.note_fallback(f"rms_norm_silu: {why}")
             if self.counts is not None and not accounting.compiling():
@@ -571,7 +565,7 @@ class _Run:
             return act(norm(x))
         if self.counts is not None and not accounting.compiling():
             self.counts["kernel_norms"] = self.counts.get("kernel_norms", 0) + 1
-        return modulate_ops.rms_norm_silu(x, *args, True, self.backend)
+        return run(True, self.backend)
 
     def resnet(self, r, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(r.conv_shortcut, x) if type(r.conv_shortcut) is compat.wan_vae_module().WanCausalConv3d \
