@@ -511,10 +511,9 @@ LAUNCH_HYPOTHESES = {
 def launch_hypothesis_seconds(kernel_calls: int, graphs: int, target: str) -> Dict[str, float]:
     """The launch row's seconds under each of ``LAUNCH_HYPOTHESES``, for ``kernel_calls`` calls of our kernels and
     ``graphs`` compiled-graph executions (``sim.cost`` GenSpec.launch_startup_ns / launch_teardown_ns, [MAMBA])."""
-    g = _spec(target)
-    full = (g.launch_startup_ns + g.launch_teardown_ns) * 1e-9
+    full = launch_seconds(target)
     return {"standalone": (kernel_calls + graphs) * full,
-            "in-graph": graphs * full + kernel_calls * g.launch_teardown_ns * 1e-9}
+            "in-graph": graphs * full + kernel_calls * _spec(target).launch_teardown_ns * 1e-9}
 
 
 def _launch_saving(stage: dict, hyp: str) -> float:
