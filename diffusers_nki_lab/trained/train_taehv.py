@@ -93,7 +93,9 @@ def _rollout_latents(pipe, g: torch.Generator, n: int, bar) -> torch.Tensor:
     for _ in range(n):
         prompt = W.random_prompt(g).text
         lat = torch.randn((1, 16, CLIP, W.SIZE // 8, W.SIZE // 8), generator=g)
-        s = pipe.session(prompt, height=W.SIZE, width=W.SIZE, num_frames=CLIP, latents=lat,
+        # the re-noising noise from the data generator too: the script is deterministic from --seed, whatever the
+        # process drew from torch's global generator before (a test calls it twice in one process)
+        s = pipe.session(prompt, height=W.SIZE, width=W.SIZE, num_frames=CLIP, latents=lat, generator=g,
                          max_sequence_length=M.TEXT_LEN, progress=False, output_type="latent")
         chunks = []
         try:
